@@ -1,0 +1,62 @@
+"""`LayerCost`: what one pipeline layer costs, whatever measured or estimated it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Cost of one layer for one micro-batch on one rank (a TP shard when TP > 1).
+
+    Times are seconds, sizes bytes.  ``activation_bytes`` is what autograd keeps
+    alive between this layer's forward and backward (the saved tensors), which is
+    what a pipeline stage multiplies by its in-flight micro-batches.
+    ``output_bytes`` is the tensor that crosses a stage boundary if the split falls
+    right after this layer.
+    """
+
+    name: str
+    forward_s: float
+    backward_s: float
+    recompute_s: float = 0.0  # extra forward replayed in backward under activation checkpointing
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    activation_bytes: int = 0
+    output_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name == "name":
+                if not isinstance(self.name, str):
+                    raise ValueError(f"LayerCost.name must be a string, got {self.name!r}")
+                continue
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"LayerCost({self.name!r}).{f.name} = {v!r}: must be a finite number >= 0")
+
+    def time_s(self, *, recompute: bool = False) -> float:
+        """Forward + backward time of one micro-batch (plus the replayed forward if checkpointed)."""
+        return self.forward_s + self.backward_s + (self.recompute_s if recompute else 0.0)
+
+    @property
+    def static_bytes(self) -> int:
+        """Bytes held for the whole step regardless of micro-batches: params, grads, optimizer states."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LayerCost":
+        if not isinstance(d, dict):
+            raise ValueError(f"a LayerCost record must be a JSON object, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown LayerCost fields {sorted(unknown)}; expected {sorted(known)}")
+        if "name" not in d or "forward_s" not in d or "backward_s" not in d:
+            raise ValueError("a LayerCost record needs at least name, forward_s and backward_s")
+        return cls(**d)

@@ -1,0 +1,89 @@
+"""Partitioning layer costs into pipeline stages.
+
+``partition_min_max`` is the public entry point.  It takes plain numbers (one time
+per layer) or ``LayerCost`` records and returns DeepSpeed's ``parts``.  The
+algorithm itself lives in :mod:`ds_pipe_ext.partition.algorithms` and needs no
+torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .algorithms import InfeasibleMemoryCap, PartitionError, partition_min_max_lists, stage_times
+
+__all__ = ["partition_min_max", "PartitionError", "InfeasibleMemoryCap", "stage_times", "cost_lists"]
+
+GIB = 2**30
+
+
+def cost_lists(costs: Sequence, *, recompute: bool = False) -> dict[str, list[float]]:
+    """Split LayerCost-like records (or plain numbers) into the solver's plain lists."""
+    if all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in costs):
+        return {"times": [float(c) for c in costs]}
+    try:
+        return {
+            "times": [c.time_s(recompute=recompute) for c in costs],
+            "static_bytes": [float(c.static_bytes) for c in costs],
+            "activation_bytes": [0.0 if recompute else float(c.activation_bytes) for c in costs],
+            "output_bytes": [float(c.output_bytes) for c in costs],
+        }
+    except AttributeError as e:
+        raise PartitionError(
+            f"costs must be numbers or LayerCost records, got {type(costs[0]).__name__}: {e}"
+        ) from None
+
+
+def partition_min_max(
+    costs: Sequence,
+    num_stages: int,
+    *,
+    memory_cap_bytes: float | None = None,
+    memory_cap_gib: float | None = None,
+    micro_batches: int | None = None,
+    link_bandwidth: float | None = None,
+    recompute: bool = False,
+) -> list[int]:
+    """Optimal contiguous split of ``costs`` into ``num_stages`` stages (min of the slowest stage).
+
+    Args:
+        costs: one time (seconds) per layer, or one ``LayerCost`` per layer.
+        num_stages: pipeline stages p (1 <= p <= number of layers).
+        memory_cap_bytes / memory_cap_gib: per-stage cap on static + in-flight
+            activation bytes; stage s holds min(p - s, micro_batches) micro-batches.
+        micro_batches: micro-batches per step (gradient accumulation steps); default p.
+        link_bandwidth: bytes/s between neighbouring stages.  When given, a stage
+            also pays 2 x (boundary bytes / bandwidth) for each side it has a neighbour.
+        recompute: activation checkpointing: time includes the replayed forward and
+            a layer keeps no activations in flight.
+
+    Returns:
+        ``parts``: num_stages + 1 boundaries; stage s owns layers parts[s]:parts[s+1].
+        Among optimal splits, the lexicographically smallest.
+
+    Raises:
+        PartitionError: malformed input (with the fix in the message).
+        InfeasibleMemoryCap: no split fits; ``.min_feasible_cap`` says what would.
+    """
+    if memory_cap_bytes is not None and memory_cap_gib is not None:
+        raise PartitionError("give memory_cap_bytes or memory_cap_gib, not both")
+    cap = memory_cap_bytes if memory_cap_gib is None else memory_cap_gib * GIB
+    lists = cost_lists(costs, recompute=recompute)
+    boundary = None
+    if link_bandwidth is not None:
+        if "output_bytes" not in lists:
+            raise PartitionError("link_bandwidth needs LayerCost records (output_bytes per layer)")
+        if not link_bandwidth > 0:
+            raise PartitionError(f"link_bandwidth must be > 0 bytes/s, got {link_bandwidth!r}")
+        boundary = [b / link_bandwidth for b in lists["output_bytes"]]
+    if cap is not None and "static_bytes" not in lists:
+        raise PartitionError("a memory cap needs LayerCost records (bytes per layer), not plain times")
+    return partition_min_max_lists(
+        lists["times"],
+        num_stages,
+        static_bytes=lists.get("static_bytes") if cap is not None else None,
+        activation_bytes=lists.get("activation_bytes") if cap is not None else None,
+        micro_batches=micro_batches,
+        memory_cap=cap,
+        boundary_time=boundary,
+    )

@@ -1,0 +1,427 @@
+"""Exact contiguous min-max partitioning of layer costs into pipeline stages.
+
+Pure functions of plain lists (numpy only, no torch, no process groups), so every
+rule here is testable against brute force.
+
+Problem.  Layers 0..n-1 with times t_i go, in order, into p non-empty stages; the
+boundaries ``parts = [0, b_1, ..., b_{p-1}, n]`` follow DeepSpeed's convention
+(stage s owns layers ``parts[s]:parts[s+1]``).  We minimise the slowest stage:
+
+    stage_time(i, j) = sum(t[i:j]) + comm_in(i) + comm_out(j)
+
+where the optional boundary terms are the p2p time of the activation that enters
+(i > 0) or leaves (j < n) the stage.  Under 1F1B a stage receives its input and
+sends its input-gradient, and sends its output and receives the output-gradient,
+so each boundary costs the stage ``2 * boundary_time``.
+
+Memory.  With a cap, stage s must also fit
+
+    stage_memory(s, i, j) = sum(static[i:j]) + inflight(s) * sum(activation[i:j])
+
+where static = parameter + gradient + optimizer-state bytes, and under 1F1B
+stage s holds ``inflight(s) = min(p - s, m)`` micro-batches of activations
+(m micro-batches per step): stage 0 holds the most.
+
+Method.  Bisection on the bottleneck B over floats, where each probe is an exact
+feasibility test that also returns the bottleneck it actually achieved.  The
+search stops when the infeasible bound and the achieved value are adjacent
+floats, so the result is the optimum of the objective exactly as
+``stage_time`` computes it.  The feasibility test:
+
+* without boundary terms, every constraint is monotone in the interval, so a
+  greedy pass from the last stage that starts each stage as early as allowed
+  finds the component-wise smallest feasible boundaries (O(p log n) a probe);
+* with boundary terms stage time is no longer monotone, so a reachability pass
+  over (stage, boundary) uses vectorised range-minimum queries (O(p n log n)).
+
+Ties.  Among optimal partitions we return the lexicographically smallest
+``parts``.  That puts the slack in the early stages, which is what 1F1B wants:
+they hold the most in-flight activations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class PartitionError(ValueError):
+    """Bad partitioning input; the message names the problem and the fix."""
+
+
+class InfeasibleMemoryCap(PartitionError):
+    """No partition fits the memory cap; ``min_feasible_cap`` is the smallest that does."""
+
+    def __init__(self, cap: float, min_feasible_cap: float, detail: str = ""):
+        self.cap = cap
+        self.min_feasible_cap = min_feasible_cap
+        gib = 2.0**30
+        super().__init__(
+            f"memory cap {cap / gib:.4f} GiB ({cap:.0f} B) per stage is infeasible: the smallest cap "
+            f"that admits a partition is {min_feasible_cap / gib:.4f} GiB ({min_feasible_cap:.0f} B). "
+            f"Raise memory_cap_gib to at least that, add stages, or use fewer micro-batches in flight."
+            + (f" {detail}" if detail else "")
+        )
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Validated numeric form of one partitioning instance (prefix sums, in float64)."""
+
+    times: np.ndarray  # per-layer time, length n
+    prefix_time: np.ndarray  # length n+1
+    num_stages: int
+    static: np.ndarray | None  # prefix sums of static bytes, length n+1
+    activation: np.ndarray | None  # prefix sums of activation bytes, length n+1
+    micro_batches: int
+    memory_cap: float | None
+    boundary: np.ndarray | None  # boundary[k] = one-way p2p time across boundary k (k=0..n); 0 at 0 and n
+    _memory_prefix_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def n(self) -> int:
+        return len(self.times)
+
+    def inflight(self, stage: int) -> int:
+        return min(self.num_stages - stage, self.micro_batches)
+
+    def stage_time(self, i: int, j: int) -> float:
+        if self.boundary is None:
+            return float(self.prefix_time[j] - self.prefix_time[i])
+        # One subtraction of per-boundary keys, exactly as the vectorised probe computes it.
+        return float(self.end_key[j] - self.start_key[i])
+
+    @property
+    def end_key(self) -> np.ndarray:
+        """prefix_time[j] + 2 * boundary[j]: what ending a stage at j costs."""
+        return self.prefix_time + 2.0 * self.boundary
+
+    @property
+    def start_key(self) -> np.ndarray:
+        """prefix_time[i] - 2 * boundary[i]: starting a stage at i, with the inbound p2p."""
+        return self.prefix_time - 2.0 * self.boundary
+
+    def memory_prefix(self, inflight: int) -> np.ndarray:
+        """Prefix sums of static + inflight * activation bytes (cached per in-flight count)."""
+        cache = self._memory_prefix_cache
+        if inflight not in cache:
+            cache[inflight] = self.static + inflight * self.activation
+        return cache[inflight]
+
+    def stage_memory(self, stage: int, i: int, j: int) -> float:
+        if self.static is None:
+            return 0.0
+        mem = self.memory_prefix(self.inflight(stage))
+        return float(mem[j] - mem[i])
+
+
+def _as_array(name: str, values: Sequence[float] | None, n: int | None) -> np.ndarray | None:
+    if values is None:
+        return None
+    arr = np.asarray(list(values), dtype=np.float64)
+    if arr.ndim != 1:
+        raise PartitionError(f"{name} must be a flat list of numbers, got shape {arr.shape}")
+    if n is not None and len(arr) != n:
+        raise PartitionError(f"{name} has {len(arr)} entries but there are {n} layers; give one per layer")
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        bad = int(np.flatnonzero(~np.isfinite(arr) | (arr < 0))[0])
+        raise PartitionError(f"{name}[{bad}] = {arr[bad]!r}; costs must be finite and non-negative")
+    return arr
+
+
+def make_problem(
+    times: Sequence[float],
+    num_stages: int,
+    *,
+    static_bytes: Sequence[float] | None = None,
+    activation_bytes: Sequence[float] | None = None,
+    micro_batches: int | None = None,
+    memory_cap: float | None = None,
+    boundary_time: Sequence[float] | None = None,
+) -> Problem:
+    """Validate the inputs and precompute prefix sums.
+
+    ``boundary_time[k]`` is the one-way p2p time of layer k's output (length n; the
+    last entry is ignored because the last layer's output never leaves its stage).
+    """
+    t = _as_array("times", times, None)
+    n = len(t)
+    if n == 0:
+        raise PartitionError("there are no layers to partition")
+    if not isinstance(num_stages, (int, np.integer)) or isinstance(num_stages, bool) or num_stages < 1:
+        raise PartitionError(f"num_stages must be a positive integer, got {num_stages!r}")
+    if num_stages > n:
+        raise PartitionError(
+            f"cannot split {n} layers into {num_stages} non-empty stages: use at most {n} stages "
+            f"(or a model with more layers)"
+        )
+    static = _as_array("static_bytes", static_bytes, n)
+    act = _as_array("activation_bytes", activation_bytes, n)
+    if memory_cap is not None:
+        if static is None and act is None:
+            raise PartitionError("a memory cap needs per-layer static_bytes and/or activation_bytes")
+        if not (isinstance(memory_cap, (int, float)) and math.isfinite(memory_cap) and memory_cap > 0):
+            raise PartitionError(f"memory_cap must be a positive number of bytes, got {memory_cap!r}")
+    if static is not None or act is not None:
+        static = np.zeros(n) if static is None else static
+        act = np.zeros(n) if act is None else act
+    m = num_stages if micro_batches is None else micro_batches
+    if not isinstance(m, (int, np.integer)) or m < 1:
+        raise PartitionError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    boundary = None
+    b = _as_array("boundary_time", boundary_time, n)
+    if b is not None and np.any(b[:-1] > 0):
+        boundary = np.zeros(n + 1)
+        boundary[1:n] = b[:-1]  # boundary k sits between layer k-1 and layer k
+    prefix = lambda a: None if a is None else np.concatenate(([0.0], np.cumsum(a)))  # noqa: E731
+    return Problem(
+        times=t,
+        prefix_time=prefix(t),
+        num_stages=int(num_stages),
+        static=prefix(static),
+        activation=prefix(act),
+        micro_batches=int(m),
+        memory_cap=None if memory_cap is None else float(memory_cap),
+        boundary=boundary,
+    )
+
+
+# --------------------------------------------------------------------------- feasibility probes
+
+
+def _first_start(prefix: np.ndarray, end: int, budget: float, lo: int) -> int:
+    """Smallest i in [lo, end] with prefix[end] - prefix[i] <= budget (prefix non-decreasing).
+
+    searchsorted finds it up to rounding; the two loops make the answer agree
+    exactly with the subtraction used everywhere else.
+    """
+    i = int(np.searchsorted(prefix, prefix[end] - budget, side="left"))
+    i = max(i, lo)
+    while i < end and prefix[end] - prefix[i] > budget:
+        i += 1
+    while i > lo and prefix[end] - prefix[i - 1] <= budget:
+        i -= 1
+    return i
+
+
+def _probe_monotone(pb: Problem, bound: float, cap: float | None) -> list[int] | None:
+    """Exact feasibility when stage cost and memory only grow with the interval.
+
+    Going from the last stage backwards, each stage starts as early as its time and
+    memory budgets allow (and late enough to leave one layer per earlier stage).
+    Any feasible partition has every boundary at or after these, so the result is
+    the component-wise (hence lexicographically) smallest feasible partition, or
+    None when even the first stage cannot fit.
+    """
+    p, n = pb.num_stages, pb.n
+    parts = [0] * (p + 1)
+    parts[p] = n
+    for s in range(p - 1, 0, -1):
+        end = parts[s + 1]
+        start = _first_start(pb.prefix_time, end, bound, s)
+        if cap is not None:
+            mem = pb.memory_prefix(pb.inflight(s))
+            start = max(start, _first_start(mem, end, cap, s))
+        if start >= end:  # not even one layer fits this stage
+            return None
+        parts[s] = start
+    if pb.stage_time(0, parts[1]) > bound:
+        return None
+    if cap is not None and pb.stage_memory(0, 0, parts[1]) > cap:
+        return None
+    return parts
+
+
+def _range_min_table(values: np.ndarray) -> np.ndarray:
+    """Sparse table: row l holds min(values[i : i + 2**l]) (inf past the end)."""
+    n = len(values)
+    levels = max(1, int(math.floor(math.log2(max(n, 1)))) + 1)
+    table = np.full((levels, n), np.inf)
+    table[0] = values
+    for lvl in range(1, levels):
+        half = 1 << (lvl - 1)
+        table[lvl, : n - half] = np.minimum(table[lvl - 1, : n - half], table[lvl - 1, half:])
+    return table
+
+
+def _range_min(table: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """min(values[lo:hi+1]) for each query; inf where the range is empty."""
+    out = np.full(len(lo), np.inf)
+    ok = hi >= lo
+    if not np.any(ok):
+        return out
+    a, b = lo[ok], hi[ok]
+    lvl = np.floor(np.log2(b - a + 1)).astype(np.int64)
+    out[ok] = np.minimum(table[lvl, a], table[lvl, b - (1 << lvl) + 1])
+    return out
+
+
+def _last_ends(prefix: np.ndarray, budget: float) -> np.ndarray:
+    """For every start i, the largest j with prefix[j] - prefix[i] <= budget (j >= i).
+
+    searchsorted gives it up to rounding; the loops make it agree exactly with the
+    subtraction that stage_memory uses.
+    """
+    last = len(prefix) - 1
+    hi = np.minimum(np.searchsorted(prefix, prefix + budget, side="right") - 1, last)
+    hi = np.maximum(hi, np.arange(len(prefix)))
+    while True:
+        over = prefix[hi] - prefix > budget
+        if not np.any(over):
+            break
+        hi = np.where(over, hi - 1, hi)
+    while True:
+        nxt = np.minimum(hi + 1, last)
+        grow = (nxt > hi) & (prefix[nxt] - prefix <= budget)
+        if not np.any(grow):
+            break
+        hi = np.where(grow, nxt, hi)
+    return hi
+
+
+def _probe_general(pb: Problem, bound: float, cap: float | None) -> list[int] | None:
+    """Exact feasibility with boundary p2p terms (stage time not monotone).
+
+    reach[s] marks the boundaries b at which stages s..p-1 can start and still
+    cover b..n.  Start i can begin stage s iff some end j in reach[s+1] with
+    i < j <= last_end(i) (the memory cap) has
+        prefix[j] + 2*boundary[j] <= bound + prefix[i] - 2*boundary[i],
+    a range-minimum query over the reachable ends.  Then the partition is read
+    forwards taking the smallest admissible end each time (lexicographic order).
+    """
+    p, n = pb.num_stages, pb.n
+    idx = np.arange(n + 1)
+    end_key, start_key = pb.end_key, pb.start_key
+    reach = [np.zeros(n + 1, dtype=bool) for _ in range(p + 1)]
+    reach[p][n] = True
+    last_end = [np.full(n + 1, n) for _ in range(p)]  # the memory cap limits how far a stage reaches
+    for s in range(p - 1, -1, -1):
+        masked = np.where(reach[s + 1], end_key, np.inf)
+        table = _range_min_table(masked)
+        if cap is not None:
+            last_end[s] = _last_ends(pb.memory_prefix(pb.inflight(s)), cap)
+        best = _range_min(table, idx + 1, last_end[s])
+        ok = np.isfinite(best) & (best - start_key <= bound)  # inf = no reachable end in range
+        # room for one layer per earlier stage and per later stage
+        ok &= (idx >= s) & (idx <= n - (p - s))
+        reach[s] = ok
+    if not reach[0][0]:
+        return None
+    parts = [0]
+    for s in range(p):
+        i = parts[-1]
+        for j in range(i + 1, int(last_end[s][i]) + 1):
+            if reach[s + 1][j] and end_key[j] - start_key[i] <= bound:
+                parts.append(j)
+                break
+        else:  # pragma: no cover - reach[] guarantees an end exists
+            raise AssertionError("reachability table inconsistent")
+    return parts
+
+
+def _probe(pb: Problem, bound: float, cap: float | None) -> list[int] | None:
+    if pb.boundary is None:
+        return _probe_monotone(pb, bound, cap)
+    return _probe_general(pb, bound, cap)
+
+
+def bottleneck(pb: Problem, parts: Sequence[int]) -> float:
+    return max(pb.stage_time(parts[s], parts[s + 1]) for s in range(pb.num_stages))
+
+
+def _bits(x: float) -> int:
+    """Order-preserving integer for a non-negative double (its IEEE-754 bit pattern)."""
+    return int(np.float64(x).view(np.int64))
+
+
+def _from_bits(b: int) -> float:
+    return float(np.int64(b).view(np.float64))
+
+
+def _bisect_floats(lo: float | None, hi: float, probe):
+    """Smallest double in (lo, hi] at which ``probe`` succeeds.
+
+    ``probe(x)`` returns (result, achieved) with achieved <= x on success, or None.
+    ``lo`` is a value known to fail (None: below 0).  Bisecting the bit patterns
+    of non-negative doubles takes at most 64 probes, whatever the magnitudes.
+    Returns (hi, result at hi or None if hi was never probed).
+    """
+    lo_bits = -1 if lo is None else _bits(lo)
+    hi_bits, result = _bits(hi), None
+    while hi_bits - lo_bits > 1:
+        mid_bits = (lo_bits + hi_bits) // 2
+        got = probe(_from_bits(mid_bits))
+        if got is None or _bits(got[1]) > mid_bits:  # defensive: never trust an overshoot
+            lo_bits = mid_bits
+        else:
+            result, achieved = got
+            hi_bits = _bits(achieved)
+    return _from_bits(hi_bits), result
+
+
+def _min_feasible_cap(pb: Problem) -> float:
+    """Smallest memory cap that admits any partition (time unconstrained), exactly."""
+
+    def peak(parts):
+        return max(pb.stage_memory(s, parts[s], parts[s + 1]) for s in range(pb.num_stages))
+
+    def probe(cap):
+        parts = _probe(pb, math.inf, cap)
+        return None if parts is None else (parts, peak(parts))
+
+    start = _probe(pb, math.inf, None)
+    cap, _ = _bisect_floats(None, peak(start), probe)
+    return cap
+
+
+def solve(pb: Problem) -> list[int]:
+    """Optimal boundaries for a validated problem (see the module docstring)."""
+    cap = pb.memory_cap
+    first = _probe(pb, math.inf, cap)
+    if first is None:
+        raise InfeasibleMemoryCap(cap, _min_feasible_cap(pb))
+
+    def probe(bound):
+        parts = _probe(pb, bound, cap)
+        return None if parts is None else (parts, bottleneck(pb, parts))
+
+    # No stage is faster than its slowest layer (float subtraction is monotone, so
+    # this holds for the computed stage times too): just below it, nothing fits.
+    slowest_layer = float(np.max(np.diff(pb.prefix_time)))
+    lo = None if slowest_layer == 0.0 else np.nextafter(slowest_layer, -math.inf)
+    best, _ = _bisect_floats(lo, bottleneck(pb, first), probe)
+    # the lexicographically smallest partition whose bottleneck is the optimum
+    final = _probe(pb, best, cap)
+    assert final is not None and bottleneck(pb, final) <= best
+    return final
+
+
+def partition_min_max_lists(
+    times: Sequence[float],
+    num_stages: int,
+    *,
+    static_bytes: Sequence[float] | None = None,
+    activation_bytes: Sequence[float] | None = None,
+    micro_batches: int | None = None,
+    memory_cap: float | None = None,
+    boundary_time: Sequence[float] | None = None,
+) -> list[int]:
+    """Plain-list entry point: returns DeepSpeed ``parts`` (num_stages + 1 boundaries)."""
+    pb = make_problem(
+        times,
+        num_stages,
+        static_bytes=static_bytes,
+        activation_bytes=activation_bytes,
+        micro_batches=micro_batches,
+        memory_cap=memory_cap,
+        boundary_time=boundary_time,
+    )
+    return solve(pb)
+
+
+def stage_times(times: Sequence[float], parts: Sequence[int], boundary_time: Sequence[float] | None = None) -> list[float]:
+    pb = make_problem(times, len(parts) - 1, boundary_time=boundary_time)
+    return [pb.stage_time(parts[s], parts[s + 1]) for s in range(len(parts) - 1)]
