@@ -12,9 +12,21 @@ from collections.abc import Sequence
 
 from .algorithms import InfeasibleMemoryCap, PartitionError, partition_min_max_lists, stage_times
 
-__all__ = ["partition_min_max", "PartitionError", "InfeasibleMemoryCap", "stage_times", "cost_lists"]
+__all__ = ["partition_min_max", "PartitionError", "InfeasibleMemoryCap", "stage_times", "cost_lists",
+           "held_activation_bytes"]
 
 GIB = 2**30
+
+
+def held_activation_bytes(costs: Sequence, *, recompute: bool = False) -> list[float]:
+    """Bytes a layer keeps per in-flight micro-batch.
+
+    Under activation checkpointing a layer keeps only its input (the previous
+    layer's output) and recomputes the rest during backward.
+    """
+    if not recompute:
+        return [float(c.activation_bytes) for c in costs]
+    return [0.0] + [float(c.output_bytes) for c in costs[:-1]]
 
 
 def cost_lists(costs: Sequence, *, recompute: bool = False) -> dict[str, list[float]]:
@@ -25,7 +37,7 @@ def cost_lists(costs: Sequence, *, recompute: bool = False) -> dict[str, list[fl
         return {
             "times": [c.time_s(recompute=recompute) for c in costs],
             "static_bytes": [float(c.static_bytes) for c in costs],
-            "activation_bytes": [0.0 if recompute else float(c.activation_bytes) for c in costs],
+            "activation_bytes": held_activation_bytes(costs, recompute=recompute),
             "output_bytes": [float(c.output_bytes) for c in costs],
         }
     except AttributeError as e:

@@ -1,0 +1,36 @@
+# Two entry points on a fresh machine: `make demo` and `make test`.
+# Both create .venv, install torch==2.13.0 FIRST (the CPU build; an unpinned torch
+# would pull gigabytes of CUDA wheels), then this package with its test extras.
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# one thread per rank: ranks share the 2 cores of the CI machine
+export OMP_NUM_THREADS ?= 1
+export DS_BUILD_OPS ?= 0
+
+.PHONY: install demo test test-fast bench clean
+
+$(STAMP): setup.py
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(STAMP)
+
+# The main job: GPT "tiny" on 4 CPU ranks, 4 pipeline stages, partition_method "profiled" (ds.json).
+demo: install
+	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/deepspeed --num_gpus 4 train.py --deepspeed_config ds.json --steps 5
+	$(VENV)/bin/ds-pipe-ext partition --model tiny --stages 4
+
+test: install
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -q tests
+
+# the pure tests only (no process launches)
+test-fast: install
+	$(PY) -m pytest -q -m "not multiprocess" tests
+
+clean:
+	rm -rf $(VENV) .ds_pipe_ext_cache .pytest_cache .hypothesis *.egg-info

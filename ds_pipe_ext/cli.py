@@ -1,0 +1,77 @@
+"""`ds-pipe-ext`: plan pipeline partitions from the command line.
+
+    ds-pipe-ext partition --model bench-cpu --stages 2 --micro-batch 4 [--method profiled] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .partition import PartitionError
+from .pipe.config import ConfigError
+
+
+def _profiled_costs(args):
+    """Profile the model's layers on this machine (cached like training does)."""
+    import torch
+
+    from .costs.profiler import ProfileSettings, profile_layers
+    from .models.config import load_model_config
+    from .models.gpt import gpt_layer_specs, layer_names, lm_loss
+
+    cfg = load_model_config(args.model, seq_len=args.seq)
+    specs = gpt_layer_specs(cfg)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_len + 1), generator=gen)
+    settings = ProfileSettings(warmup=args.warmup, repeats=args.repeats, cache_dir=args.cache_dir,
+                               progress=not args.json)
+    return profile_layers(specs, tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss, names=layer_names(specs),
+                          settings=settings, key_fields={"model": cfg.to_dict()})
+
+
+def cmd_partition(args) -> int:
+    from .partition.methods import decide_offline
+    from .partition.report import build_plan
+
+    costs = _profiled_costs(args)
+    micro_batches = args.micro_batches or args.stages
+    bandwidth = args.link_bandwidth_gbps * 1e9 if args.link_bandwidth_gbps else None
+    parts = decide_offline(args.method, costs, args.stages, micro_batches=micro_batches,
+                           memory_cap_gib=args.memory_cap_gib, link_bandwidth=bandwidth)
+    plan = build_plan(args.method, parts, costs, micro_batches=micro_batches, link_bandwidth=bandwidth)
+    print(plan.to_json() if args.json else plan.to_table())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ds-pipe-ext", description="Cost-aware pipeline partitioning for DeepSpeed")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("partition", help="profile a model's layers and print the per-stage plan")
+    p.add_argument("--model", required=True, help="a name in model_configs/ (tiny, bench-cpu, ...) or a .toml path")
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--method", default="profiled", help="profiled | uniform | parameters | type:REGEX | parts:0,..,n")
+    p.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch (default 1)")
+    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default: stages)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's seq_len)")
+    p.add_argument("--memory-cap-gib", type=float, default=None, help="per-stage memory cap")
+    p.add_argument("--link-bandwidth-gbps", type=float, default=None, help="stage-to-stage GB/s (adds p2p time)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cache-dir", default=".ds_pipe_ext_cache")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_partition)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (PartitionError, ConfigError, ValueError) as e:
+        print(f"ds-pipe-ext: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

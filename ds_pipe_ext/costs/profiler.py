@@ -1,0 +1,262 @@
+"""Profiled layer costs: build each layer alone, run a real micro-batch through it.
+
+Side effects stay here (devices, timers, RNG, files); the partitioner only sees
+the resulting ``LayerCost`` list.
+
+* Each spec is built on its own and fed the real activation its predecessor
+  produced, so shapes and dtypes are the ones the pipeline will run.
+* Forward and backward are timed separately after warm-up; the median of the
+  repeats is kept.  CUDA events on GPU, perf_counter on CPU.
+* Saved-activation bytes come from ``torch.autograd.graph.saved_tensors_hooks``:
+  the unique storages autograd keeps for backward, parameters excluded.
+* The profiler leaves no trace: it builds its own copies of the layers inside
+  ``torch.random.fork_rng`` so the real model's initialisation is unchanged.
+* Layers with identical specs and inputs (the transformer blocks) are measured
+  once and share the result, which also gives the partitioner exact ties.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .cache import ProfileCache, cache_key, library_versions
+from .types import LayerCost
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    warmup: int = 2
+    repeats: int = 5
+    cache_dir: str | None = ".ds_pipe_ext_cache"  # None: no cache
+    optimizer_bytes_per_param: int = 8  # Adam: exp_avg + exp_avg_sq in fp32
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"profile.warmup = {self.warmup!r}; use an integer >= 0")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"profile.repeats = {self.repeats!r}; use an integer >= 1")
+        if not isinstance(self.optimizer_bytes_per_param, int) or self.optimizer_bytes_per_param < 0:
+            raise ValueError("profile.optimizer_bytes_per_param must be an integer >= 0")
+
+
+class _Timer:
+    """Wall time of a region: CUDA events on GPU (no host sync inside), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self._end.record()
+        else:
+            self.seconds = time.perf_counter() - self._t0
+
+    def elapsed(self) -> float:
+        if self.cuda:
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1e3
+        return self.seconds
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+def _detach_input(x):
+    """A leaf copy of an activation: float tensors require grad, as a stage input does."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        return x.requires_grad_(True) if x.is_floating_point() else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detach_input(t) for t in x)
+    return x
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.nbytes())
+
+
+def saved_activation_bytes(run: Callable[[], object], params: Sequence[torch.Tensor]) -> tuple[int, object]:
+    """Bytes of the unique non-parameter storages autograd saves while ``run()`` executes."""
+    param_storages = {_storage_key(p) for p in params}
+    seen: set[tuple[int, int]] = set()
+
+    def pack(t: torch.Tensor):
+        key = _storage_key(t)
+        if key not in param_storages:
+            seen.add(key)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return sum(nbytes for _, nbytes in seen), out
+
+
+def _spec_signature(spec, x) -> str:
+    shapes = [(tuple(t.shape), str(t.dtype)) for t in _tensors(x)]
+    return f"{spec!r}|{getattr(spec, 'forward_fn', None)}|{shapes}"
+
+
+def _build(spec, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, Callable]:
+    module = spec.build() if hasattr(spec, "build") else spec
+    if not isinstance(module, nn.Module):  # a plain function layer
+        return nn.Module(), lambda x, f=module: f(x)
+    module = module.to(device=device, dtype=dtype)
+    forward_fn = getattr(spec, "forward_fn", None)
+    if forward_fn is not None:
+        return module, lambda x, m=module, f=forward_fn: f(m, x)
+    return module, module
+
+
+def measure_layer(
+    spec,
+    x,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    settings: ProfileSettings,
+    loss_fn: Callable | None = None,
+    labels: torch.Tensor | None = None,
+    name: str = "",
+) -> tuple[LayerCost, object]:
+    """Profile one layer on input ``x``; returns its cost and its (detached) output."""
+    module, call = _build(spec, device, dtype)
+    params = list({id(p): p for p in module.parameters()}.values())
+    trainable = [p for p in params if p.requires_grad]
+
+    def forward(inp):
+        out = call(inp)
+        return loss_fn(out, labels) if loss_fn is not None else out
+
+    grad_out = None
+    fwd_times, bwd_times = [], []
+    for r in range(settings.warmup + settings.repeats):
+        for p in trainable:
+            p.grad = None
+        inp = _detach_input(x)
+        with _Timer(device) as tf:
+            out = forward(inp)
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        if grad_out is None:
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            grad_out = [torch.randn(t.shape, generator=gen).to(device=device, dtype=t.dtype) if t.dim() else None for t in outs]
+        with _Timer(device) as tb:
+            if outs:
+                torch.autograd.backward(outs, grad_out)
+        if r >= settings.warmup:
+            fwd_times.append(tf.elapsed())
+            bwd_times.append(tb.elapsed())
+
+    for p in trainable:
+        p.grad = None
+    act_bytes, out = saved_activation_bytes(lambda: forward(_detach_input(x)), params)
+    elem = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
+    n_trainable = sum(p.numel() for p in trainable)
+    fwd = statistics.median(fwd_times)
+    cost = LayerCost(
+        name=name,
+        forward_s=fwd,
+        backward_s=statistics.median(bwd_times),
+        recompute_s=fwd,  # checkpointing replays the forward once in backward
+        param_bytes=elem(params),
+        grad_bytes=elem(trainable),
+        optimizer_bytes=n_trainable * settings.optimizer_bytes_per_param,
+        activation_bytes=act_bytes,
+        output_bytes=sum(t.numel() * t.element_size() for t in _tensors(out)),
+    )
+    return cost, _detach_input(out)
+
+
+def profile_layers(
+    specs: Sequence,
+    inputs,
+    *,
+    labels: torch.Tensor | None = None,
+    loss_fn: Callable | None = None,
+    names: Sequence[str] | None = None,
+    settings: ProfileSettings = ProfileSettings(),
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    key_fields: dict | None = None,
+) -> list[LayerCost]:
+    """Profile every layer spec in order on one micro-batch ``inputs``.
+
+    The loss (``loss_fn(out, labels)``) is timed as part of the last layer, since
+    it always runs on the last stage.  ``key_fields`` are added to the cache key:
+    pass whatever else changes the costs (model config, TP/SP degree, ...).
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    names = list(names) if names is not None else [type(s).__name__ for s in specs]
+    shapes = [(tuple(t.shape), str(t.dtype)) for t in _tensors(inputs)]
+    fields = {
+        "specs": [repr(s) for s in specs],
+        "inputs": shapes,
+        "labels": None if labels is None else (tuple(labels.shape), str(labels.dtype)),
+        "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)),
+        "dtype": str(dtype),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu:{torch.get_num_threads()}threads",
+        "versions": library_versions(),
+        "settings": {"warmup": settings.warmup, "repeats": settings.repeats,
+                     "optimizer_bytes_per_param": settings.optimizer_bytes_per_param},
+        **(key_fields or {}),
+    }
+    cache = ProfileCache(settings.cache_dir) if settings.cache_dir else None
+    key = cache_key(fields)
+    if cache is not None:
+        cached = cache.load(key, len(specs))
+        if cached is not None:
+            log.info("profile cache hit: %s", cache.path(key))
+            return cached
+
+    costs: list[LayerCost] = []
+    measured: dict[str, tuple[LayerCost, object]] = {}
+    x = inputs.to(device) if isinstance(inputs, torch.Tensor) else inputs
+    lab = labels.to(device) if labels is not None else None
+    iterator = range(len(specs))
+    if settings.progress:
+        try:
+            from tqdm import tqdm
+
+            iterator = tqdm(iterator, desc="profiling layers", unit="layer")
+        except ImportError:  # pragma: no cover
+            pass
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for i in iterator:
+            last = i == len(specs) - 1
+            sig = _spec_signature(specs[i], x) + f"|last={last}"
+            if sig not in measured:
+                measured[sig] = measure_layer(
+                    specs[i], x, device=device, dtype=dtype, settings=settings,
+                    loss_fn=loss_fn if last else None, labels=lab if last else None, name=names[i],
+                )
+            cost, x = measured[sig]
+            # the last layer's output (the loss) never crosses a stage boundary
+            costs.append(LayerCost(**{**cost.to_dict(), "name": names[i], **({"output_bytes": 0} if last else {})}))
+    if cache is not None:
+        path = cache.save(key, fields, costs)
+        log.info("profiled %d layers; cached at %s", len(costs), path)
+    return costs

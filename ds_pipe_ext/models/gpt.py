@@ -1,0 +1,226 @@
+"""A GPT, written as a list of pipeline layers.  Read top-down:
+
+    tokens ─► EmbeddingPipe ─► Block × L ─► HeadPipe (final LayerNorm + LM head) ─► lm_loss
+
+Every linear, the vocabulary embedding and the norms come from a ``LayerImpl``
+(the role of megatron-core's ``ModuleSpec``): ``LOCAL`` builds plain torch layers;
+the tensor-parallel implementation swaps in megatron-core's parallel layers
+without touching this file's structure.
+
+Attention is written out (no fused kernel) so that what autograd saves is the
+textbook set of tensors that the analytic cost model counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from torch import nn
+
+from .config import GPTConfig
+
+INIT_STD = 0.02  # GPT-2's initialiser
+
+
+def _normal_init(module: nn.Module) -> nn.Module:
+    for name, p in module.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif p.dim() > 1:
+            nn.init.normal_(p, mean=0.0, std=INIT_STD)
+    return module
+
+
+def _local_linear(in_features: int, out_features: int, *, bias: bool = True) -> nn.Module:
+    return _normal_init(nn.Linear(in_features, out_features, bias=bias))
+
+
+def _local_embedding(num: int, dim: int) -> nn.Module:
+    return _normal_init(nn.Embedding(num, dim))
+
+
+@dataclass(frozen=True)
+class LayerImpl:
+    """What builds the model's linears, vocabulary embedding and norms.
+
+    ``column_linear`` may split its output features across tensor-parallel ranks
+    and ``row_linear`` its input features (reducing the output), as in Megatron.
+    """
+
+    name: str
+    column_linear: Callable[..., nn.Module]
+    row_linear: Callable[..., nn.Module]
+    embedding: Callable[[int, int], nn.Module]
+    layer_norm: Callable[[int, float], nn.Module]
+    tp_size: int = 1
+
+    def __repr__(self) -> str:  # stable, address-free: LayerSpec reprs feed the profile cache key
+        return f"LayerImpl({self.name}, tp={self.tp_size})"
+
+
+LOCAL = LayerImpl(
+    name="local",
+    column_linear=_local_linear,
+    row_linear=_local_linear,
+    embedding=_local_embedding,
+    layer_norm=lambda dim, eps: nn.LayerNorm(dim, eps=eps),
+)
+
+
+class EmbeddingPipe(nn.Module):
+    """tokens (b, s) int64 -> hidden states (b, s, h)."""
+
+    def __init__(self, cfg: GPTConfig, impl: LayerImpl = LOCAL):
+        super().__init__()
+        self.word_embeddings = impl.embedding(cfg.vocab_size, cfg.hidden)
+        self.position_embeddings = _local_embedding(cfg.seq_len, cfg.hidden)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.drop(self.word_embeddings(tokens) + self.position_embeddings(positions))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig, impl: LayerImpl):
+        super().__init__()
+        self.heads = cfg.heads // impl.tp_size  # heads on this rank
+        self.head_dim = cfg.head_dim
+        self.qkv = impl.column_linear(cfg.hidden, 3 * cfg.hidden, bias=True)
+        self.proj = impl.row_linear(cfg.hidden, cfg.hidden, bias=True)
+        self.attn_drop = nn.Dropout(cfg.dropout)
+        self.register_buffer(
+            "causal_mask", torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).triu(1), persistent=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, self.heads, 3 * self.head_dim).transpose(1, 2).chunk(3, dim=-1)
+        logits = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        logits = logits.masked_fill(self.causal_mask[:s, :s], float("-inf"))
+        att = self.attn_drop(torch.softmax(logits, dim=-1))
+        y = (att @ v).transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig, impl: LayerImpl):
+        super().__init__()
+        self.fc = impl.column_linear(cfg.hidden, cfg.ffn, bias=True)
+        self.proj = impl.row_linear(cfg.ffn, cfg.hidden, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block (GPT-2): x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig, impl: LayerImpl = LOCAL):
+        super().__init__()
+        self.ln_1 = impl.layer_norm(cfg.hidden, cfg.layernorm_eps)
+        self.attn = CausalSelfAttention(cfg, impl)
+        self.ln_2 = impl.layer_norm(cfg.hidden, cfg.layernorm_eps)
+        self.mlp = MLP(cfg, impl)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+class FinalNorm(nn.Module):
+    def __init__(self, cfg: GPTConfig, impl: LayerImpl = LOCAL):
+        super().__init__()
+        self.ln_f = impl.layer_norm(cfg.hidden, cfg.layernorm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(x)
+
+
+class HeadPipe(nn.Module):
+    """Final LayerNorm + LM head: (b, s, h) -> logits (b, s, V)."""
+
+    def __init__(self, cfg: GPTConfig, impl: LayerImpl = LOCAL):
+        super().__init__()
+        self.ln_f = impl.layer_norm(cfg.hidden, cfg.layernorm_eps)
+        self.lm_head = impl.column_linear(cfg.hidden, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+def tied_lm_head(embedding: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
+    """LM head that reuses the input embedding matrix (``TiedLayerSpec`` forward_fn)."""
+    return F.linear(x, embedding.word_embeddings.weight)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; ``labels`` are the inputs shifted by one."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+
+def gpt_layer_specs(cfg: GPTConfig, impl: LayerImpl = LOCAL) -> list:
+    """The model as DeepSpeed layer specs, in pipeline order.
+
+    Untied: [embedding, L blocks, final norm + head]            (L + 2 layers)
+    Tied:   [embedding, L blocks, final norm, tied head]        (L + 3 layers)
+    The loss is ``lm_loss``, passed to the PipelineModule as ``loss_fn``; it
+    always runs on the last stage, so its cost belongs to the last layer.
+    """
+    blocks = [LayerSpec(Block, cfg, impl) for _ in range(cfg.layers)]
+    if not cfg.tie_embeddings:
+        return [LayerSpec(EmbeddingPipe, cfg, impl), *blocks, LayerSpec(HeadPipe, cfg, impl)]
+    return [
+        TiedLayerSpec("embed", EmbeddingPipe, cfg, impl, tied_weight_attr="word_embeddings.weight"),
+        *blocks,
+        LayerSpec(FinalNorm, cfg, impl),
+        TiedLayerSpec(
+            "embed", EmbeddingPipe, cfg, impl, forward_fn=tied_lm_head, tied_weight_attr="word_embeddings.weight"
+        ),
+    ]
+
+
+def layer_names(specs: list) -> list[str]:
+    names = []
+    for spec in specs:
+        base = spec.typename.__name__
+        if isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None:
+            base = f"{base}.{spec.forward_fn.__name__}"
+        names.append(base)
+    return names
+
+
+class SequentialGPT(nn.Module):
+    """The same layers in one process, for data parallelism (ZeRO) and parity checks.
+
+    Tied specs with the same key share one module, as DeepSpeed's pipeline does.
+    """
+
+    def __init__(self, specs: list, loss_fn: Callable = lm_loss):
+        super().__init__()
+        self.layers = nn.ModuleList()
+        self._calls: list[tuple[int, Callable | None]] = []
+        tied: dict[str, int] = {}
+        for spec in specs:
+            if isinstance(spec, TiedLayerSpec) and spec.key in tied:
+                self._calls.append((tied[spec.key], spec.forward_fn))
+                continue
+            self.layers.append(spec.build())
+            idx = len(self.layers) - 1
+            if isinstance(spec, TiedLayerSpec):
+                tied[spec.key] = idx
+            self._calls.append((idx, getattr(spec, "forward_fn", None)))
+        self.loss_fn = loss_fn
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = tokens
+        for idx, fn in self._calls:
+            layer = self.layers[idx]
+            x = fn(layer, x) if fn is not None else layer(x)
+        return x if labels is None else self.loss_fn(x, labels)

@@ -1,0 +1,145 @@
+"""One registry of partition method names.
+
+A method turns a ``PartitionRequest`` into DeepSpeed ``parts``.  DeepSpeed's own
+methods (``uniform``, ``parameters``, ``type:REGEX``) are registered as
+``deepspeed_builtin`` so the PipelineModule hands them to DeepSpeed unchanged.
+An unknown name is a ``ValueError`` that lists the valid ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import PartitionError, partition_min_max
+
+
+@dataclass
+class PartitionRequest:
+    num_stages: int
+    num_layers: int
+    costs: Callable[[], list]  # lazily computed LayerCost list (profiling is expensive)
+    micro_batches: int
+    memory_cap_gib: float | None = None
+    link_bandwidth: float | None = None  # bytes/s
+    recompute: bool = False
+    arg: str = ""  # the text after "name:" for prefix methods
+
+
+@dataclass(frozen=True)
+class PartitionMethod:
+    name: str  # "profiled", or "parts:" for a prefix method
+    solve: Callable[[PartitionRequest], list[int]] | None  # None: DeepSpeed's own
+    help: str
+    needs_costs: bool = False
+
+    @property
+    def deepspeed_builtin(self) -> bool:
+        return self.solve is None
+
+
+_REGISTRY: dict[str, PartitionMethod] = {}
+
+
+def register(name: str, help: str, *, needs_costs: bool = False):
+    def deco(fn):
+        _REGISTRY[name] = PartitionMethod(name, fn, help, needs_costs)
+        return fn
+
+    return deco
+
+
+for _name, _help in [
+    ("uniform", "DeepSpeed: the same number of layers per stage"),
+    ("parameters", "DeepSpeed: balance parameter counts (its partition_balanced)"),
+    ("type:", "DeepSpeed: balance layers whose class name matches a regex, e.g. type:Block"),
+]:
+    _REGISTRY[_name] = PartitionMethod(_name, None, _help)
+
+
+def valid_names() -> list[str]:
+    return [n + ("REGEX" if n == "type:" else "B0,B1,...,Bp" if n == "parts:" else "") for n in _REGISTRY]
+
+
+def lookup(method: str) -> tuple[PartitionMethod, str]:
+    """The method for a name (case-insensitive, as DeepSpeed), and its argument for prefix methods."""
+    if not isinstance(method, str):
+        raise ValueError(f"partition_method must be a string, got {method!r}; valid methods: {valid_names()}")
+    key = method.strip()
+    lowered = key.lower()
+    if lowered in _REGISTRY and not lowered.endswith(":"):
+        return _REGISTRY[lowered], ""
+    prefix, sep, arg = key.partition(":")
+    if sep and prefix.lower() + ":" in _REGISTRY:
+        return _REGISTRY[prefix.lower() + ":"], arg
+    raise ValueError(f"unknown partition_method {method!r}; valid methods: {', '.join(valid_names())}")
+
+
+def _check_parts(parts: list[int], num_stages: int, num_layers: int) -> list[int]:
+    if len(parts) != num_stages + 1 or parts[0] != 0 or parts[-1] != num_layers or any(
+        b <= a for a, b in zip(parts, parts[1:])
+    ):
+        raise PartitionError(
+            f"parts {parts} are not {num_stages + 1} strictly increasing boundaries from 0 to {num_layers}; "
+            f"e.g. parts:{','.join(str(round(i * num_layers / num_stages)) for i in range(num_stages + 1))}"
+        )
+    return parts
+
+
+@register("profiled", "ds_pipe_ext: exact min-max split of measured per-layer costs (cached profile)", needs_costs=True)
+def _profiled(req: PartitionRequest) -> list[int]:
+    return partition_min_max(
+        req.costs(),
+        req.num_stages,
+        memory_cap_gib=req.memory_cap_gib,
+        micro_batches=req.micro_batches,
+        link_bandwidth=req.link_bandwidth,
+        recompute=req.recompute,
+    )
+
+
+@register("parts:", "explicit boundaries, e.g. parts:0,11,14 (benchmarks, reproducing a run)")
+def _explicit(req: PartitionRequest) -> list[int]:
+    try:
+        parts = [int(b) for b in req.arg.split(",")]
+    except ValueError:
+        raise PartitionError(f"parts:{req.arg} is not a comma-separated list of integers") from None
+    return _check_parts(parts, req.num_stages, req.num_layers)
+
+
+def decide_offline(
+    method: str,
+    costs: list,
+    num_stages: int,
+    *,
+    micro_batches: int,
+    memory_cap_gib: float | None = None,
+    link_bandwidth: float | None = None,
+    recompute: bool = False,
+) -> list[int]:
+    """The parts any registered method would choose, without a process group (CLI, benches).
+
+    DeepSpeed's methods run DeepSpeed's own functions on what its PipelineModule
+    would count: trainable parameters per layer (from ``param_bytes`` of fp32
+    layers) and layer class names.
+    """
+    spec, arg = lookup(method)
+    if num_stages > len(costs):
+        raise PartitionError(f"{num_stages} stages but only {len(costs)} layers: use at most {len(costs)} stages")
+    if not spec.deepspeed_builtin:
+        request = PartitionRequest(num_stages, len(costs), lambda: costs, micro_batches,
+                                   memory_cap_gib, link_bandwidth, recompute, arg)
+        return [int(b) for b in spec.solve(request)]
+    import re
+
+    from deepspeed.runtime import utils as ds_utils
+
+    if spec.name == "uniform":
+        parts = ds_utils.partition_uniform(num_items=len(costs), num_parts=num_stages)
+    elif spec.name == "parameters":
+        parts = ds_utils.partition_balanced(weights=[c.param_bytes // 4 for c in costs], num_parts=num_stages)
+    else:  # type:REGEX, matched like DeepSpeed's _find_layer_type
+        regex = re.compile(arg, re.IGNORECASE)
+        weights = [1 if regex.search(c.name.split(".")[0]) else 0 for c in costs]
+        parts = ds_utils.partition_balanced(weights=weights, num_parts=num_stages)
+    return [int(b) for b in parts]

@@ -1,0 +1,1 @@
+"""DeepSpeed integration: the ``"pipeline"`` settings and the PipelineModule subclass."""

@@ -1,0 +1,154 @@
+"""`PipelineModule`: DeepSpeed's PipelineModule with cost-aware partition methods.
+
+A drop-in subclass.  DeepSpeed's own methods (``uniform``, ``parameters``,
+``type:``) go to DeepSpeed unchanged; the plugin's (``profiled``, ``parts:``)
+are decided on rank 0 and broadcast, so every rank builds identical stages even
+though profiling timings differ from rank to rank.  If rank 0 fails (an
+infeasible memory cap, say), every rank raises the same error instead of
+waiting forever in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
+
+from ..costs.profiler import profile_layers
+from ..models.gpt import layer_names
+from ..partition import PartitionError
+from ..partition.methods import PartitionRequest, lookup
+from ..partition.report import PartitionPlan, build_plan
+from .config import PipelineSettings
+
+log = logging.getLogger(__name__)
+
+
+class PartitionDecisionError(RuntimeError):
+    """Rank 0 could not decide a partition; raised on every rank with rank 0's reason."""
+
+
+class PipelineModule(_DeepSpeedPipelineModule):
+    """``deepspeed.pipe.PipelineModule`` that also accepts ``partition_method="profiled"``.
+
+    Extra keyword arguments (all optional):
+        settings: a ``PipelineSettings`` (the ``"pipeline"`` section of ds.json);
+            its method, checkpoint interval and profile options are the defaults.
+        profile_batch: ``(inputs, labels)`` for one micro-batch; required by "profiled".
+        micro_batches: micro-batches per step (gradient accumulation steps), for the
+            1F1B in-flight memory model; default: the number of stages.
+        cost_key: extra fields for the profile cache key (e.g. the model config).
+    """
+
+    def __init__(
+        self,
+        layers,
+        num_stages: int | None = None,
+        topology=None,
+        loss_fn=None,
+        *,
+        partition_method: str | None = None,
+        activation_checkpoint_interval: int | None = None,
+        settings: PipelineSettings | None = None,
+        profile_batch: tuple[torch.Tensor, torch.Tensor] | None = None,
+        micro_batches: int | None = None,
+        cost_key: dict | None = None,
+        **deepspeed_kwargs,
+    ):
+        settings = settings or PipelineSettings(stages=num_stages or 1)
+        method = partition_method or settings.partition_method
+        interval = settings.activation_checkpoint_interval if activation_checkpoint_interval is None else activation_checkpoint_interval
+        stages = topology.get_dim("pipe") if topology is not None else num_stages
+        layers = list(layers)
+        # Everything that can be checked without communication fails here, identically on every rank.
+        spec, _ = lookup(method)
+        if stages is not None and stages > len(layers):
+            raise PartitionError(
+                f"{stages} pipeline stages but only {len(layers)} layers: use at most {len(layers)} stages "
+                f"(pipeline.stages in ds.json) or a deeper model"
+            )
+        if spec.needs_costs and profile_batch is None:
+            raise ValueError(f"partition_method={method!r} profiles the layers: pass profile_batch=(inputs, labels)")
+        self._ext_settings = settings
+        self._ext_profile_batch = profile_batch
+        self._ext_micro_batches = micro_batches or stages or 1
+        self._ext_cost_key = cost_key or {}
+        self._ext_recompute = interval > 0
+        self.partition_plan: PartitionPlan | None = None
+        self.layer_costs: list | None = None
+        super().__init__(
+            layers,
+            num_stages=num_stages,
+            topology=topology,
+            loss_fn=loss_fn,
+            partition_method=method,
+            activation_checkpoint_interval=interval,
+            **deepspeed_kwargs,
+        )
+
+    # DeepSpeed calls this from its __init__, after the topology and groups exist.
+    def _partition_layers(self, method: str = "parameters") -> None:
+        spec, arg = lookup(method)
+        if spec.deepspeed_builtin:
+            super()._partition_layers(method=method)
+            return
+        outcome: list = [None, None, None, None]  # parts, plan, costs, error
+        if self.global_rank == 0:
+            try:
+                outcome[:3] = self._decide(spec, arg, method)
+            except Exception as e:  # noqa: BLE001 - forwarded to every rank below
+                outcome[3] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(outcome, src=0, group=self.world_group)
+        parts, plan, costs, error = outcome
+        if error is not None:
+            raise PartitionDecisionError(f"partition_method={method!r} failed on rank 0: {error}")
+        self.parts, self.partition_plan, self.layer_costs = parts, plan, costs
+        if self.global_rank == 0 and plan is not None:
+            log.info("ds_pipe_ext partition\n%s", plan.to_table())
+            print(plan.to_table(), flush=True)
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+    def _layer_costs(self) -> list:
+        inputs, labels = self._ext_profile_batch
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return profile_layers(
+            self._layer_specs,
+            inputs,
+            labels=labels,
+            loss_fn=self.loss_fn,
+            names=layer_names(self._layer_specs),
+            settings=self._ext_settings.profile,
+            device=device,
+            key_fields=self._ext_cost_key,
+        )
+
+    def _decide(self, spec, arg: str, method: str) -> tuple[list[int], PartitionPlan | None, list | None]:
+        settings = self._ext_settings
+        bandwidth = settings.link_bandwidth_gbps * 1e9 if settings.link_bandwidth_gbps else None
+        cache: dict = {}
+
+        def costs():
+            if "costs" not in cache:
+                cache["costs"] = self._layer_costs()
+            return cache["costs"]
+
+        request = PartitionRequest(
+            num_stages=self.num_stages,
+            num_layers=len(self._layer_specs),
+            costs=costs,
+            micro_batches=self._ext_micro_batches,
+            memory_cap_gib=settings.memory_cap_gib,
+            link_bandwidth=bandwidth,
+            recompute=self._ext_recompute,
+            arg=arg,
+        )
+        parts = [int(b) for b in spec.solve(request)]
+        if "costs" not in cache:
+            return parts, None, None
+        plan = build_plan(
+            method, parts, cache["costs"], micro_batches=self._ext_micro_batches,
+            link_bandwidth=bandwidth, recompute=self._ext_recompute,
+        )
+        return parts, plan, cache["costs"]

@@ -1,0 +1,169 @@
+"""Train a GPT with DeepSpeed: pipeline-parallel (ds_pipe_ext partitioning) or plain data parallel (ZeRO).
+
+    deepspeed --num_gpus 4 train.py --deepspeed_config ds.json
+
+ds.json holds DeepSpeed's usual keys, the plugin's settings in its "pipeline"
+section (see ds_pipe_ext/pipe/config.py), and this script's own "train" section:
+
+    "train": {"model": "tiny", "steps": 10, "seed": 1234}
+
+With a "pipeline" section the model runs as a ds_pipe_ext.PipelineModule;
+without one it runs as one data-parallel module, e.g. under ZeRO-3
+(launch_scripts/ds_zero3.json).  Tokens are synthetic by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ds_pipe_ext.models.config import load_model_config
+from ds_pipe_ext.models.gpt import SequentialGPT, gpt_layer_specs, lm_loss
+from ds_pipe_ext.pipe.config import ConfigError, PipelineSettings
+
+TRAIN_KEYS = {"model", "steps", "seed", "lr"}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--deepspeed_config", required=True, help="ds.json")
+    ap.add_argument("--steps", type=int, default=None, help="stop after N optimizer steps (default: train.steps or 10)")
+    ap.add_argument("--model", default=None, help="override train.model (a name in model_configs/ or a .toml path)")
+    ap.add_argument("--partition-method", default=None, help="override pipeline.partition_method")
+    ap.add_argument("--metrics-out", default=None, help="rank 0 writes a JSON summary of the run here")
+    ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    return ap.parse_args(argv)
+
+
+def load_ds_config(path: str) -> dict:
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--deepspeed_config {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed_config {path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"--deepspeed_config {path}: expected a JSON object")
+    train = cfg.get("train", {})
+    if not isinstance(train, dict) or set(train) - TRAIN_KEYS:
+        raise ConfigError(f'"train" in {path} must be an object with keys among {sorted(TRAIN_KEYS)}')
+    return cfg
+
+
+def synthetic_batches(vocab: int, micro_batch: int, seq: int, seed: int):
+    """Endless (inputs, labels) micro-batches of random tokens; labels are inputs shifted by one."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        tokens = torch.randint(0, vocab, (micro_batch, seq + 1), generator=gen)
+        yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    ds_cfg = load_ds_config(args.deepspeed_config)
+    train = ds_cfg.pop("train", {})
+    pipelined = "pipeline" in ds_cfg
+    if args.partition_method:
+        ds_cfg.setdefault("pipeline", {})["partition_method"] = args.partition_method
+    settings = PipelineSettings.from_ds_config(ds_cfg) if pipelined else None
+    model_cfg = load_model_config(args.model or train.get("model", "tiny"))
+    steps = args.steps if args.steps is not None else int(train.get("steps", 10))
+    seed = int(train.get("seed", 1234))
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    deepspeed.init_distributed()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(seed)  # same initial weights on every rank
+
+    micro_batch = int(ds_cfg.get("train_micro_batch_size_per_gpu", 1))
+    gas = int(ds_cfg.get("gradient_accumulation_steps", 1))
+    specs = gpt_layer_specs(model_cfg)
+    if pipelined:
+        from ds_pipe_ext.pipe.module import PipelineModule
+
+        if world % settings.stages:
+            raise ConfigError(f"pipeline.stages={settings.stages} does not divide the world size {world}")
+        dp = world // settings.stages
+        profile_batch = next(synthetic_batches(model_cfg.vocab_size, micro_batch, model_cfg.seq_len, seed=0))
+        model = PipelineModule(
+            specs,
+            num_stages=settings.stages,
+            loss_fn=lm_loss,
+            settings=settings,
+            profile_batch=profile_batch,
+            micro_batches=gas,
+            cost_key={"model": model_cfg.to_dict()},
+        )
+        stage_id = model.stage_id
+        dp_rank = model._grid.get_data_parallel_id()
+    else:
+        model = SequentialGPT(specs)
+        dp, stage_id, dp_rank = world, 0, rank
+
+    optimizer = None
+    if "optimizer" not in ds_cfg:
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=float(train.get("lr", 3e-4)), foreach=False
+        )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg,
+                                      model_parameters=None if optimizer else model.parameters())
+    device = get_accelerator().device_name(engine.local_rank)
+    data = synthetic_batches(model_cfg.vocab_size, micro_batch, model_cfg.seq_len, seed=seed + 1000 + dp_rank)
+
+    step_times, losses = [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        if pipelined:
+            loss = engine.train_batch(data_iter=data)
+        else:
+            for _ in range(gas):
+                inputs, labels = next(data)
+                loss = engine(inputs.to(device), labels.to(device))
+                engine.backward(loss)
+                engine.step()
+        step_times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+        if rank == 0:
+            print(json.dumps({"step": step + 1, "loss": round(losses[-1], 6), "step_s": round(step_times[-1], 4)}), flush=True)
+
+    # the first step pays for warm-up (allocations, caches); leave it out when we can
+    timed = step_times[1:] if len(step_times) > 1 else step_times
+    global_batch = micro_batch * gas * dp
+    summary = {
+        "mode": "pipeline" if pipelined else f"data-parallel zero={ds_cfg.get('zero_optimization', {}).get('stage', 0)}",
+        "model": model_cfg.name,
+        "world_size": world,
+        "stages": settings.stages if pipelined else 1,
+        "partition_method": settings.partition_method if pipelined else None,
+        "parts": list(model.parts) if pipelined else None,
+        "stage_id": stage_id,
+        "steps": steps,
+        "losses": losses,
+        "step_s_median": statistics.median(timed),
+        "samples_per_s": global_batch / statistics.median(timed),
+        "global_batch": global_batch,
+    }
+    if rank == 0:
+        print("SUMMARY " + json.dumps(summary), flush=True)
+        if args.metrics_out:
+            Path(args.metrics_out).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
