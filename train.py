@@ -37,7 +37,8 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="stop after N optimizer steps (default: train.steps or 10)")
     ap.add_argument("--model", default=None, help="override train.model (a name in model_configs/ or a .toml path)")
     ap.add_argument("--partition-method", default=None, help="override pipeline.partition_method")
-    ap.add_argument("--metrics-out", default=None, help="rank 0 writes a JSON summary of the run here")
+    ap.add_argument("--metrics-out", default=None,
+                    help="rank 0 writes a JSON summary here; every rank also writes NAME.rankR.json beside it")
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     return ap.parse_args(argv)
 
@@ -104,11 +105,13 @@ def main(argv=None) -> dict:
             profile_batch=profile_batch,
             micro_batches=gas,
             cost_key={"model": model_cfg.to_dict()},
+            seed_layers=True,  # layer i starts from seed + i: the same weights under any partition
+            base_seed=seed,
         )
         stage_id = model.stage_id
         dp_rank = model._grid.get_data_parallel_id()
     else:
-        model = SequentialGPT(specs)
+        model = SequentialGPT(specs, base_seed=seed)
         dp, stage_id, dp_rank = world, 0, rank
 
     optimizer = None
@@ -127,11 +130,14 @@ def main(argv=None) -> dict:
         if pipelined:
             loss = engine.train_batch(data_iter=data)
         else:
+            micro_losses = []
             for _ in range(gas):
                 inputs, labels = next(data)
-                loss = engine(inputs.to(device), labels.to(device))
-                engine.backward(loss)
+                micro_loss = engine(inputs.to(device), labels.to(device))
+                engine.backward(micro_loss)
                 engine.step()
+                micro_losses.append(micro_loss.detach())
+            loss = torch.stack(micro_losses).mean()  # what the pipeline engine reports: the mean over micro-batches
         step_times.append(time.perf_counter() - t0)
         losses.append(float(loss))
         if rank == 0:
@@ -154,16 +160,30 @@ def main(argv=None) -> dict:
         "samples_per_s": global_batch / statistics.median(timed),
         "global_batch": global_batch,
     }
+    if pipelined:
+        summary["local_layers"] = [model._local_start, model._local_stop]
+    if args.metrics_out:  # every rank: what it built, so tests can check all ranks agree
+        out = Path(args.metrics_out)
+        out.with_name(f"{out.stem}.rank{rank}.json").write_text(json.dumps({**summary, "rank": rank}, indent=2))
     if rank == 0:
         print("SUMMARY " + json.dumps(summary), flush=True)
         if args.metrics_out:
             Path(args.metrics_out).write_text(json.dumps(summary, indent=2))
+    # Leave together: a rank that exits while others still talk to it aborts them
+    # ("terminate called without an active exception" from gloo threads).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
     return summary
 
 
 if __name__ == "__main__":
+    from ds_pipe_ext.models.config import ModelConfigError
+    from ds_pipe_ext.partition import PartitionError
+    from ds_pipe_ext.pipe.module import PartitionDecisionError
+
     try:
         main()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, ModelConfigError, PartitionError, PartitionDecisionError) as e:
+        # the same message on every rank, then a clean non-zero exit (no hang, no traceback)
+        print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

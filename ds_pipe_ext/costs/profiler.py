@@ -254,8 +254,9 @@ def profile_layers(
                     loss_fn=loss_fn if last else None, labels=lab if last else None, name=names[i],
                 )
             cost, x = measured[sig]
-            # the last layer's output (the loss) never crosses a stage boundary
-            costs.append(LayerCost(**{**cost.to_dict(), "name": names[i], **({"output_bytes": 0} if last else {})}))
+            # with the loss attached, the last layer's output is a scalar that never crosses a boundary
+            ends_in_loss = last and loss_fn is not None
+            costs.append(LayerCost(**{**cost.to_dict(), "name": names[i], **({"output_bytes": 0} if ends_in_loss else {})}))
     if cache is not None:
         path = cache.save(key, fields, costs)
         log.info("profiled %d layers; cached at %s", len(costs), path)

@@ -200,17 +200,21 @@ class SequentialGPT(nn.Module):
     """The same layers in one process, for data parallelism (ZeRO) and parity checks.
 
     Tied specs with the same key share one module, as DeepSpeed's pipeline does.
+    With ``base_seed``, layer i is initialised from seed base_seed + i, exactly as
+    a PipelineModule with ``seed_layers=True`` does, so both start from the same weights.
     """
 
-    def __init__(self, specs: list, loss_fn: Callable = lm_loss):
+    def __init__(self, specs: list, loss_fn: Callable = lm_loss, *, base_seed: int | None = None):
         super().__init__()
         self.layers = nn.ModuleList()
         self._calls: list[tuple[int, Callable | None]] = []
         tied: dict[str, int] = {}
-        for spec in specs:
+        for layer_idx, spec in enumerate(specs):
             if isinstance(spec, TiedLayerSpec) and spec.key in tied:
                 self._calls.append((tied[spec.key], spec.forward_fn))
                 continue
+            if base_seed is not None:
+                torch.manual_seed(base_seed + layer_idx)
             self.layers.append(spec.build())
             idx = len(self.layers) - 1
             if isinstance(spec, TiedLayerSpec):

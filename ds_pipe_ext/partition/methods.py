@@ -3,7 +3,7 @@
 A method turns a ``PartitionRequest`` into DeepSpeed ``parts``.  DeepSpeed's own
 methods (``uniform``, ``parameters``, ``type:REGEX``) are registered as
 ``deepspeed_builtin`` so the PipelineModule hands them to DeepSpeed unchanged.
-An unknown name is a ``ValueError`` that lists the valid ones.
+An unknown name is a ``PartitionError`` (a ``ValueError``) that lists the valid ones.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def valid_names() -> list[str]:
 def lookup(method: str) -> tuple[PartitionMethod, str]:
     """The method for a name (case-insensitive, as DeepSpeed), and its argument for prefix methods."""
     if not isinstance(method, str):
-        raise ValueError(f"partition_method must be a string, got {method!r}; valid methods: {valid_names()}")
+        raise PartitionError(f"partition_method must be a string, got {method!r}; valid methods: {valid_names()}")
     key = method.strip()
     lowered = key.lower()
     if lowered in _REGISTRY and not lowered.endswith(":"):
@@ -72,7 +72,7 @@ def lookup(method: str) -> tuple[PartitionMethod, str]:
     prefix, sep, arg = key.partition(":")
     if sep and prefix.lower() + ":" in _REGISTRY:
         return _REGISTRY[prefix.lower() + ":"], arg
-    raise ValueError(f"unknown partition_method {method!r}; valid methods: {', '.join(valid_names())}")
+    raise PartitionError(f"unknown partition_method {method!r}; valid methods: {', '.join(valid_names())}")
 
 
 def _check_parts(parts: list[int], num_stages: int, num_layers: int) -> list[int]:

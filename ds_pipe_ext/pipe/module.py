@@ -69,7 +69,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
                 f"(pipeline.stages in ds.json) or a deeper model"
             )
         if spec.needs_costs and profile_batch is None:
-            raise ValueError(f"partition_method={method!r} profiles the layers: pass profile_batch=(inputs, labels)")
+            raise PartitionError(f"partition_method={method!r} profiles the layers: pass profile_batch=(inputs, labels)")
         self._ext_settings = settings
         self._ext_profile_batch = profile_batch
         self._ext_micro_batches = micro_batches or stages or 1

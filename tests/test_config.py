@@ -1,0 +1,62 @@
+import pytest
+
+from ds_pipe_ext.models.config import GPTConfig, ModelConfigError, available_models, load_model_config
+from ds_pipe_ext.pipe.config import ConfigError, PipelineSettings
+
+
+def test_all_shipped_model_configs_load():
+    names = available_models()
+    for required in ["tiny", "gpt2-small", "gpt2-medium", "gpt3-small", "gpt3-1.3b", "gpt3-175b", "bench-cpu"]:
+        assert required in names
+    for n in names:
+        cfg = load_model_config(n)
+        assert cfg.name == n and cfg.hidden % cfg.heads == 0
+    bench = load_model_config("bench-cpu")
+    assert (bench.vocab_size, bench.hidden, bench.layers, bench.seq_len) == (50257, 512, 12, 256)
+    assert bench.num_pipeline_layers == 14
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"hidden": 100, "heads": 3}, "not divisible by heads"),
+        ({"layers": 0}, "layers = 0"),
+        ({"vocab_size": "big"}, "vocab_size"),
+        ({"dropout": 1.5}, "dropout"),
+        ({"hiden": 64}, "unknown field"),
+    ],
+)
+def test_bad_model_config_names_the_field(fields, match):
+    base = dict(vocab_size=64, hidden=32, layers=2, heads=4, seq_len=8)
+    with pytest.raises(ModelConfigError, match=match):
+        GPTConfig.from_dict({**base, **fields}, name="bad")
+
+
+def test_missing_field_and_bad_toml(tmp_path):
+    with pytest.raises(ModelConfigError, match="missing field"):
+        GPTConfig.from_dict({"vocab_size": 10}, name="x")
+    p = tmp_path / "broken.toml"
+    p.write_text("hidden = = 3")
+    with pytest.raises(ModelConfigError, match="not valid TOML"):
+        load_model_config(p)
+    with pytest.raises(ModelConfigError, match="unknown model 'nope'"):
+        load_model_config("nope")
+
+
+def test_pipeline_section_parses_and_validates():
+    s = PipelineSettings.from_ds_config(
+        {"pipeline": {"stages": 2, "partition_method": "profiled", "profile": {"repeats": 3}, "memory_cap_gib": 4}}
+    )
+    assert (s.stages, s.partition_method, s.profile.repeats, s.memory_cap_gib) == (2, "profiled", 3, 4)
+    # DeepSpeed's own keys in the same section are accepted
+    PipelineSettings.from_ds_config({"pipeline": {"stages": 2, "pipe_partitioned": True}})
+    for bad, match in [
+        ({"pipeline": {"stages": 0}}, "stages"),
+        ({"pipeline": {"stagse": 2}}, "unknown key"),
+        ({"pipeline": {"profile": {"repeat": 3}}}, "pipeline.profile"),
+        ({"pipeline": {"profile": {"repeats": 0}}}, "repeats"),
+        ({"pipeline": {"memory_cap_gib": -1}}, "memory_cap_gib"),
+        ({"pipeline": []}, "must be an object"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            PipelineSettings.from_ds_config(bad)

@@ -1,0 +1,57 @@
+import pytest
+
+from ds_pipe_ext.costs.types import LayerCost
+from ds_pipe_ext.partition import PartitionError
+from ds_pipe_ext.partition.methods import decide_offline, lookup
+from ds_pipe_ext.partition.report import build_plan
+
+
+def gpt_like_costs():
+    """bench-cpu's shape: a cheap embedding with many parameters, 12 blocks, a costly head."""
+    emb = LayerCost("EmbeddingPipe", 0.001, 0.04, param_bytes=103_450_624)
+    blocks = [LayerCost("Block", 0.08, 0.15, param_bytes=12_609_536, activation_bytes=42_024_960, output_bytes=2_097_152)
+              for _ in range(12)]
+    head = LayerCost("HeadPipe", 0.8, 1.7, param_bytes=102_930_432, activation_bytes=210_063_364)
+    return [emb, *blocks, head]
+
+
+def test_lookup_and_unknown_method():
+    assert lookup("profiled")[0].name == "profiled"
+    assert lookup("PROFILED")[0].name == "profiled"
+    assert lookup("type:Block") == (lookup("type:x")[0], "Block")
+    assert lookup("uniform")[0].deepspeed_builtin
+    with pytest.raises(PartitionError, match=r"unknown partition_method 'profile'; valid methods: uniform, parameters, type:REGEX, profiled"):
+        lookup("profile")
+
+
+def test_offline_decisions_match_deepspeed_and_beat_it():
+    costs = gpt_like_costs()
+    assert decide_offline("uniform", costs, 2, micro_batches=4) == [0, 7, 14]
+    assert decide_offline("parameters", costs, 2, micro_batches=4) == [0, 7, 14]
+    assert decide_offline("type:Block", costs, 2, micro_batches=4) == [0, 7, 14]
+    profiled = decide_offline("profiled", costs, 2, micro_batches=4)
+    assert profiled == [0, 12, 14]
+    plans = {m: build_plan(m, decide_offline(m, costs, 2, micro_batches=4), costs, micro_batches=4)
+             for m in ["uniform", "profiled"]}
+    assert plans["profiled"].predicted_step_ms < plans["uniform"].predicted_step_ms
+    assert decide_offline("parts:0,11,14", costs, 2, micro_batches=4) == [0, 11, 14]
+
+
+@pytest.mark.parametrize("arg", ["parts:0,14", "parts:0,15,14", "parts:1,7,14", "parts:a,b"])
+def test_bad_explicit_parts(arg):
+    with pytest.raises(PartitionError, match="parts"):
+        decide_offline(arg, gpt_like_costs(), 2, micro_batches=4)
+
+
+def test_plan_report_renders():
+    costs = gpt_like_costs()
+    plan = build_plan("profiled", [0, 12, 14], costs, micro_batches=4, link_bandwidth=1e9)
+    table = plan.to_table()
+    assert "EmbeddingPipe, Block x11" in table and "Block, HeadPipe" in table
+    d = plan.to_dict()
+    assert [s["layers"] for s in d["stages"]] == [[0, 12], [12, 14]]
+    assert d["stages"][0]["inflight"] == 2 and d["stages"][1]["inflight"] == 1
+    # p2p: 2 x 2 MiB over 1 GB/s on each side of the single boundary
+    assert d["stages"][0]["comm_ms"] == pytest.approx(2 * 2_097_152 / 1e9 * 1e3)
+    widths = {len(line) for line in table.splitlines()[1:4]}
+    assert len(table.splitlines()[2]) >= max(widths) - 1  # header, rule and rows line up

@@ -1,0 +1,78 @@
+"""Real multi-process runs: `deepspeed --num_gpus N train.py` on CPU (gloo).
+
+Few but real: each launch costs ~10 s, so each test checks several things.
+"""
+
+import math
+
+import pytest
+
+from ds_pipe_ext.runner import ROOT, launch, write_config
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_user_command_on_4_ranks_every_rank_builds_the_same_stages(tmp_path):
+    # the README's command, from the repo root, with the root ds.json (4 stages, "profiled")
+    proc, ranks = launch(4, ROOT / "ds.json", "--steps", "2", out_dir=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(ranks) == [0, 1, 2, 3]
+    parts = ranks[0]["parts"]
+    assert len(parts) == 5 and parts[0] == 0 and parts[-1] == 6
+    assert all(r["parts"] == parts for r in ranks.values())
+    assert sorted(r["stage_id"] for r in ranks.values()) == [0, 1, 2, 3]
+    # each rank built exactly its own slice, and the slices tile the model
+    for r in ranks.values():
+        assert r["local_layers"] == parts[r["stage_id"]:r["stage_id"] + 2]
+    # one decision: only rank 0 profiled and printed the plan
+    assert proc.stdout.count("partition_method=profiled parts=") == 1
+    assert all(math.isfinite(x) for x in ranks[0]["losses"])
+
+
+def test_partition_does_not_change_the_math(tmp_path):
+    """Two different splits on 2 ranks and one process without a pipeline: the same losses."""
+    runs = {}
+    for name, method in [("front", "parts:0,2,6"), ("back", "parts:0,4,6")]:
+        out = tmp_path / name
+        out.mkdir()
+        proc, ranks = launch(2, ROOT / "launch_scripts" / "ds_pipeline.json", "--steps", "3",
+                             "--partition-method", method, out_dir=out, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert ranks[0]["parts"] == [int(b) for b in method.split(":")[1].split(",")]
+        runs[name] = ranks[0]["losses"]
+    out = tmp_path / "serial"
+    out.mkdir()
+    serial_cfg = write_config(tmp_path / "serial.json", pipeline=None)
+    proc, ranks = launch(1, serial_cfg, "--steps", "3", out_dir=out, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    serial = ranks[0]["losses"]
+    assert runs["front"][0] == runs["back"][0] == serial[0]  # same weights, same data: bit-identical
+    for a, b in zip(runs["front"], serial):
+        assert a == pytest.approx(b, rel=1e-4)
+    assert runs["front"] == pytest.approx(runs["back"], rel=1e-6)
+
+
+def test_zero3_baseline_runs_the_same_model_on_4_ranks(tmp_path):
+    proc, ranks = launch(4, ROOT / "launch_scripts" / "ds_zero3.json", "--steps", "2", out_dir=tmp_path, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ranks[0]["mode"] == "data-parallel zero=3" and ranks[0]["global_batch"] == 4 * 4 * 4
+    assert all(math.isfinite(x) for x in ranks[0]["losses"])
+
+
+@pytest.mark.parametrize(
+    "pipeline, message",
+    [
+        ({"memory_cap_gib": 1e-6}, "smallest cap that admits a partition"),
+        ({"partition_method": "profile"}, "unknown partition_method 'profile'; valid methods"),
+        ({"stages": 8}, "8 pipeline stages but only 6 layers"),
+    ],
+)
+def test_bad_input_fails_on_every_rank_without_hanging(tmp_path, pipeline, message):
+    cfg = write_config(tmp_path / "bad.json", pipeline=pipeline)
+    if "stages" in pipeline:
+        ranks_n = 8
+    else:
+        ranks_n = 2
+    proc, _ = launch(ranks_n, cfg, "--steps", "1", out_dir=tmp_path, cwd=tmp_path, timeout=180)
+    assert proc.returncode != 0
+    assert proc.stderr.count(message) == ranks_n, proc.stderr[-3000:]
