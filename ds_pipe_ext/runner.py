@@ -1,4 +1,7 @@
-"""Run `deepspeed --num_gpus N train.py ...` for real and collect what each rank wrote."""
+"""Run `deepspeed --num_gpus N train.py ...` for real and collect what each rank wrote.
+
+Used by the multi-process tests and the benches; needs a source checkout (train.py).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # the repository: train.py, launch_scripts/
 
 
-def write_config(path: Path, **overrides) -> Path:
-    cfg = json.loads((ROOT / "launch_scripts" / "ds_pipeline.json").read_text())
+def write_config(path: Path, base: str = "ds_pipeline.json", **overrides) -> Path:
+    """A copy of launch_scripts/BASE with top-level sections replaced or merged (None removes one)."""
+    cfg = json.loads((ROOT / "launch_scripts" / base).read_text())
     for key, value in overrides.items():
         if value is None:
             cfg.pop(key, None)
@@ -24,13 +28,14 @@ def write_config(path: Path, **overrides) -> Path:
     return path
 
 
-def launch(num_ranks: int, config: Path, *args: str, out_dir: Path, cwd: Path = ROOT, timeout: int = 240):
-    """Returns (completed process, {rank: metrics})."""
+def launch(num_ranks: int, config: Path, *args: str, out_dir: Path, cwd: Path = ROOT, timeout: int = 240,
+           threads_per_rank: int = 1):
+    """Returns (completed process, {rank: metrics}).  Ranks run with OMP_NUM_THREADS=threads_per_rank."""
     metrics = out_dir / "metrics.json"
     deepspeed = Path(sys.executable).with_name("deepspeed")
     cmd = [str(deepspeed), "--num_gpus", str(num_ranks), str(ROOT / "train.py"),
            "--deepspeed_config", str(config), "--metrics-out", str(metrics), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONPATH": str(ROOT),
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     ranks = {}
