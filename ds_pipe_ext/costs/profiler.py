@@ -8,7 +8,8 @@ the resulting ``LayerCost`` list.
 * Forward and backward are timed separately after warm-up; the median of the
   repeats is kept.  CUDA events on GPU, perf_counter on CPU.
 * Saved-activation bytes come from ``torch.autograd.graph.saved_tensors_hooks``:
-  the unique storages autograd keeps for backward, parameters excluded.
+  the unique storages autograd keeps for backward, parameters excluded.  On GPU
+  the allocator peak during forward + backward is recorded too (``peak_bytes``).
 * The profiler leaves no trace: it builds its own copies of the layers inside
   ``torch.random.fork_rng`` so the real model's initialisation is unchanged.
 * Layers with identical specs and inputs (the transformer blocks) are measured
@@ -154,6 +155,11 @@ def measure_layer(
 
     grad_out = None
     fwd_times, bwd_times = [], []
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        resting = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
     for r in range(settings.warmup + settings.repeats):
         for p in trainable:
             p.grad = None
@@ -171,6 +177,7 @@ def measure_layer(
             fwd_times.append(tf.elapsed())
             bwd_times.append(tb.elapsed())
 
+    peak = torch.cuda.max_memory_allocated(device) - resting if cuda else 0
     for p in trainable:
         p.grad = None
     act_bytes, out = saved_activation_bytes(lambda: forward(_detach_input(x)), params)
@@ -187,6 +194,7 @@ def measure_layer(
         optimizer_bytes=n_trainable * settings.optimizer_bytes_per_param,
         activation_bytes=act_bytes,
         output_bytes=sum(t.numel() * t.element_size() for t in _tensors(out)),
+        peak_bytes=max(int(peak), 0),
     )
     return cost, _detach_input(out)
 

@@ -26,6 +26,7 @@ class LayerCost:
     optimizer_bytes: int = 0
     activation_bytes: int = 0
     output_bytes: int = 0
+    peak_bytes: int = 0  # GPU allocator peak above the layer's resting memory during fwd+bwd (0 where unmeasured)
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -92,6 +92,11 @@ class PipelineModule(_DeepSpeedPipelineModule):
         spec, arg = lookup(method)
         if spec.deepspeed_builtin:
             super()._partition_layers(method=method)
+            # DeepSpeed's partition_balanced returns numpy ints, which break seed_layers
+            # (random.seed rejects np.int64): normalise to plain ints.
+            self.parts = [int(b) for b in self.parts]
+            stage_id = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
             return
         outcome: list = [None, None, None, None]  # parts, plan, costs, error
         if self.global_rank == 0:
