@@ -1,0 +1,298 @@
+"""Analytic per-op costs of a GPT: FLOPs, bytes moved, saved activations, weights, TP/SP communication.
+
+Pure arithmetic, no torch.  Each op function returns an ``OpCost`` for one
+micro-batch on one tensor-parallel rank.  Notation (Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", Sec. 4):
+b micro-batch, s sequence, h hidden, a heads, f ffn hidden, V vocabulary,
+t tensor-parallel degree, e bytes per element, m bytes per dropout-mask element.
+
+Saved activations follow that paper's accounting: with e=2, m=1, f=4h a block
+keeps s*b*h*(34 + 5*a*s/h) bytes without parallelism, 10 + 24/t (+5as/ht) with TP,
+34/t (+5as/ht) with TP+SP, and the 5*a*s/h term goes with selective recompute.
+Matmul FLOPs follow Narayanan et al. 2021 ("Efficient Large-Scale Language Model
+Training on GPU Clusters", Sec. 5.1): 2*m*n*k per (m x k)(k x n) product, and
+backward = 2 x forward.  TP/SP communication follows Megatron: without SP one
+all-reduce of b*s*h per block half in forward and one in backward; with SP an
+all-gather + reduce-scatter pair instead (the same bytes on a ring).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+
+class AnalyticError(ValueError):
+    """Shapes or degrees the analytic model cannot use; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One micro-batch of a GPT layer on one TP rank."""
+
+    b: int
+    s: int
+    h: int
+    a: int  # attention heads
+    f: int  # ffn hidden (4h for GPT)
+    V: int
+    e: int = 2  # bytes per activation / weight element (16-bit)
+    m: int = 1  # bytes per dropout-mask element
+    t: int = 1  # tensor-parallel degree
+    sp: bool = False  # sequence parallelism (needs t > 1 to mean anything)
+    dropout: bool = True  # dropout layers present (they save masks)
+
+    def __post_init__(self) -> None:
+        for name in ("b", "s", "h", "a", "f", "V", "e", "t"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise AnalyticError(f"{name} = {v!r}: sizes must be positive integers")
+        if self.m < 0:
+            raise AnalyticError(f"m = {self.m}: mask bytes must be >= 0")
+        for what, n in (("heads", self.a), ("hidden", self.h), ("ffn hidden", self.f)):
+            if n % self.t:
+                raise AnalyticError(f"tensor parallel degree {self.t} does not divide {what} ({n}); pick t dividing it")
+        if self.h % self.a:
+            raise AnalyticError(f"heads ({self.a}) do not divide hidden ({self.h})")
+        if self.sp and self.t == 1:
+            raise AnalyticError("sequence parallelism needs tensor parallelism (t > 1)")
+        if self.sp and self.s % self.t:
+            raise AnalyticError(f"sequence parallelism: t={self.t} must divide the sequence length {self.s}")
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.s
+
+    @property
+    def sbh(self) -> int:
+        return self.s * self.b * self.h
+
+    @property
+    def replicated_sbh(self) -> float:
+        """Elements of a (s, b, h) tensor outside the TP region: sharded by SP, else replicated."""
+        return self.sbh / self.t if self.sp else self.sbh
+
+
+@dataclass(frozen=True)
+class OpCost:
+    name: str
+    kind: str  # "matrix" (tensor cores) or "vector"
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    fwd_bytes: float = 0.0  # memory traffic: reads + writes
+    bwd_bytes: float = 0.0
+    activation_bytes: float = 0.0  # saved for backward
+    weight_bytes: float = 0.0
+    comm_fwd_bytes: float = 0.0  # per rank, payload of the collective
+    comm_bwd_bytes: float = 0.0
+    comm_type: str = ""  # all-reduce | all-gather | reduce-scatter | all-gather+reduce-scatter
+    recompute: bool = False  # dropped from saved activations under selective recompute
+
+    def __add__(self, other: "OpCost") -> "OpCost":
+        num = {f.name: getattr(self, f.name) + getattr(other, f.name)
+               for f in fields(self) if f.name not in ("name", "kind", "comm_type", "recompute")}
+        return OpCost(name=self.name, kind=self.kind, comm_type=self.comm_type, **num)
+
+
+# --------------------------------------------------------------------------- ops
+
+
+def linear(name: str, tokens: float, k: int, n: int, shp: Shape, *, bias: bool = True,
+           saved_input_elems: float | None = None) -> OpCost:
+    """(tokens x k) @ (k x n) [+ bias]: 2*tokens*k*n FLOPs forward, twice that backward
+    (input and weight gradients).  Saves its input (or ``saved_input_elems`` of it)."""
+    saved = tokens * k if saved_input_elems is None else saved_input_elems
+    w = (k * n + (n if bias else 0)) * shp.e
+    return OpCost(
+        name, "matrix",
+        fwd_flops=2.0 * tokens * k * n, bwd_flops=4.0 * tokens * k * n,
+        fwd_bytes=(tokens * k + tokens * n) * shp.e + w,
+        bwd_bytes=(2 * tokens * n + 2 * tokens * k) * shp.e + 2 * w,
+        activation_bytes=saved * shp.e, weight_bytes=w,
+    )
+
+
+def layer_norm(name: str, shp: Shape) -> OpCost:
+    """Saves its input (Korthikanti: 2sbh at 16-bit); sharded along s under SP."""
+    n = shp.replicated_sbh
+    return OpCost(name, "vector", fwd_flops=8.0 * n, bwd_flops=16.0 * n, fwd_bytes=2 * n * shp.e,
+                  bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e, weight_bytes=2 * shp.h * shp.e)
+
+
+def qkv(shp: Shape) -> OpCost:
+    """Column-parallel h -> 3h/t.  Under SP its input is all-gathered in forward; the
+    sharded copy is what is saved (re-gathered in backward), so 2sbh/t."""
+    op = linear("qkv", shp.tokens, shp.h, 3 * shp.h // shp.t, shp, saved_input_elems=shp.replicated_sbh)
+    return _tp_entry_comm(op, shp)
+
+
+def attention_logits(shp: Shape) -> OpCost:
+    """Q K^T per head: 2*b*s*s*h/t FLOPs; saves Q and K (4sbh/t at 16-bit)."""
+    flops = 2.0 * shp.b * shp.s * shp.s * shp.h / shp.t
+    return OpCost("logits", "matrix", fwd_flops=flops, bwd_flops=2 * flops,
+                  fwd_bytes=(2 * shp.sbh / shp.t + shp.a * shp.s * shp.s * shp.b / shp.t) * shp.e,
+                  activation_bytes=2 * shp.sbh / shp.t * shp.e)
+
+
+def softmax(shp: Shape) -> OpCost:
+    """Saves its output: a*s*s*b/t elements (2as^2b/t at 16-bit); recomputed under selective recompute."""
+    n = shp.a * shp.s * shp.s * shp.b / shp.t
+    return OpCost("softmax", "vector", fwd_flops=5.0 * n, bwd_flops=4.0 * n, fwd_bytes=2 * n * shp.e,
+                  bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e, recompute=True)
+
+
+def dropout(name: str, elems: float, shp: Shape, *, recompute: bool = False) -> OpCost:
+    """Saves its mask (m bytes per element); nothing when the model has no dropout."""
+    if not shp.dropout:
+        return OpCost(name, "vector")
+    return OpCost(name, "vector", fwd_flops=elems, bwd_flops=elems, fwd_bytes=2 * elems * shp.e + elems * shp.m,
+                  bwd_bytes=2 * elems * shp.e + elems * shp.m, activation_bytes=elems * shp.m, recompute=recompute)
+
+
+def attend(shp: Shape) -> list[OpCost]:
+    """softmax(QK^T) V: 2*b*s*s*h/t FLOPs; saves V and the (dropped-out) probabilities.
+
+    Two records because only the probabilities are recomputed under selective recompute.
+    """
+    flops = 2.0 * shp.b * shp.s * shp.s * shp.h / shp.t
+    probs = shp.a * shp.s * shp.s * shp.b / shp.t
+    return [OpCost("attend", "matrix", fwd_flops=flops, bwd_flops=2 * flops,
+                   fwd_bytes=(probs + 2 * shp.sbh / shp.t) * shp.e, activation_bytes=shp.sbh / shp.t * shp.e),
+            OpCost("attend_saved_probs", "matrix", activation_bytes=probs * shp.e, recompute=True)]
+
+
+def out_proj(shp: Shape) -> OpCost:
+    """Row-parallel h/t -> h, then an all-reduce (TP) or reduce-scatter (SP) of b*s*h."""
+    op = linear("out_proj", shp.tokens, shp.h // shp.t, shp.h, shp)
+    return _tp_exit_comm(op, shp)
+
+
+def mlp_fc1(shp: Shape) -> OpCost:
+    op = linear("fc1", shp.tokens, shp.h, shp.f // shp.t, shp, saved_input_elems=shp.replicated_sbh)
+    return _tp_entry_comm(op, shp)
+
+
+def gelu(shp: Shape) -> OpCost:
+    """Saves its input: b*s*f/t elements (8sbh/t at 16-bit with f=4h)."""
+    n = shp.tokens * shp.f / shp.t
+    return OpCost("gelu", "vector", fwd_flops=8.0 * n, bwd_flops=13.0 * n, fwd_bytes=2 * n * shp.e,
+                  bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e)
+
+
+def mlp_fc2(shp: Shape) -> OpCost:
+    op = linear("fc2", shp.tokens, shp.f // shp.t, shp.h, shp)
+    return _tp_exit_comm(op, shp)
+
+
+def residual_add(name: str, shp: Shape) -> OpCost:
+    n = shp.replicated_sbh
+    return OpCost(name, "vector", fwd_flops=n, fwd_bytes=3 * n * shp.e, bwd_bytes=2 * n * shp.e)
+
+
+def _tp_entry_comm(op: OpCost, shp: Shape) -> OpCost:
+    """Entering a TP region: SP all-gathers the input (fwd) and reduce-scatters its grad (bwd);
+    plain TP all-reduces the input gradient in backward (Megatron's f operator)."""
+    if shp.t == 1:
+        return op
+    payload = shp.sbh * shp.e
+    if shp.sp:
+        return replace(op, comm_fwd_bytes=payload, comm_bwd_bytes=payload, comm_type="all-gather+reduce-scatter")
+    return replace(op, comm_bwd_bytes=payload, comm_type="all-reduce")
+
+
+def _tp_exit_comm(op: OpCost, shp: Shape) -> OpCost:
+    """Leaving a TP region: the partial sums are all-reduced (TP) or reduce-scattered (SP) in forward;
+    backward all-gathers under SP and needs nothing without it (Megatron's g operator)."""
+    if shp.t == 1:
+        return op
+    payload = shp.sbh * shp.e
+    if shp.sp:
+        return replace(op, comm_fwd_bytes=payload, comm_bwd_bytes=payload, comm_type="reduce-scatter+all-gather")
+    return replace(op, comm_fwd_bytes=payload, comm_type="all-reduce")
+
+
+def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
+    """Vocabulary lookup (vocab-parallel: each rank holds V/t rows, then an all-reduce or,
+    with SP, a reduce-scatter), plus learned positions.  No FLOPs worth counting; the
+    backward scatters gradients into the table.  Saves only the token ids (int64)."""
+    out = shp.tokens * shp.h
+    rows = shp.V // shp.t if shp.V % shp.t == 0 else -(-shp.V // shp.t)
+    ops = [OpCost("word_embedding", "vector", fwd_bytes=2 * out * shp.e, bwd_bytes=2 * out * shp.e,
+                  activation_bytes=shp.tokens * 8, weight_bytes=rows * shp.h * shp.e)]
+    if shp.t > 1:
+        ops[0] = replace(ops[0], comm_fwd_bytes=out * shp.e,
+                         comm_type="reduce-scatter" if shp.sp else "all-reduce")
+    if positions:
+        ops.append(OpCost("position_embedding", "vector", fwd_flops=out, fwd_bytes=3 * out * shp.e,
+                          weight_bytes=shp.s * shp.h * shp.e))
+    ops.append(dropout("embedding_dropout", shp.replicated_sbh, shp))
+    return ops
+
+
+def transformer_block(shp: Shape) -> list[OpCost]:
+    """Pre-LN GPT block, op by op, in execution order."""
+    return [
+        layer_norm("ln_1", shp),
+        qkv(shp),
+        attention_logits(shp),
+        softmax(shp),
+        dropout("attn_prob_dropout", shp.a * shp.s * shp.s * shp.b / shp.t, shp, recompute=True),
+        *attend(shp),
+        out_proj(shp),
+        dropout("attn_dropout", shp.replicated_sbh, shp),
+        residual_add("residual_1", shp),
+        layer_norm("ln_2", shp),
+        mlp_fc1(shp),
+        gelu(shp),
+        mlp_fc2(shp),
+        dropout("mlp_dropout", shp.replicated_sbh, shp),
+        residual_add("residual_2", shp),
+    ]
+
+
+def lm_head(shp: Shape) -> list[OpCost]:
+    """Final LayerNorm, the column-parallel vocabulary projection (2*b*s*h*V/t FLOPs), and
+    the vocab-parallel cross-entropy, which keeps its softmax (b*s*V/t, fp32 in Megatron)."""
+    head = linear("lm_head", shp.tokens, shp.h, -(-shp.V // shp.t), shp, bias=False,
+                  saved_input_elems=shp.replicated_sbh)
+    head = _tp_entry_comm(head, shp)
+    logits = shp.tokens * -(-shp.V // shp.t)
+    xent = OpCost("cross_entropy", "vector", fwd_flops=5.0 * logits, bwd_flops=2.0 * logits,
+                  fwd_bytes=2 * logits * 4, bwd_bytes=2 * logits * 4, activation_bytes=logits * 4,
+                  comm_fwd_bytes=3 * shp.tokens * 4 if shp.t > 1 else 0.0,
+                  comm_type="all-reduce" if shp.t > 1 else "")
+    return [layer_norm("ln_f", shp), head, xent]
+
+
+def total(ops: list[OpCost], *, selective_recompute: bool = False) -> OpCost:
+    """Sum of ops; with selective recompute the ops marked ``recompute`` keep no activations."""
+    acc = OpCost("total", "mixed")
+    for op in ops:
+        if selective_recompute and op.recompute:
+            op = replace(op, activation_bytes=0.0)
+        acc = acc + op
+    return acc
+
+
+def matmul_flops_per_iteration(*, B: int, s: int, L: int, h: int, V: int) -> float:
+    """Narayanan et al. 2021: 72*B*s*L*h^2 * (1 + s/(6h) + V/(12hL)) (fwd + bwd, no recompute)."""
+    return 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+
+
+def zero_model_state_bytes(params: int, dp: int, stage: int, *, largest_layer_params: int = 0) -> int:
+    """Model-state bytes per data-parallel rank under ZeRO ``stage`` (0-3), as DeepSpeed estimates them.
+
+    Stage 2: 2*P + 18*P/dp; stage 3: 4*largest_layer + 18*P/dp (DeepSpeed's estimators,
+    no offload).  Stage 1 partitions fp32 params + Adam states (12 B) and keeps 16-bit
+    params/grads and fp32 grads (8 B); stage 0 keeps all 20 B per parameter.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise AnalyticError(f"ZeRO stage {stage!r}: use 0, 1, 2 or 3")
+    if dp < 1 or params < 0:
+        raise AnalyticError("dp must be >= 1 and params >= 0")
+    if stage == 0:
+        return 20 * params
+    if stage == 1:
+        return 8 * params + int(12 * params / dp)
+    if stage == 2:
+        return 2 * params + int(18 * params / dp)
+    return 4 * largest_layer_params + int(18 * params / dp)  # 4*largest: the gathered 16-bit layer + its grads
