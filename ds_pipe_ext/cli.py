@@ -1,6 +1,7 @@
 """`ds-pipe-ext`: plan pipeline partitions from the command line.
 
     ds-pipe-ext partition --model bench-cpu --stages 2 --micro-batch 4 [--method profiled] [--json]
+    ds-pipe-ext estimate --model gpt3-175b --tp 8 --sp --device a100 --micro-batch 1 --seq 2048 [--json]
 """
 
 from __future__ import annotations
@@ -44,6 +45,47 @@ def cmd_partition(args) -> int:
     return 0
 
 
+def cmd_estimate(args) -> int:
+    import json
+
+    from .costs.analytic import AnalyticError
+    from .costs.estimate import EstimateRequest, estimate_layers, layer_ops, op_rows, shape_for
+    from .costs.hardware import get_device
+    from .models.config import load_model_config
+    from .partition.report import render_table
+
+    cfg = load_model_config(args.model)
+    req = EstimateRequest(micro_batch=args.micro_batch, seq=args.seq or cfg.seq_len, tp=args.tp, sp=args.sp,
+                          dtype=args.dtype, selective_recompute=args.selective_recompute)
+    try:
+        device = get_device(args.device)
+        layers = estimate_layers(cfg, req, device)
+        block = op_rows(layer_ops(cfg, shape_for(cfg, req))[1][2], device, req)
+    except AnalyticError as e:
+        raise ValueError(str(e)) from None
+    if args.json:
+        print(json.dumps({"model": cfg.name, "device": device.name, "request": req.__dict__,
+                          "layers": layers, "block_ops": block}, indent=1))
+        return 0
+    mib, ms = 2**20, 1e3
+    print(f"{cfg.name}: one block, per op (b={req.micro_batch} s={req.seq} tp={req.tp} sp={req.sp} "
+          f"dtype={req.dtype} device={device.name})")
+    print("\n".join(render_table(
+        ["op", "fwd GFLOP", "bwd GFLOP", "act MiB", "weight MiB", "comm MiB", "comm type",
+         "compute ms", "memory ms", "comm ms", "intensity"],
+        [[r["op"], f"{r['fwd_flops'] / 1e9:.2f}", f"{r['bwd_flops'] / 1e9:.2f}", f"{r['activation_bytes'] / mib:.2f}",
+          f"{r['weight_bytes'] / mib:.2f}", f"{(r['comm_fwd_bytes'] + r['comm_bwd_bytes']) / mib:.2f}",
+          r["comm_type"] or "-", f"{r['compute_fwd_s'] * ms:.3f}", f"{r['memory_fwd_s'] * ms:.3f}",
+          f"{r['comm_fwd_s'] * ms:.3f}", f"{r['intensity']:.1f}"] for r in block])))
+    print()
+    print("per layer:")
+    print("\n".join(render_table(
+        ["layer", "kind", "fwd TFLOP", "act MiB", "params M", "fwd ms", "bwd ms"],
+        [[f"{i}:{r['name']}", r["kind"], f"{r['fwd_flops'] / 1e12:.3f}", f"{r['activation_bytes'] / mib:.1f}",
+          f"{r['params'] / 1e6:.1f}", f"{r['fwd_s'] * ms:.3f}", f"{r['bwd_s'] * ms:.3f}"] for i, r in enumerate(layers)])))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ds-pipe-ext", description="Cost-aware pipeline partitioning for DeepSpeed")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -61,6 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=".ds_pipe_ext_cache")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_partition)
+
+    e = sub.add_parser("estimate", help="analytic per-op and per-layer costs (no device needed)")
+    e.add_argument("--model", required=True)
+    e.add_argument("--micro-batch", type=int, default=1)
+    e.add_argument("--seq", type=int, default=None)
+    e.add_argument("--tp", type=int, default=1)
+    e.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    e.add_argument("--selective-recompute", action="store_true")
+    e.add_argument("--device", default="a100", help="a100 | a100-40gb | a100-80gb | h100 | h200 | cpu (measured)")
+    e.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_estimate)
     return ap
 
 

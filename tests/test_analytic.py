@@ -71,3 +71,35 @@ def test_zero_model_states_match_deepspeed_estimators(dp, stage):
 def test_bad_shapes_are_clear_errors(kw, match):
     with pytest.raises(A.AnalyticError, match=match):
         A.Shape(**{**G3, **kw})
+
+
+def test_ring_collectives_and_roofline():
+    from ds_pipe_ext.costs.hardware import get_device, ring_time
+
+    assert ring_time(8e9, "all-reduce", 8, 1e9) == pytest.approx(2 * 7 / 8 * 8)
+    assert ring_time(8e9, "all-gather", 8, 1e9) == pytest.approx(7 / 8 * 8)
+    assert ring_time(8e9, "all-reduce", 1, 1e9) == 0.0
+    a100 = get_device("a100")
+    op = A.linear("x", 4096, 4096, 4096, A.Shape(**G3))
+    t = a100.op_time(op, dtype="bf16", tp=1)
+    assert t["time_s"] == max(t["compute_s"], t["memory_s"])
+    assert t["compute_s"] == pytest.approx(2 * 4096**3 / (312e12 * a100.matrix_efficiency))
+    with pytest.raises(A.AnalyticError, match="unknown device 'tpu'"):
+        get_device("tpu")
+
+
+def test_estimate_cli_gpt3_175b_tp8_sp(capsys):
+    import json
+
+    from ds_pipe_ext.cli import main
+
+    assert main(["estimate", "--model", "gpt3-175b", "--tp", "8", "--sp", "--device", "a100",
+                 "--micro-batch", "1", "--seq", "2048", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    blocks = [layer for layer in out["layers"] if layer["kind"] == "block"]
+    assert len(blocks) == 96 and out["layers"][0]["kind"] == "embedding" and out["layers"][-1]["kind"] == "head"
+    assert all(layer["activation_bytes"] == 34 * s * b * h / t + 5 * a * s * s * b / t for layer in blocks)
+    assert {"name", "kind", "fwd_flops", "bwd_flops", "activation_bytes", "param_bytes", "fwd_s", "bwd_s"} <= set(blocks[0])
+    assert main(["estimate", "--model", "gpt3-175b", "--tp", "7"]) == 2
+    assert "does not divide heads" in capsys.readouterr().err

@@ -61,3 +61,20 @@ class LayerCost:
         if "name" not in d or "forward_s" not in d or "backward_s" not in d:
             raise ValueError("a LayerCost record needs at least name, forward_s and backward_s")
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    warmup: int = 2
+    repeats: int = 5
+    cache_dir: str | None = ".ds_pipe_ext_cache"  # None: no cache
+    optimizer_bytes_per_param: int = 8  # Adam: exp_avg + exp_avg_sq in fp32
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"profile.warmup = {self.warmup!r}; use an integer >= 0")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"profile.repeats = {self.repeats!r}; use an integer >= 1")
+        if not isinstance(self.optimizer_bytes_per_param, int) or self.optimizer_bytes_per_param < 0:
+            raise ValueError("profile.optimizer_bytes_per_param must be an integer >= 0")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from ..costs.profiler import ProfileSettings
+from ..costs.types import ProfileSettings  # torch-free: config parsing stays light
 
 # DeepSpeed's own keys in the same section: accepted and left to DeepSpeed.
 DEEPSPEED_PIPELINE_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_interval",

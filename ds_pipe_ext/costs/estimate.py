@@ -1,0 +1,87 @@
+"""Analytic costs of a whole GPT: per-op rows for a block, per-layer totals, ``LayerCost`` records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import analytic as A
+from .hardware import DeviceSpec
+from .types import LayerCost
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class EstimateRequest:
+    micro_batch: int
+    seq: int
+    tp: int = 1
+    sp: bool = False
+    dtype: str = "bf16"
+    selective_recompute: bool = False
+    optimizer_bytes_per_param: int = 12  # mixed-precision Adam: fp32 master + m + v
+
+
+def shape_for(cfg, req: EstimateRequest) -> A.Shape:
+    if req.dtype not in DTYPE_BYTES:
+        raise A.AnalyticError(f"dtype {req.dtype!r}: use one of {sorted(DTYPE_BYTES)}")
+    if req.seq > cfg.seq_len:
+        raise A.AnalyticError(f"seq {req.seq} exceeds the model's seq_len {cfg.seq_len}")
+    return A.Shape(b=req.micro_batch, s=req.seq, h=cfg.hidden, a=cfg.heads, f=cfg.ffn, V=cfg.vocab_size,
+                   e=DTYPE_BYTES[req.dtype], m=1, t=req.tp, sp=req.sp, dropout=cfg.dropout > 0)
+
+
+def layer_ops(cfg, shp: A.Shape) -> list[tuple[str, str, list[A.OpCost]]]:
+    """(name, kind, ops) per pipeline layer, in the order of gpt_layer_specs."""
+    layers = [("EmbeddingPipe", "embedding", A.embedding(shp))]
+    layers += [("Block", "block", A.transformer_block(shp))] * cfg.layers
+    layers.append(("HeadPipe", "head", A.lm_head(shp)))
+    return layers
+
+
+def op_rows(ops: list[A.OpCost], device: DeviceSpec, req: EstimateRequest) -> list[dict]:
+    rows = []
+    for op in ops:
+        f = device.op_time(op, dtype=req.dtype, tp=req.tp)
+        b = device.op_time(op, dtype=req.dtype, tp=req.tp, backward=True)
+        saved = 0.0 if (req.selective_recompute and op.recompute) else op.activation_bytes
+        rows.append({"op": op.name, "kind": op.kind, "fwd_flops": op.fwd_flops, "bwd_flops": op.bwd_flops,
+                     "activation_bytes": saved, "weight_bytes": op.weight_bytes,
+                     "comm_fwd_bytes": op.comm_fwd_bytes, "comm_bwd_bytes": op.comm_bwd_bytes, "comm_type": op.comm_type,
+                     "compute_fwd_s": f["compute_s"], "memory_fwd_s": f["memory_s"], "comm_fwd_s": f["comm_s"],
+                     "fwd_s": f["time_s"], "bwd_s": b["time_s"], "intensity": f["intensity"]})
+    return rows
+
+
+def estimate_layers(cfg, req: EstimateRequest, device: DeviceSpec) -> list[dict]:
+    shp = shape_for(cfg, req)
+    out = []
+    for name, kind, ops in layer_ops(cfg, shp):
+        rows = op_rows(ops, device, req)
+        params = sum(op.weight_bytes for op in ops) / shp.e
+        recompute_fwd = sum(r["fwd_s"] for r, op in zip(rows, ops) if op.recompute) if req.selective_recompute else 0.0
+        out.append({
+            "name": name, "kind": kind,
+            "fwd_flops": sum(r["fwd_flops"] for r in rows), "bwd_flops": sum(r["bwd_flops"] for r in rows),
+            "activation_bytes": sum(r["activation_bytes"] for r in rows),
+            "param_bytes": params * shp.e, "params": params,
+            "output_bytes": 0 if kind == "head" else shp.replicated_sbh * shp.e,
+            "comm_bytes": sum(r["comm_fwd_bytes"] + r["comm_bwd_bytes"] for r in rows),
+            "fwd_s": sum(r["fwd_s"] for r in rows), "bwd_s": sum(r["bwd_s"] for r in rows) + recompute_fwd,
+        })
+    return out
+
+
+def analytic_layer_costs(cfg, req: EstimateRequest, device: DeviceSpec) -> list[LayerCost]:
+    """The same records the profiler produces, from arithmetic (for partition_method "analytic")."""
+    shp = shape_for(cfg, req)
+    costs = []
+    for row in estimate_layers(cfg, req, device):
+        params = int(row["params"])
+        costs.append(LayerCost(
+            name=row["name"], forward_s=row["fwd_s"], backward_s=row["bwd_s"], recompute_s=row["fwd_s"],
+            param_bytes=params * shp.e, grad_bytes=params * shp.e,
+            optimizer_bytes=params * req.optimizer_bytes_per_param,
+            activation_bytes=int(row["activation_bytes"]), output_bytes=int(row["output_bytes"]),
+        ))
+    return costs

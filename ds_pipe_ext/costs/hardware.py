@@ -1,0 +1,123 @@
+"""Device specs as data, and the roofline that turns an ``OpCost`` into seconds.
+
+Peak numbers are the vendors' dense (no sparsity) datasheet figures; link
+bandwidths are per direction.  The efficiency factors are what a real kernel
+reaches of the peak; ``--calibrate`` (profiling on the device) is meant to
+replace them with measured ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .analytic import AnalyticError, OpCost
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    matrix_flops: dict  # dtype -> peak FLOP/s on matrix units
+    vector_flops: dict  # dtype -> peak FLOP/s elementwise
+    hbm_bandwidth: float  # bytes/s
+    intra_node_bandwidth: float  # bytes/s per direction (NVLink)
+    inter_node_bandwidth: float  # bytes/s per direction (one NIC)
+    memory_bytes: float
+    gpus_per_node: int = 8
+    matrix_efficiency: float = 0.7
+    vector_efficiency: float = 0.7
+    memory_efficiency: float = 0.8
+    comm_efficiency: float = 0.8
+
+    def op_time(self, op: OpCost, *, dtype: str, tp: int, backward: bool = False) -> dict:
+        """Roofline: max(compute, memory) plus the op's TP collective (ring formulas)."""
+        flops = op.bwd_flops if backward else op.fwd_flops
+        moved = op.bwd_bytes if backward else op.fwd_bytes
+        peak = (self.matrix_flops if op.kind == "matrix" else self.vector_flops).get(dtype)
+        if peak is None:
+            raise AnalyticError(f"device {self.name} has no {op.kind} peak for dtype {dtype!r}")
+        compute = flops / (peak * (self.matrix_efficiency if op.kind == "matrix" else self.vector_efficiency))
+        memory = moved / (self.hbm_bandwidth * self.memory_efficiency)
+        comm_bytes = op.comm_bwd_bytes if backward else op.comm_fwd_bytes
+        comm = ring_time(comm_bytes, op.comm_type, tp, self.link_bandwidth(tp) * self.comm_efficiency)
+        return {"compute_s": compute, "memory_s": memory, "comm_s": comm, "time_s": max(compute, memory) + comm,
+                "intensity": flops / moved if moved else float("inf")}
+
+    def link_bandwidth(self, group_size: int) -> float:
+        """TP groups inside a node use NVLink; larger ones cross the network."""
+        return self.intra_node_bandwidth if group_size <= self.gpus_per_node else self.inter_node_bandwidth
+
+
+def ring_time(payload_bytes: float, comm_type: str, n: int, bandwidth: float) -> float:
+    """Bandwidth term of ring collectives over n ranks (Thakur et al. 2005; NCCL's bus-bandwidth model):
+    all-reduce 2(n-1)/n * bytes, all-gather and reduce-scatter (n-1)/n * bytes each."""
+    if n <= 1 or payload_bytes == 0:
+        return 0.0
+    steps = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0,
+             "all-gather+reduce-scatter": 1.0, "reduce-scatter+all-gather": 1.0}
+    if comm_type not in steps:
+        raise AnalyticError(f"unknown collective {comm_type!r}")
+    # a fwd/bwd record of an SP pair holds one of the two collectives per direction
+    return steps[comm_type] * (n - 1) / n * payload_bytes / bandwidth
+
+
+_T = 1e12
+_GB = 1e9
+DEVICES: dict[str, DeviceSpec] = {
+    "a100-40gb": DeviceSpec("a100-40gb", {"bf16": 312 * _T, "fp16": 312 * _T, "fp32": 156 * _T},  # fp32 via TF32
+                            {"bf16": 78 * _T, "fp16": 78 * _T, "fp32": 19.5 * _T}, 1555 * _GB, 300 * _GB, 25 * _GB, 40 * 2**30),
+    "a100-80gb": DeviceSpec("a100-80gb", {"bf16": 312 * _T, "fp16": 312 * _T, "fp32": 156 * _T},
+                            {"bf16": 78 * _T, "fp16": 78 * _T, "fp32": 19.5 * _T}, 2039 * _GB, 300 * _GB, 25 * _GB, 80 * 2**30),
+    "h100-sxm": DeviceSpec("h100-sxm", {"bf16": 989 * _T, "fp16": 989 * _T, "fp32": 494 * _T},
+                           {"bf16": 134 * _T, "fp16": 134 * _T, "fp32": 67 * _T}, 3350 * _GB, 450 * _GB, 50 * _GB, 80 * 2**30),
+    "h200": DeviceSpec("h200", {"bf16": 989 * _T, "fp16": 989 * _T, "fp32": 494 * _T},
+                       {"bf16": 134 * _T, "fp16": 134 * _T, "fp32": 67 * _T}, 4800 * _GB, 450 * _GB, 50 * _GB, 141 * 2**30),
+}
+ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm"}
+
+
+def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float = 0.5) -> DeviceSpec:
+    """A 'cpu' spec from a short fp32 matmul and copy micro-benchmark (cached per thread count)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    path = Path(cache_dir) / f"cpu-spec-{threads}threads.json" if cache_dir else None
+    if path is not None and path.exists():
+        try:
+            return DeviceSpec(**json.loads(path.read_text()))
+        except (TypeError, ValueError):
+            pass  # corrupt: measure again
+
+    def rate(fn, work):
+        fn()
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 2:
+            fn()
+            n += 1
+        return n * work / (time.perf_counter() - t0)
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    mm = rate(lambda: a @ b, 2 * 1024**3)
+    x = torch.empty(16 * 2**20)  # 64 MiB: beyond the caches
+    y = torch.empty_like(x)
+    bw = rate(lambda: y.copy_(x), 2 * x.numel() * 4)
+    vec = rate(lambda: torch.add(x, y, out=y), x.numel())
+    ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    spec = DeviceSpec("cpu", {"fp32": mm, "bf16": mm}, {"fp32": vec, "bf16": vec}, bw, bw, bw, ram, gpus_per_node=1,
+                      matrix_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0, comm_efficiency=1.0)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(spec)))
+    return spec
+
+
+def get_device(name: str, **cpu_kwargs) -> DeviceSpec:
+    key = ALIASES.get(name.lower(), name.lower())
+    if key == "cpu":
+        return measure_cpu(**cpu_kwargs)
+    if key not in DEVICES:
+        raise AnalyticError(f"unknown device {name!r}; use one of {sorted([*DEVICES, *ALIASES, 'cpu'])}")
+    return DEVICES[key]
