@@ -23,7 +23,7 @@ install: $(STAMP)
 # The main job: GPT "tiny" on 4 CPU ranks, 4 pipeline stages, partition_method "profiled" (ds.json).
 demo: install
 	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/deepspeed --num_gpus 4 train.py --deepspeed_config ds.json --steps 5
-	$(VENV)/bin/ds-pipe-ext partition --model tiny --stages 4
+	$(VENV)/bin/ds-pipe-ext partition --model tiny --stages 4 --micro-batch 4 --micro-batches 4
 
 test: install
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -q tests
