@@ -105,6 +105,7 @@ def main(argv=None) -> dict:
             profile_batch=profile_batch,
             micro_batches=gas,
             cost_key={"model": model_cfg.to_dict()},
+            model_config=model_cfg,
             seed_layers=True,  # layer i starts from seed + i: the same weights under any partition
             base_seed=seed,
         )

@@ -55,3 +55,16 @@ def test_plan_report_renders():
     assert d["stages"][0]["comm_ms"] == pytest.approx(2 * 2_097_152 / 1e9 * 1e3)
     widths = {len(line) for line in table.splitlines()[1:4]}
     assert len(table.splitlines()[2]) >= max(widths) - 1  # header, rule and rows line up
+
+
+def test_analytic_method_partitions_analytic_costs():
+    from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs
+    from ds_pipe_ext.costs.hardware import get_device
+    from ds_pipe_ext.models.config import load_model_config
+
+    cfg = load_model_config("bench-cpu")
+    costs = analytic_layer_costs(cfg, EstimateRequest(micro_batch=4, seq=256, dtype="fp32"), get_device("a100"))
+    assert [c.name for c in costs] == ["EmbeddingPipe"] + ["Block"] * 12 + ["HeadPipe"]
+    parts = decide_offline("analytic", costs, 2, micro_batches=4)
+    # the head + loss is worth several blocks: the last stage gets far fewer than uniform's 6 blocks
+    assert parts[1] >= 10 and parts == decide_offline("profiled", costs, 2, micro_batches=4)

@@ -52,6 +52,14 @@ def test_partition_does_not_change_the_math(tmp_path):
     assert runs["front"] == pytest.approx(runs["back"], rel=1e-6)
 
 
+def test_analytic_method_on_2_ranks(tmp_path):
+    proc, ranks = launch(2, ROOT / "launch_scripts" / "ds_pipeline.json", "--steps", "1",
+                         "--partition-method", "analytic", out_dir=tmp_path, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ranks[0]["parts"] == ranks[1]["parts"] and len(ranks[0]["parts"]) == 3
+    assert proc.stdout.count("partition_method=analytic parts=") == 1  # decided once, on rank 0
+
+
 def test_zero3_baseline_runs_the_same_model_on_4_ranks(tmp_path):
     proc, ranks = launch(4, ROOT / "launch_scripts" / "ds_zero3.json", "--steps", "2", out_dir=tmp_path, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -114,10 +114,11 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     return spec
 
 
-def get_device(name: str, **cpu_kwargs) -> DeviceSpec:
+def get_device(name: str, *, cache_dir: str | None = ".ds_pipe_ext_cache") -> DeviceSpec:
+    """A named spec; "cpu" is measured on the spot (and cached in ``cache_dir``)."""
     key = ALIASES.get(name.lower(), name.lower())
     if key == "cpu":
-        return measure_cpu(**cpu_kwargs)
+        return measure_cpu(cache_dir)
     if key not in DEVICES:
         raise AnalyticError(f"unknown device {name!r}; use one of {sorted([*DEVICES, *ALIASES, 'cpu'])}")
     return DEVICES[key]

@@ -18,7 +18,7 @@ from . import PartitionError, partition_min_max
 class PartitionRequest:
     num_stages: int
     num_layers: int
-    costs: Callable[[], list]  # lazily computed LayerCost list (profiling is expensive)
+    costs: Callable[[str], list]  # source name ("profiled" | "analytic") -> LayerCost list, computed lazily
     micro_batches: int
     memory_cap_gib: float | None = None
     link_bandwidth: float | None = None  # bytes/s
@@ -31,7 +31,11 @@ class PartitionMethod:
     name: str  # "profiled", or "parts:" for a prefix method
     solve: Callable[[PartitionRequest], list[int]] | None  # None: DeepSpeed's own
     help: str
-    needs_costs: bool = False
+    cost_source: str | None = None  # which LayerCost source it partitions ("profiled", "analytic")
+
+    @property
+    def needs_costs(self) -> bool:
+        return self.cost_source is not None
 
     @property
     def deepspeed_builtin(self) -> bool:
@@ -41,9 +45,9 @@ class PartitionMethod:
 _REGISTRY: dict[str, PartitionMethod] = {}
 
 
-def register(name: str, help: str, *, needs_costs: bool = False):
+def register(name: str, help: str, *, cost_source: str | None = None):
     def deco(fn):
-        _REGISTRY[name] = PartitionMethod(name, fn, help, needs_costs)
+        _REGISTRY[name] = PartitionMethod(name, fn, help, cost_source)
         return fn
 
     return deco
@@ -86,16 +90,27 @@ def _check_parts(parts: list[int], num_stages: int, num_layers: int) -> list[int
     return parts
 
 
-@register("profiled", "ds_pipe_ext: exact min-max split of measured per-layer costs (cached profile)", needs_costs=True)
-def _profiled(req: PartitionRequest) -> list[int]:
+def _min_max(req: PartitionRequest, source: str) -> list[int]:
     return partition_min_max(
-        req.costs(),
+        req.costs(source),
         req.num_stages,
         memory_cap_gib=req.memory_cap_gib,
         micro_batches=req.micro_batches,
         link_bandwidth=req.link_bandwidth,
         recompute=req.recompute,
     )
+
+
+@register("profiled", "ds_pipe_ext: exact min-max split of measured per-layer costs (cached profile)",
+          cost_source="profiled")
+def _profiled(req: PartitionRequest) -> list[int]:
+    return _min_max(req, "profiled")
+
+
+@register("analytic", "ds_pipe_ext: exact min-max split of analytic per-layer costs (roofline on a device spec)",
+          cost_source="analytic")
+def _analytic(req: PartitionRequest) -> list[int]:
+    return _min_max(req, "analytic")
 
 
 @register("parts:", "explicit boundaries, e.g. parts:0,11,14 (benchmarks, reproducing a run)")
@@ -119,6 +134,8 @@ def decide_offline(
 ) -> list[int]:
     """The parts any registered method would choose, without a process group (CLI, benches).
 
+    ``costs`` serve whichever source the method asks for.
+
     DeepSpeed's methods run DeepSpeed's own functions on what its PipelineModule
     would count: trainable parameters per layer (from ``param_bytes`` of fp32
     layers) and layer class names.
@@ -127,7 +144,7 @@ def decide_offline(
     if num_stages > len(costs):
         raise PartitionError(f"{num_stages} stages but only {len(costs)} layers: use at most {len(costs)} stages")
     if not spec.deepspeed_builtin:
-        request = PartitionRequest(num_stages, len(costs), lambda: costs, micro_batches,
+        request = PartitionRequest(num_stages, len(costs), lambda source: costs, micro_batches,
                                    memory_cap_gib, link_bandwidth, recompute, arg)
         return [int(b) for b in spec.solve(request)]
     import re

@@ -8,7 +8,8 @@ so the plugin's settings live beside DeepSpeed's own there::
       "partition_method": "profiled",
       "profile": {"warmup": 2, "repeats": 5, "cache_dir": ".ds_pipe_ext_cache"},
       "memory_cap_gib": null,
-      "activation_checkpoint_interval": 0
+      "activation_checkpoint_interval": 0,
+      "analytic": {"device": "cpu", "dtype": "fp32"}   # used by partition_method "analytic"
     }
 """
 
@@ -35,6 +36,7 @@ class PipelineSettings:
     memory_cap_gib: float | None = None
     activation_checkpoint_interval: int = 0
     link_bandwidth_gbps: float | None = None  # GB/s between stages; None: ignore p2p in the partition
+    analytic: dict = field(default_factory=lambda: {"device": "cpu", "dtype": "fp32"})  # for "analytic"
 
     @classmethod
     def from_ds_config(cls, ds_config: dict) -> "PipelineSettings":
@@ -75,6 +77,8 @@ class PipelineSettings:
             raise ConfigError(f"pipeline.memory_cap_gib = {self.memory_cap_gib!r}; use a positive number or null")
         if not isinstance(self.activation_checkpoint_interval, int) or self.activation_checkpoint_interval < 0:
             raise ConfigError("pipeline.activation_checkpoint_interval must be an integer >= 0")
+        if not isinstance(self.analytic, dict) or set(self.analytic) - {"device", "dtype"}:
+            raise ConfigError('pipeline.analytic must be an object with keys "device" and "dtype"')
         if self.link_bandwidth_gbps is not None and not (
             isinstance(self.link_bandwidth_gbps, (int, float)) and self.link_bandwidth_gbps > 0
         ):

@@ -39,6 +39,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         micro_batches: micro-batches per step (gradient accumulation steps), for the
             1F1B in-flight memory model; default: the number of stages.
         cost_key: extra fields for the profile cache key (e.g. the model config).
+        model_config: the ``GPTConfig`` the specs were built from; required by "analytic".
     """
 
     def __init__(
@@ -54,6 +55,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         profile_batch: tuple[torch.Tensor, torch.Tensor] | None = None,
         micro_batches: int | None = None,
         cost_key: dict | None = None,
+        model_config=None,
         **deepspeed_kwargs,
     ):
         settings = settings or PipelineSettings(stages=num_stages or 1)
@@ -69,11 +71,14 @@ class PipelineModule(_DeepSpeedPipelineModule):
                 f"(pipeline.stages in ds.json) or a deeper model"
             )
         if spec.needs_costs and profile_batch is None:
-            raise PartitionError(f"partition_method={method!r} profiles the layers: pass profile_batch=(inputs, labels)")
+            raise PartitionError(f"partition_method={method!r} needs one micro-batch: pass profile_batch=(inputs, labels)")
+        if spec.cost_source == "analytic" and model_config is None:
+            raise PartitionError(f"partition_method={method!r} computes costs from the model's shape: pass model_config")
         self._ext_settings = settings
         self._ext_profile_batch = profile_batch
         self._ext_micro_batches = micro_batches or stages or 1
         self._ext_cost_key = cost_key or {}
+        self._ext_model_config = model_config
         self._ext_recompute = interval > 0
         self.partition_plan: PartitionPlan | None = None
         self.layer_costs: list | None = None
@@ -115,8 +120,22 @@ class PipelineModule(_DeepSpeedPipelineModule):
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 
-    def _layer_costs(self) -> list:
+    def _layer_costs(self, source: str) -> list:
         inputs, labels = self._ext_profile_batch
+        if source == "analytic":
+            from ..costs.estimate import EstimateRequest, analytic_layer_costs
+            from ..costs.hardware import get_device
+
+            opts = self._ext_settings.analytic
+            request = EstimateRequest(micro_batch=inputs.shape[0], seq=inputs.shape[1], dtype=opts.get("dtype", "fp32"))
+            device = get_device(opts.get("device", "cpu"), cache_dir=self._ext_settings.profile.cache_dir)
+            costs = analytic_layer_costs(self._ext_model_config, request, device)
+            if len(costs) != len(self._layer_specs):
+                raise PartitionError(
+                    f"analytic costs describe {len(costs)} layers but the model has {len(self._layer_specs)} "
+                    f"(tied embeddings are not modelled analytically yet); use partition_method 'profiled'"
+                )
+            return costs
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         return profile_layers(
             self._layer_specs,
@@ -134,9 +153,9 @@ class PipelineModule(_DeepSpeedPipelineModule):
         bandwidth = settings.link_bandwidth_gbps * 1e9 if settings.link_bandwidth_gbps else None
         cache: dict = {}
 
-        def costs():
+        def costs(source: str):
             if "costs" not in cache:
-                cache["costs"] = self._layer_costs()
+                cache["costs"] = self._layer_costs(source)
             return cache["costs"]
 
         request = PartitionRequest(
