@@ -20,13 +20,14 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ds_pipe_ext.models.config import load_model_config
 from ds_pipe_ext.models.gpt import SequentialGPT, gpt_layer_specs, lm_loss
-from ds_pipe_ext.pipe.config import ConfigError, PipelineSettings
+from ds_pipe_ext.pipe.config import ConfigError, InstrumentSettings, PipelineSettings
 
 TRAIN_KEYS = {"model", "steps", "seed", "lr"}
 
@@ -37,6 +38,11 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="stop after N optimizer steps (default: train.steps or 10)")
     ap.add_argument("--model", default=None, help="override train.model (a name in model_configs/ or a .toml path)")
     ap.add_argument("--partition-method", default=None, help="override pipeline.partition_method")
+    ap.add_argument("--instrument", nargs="?", const="runs/latest", default=None, metavar="RUN_DIR",
+                    help="record per-stage time and memory into RUN_DIR (default runs/latest); "
+                         "same as pipeline.instrument in ds.json")
+    ap.add_argument("--refine-from", default=None, metavar="RUN_DIR",
+                    help="correct profiled costs with the stage times measured in RUN_DIR (pipeline.refine_from)")
     ap.add_argument("--metrics-out", default=None,
                     help="rank 0 writes a JSON summary here; every rank also writes NAME.rankR.json beside it")
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
@@ -66,6 +72,30 @@ def synthetic_batches(vocab: int, micro_batch: int, seq: int, seed: int):
         yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def start_instrumentation(engine, model, settings, micro_batches: int, rank: int):
+    """Rank 0 writes what the partition predicts; every rank records its stage."""
+    from ds_pipe_ext.instrument.hooks import instrument_engine
+    from ds_pipe_ext.instrument.refine import load_run, measured_overheads
+    from ds_pipe_ext.instrument.sink import RunSink
+
+    run_dir = Path(settings.instrument.run_dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        costs = model.layer_costs or model.compute_layer_costs("profiled")  # built-in methods: profile to predict
+        predicted = {
+            "method": settings.partition_method, "parts": list(model.parts), "micro_batches": micro_batches,
+            "recompute": settings.activation_checkpoint_interval > 0,
+            "link_bandwidth": settings.link_bandwidth_gbps * 1e9 if settings.link_bandwidth_gbps else None,
+            "layer_costs": [c.to_dict() for c in costs],
+            "refined_from": settings.refine_from,
+            "overheads": measured_overheads(load_run(settings.refine_from)) if settings.refine_from else None,
+        }
+        (run_dir / "predicted.json").write_text(json.dumps(predicted, indent=1))
+    sink = RunSink(run_dir, rank, every=settings.instrument.every, monitor=getattr(engine, "monitor", None))
+    instrument_engine(engine, sink.emit)
+    return sink
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     ds_cfg = load_ds_config(args.deepspeed_config)
@@ -74,6 +104,13 @@ def main(argv=None) -> dict:
     if args.partition_method:
         ds_cfg.setdefault("pipeline", {})["partition_method"] = args.partition_method
     settings = PipelineSettings.from_ds_config(ds_cfg) if pipelined else None
+    if args.instrument or args.refine_from:
+        if not pipelined:
+            raise ConfigError("--instrument/--refine-from measure pipeline stages: use a ds.json with a \"pipeline\" section")
+        if args.instrument:
+            settings = replace(settings, instrument=InstrumentSettings(True, args.instrument, settings.instrument.every))
+        if args.refine_from:
+            settings = replace(settings, refine_from=args.refine_from)
     model_cfg = load_model_config(args.model or train.get("model", "tiny"))
     steps = args.steps if args.steps is not None else int(train.get("steps", 10))
     seed = int(train.get("seed", 1234))
@@ -123,6 +160,9 @@ def main(argv=None) -> dict:
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg,
                                       model_parameters=None if optimizer else model.parameters())
     device = get_accelerator().device_name(engine.local_rank)
+    sink = None
+    if pipelined and settings.instrument.enabled:
+        sink = start_instrumentation(engine, model, settings, gas, rank)
     data = synthetic_batches(model_cfg.vocab_size, micro_batch, model_cfg.seq_len, seed=seed + 1000 + dp_rank)
 
     step_times, losses = [], []
@@ -144,6 +184,9 @@ def main(argv=None) -> dict:
         if rank == 0:
             print(json.dumps({"step": step + 1, "loss": round(losses[-1], 6), "step_s": round(step_times[-1], 4)}), flush=True)
 
+    if sink is not None:
+        sink.gather()  # collective: rank 0 writes RUN_DIR/summary.json
+        sink.close()
     # the first step pays for warm-up (allocations, caches); leave it out when we can
     timed = step_times[1:] if len(step_times) > 1 else step_times
     global_batch = micro_batch * gas * dp

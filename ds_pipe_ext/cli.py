@@ -2,6 +2,7 @@
 
     ds-pipe-ext partition --model bench-cpu --stages 2 --micro-batch 4 [--method profiled] [--json]
     ds-pipe-ext estimate --model gpt3-175b --tp 8 --sp --device a100 --micro-batch 1 --seq 2048 [--json]
+    ds-pipe-ext report RUN_DIR [--json] [--png FILE]
 """
 
 from __future__ import annotations
@@ -86,6 +87,24 @@ def cmd_estimate(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from .instrument.refine import RunDirError
+    from .instrument.report import build_report, render_report_table, report_json
+
+    try:
+        rep = build_report(args.run_dir)
+    except RunDirError as e:
+        raise ValueError(str(e)) from None
+    print(report_json(rep) if args.json else render_report_table(rep))
+    if args.png:
+        from .instrument.plot import write_png
+
+        out = write_png(rep, args.png)
+        if not args.json:
+            print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ds-pipe-ext", description="Cost-aware pipeline partitioning for DeepSpeed")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -115,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_estimate)
+
+    r = sub.add_parser("report", help="predicted vs measured per stage, from an instrumented run directory")
+    r.add_argument("run_dir")
+    r.add_argument("--json", action="store_true")
+    r.add_argument("--png", default=None, metavar="FILE", help="also write per-stage bar charts to FILE")
+    r.set_defaults(func=cmd_report)
     return ap
 
 

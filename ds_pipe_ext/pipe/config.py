@@ -9,7 +9,9 @@ so the plugin's settings live beside DeepSpeed's own there::
       "profile": {"warmup": 2, "repeats": 5, "cache_dir": ".ds_pipe_ext_cache"},
       "memory_cap_gib": null,
       "activation_checkpoint_interval": 0,
-      "analytic": {"device": "cpu", "dtype": "fp32"}   # used by partition_method "analytic"
+      "analytic": {"device": "cpu", "dtype": "fp32"},  # used by partition_method "analytic"
+      "instrument": {"enabled": false, "run_dir": "runs/latest", "every": 0},
+      "refine_from": null                               # a run directory to learn stage costs from
     }
 """
 
@@ -29,6 +31,23 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class InstrumentSettings:
+    """``"pipeline": {"instrument": {"enabled": true, "run_dir": "runs/x", "every": 0}}`` (off by default)."""
+
+    enabled: bool = False
+    run_dir: str = "runs/latest"
+    every: int = 0  # also gather a summary on rank 0 every N steps (0: only at the end)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError("pipeline.instrument.enabled must be true or false")
+        if not isinstance(self.run_dir, str) or not self.run_dir:
+            raise ConfigError("pipeline.instrument.run_dir must be a directory path")
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
+            raise ConfigError("pipeline.instrument.every must be an integer >= 0")
+
+
+@dataclass(frozen=True)
 class PipelineSettings:
     stages: int = 1
     partition_method: str = "parameters"
@@ -37,6 +56,8 @@ class PipelineSettings:
     activation_checkpoint_interval: int = 0
     link_bandwidth_gbps: float | None = None  # GB/s between stages; None: ignore p2p in the partition
     analytic: dict = field(default_factory=lambda: {"device": "cpu", "dtype": "fp32"})  # for "analytic"
+    instrument: InstrumentSettings = field(default_factory=InstrumentSettings)
+    refine_from: str | None = None  # a run directory: correct layer costs with its measured stage times
 
     @classmethod
     def from_ds_config(cls, ds_config: dict) -> "PipelineSettings":
@@ -60,8 +81,13 @@ class PipelineSettings:
         bad = sorted(set(prof) - prof_fields)
         if bad:
             raise ConfigError(f'unknown key(s) {bad} in "pipeline.profile"; valid keys are {sorted(prof_fields)}')
+        inst = kw.get("instrument", {})
+        inst_fields = {f.name for f in fields(InstrumentSettings)}
+        if not isinstance(inst, dict) or set(inst) - inst_fields:
+            raise ConfigError(f'"pipeline.instrument" must be an object with keys among {sorted(inst_fields)}')
         try:
             kw["profile"] = ProfileSettings(**prof)
+            kw["instrument"] = InstrumentSettings(**inst)
             return cls(**kw)
         except ValueError as e:
             raise ConfigError(f'ds.json "pipeline": {e}') from None
@@ -79,6 +105,8 @@ class PipelineSettings:
             raise ConfigError("pipeline.activation_checkpoint_interval must be an integer >= 0")
         if not isinstance(self.analytic, dict) or set(self.analytic) - {"device", "dtype"}:
             raise ConfigError('pipeline.analytic must be an object with keys "device" and "dtype"')
+        if self.refine_from is not None and not isinstance(self.refine_from, str):
+            raise ConfigError("pipeline.refine_from must be a run directory (string) or null")
         if self.link_bandwidth_gbps is not None and not (
             isinstance(self.link_bandwidth_gbps, (int, float)) and self.link_bandwidth_gbps > 0
         ):

@@ -120,7 +120,8 @@ class PipelineModule(_DeepSpeedPipelineModule):
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 
-    def _layer_costs(self, source: str) -> list:
+    def compute_layer_costs(self, source: str = "profiled") -> list:
+        """LayerCost per layer from a source (profiling runs here, on the calling rank)."""
         inputs, labels = self._ext_profile_batch
         if source == "analytic":
             from ..costs.estimate import EstimateRequest, analytic_layer_costs
@@ -155,7 +156,11 @@ class PipelineModule(_DeepSpeedPipelineModule):
 
         def costs(source: str):
             if "costs" not in cache:
-                cache["costs"] = self._layer_costs(source)
+                cache["costs"] = self.compute_layer_costs(source)
+                if settings.refine_from:
+                    from ..instrument.refine import refine_costs
+
+                    cache["costs"] = refine_costs(cache["costs"], settings.refine_from)
             return cache["costs"]
 
         request = PartitionRequest(

@@ -1,0 +1,1 @@
+"""Per-stage instrumentation of pipeline training, and the predicted-vs-measured report."""

@@ -1,0 +1,174 @@
+"""Per-stage timing and memory for DeepSpeed's PipelineEngine.
+
+The engine runs its schedule by looking each instruction up in
+``self._INSTRUCTION_MAP``.  ``instrument_engine`` puts a timed copy of that map
+on the engine instance (and wraps ``train_batch``), so nothing changes, and
+nothing costs anything, when instrumentation is off: no hook is installed at all.
+
+Per step it records, for this rank's stage: forward and backward time of every
+micro-batch, p2p send/recv time by kind, gradient reduction and optimizer-step
+time, and memory (parameters, gradients, optimizer states, peak of saved
+activations, process/allocator peak).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from .memory import SavedActivationMeter, model_state_bytes, process_peak_bytes
+
+# instruction class name -> record key
+_KINDS = {
+    "ForwardPass": "forward",
+    "BackwardPass": "backward",
+    "SendActivation": "send_activation",
+    "RecvActivation": "recv_activation",
+    "SendGrad": "send_grad",
+    "RecvGrad": "recv_grad",
+    "ReduceGrads": "reduce_grads",
+    "ReduceTiedGrads": "reduce_tied_grads",
+    "OptimizerStep": "optimizer_step",
+    "LoadMicroBatch": "load_micro_batch",
+}
+
+
+class _Clock:
+    """perf_counter on CPU; CUDA events on GPU, read once per step (no sync per instruction)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple[str, object, object]] = []
+
+    def start(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, kind: str, token, out: dict) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pending.append((kind, token, end))
+        else:
+            out[kind].append(1e3 * (time.perf_counter() - token))
+
+    def resolve(self, out: dict) -> None:
+        if self.pending:
+            self.pending[-1][2].synchronize()
+            for kind, start, end in self.pending:
+                out[kind].append(start.elapsed_time(end))
+            self.pending.clear()
+
+
+class StageRecorder:
+    def __init__(self, engine, emit: Callable[[dict], None]):
+        self.engine = engine
+        self.emit = emit
+        module = engine.module
+        self.device = next(module.parameters()).device if any(True for _ in module.parameters()) else torch.device("cpu")
+        self.clock = _Clock(self.device)
+        self.meter = SavedActivationMeter(module)
+        self.step = 0
+        self.times: dict[str, list[float]] = defaultdict(list)
+        self.state_bytes: dict[str, int] = {}
+
+    def wrap_instruction(self, kind: str, fn):
+        recorder = self
+
+        if kind == "forward":
+            def run(engine, **kw):
+                token = recorder.clock.start()
+                with recorder.meter.forward(kw.get("buffer_id", 0)):
+                    fn(engine, **kw)
+                recorder.clock.stop(kind, token, recorder.times)
+        elif kind == "optimizer_step":
+            def run(engine, **kw):
+                # gradients are complete here and freed by the step: count them now
+                recorder.state_bytes = model_state_bytes(engine.module, engine.optimizer)
+                token = recorder.clock.start()
+                fn(engine, **kw)
+                recorder.clock.stop(kind, token, recorder.times)
+        elif kind == "backward":
+            def run(engine, **kw):
+                token = recorder.clock.start()
+                fn(engine, **kw)
+                recorder.clock.stop(kind, token, recorder.times)
+                recorder.meter.backward_done(kw.get("buffer_id", 0))
+        else:
+            def run(engine, **kw):
+                token = recorder.clock.start()
+                fn(engine, **kw)
+                recorder.clock.stop(kind, token, recorder.times)
+        return run
+
+    def wrap_call(self, kind: str, fn):
+        recorder = self
+
+        def run(*args, **kwargs):
+            token = recorder.clock.start()
+            out = fn(*args, **kwargs)
+            recorder.clock.stop(kind, token, recorder.times)
+            return out
+
+        return run
+
+    def wrap_train_batch(self, train_batch):
+        recorder = self
+
+        def run(*args, **kwargs):
+            recorder.times.clear()
+            recorder.meter.reset_peak()
+            t0 = time.perf_counter()
+            loss = train_batch(*args, **kwargs)
+            if recorder.clock.cuda:
+                torch.cuda.synchronize(recorder.device)
+            step_ms = 1e3 * (time.perf_counter() - t0)
+            recorder.clock.resolve(recorder.times)
+            recorder.step += 1
+            recorder.emit(recorder.record(step_ms, loss))
+            return loss
+
+        return run
+
+    def record(self, step_ms: float, loss) -> dict:
+        eng = self.engine
+        rec = {
+            "step": self.step,
+            "rank": eng.global_rank,
+            "stage": eng.stage_id,
+            "num_stages": eng.num_stages,
+            "micro_batches": eng.micro_batches,
+            "step_ms": step_ms,
+            "loss": float(loss) if loss is not None else None,
+            "forward_ms": list(self.times.get("forward", [])),
+            "backward_ms": list(self.times.get("backward", [])),
+        }
+        for kind in [*_KINDS.values(), "aggregate_loss"]:
+            if kind not in ("forward", "backward"):
+                rec[f"{kind}_ms"] = sum(self.times.get(kind, []))
+        after = model_state_bytes(eng.module, eng.optimizer)  # optimizer states exist after the first step
+        rec.update(param_bytes=after["param_bytes"], optimizer_bytes=after["optimizer_bytes"],
+                   grad_bytes=self.state_bytes.get("grad_bytes", after["grad_bytes"]))
+        rec["activation_peak_bytes"] = self.meter.peak
+        rec.update(process_peak_bytes(self.device))
+        return rec
+
+
+def instrument_engine(engine, emit: Callable[[dict], None]) -> StageRecorder:
+    """Install timing on a PipelineEngine; ``emit`` receives one record per step."""
+    recorder = StageRecorder(engine, emit)
+    timed = {}
+    for cls, fn in type(engine)._INSTRUCTION_MAP.items():
+        kind = _KINDS.get(cls.__name__, cls.__name__)
+        timed[cls] = recorder.wrap_instruction(kind, fn)
+    engine._INSTRUCTION_MAP = timed  # instance attribute: shadows the class map for this engine only
+    engine.train_batch = recorder.wrap_train_batch(engine.train_batch)
+    # the loss broadcast after the schedule is part of every step too
+    engine._aggregate_total_loss = recorder.wrap_call("aggregate_loss", engine._aggregate_total_loss)
+    return recorder

@@ -1,0 +1,150 @@
+"""Predicted vs measured, per stage: the partition report (`ds-pipe-ext report RUN_DIR`).
+
+In the terms of a graph partitioner's report: stage times (forward, backward,
+with/without recompute), imbalance = fastest/slowest (higher is better) and the
+topology-aware imbalance (worst ratio between neighbouring stages), boundary
+activation volume and transfer time, ideal forward/backward fill latency per
+stage, memory and the bottleneck stage, and the 1F1B step time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..partition import held_activation_bytes
+from ..partition.report import render_table
+from ..simulate.schedule import simulate_1f1b
+from .refine import load_run, measured_overheads
+
+MIB = 2**20
+
+
+def _imbalance(times: list[float]) -> tuple[float, float]:
+    """(fastest/slowest, worst fastest/slowest over neighbouring stages); 1.0 is perfect."""
+    if len(times) < 2 or max(times) == 0:
+        return 1.0, 1.0
+    whole = min(times) / max(times)
+    pairs = [min(a, b) / max(a, b) if max(a, b) > 0 else 1.0 for a, b in zip(times, times[1:])]
+    return whole, min(pairs)
+
+
+def _cumulative(xs: list[float], reverse: bool = False) -> list[float]:
+    out, acc = [], 0.0
+    for x in (reversed(xs) if reverse else xs):
+        acc += x
+        out.append(acc)
+    return out[::-1] if reverse else out
+
+
+def build_report(run_dir: str | Path) -> dict:
+    run = load_run(run_dir)
+    pred, stages = run["predicted"], run["summary"]["stages"]
+    costs, parts, m = pred["layer_costs"], pred["parts"], pred["micro_batches"]
+    recompute = bool(pred.get("recompute", False))
+    bandwidth = pred.get("link_bandwidth")
+    p = len(parts) - 1
+    if len(stages) != p:
+        raise ValueError(f"{run_dir}: summary has {len(stages)} stages, the partition has {p}")
+    held = held_activation_bytes(costs, recompute=recompute)
+    rows = []
+    for s in range(p):
+        i, j = parts[s], parts[s + 1]
+        layer = costs[i:j]
+        st = stages[s]
+        out_bytes = layer[-1].output_bytes if j < len(costs) else 0
+        rows.append({
+            "stage": s, "layers": [i, j],
+            "pred_forward_ms": 1e3 * sum(c.forward_s for c in layer),
+            "pred_backward_ms": 1e3 * sum(c.backward_s for c in layer),
+            "pred_recompute_ms": 1e3 * sum(c.recompute_s for c in layer),
+            "meas_forward_ms": st["forward_ms_mean"], "meas_forward_p90_ms": st["forward_ms_p90"],
+            "meas_backward_ms": st["backward_ms_mean"], "meas_backward_p90_ms": st["backward_ms_p90"],
+            "boundary_out_bytes": out_bytes,
+            "pred_transfer_ms": 1e3 * out_bytes / bandwidth if bandwidth and out_bytes else 0.0,
+            "meas_send_ms": st["send_activation_ms_mean"] / m,
+            "pred_param_bytes": sum(c.param_bytes for c in layer),
+            "pred_grad_bytes": sum(c.grad_bytes for c in layer),
+            "pred_optimizer_bytes": sum(c.optimizer_bytes for c in layer),
+            "pred_activation_peak_bytes": min(p - s, m) * int(sum(held[i:j])),
+            "meas_param_bytes": st["param_bytes"], "meas_grad_bytes": st["grad_bytes"],
+            "meas_optimizer_bytes": st["optimizer_bytes"], "meas_activation_peak_bytes": st["activation_peak_bytes"],
+            "meas_optimizer_ms": st["optimizer_step_ms_mean"] + st["reduce_grads_ms_mean"] + st["reduce_tied_grads_ms_mean"],
+            "meas_process_peak_bytes": st.get("max_allocated_bytes", st.get("peak_rss_bytes", 0)),
+        })
+    for r in rows:
+        r["pred_backward_recompute_ms"] = r["pred_backward_ms"] + (r["pred_recompute_ms"] if recompute else 0.0)
+        r["pred_time_ms"] = r["pred_forward_ms"] + r["pred_backward_recompute_ms"]
+        r["meas_time_ms"] = r["meas_forward_ms"] + r["meas_backward_ms"]
+        r["time_error_pct"] = 100.0 * (r["pred_time_ms"] - r["meas_time_ms"]) / r["meas_time_ms"] if r["meas_time_ms"] else 0.0
+        r["pred_memory_bytes"] = r["pred_param_bytes"] + r["pred_grad_bytes"] + r["pred_optimizer_bytes"] + r["pred_activation_peak_bytes"]
+        r["meas_memory_bytes"] = r["meas_param_bytes"] + r["meas_grad_bytes"] + r["meas_optimizer_bytes"] + r["meas_activation_peak_bytes"]
+    pf, pb = [r["pred_forward_ms"] for r in rows], [r["pred_backward_recompute_ms"] for r in rows]
+    mf, mb = [r["meas_forward_ms"] for r in rows], [r["meas_backward_ms"] for r in rows]
+    for r, a, b, c, d in zip(rows, _cumulative(pf), _cumulative(pb, reverse=True), _cumulative(mf), _cumulative(mb, reverse=True)):
+        r.update(pred_fill_forward_ms=a, pred_fill_backward_ms=b, meas_fill_forward_ms=c, meas_fill_backward_ms=d)
+
+    # Step prediction: the stages' layer times, plus what a refined run learned about the rest
+    # (sends occupy the sender, loading, optimizer step, loss broadcast); without it, the
+    # boundary transfer at the configured link bandwidth.
+    over = pred.get("overheads") or {}
+    zero = [0.0] * p
+    fwd_s = [f / 1e3 + a + b for f, a, b in zip(pf, over.get("send_forward_s", zero), over.get("load_s", zero))]
+    bwd_s = [x / 1e3 + a for x, a in zip(pb, over.get("send_backward_s", zero))]
+    p2p = [0.0] * (p - 1) if over else [r["pred_transfer_ms"] / 1e3 for r in rows[:-1]]
+    sim = simulate_1f1b(fwd_s, bwd_s, m, p2p_s=p2p, optimizer_s=over.get("optimizer_s"))
+    measured_step = max(st["step_ms_median"] for st in stages)
+    predicted_step = 1e3 * (sim.step_s + over.get("tail_s", 0.0))
+    summary = {
+        "run_dir": str(run_dir), "method": pred.get("method"), "parts": parts, "micro_batches": m,
+        "recompute": recompute, "refined_from": pred.get("refined_from"),
+        "imbalance_predicted": dict(zip(("forward", "backward"), zip(_imbalance(pf), _imbalance(pb)))),
+        "imbalance_measured": dict(zip(("forward", "backward"), zip(_imbalance(mf), _imbalance(mb)))),
+        "predicted_step_ms": predicted_step, "measured_step_ms": measured_step,
+        "step_error_pct": 100.0 * (predicted_step - measured_step) / measured_step,
+        "worst_stage_error_pct": max(abs(r["time_error_pct"]) for r in rows),
+        "bottleneck_stage_time": max(range(p), key=lambda s: rows[s]["meas_time_ms"]),
+        "bottleneck_stage_memory": max(range(p), key=lambda s: rows[s]["meas_memory_bytes"]),
+        "predicted_bubble_fraction": sim.bubble_fraction,
+    }
+    return {"summary": summary, "stages": rows}
+
+
+def render_report_table(rep: dict) -> str:
+    s, rows = rep["summary"], rep["stages"]
+    lines = [f"run {s['run_dir']}: method={s['method']} parts={s['parts']} micro_batches={s['micro_batches']}"
+             + (f" (costs refined from {s['refined_from']})" if s["refined_from"] else "")]
+    lines += ["", "time per micro-batch (ms): predicted vs measured (mean / p90)"]
+    lines += render_table(
+        ["stage", "layers", "fwd pred", "fwd meas", "fwd p90", "bwd pred", "bwd meas", "bwd p90", "err %",
+         "fill fwd pred/meas", "fill bwd pred/meas"],
+        [[str(r["stage"]), f"{r['layers'][0]}-{r['layers'][1] - 1}", f"{r['pred_forward_ms']:.2f}",
+          f"{r['meas_forward_ms']:.2f}", f"{r['meas_forward_p90_ms']:.2f}", f"{r['pred_backward_recompute_ms']:.2f}",
+          f"{r['meas_backward_ms']:.2f}", f"{r['meas_backward_p90_ms']:.2f}", f"{r['time_error_pct']:+.1f}",
+          f"{r['pred_fill_forward_ms']:.1f}/{r['meas_fill_forward_ms']:.1f}",
+          f"{r['pred_fill_backward_ms']:.1f}/{r['meas_fill_backward_ms']:.1f}"] for r in rows])
+    lines += ["", "boundaries and memory (MiB): predicted / measured"]
+    lines += render_table(
+        ["stage", "out MiB", "xfer pred ms", "send meas ms", "params", "grads", "optimizer", "act peak", "optim step ms"],
+        [[str(r["stage"]), f"{r['boundary_out_bytes'] / MIB:.2f}", f"{r['pred_transfer_ms']:.2f}", f"{r['meas_send_ms']:.2f}",
+          f"{r['pred_param_bytes'] / MIB:.1f}/{r['meas_param_bytes'] / MIB:.1f}",
+          f"{r['pred_grad_bytes'] / MIB:.1f}/{r['meas_grad_bytes'] / MIB:.1f}",
+          f"{r['pred_optimizer_bytes'] / MIB:.1f}/{r['meas_optimizer_bytes'] / MIB:.1f}",
+          f"{r['pred_activation_peak_bytes'] / MIB:.1f}/{r['meas_activation_peak_bytes'] / MIB:.1f}",
+          f"{r['meas_optimizer_ms']:.1f}"] for r in rows])
+    ip, im = s["imbalance_predicted"], s["imbalance_measured"]
+    lines += [
+        "",
+        f"imbalance fastest/slowest (higher is better): predicted fwd {ip['forward'][0]:.3f} bwd {ip['backward'][0]:.3f}; "
+        f"measured fwd {im['forward'][0]:.3f} bwd {im['backward'][0]:.3f}",
+        f"topology-aware (worst neighbouring pair): predicted fwd {ip['forward'][1]:.3f} bwd {ip['backward'][1]:.3f}; "
+        f"measured fwd {im['forward'][1]:.3f} bwd {im['backward'][1]:.3f}",
+        f"bottleneck stage: time {s['bottleneck_stage_time']}, memory {s['bottleneck_stage_memory']}",
+        f"step (1F1B, bubble {100 * s['predicted_bubble_fraction']:.0f}%): predicted {s['predicted_step_ms']:.1f} ms, "
+        f"measured {s['measured_step_ms']:.1f} ms, error {s['step_error_pct']:+.1f}%",
+    ]
+    return "\n".join(lines)
+
+
+def report_json(rep: dict) -> str:
+    return json.dumps(rep, indent=1)

@@ -1,0 +1,1 @@
+"""Pipeline schedules as plain data and their simulation (no process groups)."""

@@ -1,0 +1,74 @@
+"""Instrumented training on 2 and 4 CPU ranks, and the report in all three formats."""
+
+import json
+
+import pytest
+
+from ds_pipe_ext.cli import main as cli
+from ds_pipe_ext.instrument.report import build_report
+from ds_pipe_ext.runner import ROOT, launch, write_config
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("ranks, stages", [(2, 2), (4, 4)])
+def test_every_stage_records_and_the_report_renders(tmp_path, capsys, ranks, stages):
+    # 4 ranks also gather every 2 steps; 2 ranks also forward the summary to DeepSpeed's CSV monitor
+    extra = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "job"}} \
+        if ranks == 2 else {}
+    cfg = write_config(tmp_path / "ds.json", pipeline={"stages": stages, "instrument": {"every": 2}}, **extra)
+    run = tmp_path / "run"
+    proc, _ = launch(ranks, cfg, "--steps", "3", "--instrument", str(run), out_dir=tmp_path, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(ranks):
+        records = [json.loads(line) for line in (run / f"rank{r}.jsonl").read_text().splitlines()]
+        assert [rec["step"] for rec in records] == [1, 2, 3]
+        assert all(len(rec["forward_ms"]) == len(rec["backward_ms"]) == 4 for rec in records)
+    summary = json.loads((run / "summary.json").read_text())
+    assert [s["stage"] for s in summary["stages"]] == list(range(stages))
+    if ranks == 2:
+        written = " ".join(str(p) for p in (tmp_path / "csv").rglob("*.csv"))
+        assert "ds_pipe_ext" in written and "forward_ms_mean" in written, written
+
+    rep = build_report(run)
+    for st in rep["stages"]:
+        # model states: measured bytes are exactly what the profile predicted
+        for kind in ("param", "grad", "optimizer"):
+            assert st[f"meas_{kind}_bytes"] == st[f"pred_{kind}_bytes"], (kind, st)
+        # 1F1B in-flight activations: within 5% of the prediction
+        assert st["meas_activation_peak_bytes"] == pytest.approx(st["pred_activation_peak_bytes"], rel=0.05)
+    assert cli(["report", str(run)]) == 0
+    table = capsys.readouterr().out
+    assert "imbalance fastest/slowest" in table and "topology-aware" in table and "step (1F1B" in table
+    assert cli(["report", str(run), "--json", "--png", str(tmp_path / "r.png")]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["stages"]) == stages and "step_error_pct" in data["summary"]
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_on_missing_run_dir_is_a_clear_error(tmp_path, capsys):
+    assert cli(["report", str(tmp_path)]) == 2
+    assert "predicted.json is missing" in capsys.readouterr().err
+
+
+def test_instrumentation_is_off_by_default():
+    from ds_pipe_ext.pipe.config import PipelineSettings
+
+    cfg = json.loads((ROOT / "ds.json").read_text())
+    assert PipelineSettings.from_ds_config(cfg).instrument.enabled is False
+
+
+def test_refine_scales_each_stage_to_its_measured_time(tmp_path):
+    from ds_pipe_ext.costs.types import LayerCost
+    from ds_pipe_ext.instrument.refine import RunDirError, refine_costs
+
+    costs = [LayerCost("a", 1.0, 2.0), LayerCost("b", 1.0, 2.0), LayerCost("c", 3.0, 6.0)]
+    (tmp_path / "predicted.json").write_text(json.dumps(
+        {"parts": [0, 2, 3], "micro_batches": 2, "layer_costs": [c.to_dict() for c in costs]}))
+    (tmp_path / "summary.json").write_text(json.dumps({"stages": [
+        {"stage": 0, "forward_ms_mean": 4000.0, "backward_ms_mean": 4000.0},   # 2x fwd, 1x bwd
+        {"stage": 1, "forward_ms_mean": 1500.0, "backward_ms_mean": 12000.0},  # 0.5x fwd, 2x bwd
+    ]}))
+    refined = refine_costs(costs, tmp_path)
+    assert [(c.forward_s, c.backward_s) for c in refined] == [(2.0, 2.0), (2.0, 2.0), (1.5, 12.0)]
+    with pytest.raises(RunDirError, match="different model"):
+        refine_costs(costs[:2], tmp_path)
