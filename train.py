@@ -96,7 +96,8 @@ def start_instrumentation(engine, model, settings, micro_batches: int, rank: int
     return sink
 
 
-def main(argv=None) -> dict:
+def main(argv=None, on_engine=None) -> dict:
+    """Train; ``on_engine(engine, data_iter)``, if given, runs before the training loop (benches)."""
     args = parse_args(argv)
     ds_cfg = load_ds_config(args.deepspeed_config)
     train = ds_cfg.pop("train", {})
@@ -164,6 +165,8 @@ def main(argv=None) -> dict:
     if pipelined and settings.instrument.enabled:
         sink = start_instrumentation(engine, model, settings, gas, rank)
     data = synthetic_batches(model_cfg.vocab_size, micro_batch, model_cfg.seq_len, seed=seed + 1000 + dp_rank)
+    if on_engine is not None:
+        on_engine(engine, data)
 
     step_times, losses = [], []
     for step in range(steps):
@@ -188,7 +191,7 @@ def main(argv=None) -> dict:
         sink.gather()  # collective: rank 0 writes RUN_DIR/summary.json
         sink.close()
     # the first step pays for warm-up (allocations, caches); leave it out when we can
-    timed = step_times[1:] if len(step_times) > 1 else step_times
+    timed = (step_times[1:] if len(step_times) > 1 else step_times) or [float("nan")]
     global_batch = micro_batch * gas * dp
     summary = {
         "mode": "pipeline" if pipelined else f"data-parallel zero={ds_cfg.get('zero_optimization', {}).get('stage', 0)}",

@@ -1,8 +1,10 @@
 """Cost of the instrumentation: off (the default) must cost nothing measurable.
 
-Off installs nothing: the engine runs DeepSpeed's own instruction map.  This bench
-times tiny on 2 ranks with no "instrument" key, with "instrument": {"enabled": false},
-and with instrumentation on, alternating runs, and compares median step times.
+Off installs nothing: the engine runs DeepSpeed's own instruction map.  Timing
+separate launches against each other measures launch-to-launch noise (a few %),
+so this bench compares inside one 2-rank launch of tiny: blocks of steps that
+alternate never-instrumented (baseline), instrumented (on), and after removing the
+instrumentation again (off), and compares the median step times of each kind.
 
     python bench/instrument_overhead.py
 
@@ -11,40 +13,67 @@ Last line: RESULT off_overhead_pct=X on_overhead_pct=Y   (target: |X| < 1)
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK, ROUNDS = 20, 5
 
-from ds_pipe_ext.runner import launch, write_config  # noqa: E402
 
-STEPS, ROUNDS = 60, 3
+def worker() -> None:
+    """Runs inside each rank (launched by deepspeed)."""
+    sys.path.insert(0, str(ROOT))
+    import torch.distributed as dist
+
+    import train
+    from ds_pipe_ext.instrument.hooks import instrument_engine, remove_instrumentation
+
+    out = Path(os.environ["OVERHEAD_OUT"])
+
+    def ab(engine, data):
+        times = {"baseline": [], "on": [], "off": []}
+        for _ in range(3):  # warm-up
+            engine.train_batch(data_iter=data)
+        for _ in range(ROUNDS):
+            for kind in ("baseline", "on", "off"):
+                if kind == "on":
+                    instrument_engine(engine, lambda rec: None)
+                for _ in range(BLOCK):
+                    t0 = time.perf_counter()
+                    engine.train_batch(data_iter=data)
+                    times[kind].append(time.perf_counter() - t0)
+                if kind == "on":
+                    remove_instrumentation(engine)
+        if dist.get_rank() == 0:
+            out.write_text(json.dumps(times))
+
+    train.main(["--deepspeed_config", str(ROOT / "launch_scripts" / "ds_pipeline.json"), "--steps", "0"], on_engine=ab)
 
 
 def main() -> None:
+    import subprocess
+
     work = Path(tempfile.mkdtemp(prefix="ds_pipe_ext_overhead_"))
-    base = write_config(work / "base.json")
-    off = write_config(work / "off.json", pipeline={"instrument": {"enabled": False}})
-    results: dict[str, list[float]] = {"baseline": [], "off": [], "on": []}
-    for r in range(ROUNDS):
-        for name, cfg, extra in (("baseline", base, []), ("off", off, []),
-                                 ("on", base, ["--instrument", str(work / f"run{r}")])):
-            out = work / f"{name}{r}"
-            out.mkdir()
-            proc, ranks = launch(2, cfg, "--steps", str(STEPS), *extra, out_dir=out, cwd=work)
-            if proc.returncode != 0:
-                raise SystemExit(proc.stderr[-3000:])
-            results[name].append(1e3 * ranks[0]["step_s_median"])
-            print(f"round {r} {name:<8} median step {results[name][-1]:.3f} ms", flush=True)
-    med = {k: statistics.median(v) for k, v in results.items()}
+    os.environ["OVERHEAD_OUT"] = str(work / "times.json")
+    deepspeed = Path(sys.executable).with_name("deepspeed")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([str(deepspeed), "--num_gpus", "2", __file__, "--worker"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr[-3000:])
+    times = json.loads((work / "times.json").read_text())
+    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    for k in ("baseline", "off", "on"):
+        print(f"{k:<8} median step {med[k]:.3f} ms over {len(times[k])} steps ({ROUNDS} interleaved blocks of {BLOCK})")
     off_pct = 100 * (med["off"] - med["baseline"]) / med["baseline"]
     on_pct = 100 * (med["on"] - med["baseline"]) / med["baseline"]
-    print(f"median of {ROUNDS} runs x {STEPS} steps: baseline {med['baseline']:.3f} ms, off {med['off']:.3f} ms, "
-          f"on {med['on']:.3f} ms")
     print(f"RESULT off_overhead_pct={off_pct:.2f} on_overhead_pct={on_pct:.2f}")
 
 
 if __name__ == "__main__":
-    main()
+    worker() if "--worker" in sys.argv else main()

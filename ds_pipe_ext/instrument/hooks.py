@@ -172,3 +172,9 @@ def instrument_engine(engine, emit: Callable[[dict], None]) -> StageRecorder:
     # the loss broadcast after the schedule is part of every step too
     engine._aggregate_total_loss = recorder.wrap_call("aggregate_loss", engine._aggregate_total_loss)
     return recorder
+
+
+def remove_instrumentation(engine) -> None:
+    """Undo ``instrument_engine``: the engine runs DeepSpeed's own methods again."""
+    for name in ("_INSTRUCTION_MAP", "train_batch", "_aggregate_total_loss"):
+        engine.__dict__.pop(name, None)

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..partition import held_activation_bytes
 from ..partition.report import render_table
 from ..simulate.schedule import simulate_1f1b
-from .refine import load_run, measured_overheads
+from .refine import load_run
 
 MIB = 2**20
 
