@@ -62,7 +62,11 @@ def main() -> None:
     os.environ["OVERHEAD_OUT"] = str(work / "times.json")
     deepspeed = Path(sys.executable).with_name("deepspeed")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([str(deepspeed), "--num_gpus", "2", __file__, "--worker"], cwd=work, env=env,
+    sys.path.insert(0, str(ROOT))
+    from ds_pipe_ext.runner import free_port
+
+    proc = subprocess.run([str(deepspeed), "--num_gpus", "2", "--master_port", str(free_port()), __file__, "--worker"],
+                          cwd=work, env=env,
                           capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,12 +29,19 @@ def write_config(path: Path, base: str = "ds_pipeline.json", **overrides) -> Pat
     return path
 
 
+def free_port() -> int:
+    """A free TCP port on loopback: launches never share DeepSpeed's default 29500 with another job."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def launch(num_ranks: int, config: Path, *args: str, out_dir: Path, cwd: Path = ROOT, timeout: int = 240,
            threads_per_rank: int = 1):
     """Returns (completed process, {rank: metrics}).  Ranks run with OMP_NUM_THREADS=threads_per_rank."""
     metrics = out_dir / "metrics.json"
     deepspeed = Path(sys.executable).with_name("deepspeed")
-    cmd = [str(deepspeed), "--num_gpus", str(num_ranks), str(ROOT / "train.py"),
+    cmd = [str(deepspeed), "--num_gpus", str(num_ranks), "--master_port", str(free_port()), str(ROOT / "train.py"),
            "--deepspeed_config", str(config), "--metrics-out", str(metrics), *args]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONPATH": str(ROOT),
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
