@@ -1,0 +1,1 @@
+"""Parallel layout (PP x TP x DP) and the CPU shims megatron-core needs without CUDA."""
