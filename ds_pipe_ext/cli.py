@@ -61,7 +61,7 @@ def cmd_estimate(args) -> int:
     try:
         device = get_device(args.device)
         layers = estimate_layers(cfg, req, device)
-        block = op_rows(layer_ops(cfg, shape_for(cfg, req))[1][2], device, req)
+        block = op_rows(layer_ops(cfg, shape_for(cfg, req, device))[1][2], device, req)
     except AnalyticError as e:
         raise ValueError(str(e)) from None
     if args.json:

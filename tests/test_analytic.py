@@ -103,3 +103,26 @@ def test_estimate_cli_gpt3_175b_tp8_sp(capsys):
     assert {"name", "kind", "fwd_flops", "bwd_flops", "activation_bytes", "param_bytes", "fwd_s", "bwd_s"} <= set(blocks[0])
     assert main(["estimate", "--model", "gpt3-175b", "--tp", "7"]) == 2
     assert "does not divide heads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dropout, b", [(0.0, 1), (0.1, 2)])
+def test_analytic_activations_match_what_autograd_saves_on_cpu(dropout, b):
+    """TP=1, fp32 on CPU: every layer type within 3% of the saved-tensor hooks' count."""
+    import torch
+
+    from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers
+    from ds_pipe_ext.costs.hardware import DeviceSpec
+    from ds_pipe_ext.costs.profiler import ProfileSettings, profile_layers
+    from ds_pipe_ext.models.config import GPTConfig, load_model_config
+    from ds_pipe_ext.models.gpt import gpt_layer_specs, lm_loss
+
+    cfg = GPTConfig.from_dict({**load_model_config("bench-cpu").to_dict(), "seq_len": 128, "vocab_size": 8192,
+                               "dropout": dropout}, name="probe")
+    specs = gpt_layer_specs(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    measured = profile_layers([specs[0], specs[1], specs[-1]], tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss,
+                              settings=ProfileSettings(cache_dir=None, warmup=0, repeats=1, progress=False))
+    cpu = DeviceSpec("cpu", {"fp32": 1e11}, {"fp32": 1e10}, 1e10, 1e10, 1e10, 2**34, gpus_per_node=1)
+    est = estimate_layers(cfg, EstimateRequest(b, cfg.seq_len, dtype="fp32"), cpu)
+    for got, want in zip([est[0], est[1], est[-1]], measured):
+        assert got["activation_bytes"] == pytest.approx(want.activation_bytes, rel=0.03), got["name"]

@@ -36,7 +36,7 @@ class Shape:
     f: int  # ffn hidden (4h for GPT)
     V: int
     e: int = 2  # bytes per activation / weight element (16-bit)
-    m: int = 1  # bytes per dropout-mask element
+    m: int = 1  # bytes per dropout-mask element (1: fused GPU dropout; CPU torch saves a float mask, m = e)
     t: int = 1  # tensor-parallel degree
     sp: bool = False  # sequence parallelism (needs t > 1 to mean anything)
     dropout: bool = True  # dropout layers present (they save masks)
@@ -152,12 +152,14 @@ def attend(shp: Shape) -> list[OpCost]:
     """softmax(QK^T) V: 2*b*s*s*h/t FLOPs; saves V and the (dropped-out) probabilities.
 
     Two records because only the probabilities are recomputed under selective recompute.
+    Without dropout the probabilities are the softmax output, already counted there.
     """
     flops = 2.0 * shp.b * shp.s * shp.s * shp.h / shp.t
     probs = shp.a * shp.s * shp.s * shp.b / shp.t
     return [OpCost("attend", "matrix", fwd_flops=flops, bwd_flops=2 * flops,
                    fwd_bytes=(probs + 2 * shp.sbh / shp.t) * shp.e, activation_bytes=shp.sbh / shp.t * shp.e),
-            OpCost("attend_saved_probs", "matrix", activation_bytes=probs * shp.e, recompute=True)]
+            OpCost("attend_saved_probs", "matrix", activation_bytes=probs * shp.e if shp.dropout else 0.0,
+                   recompute=True)]
 
 
 def out_proj(shp: Shape) -> OpCost:
@@ -213,11 +215,11 @@ def _tp_exit_comm(op: OpCost, shp: Shape) -> OpCost:
 def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
     """Vocabulary lookup (vocab-parallel: each rank holds V/t rows, then an all-reduce or,
     with SP, a reduce-scatter), plus learned positions.  No FLOPs worth counting; the
-    backward scatters gradients into the table.  Saves only the token ids (int64)."""
+    backward scatters gradients into the table.  Saves only the token and position ids (int64)."""
     out = shp.tokens * shp.h
     rows = shp.V // shp.t if shp.V % shp.t == 0 else -(-shp.V // shp.t)
     ops = [OpCost("word_embedding", "vector", fwd_bytes=2 * out * shp.e, bwd_bytes=2 * out * shp.e,
-                  activation_bytes=shp.tokens * 8, weight_bytes=rows * shp.h * shp.e)]
+                  activation_bytes=shp.tokens * 8 + (shp.s * 8 if positions else 0), weight_bytes=rows * shp.h * shp.e)]
     if shp.t > 1:
         ops[0] = replace(ops[0], comm_fwd_bytes=out * shp.e,
                          comm_type="reduce-scatter" if shp.sp else "all-reduce")

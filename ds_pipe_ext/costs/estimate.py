@@ -20,15 +20,18 @@ class EstimateRequest:
     dtype: str = "bf16"
     selective_recompute: bool = False
     optimizer_bytes_per_param: int = 12  # mixed-precision Adam: fp32 master + m + v
+    mask_bytes: int | None = None  # dropout mask element; None: 1 on GPUs (fused, bool), e on "cpu" (float mask)
 
 
-def shape_for(cfg, req: EstimateRequest) -> A.Shape:
+def shape_for(cfg, req: EstimateRequest, device: DeviceSpec | None = None) -> A.Shape:
     if req.dtype not in DTYPE_BYTES:
         raise A.AnalyticError(f"dtype {req.dtype!r}: use one of {sorted(DTYPE_BYTES)}")
     if req.seq > cfg.seq_len:
         raise A.AnalyticError(f"seq {req.seq} exceeds the model's seq_len {cfg.seq_len}")
+    e = DTYPE_BYTES[req.dtype]
+    m = req.mask_bytes if req.mask_bytes is not None else (e if device is not None and device.name == "cpu" else 1)
     return A.Shape(b=req.micro_batch, s=req.seq, h=cfg.hidden, a=cfg.heads, f=cfg.ffn, V=cfg.vocab_size,
-                   e=DTYPE_BYTES[req.dtype], m=1, t=req.tp, sp=req.sp, dropout=cfg.dropout > 0)
+                   e=e, m=m, t=req.tp, sp=req.sp, dropout=cfg.dropout > 0)
 
 
 def layer_ops(cfg, shp: A.Shape) -> list[tuple[str, str, list[A.OpCost]]]:
@@ -54,7 +57,7 @@ def op_rows(ops: list[A.OpCost], device: DeviceSpec, req: EstimateRequest) -> li
 
 
 def estimate_layers(cfg, req: EstimateRequest, device: DeviceSpec) -> list[dict]:
-    shp = shape_for(cfg, req)
+    shp = shape_for(cfg, req, device)
     out = []
     for name, kind, ops in layer_ops(cfg, shp):
         rows = op_rows(ops, device, req)
@@ -74,7 +77,7 @@ def estimate_layers(cfg, req: EstimateRequest, device: DeviceSpec) -> list[dict]
 
 def analytic_layer_costs(cfg, req: EstimateRequest, device: DeviceSpec) -> list[LayerCost]:
     """The same records the profiler produces, from arithmetic (for partition_method "analytic")."""
-    shp = shape_for(cfg, req)
+    shp = shape_for(cfg, req, device)
     costs = []
     for row in estimate_layers(cfg, req, device):
         params = int(row["params"])
