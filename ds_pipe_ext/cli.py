@@ -60,6 +60,13 @@ def cmd_estimate(args) -> int:
                           dtype=args.dtype, selective_recompute=args.selective_recompute)
     try:
         device = get_device(args.device)
+        if args.calibrate:
+            from .costs.calibrate import profile_and_calibrate
+
+            device = profile_and_calibrate(cfg, req, device)
+            print(f"calibrated on this machine: matrix {device.matrix_efficiency:.3f}, vector "
+                  f"{device.vector_efficiency:.3f}, memory {device.memory_efficiency:.3f} of the spec's peaks",
+                  file=sys.stderr)
         layers = estimate_layers(cfg, req, device)
         block = op_rows(layer_ops(cfg, shape_for(cfg, req, device))[1][2], device, req)
     except AnalyticError as e:
@@ -132,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--selective-recompute", action="store_true")
     e.add_argument("--device", default="a100", help="a100 | a100-40gb | a100-80gb | h100 | h200 | cpu (measured)")
     e.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    e.add_argument("--calibrate", action="store_true",
+                   help="profile one embedding, block and head here and fit the device's efficiency factors")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_estimate)
 

@@ -218,14 +218,17 @@ def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
     backward scatters gradients into the table.  Saves only the token and position ids (int64)."""
     out = shp.tokens * shp.h
     rows = shp.V // shp.t if shp.V % shp.t == 0 else -(-shp.V // shp.t)
-    ops = [OpCost("word_embedding", "vector", fwd_bytes=2 * out * shp.e, bwd_bytes=2 * out * shp.e,
+    table = rows * shp.h * shp.e
+    # backward: the gradient of the whole (V/t x h) table is zeroed and written (dense in torch/Megatron),
+    # which on small batches costs far more than the rows actually looked up
+    ops = [OpCost("word_embedding", "vector", fwd_bytes=2 * out * shp.e, bwd_bytes=2 * out * shp.e + 2 * table,
                   activation_bytes=shp.tokens * 8 + (shp.s * 8 if positions else 0), weight_bytes=rows * shp.h * shp.e)]
     if shp.t > 1:
         ops[0] = replace(ops[0], comm_fwd_bytes=out * shp.e,
                          comm_type="reduce-scatter" if shp.sp else "all-reduce")
     if positions:
         ops.append(OpCost("position_embedding", "vector", fwd_flops=out, fwd_bytes=3 * out * shp.e,
-                          weight_bytes=shp.s * shp.h * shp.e))
+                          bwd_bytes=2 * out * shp.e + 2 * shp.s * shp.h * shp.e, weight_bytes=shp.s * shp.h * shp.e))
     ops.append(dropout("embedding_dropout", shp.replicated_sbh, shp))
     return ops
 

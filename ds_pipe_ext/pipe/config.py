@@ -9,7 +9,7 @@ so the plugin's settings live beside DeepSpeed's own there::
       "profile": {"warmup": 2, "repeats": 5, "cache_dir": ".ds_pipe_ext_cache"},
       "memory_cap_gib": null,
       "activation_checkpoint_interval": 0,
-      "analytic": {"device": "cpu", "dtype": "fp32"},  # used by partition_method "analytic"
+      "analytic": {"device": "cpu", "dtype": "fp32", "calibrate": false},  # for partition_method "analytic"
       "instrument": {"enabled": false, "run_dir": "runs/latest", "every": 0},
       "refine_from": null                               # a run directory to learn stage costs from
     }
@@ -103,8 +103,8 @@ class PipelineSettings:
             raise ConfigError(f"pipeline.memory_cap_gib = {self.memory_cap_gib!r}; use a positive number or null")
         if not isinstance(self.activation_checkpoint_interval, int) or self.activation_checkpoint_interval < 0:
             raise ConfigError("pipeline.activation_checkpoint_interval must be an integer >= 0")
-        if not isinstance(self.analytic, dict) or set(self.analytic) - {"device", "dtype"}:
-            raise ConfigError('pipeline.analytic must be an object with keys "device" and "dtype"')
+        if not isinstance(self.analytic, dict) or set(self.analytic) - {"device", "dtype", "calibrate"}:
+            raise ConfigError('pipeline.analytic must be an object with keys among "device", "dtype", "calibrate"')
         if self.refine_from is not None and not isinstance(self.refine_from, str):
             raise ConfigError("pipeline.refine_from must be a run directory (string) or null")
         if self.link_bandwidth_gbps is not None and not (

@@ -129,7 +129,12 @@ class PipelineModule(_DeepSpeedPipelineModule):
 
             opts = self._ext_settings.analytic
             request = EstimateRequest(micro_batch=inputs.shape[0], seq=inputs.shape[1], dtype=opts.get("dtype", "fp32"))
-            device = get_device(opts.get("device", "cpu"), cache_dir=self._ext_settings.profile.cache_dir)
+            cache_dir = self._ext_settings.profile.cache_dir
+            device = get_device(opts.get("device", "cpu"), cache_dir=cache_dir)
+            if opts.get("calibrate"):  # fit the roofline's efficiencies to one profiled embedding, block, head
+                from ..costs.calibrate import profile_and_calibrate
+
+                device = profile_and_calibrate(self._ext_model_config, request, device, cache_dir=cache_dir)
             costs = analytic_layer_costs(self._ext_model_config, request, device)
             if len(costs) != len(self._layer_specs):
                 raise PartitionError(

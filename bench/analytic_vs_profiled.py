@@ -1,0 +1,97 @@
+"""The analytic cost model against the profiler on this machine (fp32, CPU).
+
+1. Saved-activation bytes, analytic vs the profiler's saved-tensor hooks, for the
+   embedding, a block and the head + loss of bench-cpu and gpt2-small (seq 256),
+   micro-batch 1-4, TP 1.  (TP 2 and SP rows need the tensor-parallel layers.)
+2. Per-layer forward + backward time: analytic on the "cpu" spec calibrated on
+   bench-cpu at micro-batch 4, against profiled, at shapes including unprofiled ones.
+3. Throughput of the `analytic` partition against the `profiled` one on the spine's
+   2-stage benchmark (two real launches).
+
+    python bench/analytic_vs_profiled.py
+
+Last line: RESULT activation_bytes_worst_error_pct=X analytic_vs_profiled_throughput=Y  (target Y >= 0.95)
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from ds_pipe_ext.costs.calibrate import profile_and_calibrate  # noqa: E402
+from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers  # noqa: E402
+from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
+from ds_pipe_ext.costs.profiler import ProfileSettings, profile_layers  # noqa: E402
+from ds_pipe_ext.models.config import GPTConfig, load_model_config  # noqa: E402
+from ds_pipe_ext.models.gpt import gpt_layer_specs, lm_loss  # noqa: E402
+from ds_pipe_ext.partition.report import render_table  # noqa: E402
+from ds_pipe_ext.runner import ROOT, launch  # noqa: E402
+
+CACHE = str(ROOT / ".ds_pipe_ext_cache")
+
+
+def three_layers(cfg, b, seq, repeats=0):
+    cfg = GPTConfig.from_dict({**cfg.to_dict(), "seq_len": seq, "tie_embeddings": False}, name=cfg.name)
+    specs = gpt_layer_specs(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (b, seq + 1), generator=torch.Generator().manual_seed(0))
+    measured = profile_layers([specs[0], specs[1], specs[-1]], tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss,
+                              settings=ProfileSettings(warmup=1 if repeats else 0, repeats=max(repeats, 1),
+                                                       cache_dir=CACHE, progress=False),
+                              key_fields={"model": cfg.to_dict(), "bench": "analytic_vs_profiled"})
+    return cfg, measured
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    cpu = get_device("cpu", cache_dir=CACHE)
+    rows, worst = [], 0.0
+    for name in ("bench-cpu", "gpt2-small"):
+        for b in (1, 2, 3, 4):
+            cfg, measured = three_layers(load_model_config(name), b, 256)
+            est = estimate_layers(cfg, EstimateRequest(b, 256, dtype="fp32"), cpu)
+            for m, e in zip(measured, (est[0], est[1], est[-1])):
+                err = 100 * (e["activation_bytes"] - m.activation_bytes) / m.activation_bytes
+                worst = max(worst, abs(err))
+                rows.append([name, str(b), "1", "off", e["name"], str(m.activation_bytes), str(int(e["activation_bytes"])),
+                             f"{err:+.2f}"])
+            print(f"  profiled {name} b={b}", flush=True)
+    print("\nsaved-activation bytes per layer (fp32, seq 256): analytic vs profiled")
+    print("\n".join(render_table(["model", "b", "tp", "sp", "layer", "profiled B", "analytic B", "err %"], rows)))
+    print("TP 2 / SP rows: not measured; they need the megatron tensor-parallel layers (issue 3).")
+
+    bench = load_model_config("bench-cpu")
+    calibrated = profile_and_calibrate(bench, EstimateRequest(4, 256, dtype="fp32"), cpu, cache_dir=CACHE)
+    print(f"\ncalibrated cpu spec: matrix {calibrated.matrix_efficiency:.3f}, vector {calibrated.vector_efficiency:.3f}, "
+          f"memory {calibrated.memory_efficiency:.3f} (x the measured peaks)")
+    rows = []
+    for b, seq in ((4, 256), (2, 256), (4, 128), (1, 256)):
+        cfg, measured = three_layers(bench, b, seq, repeats=3)
+        est = estimate_layers(cfg, EstimateRequest(b, seq, dtype="fp32"), calibrated)
+        for m, e in zip(measured, (est[0], est[1], est[-1])):
+            pt, at = 1e3 * (m.forward_s + m.backward_s), 1e3 * (e["fwd_s"] + e["bwd_s"])
+            rows.append([f"b={b} s={seq}", e["name"], f"{pt:.1f}", f"{at:.1f}", f"{100 * (at - pt) / pt:+.1f}"])
+    print("\nfwd+bwd ms per layer: analytic (calibrated at b=4 s=256) vs profiled")
+    print("\n".join(render_table(["shape", "layer", "profiled ms", "analytic ms", "err %"], rows)))
+
+    work = Path(tempfile.mkdtemp(prefix="ds_pipe_ext_analytic_"))
+    speed = {}
+    for method, cfg_path in (("profiled", ROOT / "launch_scripts" / "bench_cpu_pipeline.json"),
+                             ("analytic", ROOT / "launch_scripts" / "bench_cpu_analytic.json")):
+        out = work / method
+        out.mkdir()
+        proc, ranks = launch(2, cfg_path, "--steps", "4", out_dir=out, cwd=work, timeout=900)
+        if proc.returncode != 0:
+            raise SystemExit(proc.stderr[-3000:])
+        speed[method] = ranks[0]
+        print(f"{method:<9} parts={ranks[0]['parts']} {ranks[0]['samples_per_s']:.3f} samples/s", flush=True)
+    ratio = speed["analytic"]["samples_per_s"] / speed["profiled"]["samples_per_s"]
+    print(f"RESULT activation_bytes_worst_error_pct={worst:.2f} analytic_vs_profiled_throughput={ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
