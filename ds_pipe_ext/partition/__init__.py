@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .algorithms import InfeasibleMemoryCap, PartitionError, partition_min_max_lists, stage_times
+from .algorithms import InfeasibleMemoryCap, PartitionError, partition_min_max_lists
 
-__all__ = ["partition_min_max", "PartitionError", "InfeasibleMemoryCap", "stage_times", "cost_lists",
+__all__ = ["partition_min_max", "PartitionError", "InfeasibleMemoryCap", "cost_lists",
            "held_activation_bytes"]
 
 GIB = 2**30

@@ -49,7 +49,7 @@ import numpy as np
 from .problem import InfeasibleMemoryCap, PartitionError, Problem, make_problem
 
 __all__ = ["InfeasibleMemoryCap", "PartitionError", "Problem", "make_problem", "solve", "partition_min_max_lists",
-           "stage_times", "bottleneck"]
+           "bottleneck"]
 
 
 # --------------------------------------------------------------------------- feasibility probes
@@ -262,29 +262,10 @@ def solve(pb: Problem) -> list[int]:
     return final
 
 
-def partition_min_max_lists(
-    times: Sequence[float],
-    num_stages: int,
-    *,
-    static_bytes: Sequence[float] | None = None,
-    activation_bytes: Sequence[float] | None = None,
-    micro_batches: int | None = None,
-    memory_cap: float | None = None,
-    boundary_time: Sequence[float] | None = None,
-) -> list[int]:
-    """Plain-list entry point: returns DeepSpeed ``parts`` (num_stages + 1 boundaries)."""
-    pb = make_problem(
-        times,
-        num_stages,
-        static_bytes=static_bytes,
-        activation_bytes=activation_bytes,
-        micro_batches=micro_batches,
-        memory_cap=memory_cap,
-        boundary_time=boundary_time,
-    )
-    return solve(pb)
+def partition_min_max_lists(times: Sequence[float], num_stages: int, **options) -> list[int]:
+    """Plain-list entry point: returns DeepSpeed ``parts`` (num_stages + 1 boundaries).
 
-
-def stage_times(times: Sequence[float], parts: Sequence[int], boundary_time: Sequence[float] | None = None) -> list[float]:
-    pb = make_problem(times, len(parts) - 1, boundary_time=boundary_time)
-    return [pb.stage_time(parts[s], parts[s + 1]) for s in range(len(parts) - 1)]
+    ``options`` are ``make_problem``'s: static_bytes, activation_bytes, micro_batches,
+    memory_cap, boundary_time.
+    """
+    return solve(make_problem(times, num_stages, **options))
