@@ -17,7 +17,7 @@ def test_untied_layout_and_loss():
     assert layer_names(specs) == ["EmbeddingPipe"] + ["Block"] * cfg.layers + ["HeadPipe"]
     model = SequentialGPT(specs, base_seed=1)
     x, y = tokens(cfg)
-    assert model(x).shape == (2, cfg.seq_len, cfg.vocab_size)
+    assert model(x).shape == (cfg.seq_len, 2, cfg.vocab_size)  # sequence-first, as Megatron
     loss = model(x, y)
     # fresh GPT-2 init predicts roughly uniformly: loss near log(V)
     assert abs(loss.item() - torch.log(torch.tensor(float(cfg.vocab_size))).item()) < 0.1

@@ -2,6 +2,9 @@
 
     tokens ─► EmbeddingPipe ─► Block × L ─► HeadPipe (final LayerNorm + LM head) ─► lm_loss
 
+Hidden states are sequence-first, (s, b, h), as in Megatron: sequence parallelism
+shards dimension 0, and pipeline stages pass these tensors on unchanged.
+
 Every linear, the vocabulary embedding and the norms come from a ``LayerImpl``
 (the role of megatron-core's ``ModuleSpec``): ``LOCAL`` builds plain torch layers;
 the tensor-parallel implementation swaps in megatron-core's parallel layers
@@ -73,7 +76,7 @@ LOCAL = LayerImpl(
 
 
 class EmbeddingPipe(nn.Module):
-    """tokens (b, s) int64 -> hidden states (b, s, h)."""
+    """tokens (b, s) int64 -> hidden states (s, b, h)."""
 
     def __init__(self, cfg: GPTConfig, impl: LayerImpl = LOCAL):
         super().__init__()
@@ -83,7 +86,8 @@ class EmbeddingPipe(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.drop(self.word_embeddings(tokens) + self.position_embeddings(positions))
+        x = self.word_embeddings(tokens) + self.position_embeddings(positions)
+        return self.drop(x.transpose(0, 1).contiguous())
 
 
 class CausalSelfAttention(nn.Module):
@@ -99,12 +103,13 @@ class CausalSelfAttention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.qkv(x).view(b, s, self.heads, 3 * self.head_dim).transpose(1, 2).chunk(3, dim=-1)
+        s, b, _ = x.shape
+        # (s, b, heads, 3 * d) -> (b, heads, s, 3 * d): q, k, v of a head are contiguous (Megatron's layout)
+        q, k, v = self.qkv(x).view(s, b, self.heads, 3 * self.head_dim).permute(1, 2, 0, 3).chunk(3, dim=-1)
         logits = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
         logits = logits.masked_fill(self.causal_mask[:s, :s], float("-inf"))
         att = self.attn_drop(torch.softmax(logits, dim=-1))
-        y = (att @ v).transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        y = (att @ v).permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
         return self.proj(y)
 
 
@@ -144,7 +149,7 @@ class FinalNorm(nn.Module):
 
 
 class HeadPipe(nn.Module):
-    """Final LayerNorm + LM head: (b, s, h) -> logits (b, s, V)."""
+    """Final LayerNorm + LM head: (s, b, h) -> logits (s, b, V)."""
 
     def __init__(self, cfg: GPTConfig, impl: LayerImpl = LOCAL):
         super().__init__()
@@ -161,8 +166,8 @@ def tied_lm_head(embedding: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; ``labels`` are the inputs shifted by one."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+    """Mean next-token cross-entropy of (s, b, V) logits; ``labels`` (b, s) are the inputs shifted by one."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.t().reshape(-1))
 
 
 def gpt_layer_specs(cfg: GPTConfig, impl: LayerImpl = LOCAL) -> list:
