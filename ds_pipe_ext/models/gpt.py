@@ -61,9 +61,14 @@ class LayerImpl:
     embedding: Callable[[int, int], nn.Module]
     layer_norm: Callable[[int, float], nn.Module]
     tp_size: int = 1
+    sequence_parallel: bool = False
+    # (s, b, h) embeddings -> what the blocks see: the rank's sequence shard under SP
+    enter_blocks: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+    # (s, b, V or V/t) logits, (b, s) labels -> mean loss (vocab-parallel under TP)
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __repr__(self) -> str:  # stable, address-free: LayerSpec reprs feed the profile cache key
-        return f"LayerImpl({self.name}, tp={self.tp_size})"
+        return f"LayerImpl({self.name}, tp={self.tp_size}, sp={self.sequence_parallel})"
 
 
 LOCAL = LayerImpl(
@@ -83,11 +88,12 @@ class EmbeddingPipe(nn.Module):
         self.word_embeddings = impl.embedding(cfg.vocab_size, cfg.hidden)
         self.position_embeddings = _local_embedding(cfg.seq_len, cfg.hidden)
         self.drop = nn.Dropout(cfg.dropout)
+        self.enter_blocks = impl.enter_blocks
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.word_embeddings(tokens) + self.position_embeddings(positions)
-        return self.drop(x.transpose(0, 1).contiguous())
+        return self.drop(self.enter_blocks(x.transpose(0, 1).contiguous()))
 
 
 class CausalSelfAttention(nn.Module):
@@ -103,9 +109,10 @@ class CausalSelfAttention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s, b, _ = x.shape
+        qkv = self.qkv(x)  # under SP the input is a sequence shard; the column-parallel QKV gathers it
+        s, b, _ = qkv.shape
         # (s, b, heads, 3 * d) -> (b, heads, s, 3 * d): q, k, v of a head are contiguous (Megatron's layout)
-        q, k, v = self.qkv(x).view(s, b, self.heads, 3 * self.head_dim).permute(1, 2, 0, 3).chunk(3, dim=-1)
+        q, k, v = qkv.view(s, b, self.heads, 3 * self.head_dim).permute(1, 2, 0, 3).chunk(3, dim=-1)
         logits = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
         logits = logits.masked_fill(self.causal_mask[:s, :s], float("-inf"))
         att = self.attn_drop(torch.softmax(logits, dim=-1))
@@ -168,6 +175,11 @@ def tied_lm_head(embedding: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of (s, b, V) logits; ``labels`` (b, s) are the inputs shifted by one."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.t().reshape(-1))
+
+
+def loss_fn_for(impl: LayerImpl) -> Callable:
+    """The loss that matches an implementation's logits (vocab-parallel under TP)."""
+    return impl.loss or lm_loss
 
 
 def gpt_layer_specs(cfg: GPTConfig, impl: LayerImpl = LOCAL) -> list:
