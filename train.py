@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 
 from ds_pipe_ext.models.config import load_model_config
-from ds_pipe_ext.models.gpt import SequentialGPT, gpt_layer_specs, lm_loss
+from ds_pipe_ext.models.gpt import LOCAL, SequentialGPT, gpt_layer_specs, lm_loss
 from ds_pipe_ext.pipe.config import ConfigError, InstrumentSettings, PipelineSettings
 
 TRAIN_KEYS = {"model", "steps", "seed", "lr"}
+TP_KEYS = {"size", "sequence_parallel"}
 
 
 def parse_args(argv=None):
@@ -43,6 +44,9 @@ def parse_args(argv=None):
                          "same as pipeline.instrument in ds.json")
     ap.add_argument("--refine-from", default=None, metavar="RUN_DIR",
                     help="correct profiled costs with the stage times measured in RUN_DIR (pipeline.refine_from)")
+    ap.add_argument("--init-from", default=None, metavar="FILE",
+                    help="start from a single-process model's full state dict (torch.save of SequentialGPT), "
+                         "sliced for this rank's stage and TP shard (parity checks)")
     ap.add_argument("--metrics-out", default=None,
                     help="rank 0 writes a JSON summary here; every rank also writes NAME.rankR.json beside it")
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
@@ -70,6 +74,53 @@ def synthetic_batches(vocab: int, micro_batch: int, seq: int, seed: int):
     while True:
         tokens = torch.randint(0, vocab, (micro_batch, seq + 1), generator=gen)
         yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def parallel_dims(ds_cfg: dict, settings, model_cfg):
+    """PP x TP x DP from ds.json ("pipeline.stages", "tensor_parallel") and WORLD_SIZE; checked up front."""
+    from ds_pipe_ext.parallel.topology import ParallelDims, TopologyError
+
+    tp_cfg = ds_cfg.pop("tensor_parallel", {})
+    if not isinstance(tp_cfg, dict) or set(tp_cfg) - TP_KEYS:
+        raise ConfigError(f'"tensor_parallel" must be an object with keys among {sorted(TP_KEYS)}')
+    tp, sp = int(tp_cfg.get("size", 1)), bool(tp_cfg.get("sequence_parallel", False))
+    if settings is None:
+        if tp > 1:
+            raise ConfigError('"tensor_parallel" needs a "pipeline" section (PP x TP runs as a PipelineModule)')
+        return None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        dims = ParallelDims.from_world(world, pp=settings.stages, tp=tp, sp=sp)
+        dims.check_model(model_cfg)
+    except TopologyError as e:
+        raise ConfigError(str(e)) from None
+    return dims
+
+
+def load_full_state(model, path: str, *, tp: int) -> None:
+    """Copy a SequentialGPT state dict ("layers.<i>.…") into this stage's layers ("<i>.…"), TP-sliced."""
+    full = {k.removeprefix("layers."): v for k, v in torch.load(path).items()}
+    if tp > 1:
+        from ds_pipe_ext.parallel.tensor_parallel import shard_like
+
+        full = shard_like(full, model)
+    missing = [k for k in model.state_dict() if k not in full and not k.endswith("_extra_state")]
+    if missing:
+        raise ConfigError(f"--init-from {path}: no weights for {missing[:3]}...; it must come from the same model")
+    model.load_state_dict({k: full.get(k, v) for k, v in model.state_dict().items()})
+
+
+def global_grad_norm(model, dims) -> float:
+    """L2 norm of the whole model's gradient: TP shards summed, TP-replicated and DP-replicated copies once."""
+    import torch.distributed as dist
+
+    tp_rank = model._topo.get_coord(dist.get_rank()).model if dims.tp > 1 else 0
+    total = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
+            total += p.grad.double().pow(2).sum()
+    dist.all_reduce(total)
+    return float((total / dims.dp).sqrt())
 
 
 def start_instrumentation(engine, model, settings, micro_batches: int, rank: int):
@@ -115,6 +166,12 @@ def main(argv=None, on_engine=None) -> dict:
     model_cfg = load_model_config(args.model or train.get("model", "tiny"))
     steps = args.steps if args.steps is not None else int(train.get("steps", 10))
     seed = int(train.get("seed", 1234))
+    dims = parallel_dims(ds_cfg, settings, model_cfg)  # validated before any process group exists
+    if dims is not None and dims.sp:
+        # DeepSpeed's pipe/grad partitioning splits each boundary tensor across the TP group and
+        # re-gathers it, assuming TP ranks hold the same activation; under SP each holds its own
+        # sequence shard, so the shards must travel whole.
+        ds_cfg["pipeline"].update(pipe_partitioned=False, grad_partitioned=False)
 
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -127,18 +184,28 @@ def main(argv=None, on_engine=None) -> dict:
 
     micro_batch = int(ds_cfg.get("train_micro_batch_size_per_gpu", 1))
     gas = int(ds_cfg.get("gradient_accumulation_steps", 1))
-    specs = gpt_layer_specs(model_cfg)
+    impl, loss_fn, topology = LOCAL, lm_loss, None
+    if dims is not None and dims.tp > 1:
+        from ds_pipe_ext.models.gpt import loss_fn_for
+        from ds_pipe_ext.parallel import topology as topo
+        from ds_pipe_ext.parallel.tensor_parallel import megatron_layer_impl
+
+        topology = topo.initialize(dims, world)  # megatron's groups, laid out as DeepSpeed's
+        impl = megatron_layer_impl(tp=dims.tp, sequence_parallel=dims.sp)
+        loss_fn = loss_fn_for(impl)
+    specs = gpt_layer_specs(model_cfg, impl)
     if pipelined:
         from ds_pipe_ext.pipe.module import PipelineModule
 
         if world % settings.stages:
             raise ConfigError(f"pipeline.stages={settings.stages} does not divide the world size {world}")
-        dp = world // settings.stages
+        dp = dims.dp
         profile_batch = next(synthetic_batches(model_cfg.vocab_size, micro_batch, model_cfg.seq_len, seed=0))
         model = PipelineModule(
             specs,
-            num_stages=settings.stages,
-            loss_fn=lm_loss,
+            num_stages=None if topology is not None else settings.stages,
+            topology=topology,
+            loss_fn=loss_fn,
             settings=settings,
             profile_batch=profile_batch,
             micro_batches=gas,
@@ -149,6 +216,8 @@ def main(argv=None, on_engine=None) -> dict:
         )
         stage_id = model.stage_id
         dp_rank = model._grid.get_data_parallel_id()
+        if args.init_from:
+            load_full_state(model, args.init_from, tp=dims.tp)
     else:
         model = SequentialGPT(specs, base_seed=seed)
         dp, stage_id, dp_rank = world, 0, rank
@@ -165,6 +234,9 @@ def main(argv=None, on_engine=None) -> dict:
     if pipelined and settings.instrument.enabled:
         sink = start_instrumentation(engine, model, settings, gas, rank)
     data = synthetic_batches(model_cfg.vocab_size, micro_batch, model_cfg.seq_len, seed=seed + 1000 + dp_rank)
+    grad_norms: list[float] = []
+    if pipelined:
+        engine.optimizer.register_step_pre_hook(lambda *_: grad_norms.append(global_grad_norm(model, dims)))
     if on_engine is not None:
         on_engine(engine, data)
 
@@ -206,6 +278,9 @@ def main(argv=None, on_engine=None) -> dict:
         "step_s_median": statistics.median(timed),
         "samples_per_s": global_batch / statistics.median(timed),
         "global_batch": global_batch,
+        "grad_norms": grad_norms,
+        "tensor_parallel": dims.tp if dims else 1,
+        "sequence_parallel": dims.sp if dims else False,
     }
     if pipelined:
         summary["local_layers"] = [model._local_start, model._local_stop]

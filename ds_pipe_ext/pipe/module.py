@@ -11,6 +11,7 @@ waiting forever in a collective.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
@@ -109,6 +110,13 @@ class PipelineModule(_DeepSpeedPipelineModule):
                 outcome[:3] = self._decide(spec, arg, method)
             except Exception as e:  # noqa: BLE001 - forwarded to every rank below
                 outcome[3] = f"{type(e).__name__}: {e}"
+        elif spec.cost_source == "profiled" and self.global_rank in self._profiling_peers():
+            # Under TP the layers communicate inside their TP group: rank 0's TP peers run
+            # the same profile in step with it; only rank 0's numbers are used.
+            try:
+                self.compute_layer_costs("profiled")
+            except Exception:  # noqa: BLE001 - rank 0 reports the failure to everyone
+                pass
         dist.broadcast_object_list(outcome, src=0, group=self.world_group)
         parts, plan, costs, error = outcome
         if error is not None:
@@ -119,6 +127,13 @@ class PipelineModule(_DeepSpeedPipelineModule):
             print(plan.to_table(), flush=True)
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+    def _profiling_peers(self) -> set[int]:
+        """Ranks that profile with rank 0: its tensor-parallel group (just rank 0 without TP)."""
+        axes = self._topo.get_axis_names()
+        if "model" not in axes or self._topo.get_dim("model") == 1:
+            return {0}
+        return set(self._topo.filter_match(pipe=0, data=0))
 
     def compute_layer_costs(self, source: str = "profiled") -> list:
         """LayerCost per layer from a source (profiling runs here, on the calling rank)."""
@@ -143,13 +158,17 @@ class PipelineModule(_DeepSpeedPipelineModule):
                 )
             return costs
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        settings = self._ext_settings.profile
+        if len(self._profiling_peers()) > 1:
+            # a cache hit on one TP rank but not another would leave the other waiting in a collective
+            settings = replace(settings, cache_dir=None)
         return profile_layers(
             self._layer_specs,
             inputs,
             labels=labels,
             loss_fn=self.loss_fn,
             names=layer_names(self._layer_specs),
-            settings=self._ext_settings.profile,
+            settings=settings,
             device=device,
             key_fields=self._ext_cost_key,
         )
