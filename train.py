@@ -47,6 +47,9 @@ def parse_args(argv=None):
     ap.add_argument("--init-from", default=None, metavar="FILE",
                     help="start from a single-process model's full state dict (torch.save of SequentialGPT), "
                          "sliced for this rank's stage and TP shard (parity checks)")
+    ap.add_argument("--save", default=None, metavar="DIR", help="save a checkpoint here after the last step")
+    ap.add_argument("--load", default=None, metavar="DIR",
+                    help="resume from a checkpoint (written under any partition with the same TP degree)")
     ap.add_argument("--metrics-out", default=None,
                     help="rank 0 writes a JSON summary here; every rank also writes NAME.rankR.json beside it")
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
@@ -234,6 +237,15 @@ def main(argv=None, on_engine=None) -> dict:
     if pipelined and settings.instrument.enabled:
         sink = start_instrumentation(engine, model, settings, gas, rank)
     data = synthetic_batches(model_cfg.vocab_size, micro_batch, model_cfg.seq_len, seed=seed + 1000 + dp_rank)
+    start_step = 0
+    if args.load:
+        if not pipelined:
+            raise ConfigError("--load/--save handle pipeline checkpoints: use a ds.json with a \"pipeline\" section")
+        from ds_pipe_ext.pipe import checkpoint
+
+        start_step = checkpoint.load(engine, args.load)
+        for _ in range(start_step * gas):  # the data stream continues where the checkpoint left it
+            next(data)
     grad_norms: list[float] = []
     if pipelined:
         engine.optimizer.register_step_pre_hook(lambda *_: grad_norms.append(global_grad_norm(model, dims)))
@@ -257,7 +269,14 @@ def main(argv=None, on_engine=None) -> dict:
         step_times.append(time.perf_counter() - t0)
         losses.append(float(loss))
         if rank == 0:
-            print(json.dumps({"step": step + 1, "loss": round(losses[-1], 6), "step_s": round(step_times[-1], 4)}), flush=True)
+            print(json.dumps({"step": start_step + step + 1, "loss": round(losses[-1], 6),
+                              "step_s": round(step_times[-1], 4)}), flush=True)
+    if args.save:
+        if not pipelined:
+            raise ConfigError("--load/--save handle pipeline checkpoints: use a ds.json with a \"pipeline\" section")
+        from ds_pipe_ext.pipe import checkpoint
+
+        checkpoint.save(engine, args.save, step=start_step + steps)
 
     if sink is not None:
         sink.gather()  # collective: rank 0 writes RUN_DIR/summary.json

@@ -68,19 +68,18 @@ def test_zero3_baseline_runs_the_same_model_on_4_ranks(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "pipeline, message",
+    "ranks_n, overrides, message",
     [
-        ({"memory_cap_gib": 1e-6}, "smallest cap that admits a partition"),
-        ({"partition_method": "profile"}, "unknown partition_method 'profile'; valid methods"),
-        ({"stages": 8}, "8 pipeline stages but only 6 layers"),
+        (2, {"pipeline": {"memory_cap_gib": 1e-6}}, "smallest cap that admits a partition"),
+        (2, {"pipeline": {"partition_method": "profile"}}, "unknown partition_method 'profile'; valid methods"),
+        (8, {"pipeline": {"stages": 8}}, "8 pipeline stages but only 6 layers"),
+        # topology: checked before any process group exists
+        (6, {"tensor_parallel": {"size": 3}}, "tensor parallel degree 3 does not divide the attention heads"),
+        (6, {"tensor_parallel": {"size": 4}}, "world size 6 is not pipeline (2) x tensor (4) x data parallel"),
     ],
 )
-def test_bad_input_fails_on_every_rank_without_hanging(tmp_path, pipeline, message):
-    cfg = write_config(tmp_path / "bad.json", pipeline=pipeline)
-    if "stages" in pipeline:
-        ranks_n = 8
-    else:
-        ranks_n = 2
+def test_bad_input_fails_on_every_rank_without_hanging(tmp_path, ranks_n, overrides, message):
+    cfg = write_config(tmp_path / "bad.json", **overrides)
     proc, _ = launch(ranks_n, cfg, "--steps", "1", out_dir=tmp_path, cwd=tmp_path, timeout=180)
     assert proc.returncode != 0
     assert proc.stderr.count(message) == ranks_n, proc.stderr[-3000:]
