@@ -79,6 +79,18 @@ def synthetic_batches(vocab: int, micro_batch: int, seq: int, seed: int):
         yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def make_adamw(params, *, lr: float):
+    """AdamW: apex's FusedAdam on CUDA when apex is importable (an optional accelerator), torch's otherwise."""
+    if torch.cuda.is_available():
+        try:
+            from apex.optimizers import FusedAdam
+
+            return FusedAdam(params, lr=lr, adam_w_mode=True)
+        except ImportError:
+            pass
+    return torch.optim.AdamW(params, lr=lr, foreach=False)
+
+
 def parallel_dims(ds_cfg: dict, settings, model_cfg):
     """PP x TP x DP from ds.json ("pipeline.stages", "tensor_parallel") and WORLD_SIZE; checked up front."""
     from ds_pipe_ext.parallel.topology import ParallelDims, TopologyError
@@ -227,9 +239,7 @@ def main(argv=None, on_engine=None) -> dict:
 
     optimizer = None
     if "optimizer" not in ds_cfg:
-        optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=float(train.get("lr", 3e-4)), foreach=False
-        )
+        optimizer = make_adamw([p for p in model.parameters() if p.requires_grad], lr=float(train.get("lr", 3e-4)))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg,
                                       model_parameters=None if optimizer else model.parameters())
     device = get_accelerator().device_name(engine.local_rank)

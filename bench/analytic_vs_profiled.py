@@ -2,7 +2,8 @@
 
 1. Saved-activation bytes, analytic vs the profiler's saved-tensor hooks, for the
    embedding, a block and the head + loss of bench-cpu and gpt2-small (seq 256),
-   micro-batch 1-4, TP 1.  (TP 2 and SP rows need the tensor-parallel layers.)
+   micro-batch 1-4, TP 1, and TP 2 with SP off and on (per TP rank, measured in a
+   2-process group; vocabulary padded to a multiple of 128 as Megatron does).
 2. Per-layer forward + backward time: analytic on the "cpu" spec calibrated on
    bench-cpu at micro-batch 4, against profiled, at shapes including unprofiled ones.
 3. Throughput of the `analytic` partition against the `profiled` one on the spine's
@@ -29,6 +30,7 @@ from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
 from ds_pipe_ext.costs.profiler import ProfileSettings, profile_layers  # noqa: E402
 from ds_pipe_ext.models.config import GPTConfig, load_model_config  # noqa: E402
 from ds_pipe_ext.models.gpt import gpt_layer_specs, lm_loss  # noqa: E402
+from ds_pipe_ext.parallel.probe import tp_activation_bytes  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
 from ds_pipe_ext.runner import ROOT, launch  # noqa: E402
 
@@ -60,9 +62,24 @@ def main() -> None:
                 rows.append([name, str(b), "1", "off", e["name"], str(m.activation_bytes), str(int(e["activation_bytes"])),
                              f"{err:+.2f}"])
             print(f"  profiled {name} b={b}", flush=True)
-    print("\nsaved-activation bytes per layer (fp32, seq 256): analytic vs profiled")
+    # TP 2, SP off and on: measured on TP rank 0 of a 2-process group (vocabulary padded as Megatron does)
+    cases, shapes = [], []
+    for name in ("bench-cpu", "gpt2-small"):
+        cfg = GPTConfig.from_dict({**load_model_config(name).to_dict(), "seq_len": 256, "tie_embeddings": False,
+                                   "vocab_pad_to": 128}, name=name)
+        for sp in (False, True):
+            for b in (1, 2, 3, 4):
+                cases.append({"model": cfg.to_dict(), "b": b, "sp": sp})
+                shapes.append((cfg, b, sp))
+    for (cfg, b, sp), measured in zip(shapes, tp_activation_bytes(cases, tp=2)):
+        est = estimate_layers(cfg, EstimateRequest(b, 256, tp=2, sp=sp, dtype="fp32"), cpu)
+        for m, e in zip(measured, (est[0], est[1], est[-1])):
+            err = 100 * (e["activation_bytes"] - m) / m
+            worst = max(worst, abs(err))
+            rows.append([cfg.name, str(b), "2", "on" if sp else "off", e["name"], str(m), str(int(e["activation_bytes"])),
+                         f"{err:+.2f}"])
+    print("\nsaved-activation bytes per layer (fp32, seq 256; per TP rank): analytic vs profiled")
     print("\n".join(render_table(["model", "b", "tp", "sp", "layer", "profiled B", "analytic B", "err %"], rows)))
-    print("TP 2 / SP rows: not measured; they need the megatron tensor-parallel layers (issue 3).")
 
     bench = load_model_config("bench-cpu")
     calibrated = profile_and_calibrate(bench, EstimateRequest(4, 256, dtype="fp32"), cpu, cache_dir=CACHE)

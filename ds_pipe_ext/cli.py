@@ -71,9 +71,20 @@ def cmd_estimate(args) -> int:
         block = op_rows(layer_ops(cfg, shape_for(cfg, req, device))[1][2], device, req)
     except AnalyticError as e:
         raise ValueError(str(e)) from None
+    stages = None
+    if args.stages:
+        from .costs.estimate import analytic_layer_costs, stage_memory
+        from .partition import partition_min_max
+
+        costs = analytic_layer_costs(cfg, req, device)
+        m = args.micro_batches or args.stages
+        parts = partition_min_max(costs, args.stages, micro_batches=m, recompute=args.full_recompute)
+        stages = {"parts": parts, "micro_batches": m, "dp": args.dp, "zero": args.zero,
+                  "stages": stage_memory(costs, parts, micro_batches=m, dp=args.dp, zero=args.zero,
+                                         full_recompute=args.full_recompute)}
     if args.json:
         print(json.dumps({"model": cfg.name, "device": device.name, "request": req.__dict__,
-                          "layers": layers, "block_ops": block}, indent=1))
+                          "layers": layers, "block_ops": block, "pipeline": stages}, indent=1))
         return 0
     mib, ms = 2**20, 1e3
     print(f"{cfg.name}: one block, per op (b={req.micro_batch} s={req.seq} tp={req.tp} sp={req.sp} "
@@ -91,6 +102,17 @@ def cmd_estimate(args) -> int:
         ["layer", "kind", "fwd TFLOP", "act MiB", "params M", "fwd ms", "bwd ms"],
         [[f"{i}:{r['name']}", r["kind"], f"{r['fwd_flops'] / 1e12:.3f}", f"{r['activation_bytes'] / mib:.1f}",
           f"{r['params'] / 1e6:.1f}", f"{r['fwd_s'] * ms:.3f}", f"{r['bwd_s'] * ms:.3f}"] for i, r in enumerate(layers)])))
+    if stages:
+        gib = 2**30
+        print(f"\nmemory per rank, {args.stages} stages (analytic min-max split {stages['parts']}), "
+              f"m={stages['micro_batches']} micro-batches, dp={args.dp}, ZeRO-{args.zero}"
+              + (", full recompute" if args.full_recompute else "") + ":")
+        print("\n".join(render_table(
+            ["stage", "layers", "params GiB", "grads GiB", "optimizer GiB", "act GiB x inflight", "total GiB"],
+            [[str(r["stage"]), f"{r['layers'][0]}-{r['layers'][1] - 1}", f"{r['param_bytes'] / gib:.2f}",
+              f"{r['grad_bytes'] / gib:.2f}", f"{r['optimizer_bytes'] / gib:.2f}",
+              f"{r['activation_bytes'] / r['inflight'] / gib:.2f} x {r['inflight']}", f"{r['total_bytes'] / gib:.2f}"]
+             for r in stages["stages"]])))
     return 0
 
 
@@ -139,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--selective-recompute", action="store_true")
     e.add_argument("--device", default="a100", help="a100 | a100-40gb | a100-80gb | h100 | h200 | cpu (measured)")
     e.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    e.add_argument("--stages", type=int, default=None, help="also split into P stages and print memory per stage")
+    e.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default: stages)")
+    e.add_argument("--dp", type=int, default=1, help="data-parallel degree (ZeRO divides model states by it)")
+    e.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
+    e.add_argument("--full-recompute", action="store_true", help="activation checkpointing of every layer")
     e.add_argument("--calibrate", action="store_true",
                    help="profile one embedding, block and head here and fit the device's efficiency factors")
     e.add_argument("--json", action="store_true")

@@ -126,3 +126,21 @@ def test_analytic_activations_match_what_autograd_saves_on_cpu(dropout, b):
     est = estimate_layers(cfg, EstimateRequest(b, cfg.seq_len, dtype="fp32"), cpu)
     for got, want in zip([est[0], est[1], est[-1]], measured):
         assert got["activation_bytes"] == pytest.approx(want.activation_bytes, rel=0.03), got["name"]
+
+
+def test_stage_memory_zero_division_and_inflight():
+    from ds_pipe_ext.costs.estimate import stage_memory
+    from ds_pipe_ext.costs.types import LayerCost
+
+    costs = [LayerCost(f"l{i}", 1.0, 2.0, param_bytes=100, grad_bytes=100, optimizer_bytes=800,
+                       activation_bytes=10, output_bytes=4) for i in range(4)]
+    parts = [0, 2, 4]
+    z = {k: stage_memory(costs, parts, micro_batches=8, dp=4, zero=k) for k in (0, 1, 2, 3)}
+    assert [z[0][0][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")] == [200, 200, 1600]
+    assert [z[1][0][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")] == [200, 200, 400]
+    assert [z[2][0][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")] == [200, 50, 400]
+    assert [z[3][0][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")] == [50, 50, 400]
+    # 1F1B: stage 0 holds 2 micro-batches, stage 1 one; full recompute keeps only layer inputs
+    assert [r["activation_bytes"] for r in z[0]] == [2 * 20, 1 * 20]
+    full = stage_memory(costs, parts, micro_batches=8, full_recompute=True)
+    assert [r["activation_bytes"] for r in full] == [2 * (0 + 4), 1 * (4 + 4)]

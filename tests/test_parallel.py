@@ -46,3 +46,12 @@ def test_cpu_shim_patches_only_megatron_and_only_without_cuda(monkeypatch):
     assert torch.cuda.current_device is not cpu_compat._CpuTorch.cuda.current_device  # torch itself untouched
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cpu_compat.install() is False
+
+
+def test_vocabulary_padding_makes_tp_possible():
+    cfg = load_model_config("bench-cpu")
+    with pytest.raises(TopologyError, match="vocab_pad_to = 256"):
+        ParallelDims(tp=2).check_model(cfg)
+    padded = GPTConfig.from_dict({**cfg.to_dict(), "vocab_pad_to": 128}, name="padded")
+    assert padded.padded_vocab == 50304
+    ParallelDims(tp=2).check_model(padded)

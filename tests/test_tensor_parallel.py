@@ -37,7 +37,13 @@ def train_steps(model, x, y, grad_norm_fn):
     return losses, norm
 
 
-def _worker(rank, world, sp, init_file, ref_path, out_path):
+def tiny(tied: bool):
+    from ds_pipe_ext.models.config import GPTConfig
+
+    return GPTConfig.from_dict({**load_model_config("tiny").to_dict(), "tie_embeddings": tied}, name="tiny")
+
+
+def _worker(rank, world, sp, init_file, ref_path, out_path, tied=False):
     import torch.distributed as dist
 
     from ds_pipe_ext.models.gpt import loss_fn_for
@@ -47,7 +53,7 @@ def _worker(rank, world, sp, init_file, ref_path, out_path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     initialize(ParallelDims(pp=1, tp=world, dp=1, sp=sp), world)
-    cfg = load_model_config("tiny")
+    cfg = tiny(tied)
     impl = megatron_layer_impl(tp=world, sequence_parallel=sp)
     model = SequentialGPT(gpt_layer_specs(cfg, impl), loss_fn=loss_fn_for(impl))
     model.load_state_dict(shard_like(torch.load(ref_path), model))
@@ -73,9 +79,9 @@ def _worker(rank, world, sp, init_file, ref_path, out_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
-def test_tp_parity_with_single_process(tmp_path, sp):
-    cfg = load_model_config("tiny")
+@pytest.mark.parametrize("sp, tied", [(False, False), (True, False), (True, True)], ids=["tp2", "tp2_sp", "tp2_sp_tied"])
+def test_tp_parity_with_single_process(tmp_path, sp, tied):
+    cfg = tiny(tied)
     reference = SequentialGPT(gpt_layer_specs(cfg), base_seed=1234)
     torch.save(reference.state_dict(), tmp_path / "ref.pt")
 
@@ -84,7 +90,8 @@ def test_tp_parity_with_single_process(tmp_path, sp):
 
     want_losses, want_norm = train_steps(reference, *batch(cfg), norm)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_worker, args=(2, sp, str(tmp_path / "init"), str(tmp_path / "ref.pt"), str(tmp_path / "out.json")),
+    mp.start_processes(_worker, args=(2, sp, str(tmp_path / "init"), str(tmp_path / "ref.pt"), str(tmp_path / "out.json"),
+                                      tied),
                        nprocs=2, join=True, start_method="spawn")
     got = json.loads((tmp_path / "out.json").read_text())
     assert got["losses"][0] == pytest.approx(want_losses[0], rel=1e-5)
@@ -162,3 +169,21 @@ def test_checkpoint_written_under_one_partition_resumes_under_another(tmp_path):
     assert first["parts"] == [0, 2, 6] and second["parts"] == [0, 4, 6]
     assert first["losses"] == whole["losses"][:2]
     assert second["losses"] == whole["losses"][2:]  # bit-identical in fp32
+
+
+@pytest.mark.multiprocess
+def test_analytic_activations_match_tp2_shards():
+    """Each layer as TP rank 0 runs it (TP=2, SP off and on): analytic bytes within 3% of the hooks' count."""
+    from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers
+    from ds_pipe_ext.costs.hardware import DeviceSpec
+    from ds_pipe_ext.models.config import GPTConfig
+    from ds_pipe_ext.parallel.probe import tp_activation_bytes
+
+    cfg = GPTConfig.from_dict({**load_model_config("bench-cpu").to_dict(), "seq_len": 128, "vocab_size": 8000,
+                               "vocab_pad_to": 256}, name="probe")
+    cases = [{"model": cfg.to_dict(), "b": 2, "sp": sp} for sp in (False, True)]
+    cpu = DeviceSpec("cpu", {"fp32": 1e11}, {"fp32": 1e10}, 1e10, 1e10, 1e10, 2**34, gpus_per_node=1)
+    for case, measured in zip(cases, tp_activation_bytes(cases)):
+        est = estimate_layers(cfg, EstimateRequest(2, 128, tp=2, sp=case["sp"], dtype="fp32"), cpu)
+        for got, want in zip([est[0], est[1], est[-1]], measured):
+            assert got["activation_bytes"] == pytest.approx(want, rel=0.03), (case["sp"], got["name"])

@@ -224,7 +224,8 @@ def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
     ops = [OpCost("word_embedding", "vector", fwd_bytes=2 * out * shp.e, bwd_bytes=2 * out * shp.e + 2 * table,
                   activation_bytes=shp.tokens * 8 + (shp.s * 8 if positions else 0), weight_bytes=rows * shp.h * shp.e)]
     if shp.t > 1:
-        ops[0] = replace(ops[0], comm_fwd_bytes=out * shp.e,
+        # Megatron's vocab-parallel lookup also keeps a bool mask of the tokens outside this rank's rows
+        ops[0] = replace(ops[0], comm_fwd_bytes=out * shp.e, activation_bytes=ops[0].activation_bytes + shp.tokens,
                          comm_type="reduce-scatter" if shp.sp else "all-reduce")
     if positions:
         ops.append(OpCost("position_embedding", "vector", fwd_flops=out, fwd_bytes=3 * out * shp.e,

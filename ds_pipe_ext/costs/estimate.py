@@ -19,7 +19,7 @@ class EstimateRequest:
     sp: bool = False
     dtype: str = "bf16"
     selective_recompute: bool = False
-    optimizer_bytes_per_param: int = 12  # mixed-precision Adam: fp32 master + m + v
+    optimizer_bytes_per_param: int | None = None  # None: 8 in fp32 (Adam m, v), 12 in 16-bit (+ fp32 master)
     mask_bytes: int | None = None  # dropout mask element; None: 1 on GPUs (fused, bool), e on "cpu" (float mask)
 
 
@@ -30,7 +30,7 @@ def shape_for(cfg, req: EstimateRequest, device: DeviceSpec | None = None) -> A.
         raise A.AnalyticError(f"seq {req.seq} exceeds the model's seq_len {cfg.seq_len}")
     e = DTYPE_BYTES[req.dtype]
     m = req.mask_bytes if req.mask_bytes is not None else (e if device is not None and device.name == "cpu" else 1)
-    return A.Shape(b=req.micro_batch, s=req.seq, h=cfg.hidden, a=cfg.heads, f=cfg.ffn, V=cfg.vocab_size,
+    return A.Shape(b=req.micro_batch, s=req.seq, h=cfg.hidden, a=cfg.heads, f=cfg.ffn, V=cfg.padded_vocab,
                    e=e, m=m, t=req.tp, sp=req.sp, dropout=cfg.dropout > 0)
 
 
@@ -81,10 +81,41 @@ def analytic_layer_costs(cfg, req: EstimateRequest, device: DeviceSpec) -> list[
     costs = []
     for row in estimate_layers(cfg, req, device):
         params = int(row["params"])
+        per_param = req.optimizer_bytes_per_param or (8 if req.dtype == "fp32" else 12)
         costs.append(LayerCost(
             name=row["name"], forward_s=row["fwd_s"], backward_s=row["bwd_s"], recompute_s=row["fwd_s"],
             param_bytes=params * shp.e, grad_bytes=params * shp.e,
-            optimizer_bytes=params * req.optimizer_bytes_per_param,
+            optimizer_bytes=params * per_param,
             activation_bytes=int(row["activation_bytes"]), output_bytes=int(row["output_bytes"]),
         ))
     return costs
+
+
+def stage_memory(costs: list[LayerCost], parts: list[int], *, micro_batches: int, dp: int = 1, zero: int = 0,
+                 full_recompute: bool = False) -> list[dict]:
+    """Bytes per rank of each pipeline stage: model states (ZeRO divides them over DP) + activations.
+
+    ZeRO-1 divides the optimizer states by dp, ZeRO-2 also the gradients, ZeRO-3 also the
+    parameters (Rajbhandari et al. 2020).  Stage s holds min(p - s, m) micro-batches of
+    activations under 1F1B; with full recompute a layer holds only its input.
+    """
+    from ..partition import held_activation_bytes
+
+    if zero not in (0, 1, 2, 3):
+        raise A.AnalyticError(f"ZeRO stage {zero!r}: use 0, 1, 2 or 3")
+    if dp < 1:
+        raise A.AnalyticError(f"dp = {dp}: the data-parallel degree must be >= 1")
+    held = held_activation_bytes(costs, recompute=full_recompute)
+    p, rows = len(parts) - 1, []
+    for s in range(p):
+        i, j = parts[s], parts[s + 1]
+        layer = costs[i:j]
+        params, grads, optim = (sum(getattr(c, k) for c in layer) for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
+        optim /= dp if zero >= 1 else 1
+        grads /= dp if zero >= 2 else 1
+        params /= dp if zero >= 3 else 1
+        inflight = min(p - s, micro_batches)
+        act = inflight * sum(held[i:j])
+        rows.append({"stage": s, "layers": [i, j], "param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optim,
+                     "inflight": inflight, "activation_bytes": act, "total_bytes": params + grads + optim + act})
+    return rows

@@ -69,9 +69,16 @@ def _tensors(x) -> list[torch.Tensor]:
 
 
 def _detach_input(x):
-    """A leaf copy of an activation: float tensors require grad, as a stage input does."""
+    """A leaf copy of an activation: float tensors require grad, as a stage input does.
+
+    A view into a larger storage (Megatron's sequence-parallel scatter returns a
+    slice of the full tensor) is compacted first, so that the next layer's saved
+    input is counted at its own size, as when it arrives over p2p.
+    """
     if isinstance(x, torch.Tensor):
         x = x.detach()
+        if x.untyped_storage().nbytes() > x.numel() * x.element_size():
+            x = x.clone()
         return x.requires_grad_(True) if x.is_floating_point() else x
     if isinstance(x, (tuple, list)):
         return type(x)(_detach_input(t) for t in x)

@@ -25,6 +25,7 @@ class GPTConfig:
     dropout: float = 0.0
     tie_embeddings: bool = False
     layernorm_eps: float = 1e-5
+    vocab_pad_to: int = 1  # Megatron's make_vocab_size_divisible_by: embedding/head rows padded to a multiple
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden", "layers", "heads", "seq_len"):
@@ -42,8 +43,15 @@ class GPTConfig:
             raise ModelConfigError(f"model config {self.name!r}: dropout = {self.dropout!r}; it must be in [0, 1)")
         if not isinstance(self.tie_embeddings, bool):
             raise ModelConfigError(f"model config {self.name!r}: tie_embeddings must be true or false")
+        if isinstance(self.vocab_pad_to, bool) or not isinstance(self.vocab_pad_to, int) or self.vocab_pad_to < 1:
+            raise ModelConfigError(f"model config {self.name!r}: vocab_pad_to must be a positive integer")
         if not isinstance(self.layernorm_eps, (int, float)) or not self.layernorm_eps > 0:
             raise ModelConfigError(f"model config {self.name!r}: layernorm_eps must be > 0")
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and LM head: vocab_size rounded up to vocab_pad_to (labels stay < vocab_size)."""
+        return -(-self.vocab_size // self.vocab_pad_to) * self.vocab_pad_to
 
     @property
     def ffn(self) -> int:

@@ -66,6 +66,8 @@ class LayerImpl:
     enter_blocks: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
     # (s, b, V or V/t) logits, (b, s) labels -> mean loss (vocab-parallel under TP)
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # hidden states, the embedding matrix -> logits, for a head tied to the embedding
+    tied_head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda x, weight: F.linear(x, weight)
 
     def __repr__(self) -> str:  # stable, address-free: LayerSpec reprs feed the profile cache key
         return f"LayerImpl({self.name}, tp={self.tp_size}, sp={self.sequence_parallel})"
@@ -85,10 +87,11 @@ class EmbeddingPipe(nn.Module):
 
     def __init__(self, cfg: GPTConfig, impl: LayerImpl = LOCAL):
         super().__init__()
-        self.word_embeddings = impl.embedding(cfg.vocab_size, cfg.hidden)
+        self.word_embeddings = impl.embedding(cfg.padded_vocab, cfg.hidden)
         self.position_embeddings = _local_embedding(cfg.seq_len, cfg.hidden)
         self.drop = nn.Dropout(cfg.dropout)
         self.enter_blocks = impl.enter_blocks
+        self.tied_head = impl.tied_head
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -161,15 +164,19 @@ class HeadPipe(nn.Module):
     def __init__(self, cfg: GPTConfig, impl: LayerImpl = LOCAL):
         super().__init__()
         self.ln_f = impl.layer_norm(cfg.hidden, cfg.layernorm_eps)
-        self.lm_head = impl.column_linear(cfg.hidden, cfg.vocab_size, bias=False)
+        self.lm_head = impl.column_linear(cfg.hidden, cfg.padded_vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
 
 
 def tied_lm_head(embedding: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
-    """LM head that reuses the input embedding matrix (``TiedLayerSpec`` forward_fn)."""
-    return F.linear(x, embedding.word_embeddings.weight)
+    """LM head that reuses the input embedding matrix (``TiedLayerSpec`` forward_fn).
+
+    Under TP the matrix is this rank's vocabulary rows, so the product is a
+    column-parallel linear: the implementation's ``tied_head`` does it.
+    """
+    return embedding.tied_head(x, embedding.word_embeddings.weight)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -96,10 +96,18 @@ def megatron_layer_impl(*, tp: int, sequence_parallel: bool = False) -> LayerImp
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return mtp.vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous()).mean()
 
+    def tied_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Column-parallel product with the embedding's vocabulary rows (gathers the sequence under SP)."""
+        from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+
+        return linear_with_grad_accumulation_and_async_allreduce(
+            x, weight, None, gradient_accumulation_fusion=False,
+            allreduce_dgrad=tp > 1 and not sequence_parallel, sequence_parallel=sequence_parallel)
+
     enter = mtp.scatter_to_sequence_parallel_region if sequence_parallel else (lambda x: x)
     return LayerImpl(name="megatron", column_linear=column_linear, row_linear=row_linear, embedding=embedding,
                      layer_norm=layer_norm, tp_size=tp, sequence_parallel=sequence_parallel,
-                     enter_blocks=enter, loss=loss)
+                     enter_blocks=enter, loss=loss, tied_head=tied_head)
 
 
 def shard_like(full_state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:

@@ -48,11 +48,13 @@ class ParallelDims:
 
     def check_model(self, cfg) -> None:
         """TP must divide heads, hidden, ffn and vocabulary; SP must divide the sequence."""
-        for what, n in (("attention heads", cfg.heads), ("hidden", cfg.hidden), ("ffn hidden", cfg.ffn),
-                        ("vocabulary", cfg.vocab_size)):
+        for what, n in (("attention heads", cfg.heads), ("hidden", cfg.hidden), ("ffn hidden", cfg.ffn)):
             if n % self.tp:
                 raise TopologyError(f"tensor parallel degree {self.tp} does not divide the {what} ({n}) of "
                                     f"model {cfg.name!r}; choose tp dividing it")
+        if cfg.padded_vocab % self.tp:
+            raise TopologyError(f"tensor parallel degree {self.tp} does not divide the vocabulary ({cfg.padded_vocab}) "
+                                f"of model {cfg.name!r}; pad it as Megatron does: vocab_pad_to = {128 * self.tp}")
         if self.sp and cfg.seq_len % self.tp:
             raise TopologyError(f"sequence parallelism splits the sequence ({cfg.seq_len}) {self.tp} ways; "
                                 f"choose tp dividing seq_len")

@@ -17,7 +17,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
 
 from ..costs.profiler import profile_layers
-from ..models.gpt import layer_names
+from ..models.gpt import LayerImpl, layer_names
 from ..partition import PartitionError
 from ..partition.methods import PartitionRequest, lookup
 from ..partition.report import PartitionPlan, build_plan
@@ -143,7 +143,13 @@ class PipelineModule(_DeepSpeedPipelineModule):
             from ..costs.hardware import get_device
 
             opts = self._ext_settings.analytic
-            request = EstimateRequest(micro_batch=inputs.shape[0], seq=inputs.shape[1], dtype=opts.get("dtype", "fp32"))
+            # a TP shard: the degree from the topology, SP from how the layers were built
+            tp = self._topo.get_dim("model") if "model" in self._topo.get_axis_names() else 1
+            impls = [arg for spec in self._layer_specs for arg in getattr(spec, "module_args", ())
+                     if isinstance(arg, LayerImpl)]
+            sp = any(impl.sequence_parallel for impl in impls)
+            request = EstimateRequest(micro_batch=inputs.shape[0], seq=inputs.shape[1], dtype=opts.get("dtype", "fp32"),
+                                      tp=tp, sp=sp)
             cache_dir = self._ext_settings.profile.cache_dir
             device = get_device(opts.get("device", "cpu"), cache_dir=cache_dir)
             if opts.get("calibrate"):  # fit the roofline's efficiencies to one profiled embedding, block, head
