@@ -83,7 +83,8 @@ def main() -> None:
 
     bench = load_model_config("bench-cpu")
     calibrated = profile_and_calibrate(bench, EstimateRequest(4, 256, dtype="fp32"), cpu, cache_dir=CACHE)
-    print(f"\ncalibrated cpu spec: matrix {calibrated.matrix_efficiency:.3f}, vector {calibrated.vector_efficiency:.3f}, "
+    print(f"\ncalibrated cpu spec: matrix {calibrated.matrix_efficiency:.3f}, attention {calibrated.attention_efficiency:.3f}, "
+          f"vector {calibrated.vector_efficiency:.3f}, "
           f"memory {calibrated.memory_efficiency:.3f} (x the measured peaks)")
     rows = []
     for b, seq in ((4, 256), (2, 256), (4, 128), (1, 256)):

@@ -64,7 +64,8 @@ def cmd_estimate(args) -> int:
             from .costs.calibrate import profile_and_calibrate
 
             device = profile_and_calibrate(cfg, req, device)
-            print(f"calibrated on this machine: matrix {device.matrix_efficiency:.3f}, vector "
+            print(f"calibrated on this machine: matrix {device.matrix_efficiency:.3f}, attention "
+                  f"{device.attention_efficiency:.3f}, vector "
                   f"{device.vector_efficiency:.3f}, memory {device.memory_efficiency:.3f} of the spec's peaks",
                   file=sys.stderr)
         layers = estimate_layers(cfg, req, device)

@@ -75,7 +75,7 @@ class Shape:
 @dataclass(frozen=True)
 class OpCost:
     name: str
-    kind: str  # "matrix" (tensor cores) or "vector"
+    kind: str  # "matrix" (GEMMs), "attention" (batched per-head matmuls; tensor cores too) or "vector"
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
     fwd_bytes: float = 0.0  # memory traffic: reads + writes
@@ -128,7 +128,7 @@ def qkv(shp: Shape) -> OpCost:
 def attention_logits(shp: Shape) -> OpCost:
     """Q K^T per head: 2*b*s*s*h/t FLOPs; saves Q and K (4sbh/t at 16-bit)."""
     flops = 2.0 * shp.b * shp.s * shp.s * shp.h / shp.t
-    return OpCost("logits", "matrix", fwd_flops=flops, bwd_flops=2 * flops,
+    return OpCost("logits", "attention", fwd_flops=flops, bwd_flops=2 * flops,
                   fwd_bytes=(2 * shp.sbh / shp.t + shp.a * shp.s * shp.s * shp.b / shp.t) * shp.e,
                   activation_bytes=2 * shp.sbh / shp.t * shp.e)
 
@@ -156,9 +156,9 @@ def attend(shp: Shape) -> list[OpCost]:
     """
     flops = 2.0 * shp.b * shp.s * shp.s * shp.h / shp.t
     probs = shp.a * shp.s * shp.s * shp.b / shp.t
-    return [OpCost("attend", "matrix", fwd_flops=flops, bwd_flops=2 * flops,
+    return [OpCost("attend", "attention", fwd_flops=flops, bwd_flops=2 * flops,
                    fwd_bytes=(probs + 2 * shp.sbh / shp.t) * shp.e, activation_bytes=shp.sbh / shp.t * shp.e),
-            OpCost("attend_saved_probs", "matrix", activation_bytes=probs * shp.e if shp.dropout else 0.0,
+            OpCost("attend_saved_probs", "attention", activation_bytes=probs * shp.e if shp.dropout else 0.0,
                    recompute=True)]
 
 
@@ -262,8 +262,10 @@ def lm_head(shp: Shape) -> list[OpCost]:
                   saved_input_elems=shp.replicated_sbh)
     head = _tp_entry_comm(head, shp)
     logits = shp.tokens * -(-shp.V // shp.t)
+    # log-softmax over fp32 logits: a max pass, an exp-sum pass, then read and write the result
+    # (4 passes); backward reads the saved probabilities and the logits' grad is written (3 passes)
     xent = OpCost("cross_entropy", "vector", fwd_flops=5.0 * logits, bwd_flops=2.0 * logits,
-                  fwd_bytes=2 * logits * 4, bwd_bytes=2 * logits * 4, activation_bytes=logits * 4,
+                  fwd_bytes=4 * logits * 4, bwd_bytes=3 * logits * 4, activation_bytes=logits * 4,
                   comm_fwd_bytes=3 * shp.tokens * 4 if shp.t > 1 else 0.0,
                   comm_type="all-reduce" if shp.t > 1 else "")
     return [layer_norm("ln_f", shp), head, xent]

@@ -18,41 +18,47 @@ import numpy as np
 from .analytic import OpCost
 from .hardware import DeviceSpec
 
-GRID = np.geomspace(0.02, 4.0, 48)  # efficiencies relative to the spec's peaks
+CLASSES = ("matrix", "attention", "vector", "memory")  # the efficiency factors that are fitted
 
 
-def _layer_time(ops: list[OpCost], device: DeviceSpec, dtype: str, backward: bool,
-                eff_m: np.ndarray, eff_v: np.ndarray, eff_mem: np.ndarray) -> np.ndarray:
-    """Σ_op max(compute, memory) for every combination of efficiencies (broadcast arrays)."""
-    total = np.zeros(np.broadcast(eff_m, eff_v, eff_mem).shape)
+def _layer_time(ops: list[OpCost], device: DeviceSpec, dtype: str, backward: bool, eff: dict) -> np.ndarray:
+    """Σ_op max(compute, memory) for every combination of efficiencies (broadcast arrays in ``eff``)."""
+    total = 0.0
     for op in ops:
         flops = op.bwd_flops if backward else op.fwd_flops
         moved = op.bwd_bytes if backward else op.fwd_bytes
-        if op.kind == "matrix":
-            compute = flops / (device.matrix_flops[dtype] * eff_m)
-        else:
-            compute = flops / (device.vector_flops[dtype] * eff_v)
-        total = total + np.maximum(compute, moved / (device.hbm_bandwidth * eff_mem))
+        peak = device.vector_flops[dtype] if op.kind == "vector" else device.matrix_flops[dtype]
+        total = total + np.maximum(flops / (peak * eff[op.kind]), moved / (device.hbm_bandwidth * eff["memory"]))
     return total
+
+
+def _fit(layers, device, dtype, axes: dict[str, np.ndarray]) -> dict[str, float]:
+    grids = np.meshgrid(*axes.values(), indexing="ij")
+    eff = dict(zip(axes, grids))
+    loss = np.zeros(grids[0].shape)
+    for ops, fwd, bwd in layers:
+        for backward, measured in ((False, fwd), (True, bwd)):
+            if measured > 0:
+                loss += np.log(np.maximum(_layer_time(ops, device, dtype, backward, eff), 1e-12) / measured) ** 2
+    i = np.unravel_index(int(np.argmin(loss)), loss.shape)
+    return {k: float(g[i]) for k, g in eff.items()}
 
 
 def calibrate(device: DeviceSpec, layers: list[tuple[list[OpCost], float, float]], *, dtype: str) -> DeviceSpec:
     """``layers``: (ops, measured forward s, measured backward s) per profiled layer.
 
-    Returns the spec with fitted ``matrix_efficiency``, ``vector_efficiency`` and
-    ``memory_efficiency`` (communication is not fitted: profiling one rank has none).
+    Fits the matrix (GEMM), attention-matmul, vector and memory efficiencies by least
+    squares on log time: a coarse grid over [0.01, 10] x the spec's peaks, then a finer
+    one around the best point.  Communication is not fitted (one rank has none).
     """
-    em, ev, emem = np.meshgrid(GRID, GRID, GRID, indexing="ij")
-    loss = np.zeros(em.shape)
-    for ops, fwd, bwd in layers:
-        for backward, measured in ((False, fwd), (True, bwd)):
-            if measured <= 0:
-                continue
-            predicted = _layer_time(ops, device, dtype, backward, em, ev, emem)
-            loss += np.log(np.maximum(predicted, 1e-12) / measured) ** 2
-    i = np.unravel_index(int(np.argmin(loss)), loss.shape)
-    return replace(device, matrix_efficiency=float(em[i]), vector_efficiency=float(ev[i]),
-                   memory_efficiency=float(emem[i]), name=f"{device.name}-calibrated")
+    coarse = np.geomspace(0.01, 10.0, 16)
+    best = _fit(layers, device, dtype, {k: coarse for k in CLASSES})
+    step = coarse[1] / coarse[0]
+    fine = {k: best[k] * np.geomspace(1 / step, step, 13) for k in CLASSES}
+    best = _fit(layers, device, dtype, fine)
+    return replace(device, matrix_efficiency=best["matrix"], attention_efficiency=best["attention"],
+                   vector_efficiency=best["vector"], memory_efficiency=best["memory"],
+                   name=f"{device.name}-calibrated")
 
 
 def profile_and_calibrate(cfg, req, device: DeviceSpec, *, cache_dir: str | None = ".ds_pipe_ext_cache",

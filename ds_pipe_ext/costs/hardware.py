@@ -28,6 +28,7 @@ class DeviceSpec:
     memory_bytes: float
     gpus_per_node: int = 8
     matrix_efficiency: float = 0.7
+    attention_efficiency: float = 0.5  # per-head matmuls are small (head dim 64-128): a lower share of peak
     vector_efficiency: float = 0.7
     memory_efficiency: float = 0.8
     comm_efficiency: float = 0.8
@@ -36,15 +37,19 @@ class DeviceSpec:
         """Roofline: max(compute, memory) plus the op's TP collective (ring formulas)."""
         flops = op.bwd_flops if backward else op.fwd_flops
         moved = op.bwd_bytes if backward else op.fwd_bytes
-        peak = (self.matrix_flops if op.kind == "matrix" else self.vector_flops).get(dtype)
+        peak = (self.vector_flops if op.kind == "vector" else self.matrix_flops).get(dtype)
         if peak is None:
             raise AnalyticError(f"device {self.name} has no {op.kind} peak for dtype {dtype!r}")
-        compute = flops / (peak * (self.matrix_efficiency if op.kind == "matrix" else self.vector_efficiency))
+        compute = flops / (peak * self.efficiency(op.kind))
         memory = moved / (self.hbm_bandwidth * self.memory_efficiency)
         comm_bytes = op.comm_bwd_bytes if backward else op.comm_fwd_bytes
         comm = ring_time(comm_bytes, op.comm_type, tp, self.link_bandwidth(tp) * self.comm_efficiency)
         return {"compute_s": compute, "memory_s": memory, "comm_s": comm, "time_s": max(compute, memory) + comm,
                 "intensity": flops / moved if moved else float("inf")}
+
+    def efficiency(self, kind: str) -> float:
+        return {"matrix": self.matrix_efficiency, "attention": self.attention_efficiency,
+                "vector": self.vector_efficiency}[kind]
 
     def link_bandwidth(self, group_size: int) -> float:
         """TP groups inside a node use NVLink; larger ones cross the network."""
@@ -107,7 +112,8 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     vec = rate(lambda: torch.add(x, y, out=y), x.numel())
     ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     spec = DeviceSpec("cpu", {"fp32": mm, "bf16": mm}, {"fp32": vec, "bf16": vec}, bw, bw, bw, ram, gpus_per_node=1,
-                      matrix_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0, comm_efficiency=1.0)
+                      matrix_efficiency=1.0, attention_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0,
+                      comm_efficiency=1.0)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(spec)))
