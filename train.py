@@ -193,6 +193,9 @@ def main(argv=None, on_engine=None) -> dict:
 
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from ds_pipe_ext.parallel.cpu_compat import skip_deepspeed_shm_op
+
+    skip_deepspeed_shm_op()  # CPU only: no C++ JIT build (and no stale build locks) at start-up
     deepspeed.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(seed)  # same initial weights on every rank

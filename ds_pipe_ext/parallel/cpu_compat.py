@@ -54,3 +54,19 @@ def install() -> bool:
 
 def installed() -> bool:
     return all(isinstance(getattr(importlib.import_module(n), "torch", None), _CpuTorch) for n in PATCHED_MODULES)
+
+
+def skip_deepspeed_shm_op() -> bool:
+    """Without CUDA, don't let DeepSpeed JIT-build its shared-memory comm op at init_distributed.
+
+    That op speeds up CPU inference all-reduce; gloo training does not use it.  Building it
+    compiles C++ in every fresh environment, and a process killed mid-build leaves a lock in
+    ~/.cache/torch_extensions that makes every later launch wait forever (seen here).
+    Returns whether the build was skipped.
+    """
+    if torch.cuda.is_available():
+        return False
+    # importlib: `import deepspeed.comm.torch` would resolve deepspeed.comm's attribute `torch` (torch itself)
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+    ds_torch_comm.build_shm_op = lambda: None
+    return True
