@@ -171,6 +171,8 @@ def main(argv=None, on_engine=None) -> dict:
     if args.partition_method:
         ds_cfg.setdefault("pipeline", {})["partition_method"] = args.partition_method
     settings = PipelineSettings.from_ds_config(ds_cfg) if pipelined else None
+    if (args.load or args.save) and not pipelined:
+        raise ConfigError("--load/--save handle pipeline checkpoints: use a ds.json with a \"pipeline\" section")
     if args.instrument or args.refine_from:
         if not pipelined:
             raise ConfigError("--instrument/--refine-from measure pipeline stages: use a ds.json with a \"pipeline\" section")
@@ -252,8 +254,6 @@ def main(argv=None, on_engine=None) -> dict:
     data = synthetic_batches(model_cfg.vocab_size, micro_batch, model_cfg.seq_len, seed=seed + 1000 + dp_rank)
     start_step = 0
     if args.load:
-        if not pipelined:
-            raise ConfigError("--load/--save handle pipeline checkpoints: use a ds.json with a \"pipeline\" section")
         from ds_pipe_ext.pipe import checkpoint
 
         start_step = checkpoint.load(engine, args.load)
@@ -285,8 +285,6 @@ def main(argv=None, on_engine=None) -> dict:
             print(json.dumps({"step": start_step + step + 1, "loss": round(losses[-1], 6),
                               "step_s": round(step_times[-1], 4)}), flush=True)
     if args.save:
-        if not pipelined:
-            raise ConfigError("--load/--save handle pipeline checkpoints: use a ds.json with a \"pipeline\" section")
         from ds_pipe_ext.pipe import checkpoint
 
         checkpoint.save(engine, args.save, step=start_step + steps)

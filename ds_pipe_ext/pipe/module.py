@@ -100,9 +100,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
             super()._partition_layers(method=method)
             # DeepSpeed's partition_balanced returns numpy ints, which break seed_layers
             # (random.seed rejects np.int64): normalise to plain ints.
-            self.parts = [int(b) for b in self.parts]
-            stage_id = self._topo.get_coord(self.global_rank).pipe
-            self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+            self._take_parts([int(b) for b in self.parts])
             return
         outcome: list = [None, None, None, None]  # parts, plan, costs, error
         if self.global_rank == 0:
@@ -121,12 +119,17 @@ class PipelineModule(_DeepSpeedPipelineModule):
         parts, plan, costs, error = outcome
         if error is not None:
             raise PartitionDecisionError(f"partition_method={method!r} failed on rank 0: {error}")
-        self.parts, self.partition_plan, self.layer_costs = parts, plan, costs
+        self.partition_plan, self.layer_costs = plan, costs
         if self.global_rank == 0 and plan is not None:
             log.info("ds_pipe_ext partition\n%s", plan.to_table())
             print(plan.to_table(), flush=True)
+        self._take_parts(parts)
+
+    def _take_parts(self, parts: list[int]) -> None:
+        """Adopt the boundaries and build only this rank's stage."""
+        self.parts = parts
         stage_id = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+        self._set_bounds(start=parts[stage_id], stop=parts[stage_id + 1])
 
     def _profiling_peers(self) -> set[int]:
         """Ranks that profile with rank 0: its tensor-parallel group (just rank 0 without TP)."""
