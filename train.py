@@ -129,7 +129,9 @@ def global_grad_norm(model, dims) -> float:
     """L2 norm of the whole model's gradient: TP shards summed, TP-replicated and DP-replicated copies once."""
     import torch.distributed as dist
 
-    tp_rank = model._topo.get_coord(dist.get_rank()).model if dims.tp > 1 else 0
+    from ds_pipe_ext.compat.engine import coordinates
+
+    tp_rank = coordinates(model).model
     total = torch.zeros((), dtype=torch.float64)
     for p in model.parameters():
         if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
@@ -195,7 +197,7 @@ def main(argv=None, on_engine=None) -> dict:
 
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    from ds_pipe_ext.parallel.cpu_compat import skip_deepspeed_shm_op
+    from ds_pipe_ext.compat.cpu_shims import skip_deepspeed_shm_op
 
     skip_deepspeed_shm_op()  # CPU only: no C++ JIT build (and no stale build locks) at start-up
     deepspeed.init_distributed()
@@ -215,6 +217,8 @@ def main(argv=None, on_engine=None) -> dict:
         loss_fn = loss_fn_for(impl)
     specs = gpt_layer_specs(model_cfg, impl)
     if pipelined:
+        from ds_pipe_ext.compat.engine import data_parallel_rank
+        from ds_pipe_ext.models.gpt_costs import gpt_cost_model
         from ds_pipe_ext.pipe.module import PipelineModule
 
         if world % settings.stages:
@@ -230,12 +234,12 @@ def main(argv=None, on_engine=None) -> dict:
             profile_batch=profile_batch,
             micro_batches=gas,
             cost_key={"model": model_cfg.to_dict()},
-            model_config=model_cfg,
+            cost_model=gpt_cost_model(model_cfg, impl),
             seed_layers=True,  # layer i starts from seed + i: the same weights under any partition
             base_seed=seed,
         )
         stage_id = model.stage_id
-        dp_rank = model._grid.get_data_parallel_id()
+        dp_rank = data_parallel_rank(model)
         if args.init_from:
             load_full_state(model, args.init_from, tp=dims.tp)
     else:
@@ -261,7 +265,9 @@ def main(argv=None, on_engine=None) -> dict:
             next(data)
     grad_norms: list[float] = []
     if pipelined:
-        engine.optimizer.register_step_pre_hook(lambda *_: grad_norms.append(global_grad_norm(model, dims)))
+        from ds_pipe_ext.compat.optimizer import unwrap_optimizer
+
+        unwrap_optimizer(engine.optimizer).register_step_pre_hook(lambda *_: grad_norms.append(global_grad_norm(model, dims)))
     if on_engine is not None:
         on_engine(engine, data)
 
@@ -313,7 +319,9 @@ def main(argv=None, on_engine=None) -> dict:
         "sequence_parallel": dims.sp if dims else False,
     }
     if pipelined:
-        summary["local_layers"] = [model._local_start, model._local_stop]
+        from ds_pipe_ext.compat.engine import local_layer_range
+
+        summary["local_layers"] = list(local_layer_range(model))
     if args.metrics_out:  # every rank: what it built, so tests can check all ranks agree
         out = Path(args.metrics_out)
         out.with_name(f"{out.stem}.rank{rank}.json").write_text(json.dumps({**summary, "rank": rank}, indent=2))

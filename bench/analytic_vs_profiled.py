@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from ds_pipe_ext.costs.calibrate import profile_and_calibrate  # noqa: E402
+from ds_pipe_ext.models.gpt_costs import profile_and_calibrate  # noqa: E402
 from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers  # noqa: E402
 from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
 from ds_pipe_ext.costs.profiler import ProfileSettings, profile_layers  # noqa: E402

@@ -20,7 +20,7 @@ def _profiled_costs(args):
 
     from .costs.profiler import ProfileSettings, profile_layers
     from .models.config import load_model_config
-    from .models.gpt import gpt_layer_specs, layer_names, lm_loss
+    from .models.gpt import gpt_layer_specs, lm_loss
 
     cfg = load_model_config(args.model, seq_len=args.seq)
     specs = gpt_layer_specs(cfg)
@@ -28,7 +28,7 @@ def _profiled_costs(args):
     tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_len + 1), generator=gen)
     settings = ProfileSettings(warmup=args.warmup, repeats=args.repeats, cache_dir=args.cache_dir,
                                progress=not args.json)
-    return profile_layers(specs, tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss, names=layer_names(specs),
+    return profile_layers(specs, tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss,
                           settings=settings, key_fields={"model": cfg.to_dict()})
 
 
@@ -61,7 +61,7 @@ def cmd_estimate(args) -> int:
     try:
         device = get_device(args.device)
         if args.calibrate:
-            from .costs.calibrate import profile_and_calibrate
+            from .models.gpt_costs import profile_and_calibrate
 
             device = profile_and_calibrate(cfg, req, device)
             print(f"calibrated on this machine: matrix {device.matrix_efficiency:.3f}, attention "

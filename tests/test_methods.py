@@ -53,8 +53,27 @@ def test_plan_report_renders():
     assert d["stages"][0]["inflight"] == 2 and d["stages"][1]["inflight"] == 1
     # p2p: 2 x 2 MiB over 1 GB/s on each side of the single boundary
     assert d["stages"][0]["comm_ms"] == pytest.approx(2 * 2_097_152 / 1e9 * 1e3)
-    widths = {len(line) for line in table.splitlines()[1:4]}
-    assert len(table.splitlines()[2]) >= max(widths) - 1  # header, rule and rows line up
+    # stage 1: blocks 12 + head; fastest/slowest over the two stages
+    t0 = 1e3 * (0.041 + 11 * 0.23) + d["stages"][0]["comm_ms"]
+    t1 = 1e3 * (0.23 + 2.5) + d["stages"][1]["comm_ms"]
+    assert d["imbalance"] == pytest.approx(min(t0, t1) / max(t0, t1))
+    # aligned columns: every cell of a row sits inside its column's rule
+    lines = table.splitlines()
+    rule = lines[2]
+    spans, start = [], None
+    for i, ch in enumerate(rule + " "):
+        if ch == "-" and start is None:
+            start = i
+        elif ch != "-" and start is not None:
+            spans.append((start, i))
+            start = None
+    assert len(spans) == 10
+    for row in lines[3:5]:
+        for a, b in spans:
+            cell = row[a:b]
+            assert cell.strip(), (row, a, b)  # something in every column
+            assert row[b:b + 1] in ("", " ")  # and nothing spills into the gap
+            assert a == 0 or row[a - 1] == " "
 
 
 def test_analytic_method_partitions_analytic_costs():

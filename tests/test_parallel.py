@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from ds_pipe_ext.models.config import GPTConfig, load_model_config
-from ds_pipe_ext.parallel import cpu_compat
+from ds_pipe_ext.compat import cpu_shims
 from ds_pipe_ext.parallel.topology import ParallelDims, TopologyError, check_agreement, deepspeed_groups
 
 
@@ -37,15 +37,35 @@ def test_bad_topology_is_a_clear_error_before_any_process_group(make, match):
     assert not dist.is_initialized()
 
 
-def test_cpu_shim_patches_only_megatron_and_only_without_cuda(monkeypatch):
+@pytest.fixture
+def shims_restored():
+    """The shim patches module globals of megatron: give them back after the test."""
+    import importlib
+
+    before = {name: importlib.import_module(name).torch for name in cpu_shims.PATCHED_MODULES}
+    yield
+    cpu_shims.uninstall()
+    for name, original in before.items():
+        importlib.import_module(name).torch = original
+
+
+def test_cpu_shim_patches_only_megatron_and_only_without_cuda(shims_restored, monkeypatch):
+    import importlib
+
     from megatron.core import utils
 
-    assert cpu_compat.install() is True and cpu_compat.installed()
+    cpu_shims.uninstall()
+    assert not cpu_shims.installed()
+    with pytest.raises((AssertionError, RuntimeError)):  # megatron's buffer asks CUDA for a device
+        utils.GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "probe-before")
+    assert cpu_shims.install() is True and cpu_shims.installed()
     buf = utils.GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "probe")  # needs the shim on CPU
     assert buf.device.type == "cpu" and buf.shape == (2, 3)
-    assert torch.cuda.current_device is not cpu_compat._CpuTorch.cuda.current_device  # torch itself untouched
+    assert torch.cuda.current_device is not cpu_shims._CpuTorch.cuda.current_device  # torch itself untouched
+    cpu_shims.uninstall()
+    assert all(importlib.import_module(n).torch is torch for n in cpu_shims.PATCHED_MODULES)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert cpu_compat.install() is False
+    assert cpu_shims.install() is False and not cpu_shims.installed()
 
 
 def test_vocabulary_padding_makes_tp_possible():

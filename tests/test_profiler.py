@@ -9,7 +9,8 @@ from torch import nn
 from ds_pipe_ext.costs import profiler
 from ds_pipe_ext.costs.profiler import ProfileSettings, profile_layers
 from ds_pipe_ext.models.config import load_model_config
-from ds_pipe_ext.models.gpt import gpt_layer_specs, layer_names, lm_loss
+from ds_pipe_ext.costs.layers import layer_names
+from ds_pipe_ext.models.gpt import gpt_layer_specs, lm_loss
 
 FAST = dict(warmup=0, repeats=1, progress=False)
 

@@ -59,28 +59,3 @@ def calibrate(device: DeviceSpec, layers: list[tuple[list[OpCost], float, float]
     return replace(device, matrix_efficiency=best["matrix"], attention_efficiency=best["attention"],
                    vector_efficiency=best["vector"], memory_efficiency=best["memory"],
                    name=f"{device.name}-calibrated")
-
-
-def profile_and_calibrate(cfg, req, device: DeviceSpec, *, cache_dir: str | None = ".ds_pipe_ext_cache",
-                          warmup: int = 1, repeats: int = 3) -> DeviceSpec:
-    """Profile one embedding, one block and the head (+ loss) of ``cfg`` on this machine, then fit."""
-    import torch
-
-    from ..models.gpt import gpt_layer_specs, lm_loss
-    from .estimate import layer_ops, shape_for
-    from .profiler import ProfileSettings, profile_layers
-
-    if cfg.tie_embeddings:
-        from ..models.config import GPTConfig
-
-        cfg = GPTConfig.from_dict({**cfg.to_dict(), "tie_embeddings": False}, name=cfg.name)
-    specs = gpt_layer_specs(cfg)
-    tokens = torch.randint(0, cfg.vocab_size, (req.micro_batch, req.seq + 1), generator=torch.Generator().manual_seed(0))
-    measured = profile_layers([specs[0], specs[1], specs[-1]], tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss,
-                              settings=ProfileSettings(warmup=warmup, repeats=repeats, cache_dir=cache_dir, progress=False),
-                              key_fields={"model": cfg.to_dict(), "purpose": "calibration"})
-    ops = layer_ops(cfg, shape_for(cfg, req, device))
-    layers = [(ops[0][2], measured[0].forward_s, measured[0].backward_s),
-              (ops[1][2], measured[1].forward_s, measured[1].backward_s),
-              (ops[-1][2], measured[2].forward_s, measured[2].backward_s)]
-    return calibrate(device, layers, dtype=req.dtype)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from . import analytic as A
 from .hardware import DeviceSpec
+from .stage import stage_costs
 from .types import LayerCost
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -96,26 +97,20 @@ def stage_memory(costs: list[LayerCost], parts: list[int], *, micro_batches: int
     """Bytes per rank of each pipeline stage: model states (ZeRO divides them over DP) + activations.
 
     ZeRO-1 divides the optimizer states by dp, ZeRO-2 also the gradients, ZeRO-3 also the
-    parameters (Rajbhandari et al. 2020).  Stage s holds min(p - s, m) micro-batches of
-    activations under 1F1B; with full recompute a layer holds only its input.
+    parameters (Rajbhandari et al. 2020).  Activations: the stage model's in-flight count
+    times what its layers hold per micro-batch (``costs.stage``).
     """
-    from ..partition import held_activation_bytes
-
     if zero not in (0, 1, 2, 3):
         raise A.AnalyticError(f"ZeRO stage {zero!r}: use 0, 1, 2 or 3")
     if dp < 1:
         raise A.AnalyticError(f"dp = {dp}: the data-parallel degree must be >= 1")
-    held = held_activation_bytes(costs, recompute=full_recompute)
-    p, rows = len(parts) - 1, []
-    for s in range(p):
-        i, j = parts[s], parts[s + 1]
-        layer = costs[i:j]
-        params, grads, optim = (sum(getattr(c, k) for c in layer) for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
-        optim /= dp if zero >= 1 else 1
-        grads /= dp if zero >= 2 else 1
-        params /= dp if zero >= 3 else 1
-        inflight = min(p - s, micro_batches)
-        act = inflight * sum(held[i:j])
-        rows.append({"stage": s, "layers": [i, j], "param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optim,
-                     "inflight": inflight, "activation_bytes": act, "total_bytes": params + grads + optim + act})
+    rows = []
+    for st in stage_costs(costs, parts, micro_batches=micro_batches, recompute=full_recompute):
+        optim = st.optimizer_bytes / (dp if zero >= 1 else 1)
+        grads = st.grad_bytes / (dp if zero >= 2 else 1)
+        params = st.param_bytes / (dp if zero >= 3 else 1)
+        act = st.activation_peak_bytes
+        rows.append({"stage": st.stage, "layers": [st.start, st.stop], "param_bytes": params, "grad_bytes": grads,
+                     "optimizer_bytes": optim, "inflight": st.inflight, "activation_bytes": act,
+                     "total_bytes": params + grads + optim + act})
     return rows

@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import nn
 
 from .cache import ProfileCache, cache_key, library_versions
+from .layers import build_for_profiling, describe_layer, layer_names
 from .types import LayerCost, ProfileSettings
 
 log = logging.getLogger(__name__)
@@ -106,20 +106,17 @@ def saved_activation_bytes(run: Callable[[], object], params: Sequence[torch.Ten
     return sum(nbytes for _, nbytes in seen), out
 
 
-def _spec_signature(spec, x) -> str:
-    shapes = [(tuple(t.shape), str(t.dtype)) for t in _tensors(x)]
-    return f"{spec!r}|{getattr(spec, 'forward_fn', None)}|{shapes}"
+def _shapes(x) -> list[tuple[tuple[int, ...], str]]:
+    return [(tuple(t.shape), str(t.dtype)) for t in _tensors(x)]
 
 
-def _build(spec, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, Callable]:
-    module = spec.build() if hasattr(spec, "build") else spec
-    if not isinstance(module, nn.Module):  # a plain function layer
-        return nn.Module(), lambda x, f=module: f(x)
-    module = module.to(device=device, dtype=dtype)
-    forward_fn = getattr(spec, "forward_fn", None)
-    if forward_fn is not None:
-        return module, lambda x, m=module, f=forward_fn: f(m, x)
-    return module, module
+def _to_device(x, device: torch.device):
+    """A micro-batch as the engine feeds it: a tensor or a (nested) tuple of tensors."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_device(t, device) for t in x)
+    return x
 
 
 def measure_layer(
@@ -130,11 +127,15 @@ def measure_layer(
     dtype: torch.dtype,
     settings: ProfileSettings,
     loss_fn: Callable | None = None,
-    labels: torch.Tensor | None = None,
+    labels=None,
     name: str = "",
 ) -> tuple[LayerCost, object]:
-    """Profile one layer on input ``x``; returns its cost and its (detached) output."""
-    module, call = _build(spec, device, dtype)
+    """Profile one layer on input ``x``; returns its cost and its (detached) output.
+
+    ``spec`` is any pipeline layer (``LayerSpec``, ``nn.Module``, callable); a private copy is measured.
+    """
+    module, call = build_for_profiling(spec)
+    module.to(device=device, dtype=dtype)
     params = list({id(p): p for p in module.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
 
@@ -192,7 +193,7 @@ def profile_layers(
     specs: Sequence,
     inputs,
     *,
-    labels: torch.Tensor | None = None,
+    labels=None,
     loss_fn: Callable | None = None,
     names: Sequence[str] | None = None,
     settings: ProfileSettings = ProfileSettings(),
@@ -200,19 +201,20 @@ def profile_layers(
     dtype: torch.dtype = torch.float32,
     key_fields: dict | None = None,
 ) -> list[LayerCost]:
-    """Profile every layer spec in order on one micro-batch ``inputs``.
+    """Profile every layer in order on one micro-batch ``inputs`` (a tensor or a tuple of tensors).
 
-    The loss (``loss_fn(out, labels)``) is timed as part of the last layer, since
+    ``specs`` are pipeline layers of any kind DeepSpeed accepts (``LayerSpec``,
+    ``TiedLayerSpec``, ``nn.Module``, callables); each is named after its class or
+    function unless ``names`` are given.  The loss (``loss_fn(out, labels)``) is timed as part of the last layer, since
     it always runs on the last stage.  ``key_fields`` are added to the cache key:
     pass whatever else changes the costs (model config, TP/SP degree, ...).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    names = list(names) if names is not None else [type(s).__name__ for s in specs]
-    shapes = [(tuple(t.shape), str(t.dtype)) for t in _tensors(inputs)]
+    names = list(names) if names is not None else layer_names(specs)
     fields = {
-        "specs": [repr(s) for s in specs],
-        "inputs": shapes,
-        "labels": None if labels is None else (tuple(labels.shape), str(labels.dtype)),
+        "specs": [describe_layer(s) for s in specs],
+        "inputs": _shapes(inputs),
+        "labels": None if labels is None else _shapes(labels),
         "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)),
         "dtype": str(dtype),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu:{torch.get_num_threads()}threads",
@@ -231,8 +233,8 @@ def profile_layers(
 
     costs: list[LayerCost] = []
     measured: dict[str, tuple[LayerCost, object]] = {}
-    x = inputs.to(device) if isinstance(inputs, torch.Tensor) else inputs
-    lab = labels.to(device) if labels is not None else None
+    x = _to_device(inputs, device)
+    lab = _to_device(labels, device)
     iterator = range(len(specs))
     if settings.progress:
         try:
@@ -244,7 +246,7 @@ def profile_layers(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for i in iterator:
             last = i == len(specs) - 1
-            sig = _spec_signature(specs[i], x) + f"|last={last}"
+            sig = f"{describe_layer(specs[i])}|{_shapes(x)}|last={last}"
             if sig not in measured:
                 measured[sig] = measure_layer(
                     specs[i], x, device=device, dtype=dtype, settings=settings,

@@ -1,9 +1,9 @@
 """Per-stage timing and memory for DeepSpeed's PipelineEngine.
 
-The engine runs its schedule by looking each instruction up in
-``self._INSTRUCTION_MAP``.  ``instrument_engine`` puts a timed copy of that map
-on the engine instance (and wraps ``train_batch``), so nothing changes, and
-nothing costs anything, when instrumentation is off: no hook is installed at all.
+``instrument_engine`` puts a timed copy of the engine's instruction map on the
+engine instance (``compat.instructions``; it also wraps ``train_batch`` and the
+loss aggregation), so nothing changes, and nothing costs anything, when
+instrumentation is off: no hook is installed at all.
 
 Per step it records, for this rank's stage: forward and backward time of every
 micro-batch, p2p send/recv time by kind, gradient reduction and optimizer-step
@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..compat.instructions import unwrap_engine, wrap_engine
 from .memory import SavedActivationMeter, model_state_bytes, process_peak_bytes
 
 # instruction class name -> record key
@@ -163,18 +164,16 @@ class StageRecorder:
 def instrument_engine(engine, emit: Callable[[dict], None]) -> StageRecorder:
     """Install timing on a PipelineEngine; ``emit`` receives one record per step."""
     recorder = StageRecorder(engine, emit)
-    timed = {}
-    for cls, fn in type(engine)._INSTRUCTION_MAP.items():
-        kind = _KINDS.get(cls.__name__, cls.__name__)
-        timed[cls] = recorder.wrap_instruction(kind, fn)
-    engine._INSTRUCTION_MAP = timed  # instance attribute: shadows the class map for this engine only
-    engine.train_batch = recorder.wrap_train_batch(engine.train_batch)
-    # the loss broadcast after the schedule is part of every step too
-    engine._aggregate_total_loss = recorder.wrap_call("aggregate_loss", engine._aggregate_total_loss)
+    wrap_engine(
+        engine,
+        instruction=lambda name, fn: recorder.wrap_instruction(_KINDS.get(name, name), fn),
+        train_batch=recorder.wrap_train_batch,
+        # the loss broadcast after the schedule is part of every step too
+        aggregate_loss=lambda fn: recorder.wrap_call("aggregate_loss", fn),
+    )
     return recorder
 
 
 def remove_instrumentation(engine) -> None:
     """Undo ``instrument_engine``: the engine runs DeepSpeed's own methods again."""
-    for name in ("_INSTRUCTION_MAP", "train_batch", "_aggregate_total_loss"):
-        engine.__dict__.pop(name, None)
+    unwrap_engine(engine)

@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from ..compat.optimizer import unwrap_optimizer
+
 
 def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -25,8 +27,7 @@ def model_state_bytes(module: torch.nn.Module, optimizer) -> dict[str, int]:
         "grad_bytes": sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer_bytes": 0,
     }
-    inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed wrappers keep the torch optimizer inside
-    state = getattr(inner, "state", {})
+    state = getattr(unwrap_optimizer(optimizer), "state", {})
     for p, s in state.items():
         for v in s.values():
             if isinstance(v, torch.Tensor) and v.numel() == p.numel() and v.dim() > 0:

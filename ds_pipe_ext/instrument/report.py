@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..partition import held_activation_bytes
+from ..costs.stage import imbalance, stage_costs
 from ..partition.report import render_table
 from ..simulate.schedule import simulate_1f1b
 from .refine import load_run
@@ -21,12 +21,9 @@ MIB = 2**20
 
 
 def _imbalance(times: list[float]) -> tuple[float, float]:
-    """(fastest/slowest, worst fastest/slowest over neighbouring stages); 1.0 is perfect."""
-    if len(times) < 2 or max(times) == 0:
-        return 1.0, 1.0
-    whole = min(times) / max(times)
-    pairs = [min(a, b) / max(a, b) if max(a, b) > 0 else 1.0 for a, b in zip(times, times[1:])]
-    return whole, min(pairs)
+    """(imbalance of all stages, worst imbalance of neighbouring stages); both fastest/slowest."""
+    pairs = [imbalance([a, b]) for a, b in zip(times, times[1:])]
+    return imbalance(times), min(pairs, default=1.0)
 
 
 def _cumulative(xs: list[float], reverse: bool = False) -> list[float]:
@@ -46,34 +43,32 @@ def build_report(run_dir: str | Path) -> dict:
     p = len(parts) - 1
     if len(stages) != p:
         raise ValueError(f"{run_dir}: summary has {len(stages)} stages, the partition has {p}")
-    held = held_activation_bytes(costs, recompute=recompute)
+    predicted = stage_costs(costs, parts, micro_batches=m, recompute=recompute)
     rows = []
-    for s in range(p):
-        i, j = parts[s], parts[s + 1]
-        layer = costs[i:j]
-        st = stages[s]
-        out_bytes = layer[-1].output_bytes if j < len(costs) else 0
+    for st, pc in zip(stages, predicted):
+        layer = costs[pc.start:pc.stop]
+        out_bytes = pc.boundary_out_bytes
         rows.append({
-            "stage": s, "layers": [i, j],
-            "pred_forward_ms": 1e3 * sum(c.forward_s for c in layer),
+            "stage": pc.stage, "layers": [pc.start, pc.stop],
+            "pred_forward_ms": 1e3 * pc.forward_s,
             "pred_backward_ms": 1e3 * sum(c.backward_s for c in layer),
             "pred_recompute_ms": 1e3 * sum(c.recompute_s for c in layer),
+            "pred_backward_recompute_ms": 1e3 * pc.backward_s,
             "meas_forward_ms": st["forward_ms_mean"], "meas_forward_p90_ms": st["forward_ms_p90"],
             "meas_backward_ms": st["backward_ms_mean"], "meas_backward_p90_ms": st["backward_ms_p90"],
             "boundary_out_bytes": out_bytes,
             "pred_transfer_ms": 1e3 * out_bytes / bandwidth if bandwidth and out_bytes else 0.0,
             "meas_send_ms": st["send_activation_ms_mean"] / m,
-            "pred_param_bytes": sum(c.param_bytes for c in layer),
-            "pred_grad_bytes": sum(c.grad_bytes for c in layer),
-            "pred_optimizer_bytes": sum(c.optimizer_bytes for c in layer),
-            "pred_activation_peak_bytes": min(p - s, m) * int(sum(held[i:j])),
+            "pred_param_bytes": pc.param_bytes,
+            "pred_grad_bytes": pc.grad_bytes,
+            "pred_optimizer_bytes": pc.optimizer_bytes,
+            "pred_activation_peak_bytes": int(pc.activation_peak_bytes),
             "meas_param_bytes": st["param_bytes"], "meas_grad_bytes": st["grad_bytes"],
             "meas_optimizer_bytes": st["optimizer_bytes"], "meas_activation_peak_bytes": st["activation_peak_bytes"],
             "meas_optimizer_ms": st["optimizer_step_ms_mean"] + st["reduce_grads_ms_mean"] + st["reduce_tied_grads_ms_mean"],
             "meas_process_peak_bytes": st.get("max_allocated_bytes", st.get("peak_rss_bytes", 0)),
         })
     for r in rows:
-        r["pred_backward_recompute_ms"] = r["pred_backward_ms"] + (r["pred_recompute_ms"] if recompute else 0.0)
         r["pred_time_ms"] = r["pred_forward_ms"] + r["pred_backward_recompute_ms"]
         r["meas_time_ms"] = r["meas_forward_ms"] + r["meas_backward_ms"]
         r["time_error_pct"] = 100.0 * (r["pred_time_ms"] - r["meas_time_ms"]) / r["meas_time_ms"] if r["meas_time_ms"] else 0.0

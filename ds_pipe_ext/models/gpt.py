@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
+from ..pipe.sequential import SequentialLayers
 from .config import GPTConfig
 
 INIT_STD = 0.02  # GPT-2's initialiser
@@ -210,45 +211,8 @@ def gpt_layer_specs(cfg: GPTConfig, impl: LayerImpl = LOCAL) -> list:
     ]
 
 
-def layer_names(specs: list) -> list[str]:
-    names = []
-    for spec in specs:
-        base = spec.typename.__name__
-        if isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None:
-            base = f"{base}.{spec.forward_fn.__name__}"
-        names.append(base)
-    return names
-
-
-class SequentialGPT(nn.Module):
-    """The same layers in one process, for data parallelism (ZeRO) and parity checks.
-
-    Tied specs with the same key share one module, as DeepSpeed's pipeline does.
-    With ``base_seed``, layer i is initialised from seed base_seed + i, exactly as
-    a PipelineModule with ``seed_layers=True`` does, so both start from the same weights.
-    """
+class SequentialGPT(SequentialLayers):
+    """The GPT's layers in one process (data parallelism, parity checks); see ``SequentialLayers``."""
 
     def __init__(self, specs: list, loss_fn: Callable = lm_loss, *, base_seed: int | None = None):
-        super().__init__()
-        self.layers = nn.ModuleList()
-        self._calls: list[tuple[int, Callable | None]] = []
-        tied: dict[str, int] = {}
-        for layer_idx, spec in enumerate(specs):
-            if isinstance(spec, TiedLayerSpec) and spec.key in tied:
-                self._calls.append((tied[spec.key], spec.forward_fn))
-                continue
-            if base_seed is not None:
-                torch.manual_seed(base_seed + layer_idx)
-            self.layers.append(spec.build())
-            idx = len(self.layers) - 1
-            if isinstance(spec, TiedLayerSpec):
-                tied[spec.key] = idx
-            self._calls.append((idx, getattr(spec, "forward_fn", None)))
-        self.loss_fn = loss_fn
-
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        x = tokens
-        for idx, fn in self._calls:
-            layer = self.layers[idx]
-            x = fn(layer, x) if fn is not None else layer(x)
-        return x if labels is None else self.loss_fn(x, labels)
+        super().__init__(specs, loss_fn, base_seed=base_seed)

@@ -60,14 +60,14 @@ class ParallelDims:
                                 f"choose tp dividing seq_len")
 
 
-def deepspeed_topology(dims: ParallelDims):
+def topology_for_deepspeed(dims: ParallelDims):
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     return PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
 
 
 def deepspeed_groups(dims: ParallelDims) -> dict[str, list[list[int]]]:
-    topo = deepspeed_topology(dims)
+    topo = topology_for_deepspeed(dims)
     return {"tp": topo.get_axis_comm_lists("model") or [[r] for r in range(dims.world_size)],
             "dp": topo.get_axis_comm_lists("data") or [[r] for r in range(dims.world_size)],
             "pp": topo.get_axis_comm_lists("pipe") or [[r] for r in range(dims.world_size)]}
@@ -99,9 +99,9 @@ def initialize(dims: ParallelDims, world_size: int):
     check_agreement(dims)
     from megatron.core import parallel_state
 
-    from . import cpu_compat
+    from ..compat import cpu_shims
 
-    cpu_compat.install()
+    cpu_shims.install()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=dims.tp,
                                              pipeline_model_parallel_size=dims.pp, order=MEGATRON_ORDER)
-    return deepspeed_topology(dims)
+    return topology_for_deepspeed(dims)

@@ -10,23 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..costs.stage import held_activation_bytes
 from .algorithms import InfeasibleMemoryCap, PartitionError, partition_min_max_lists
 
-__all__ = ["partition_min_max", "PartitionError", "InfeasibleMemoryCap", "cost_lists",
-           "held_activation_bytes"]
+__all__ = ["partition_min_max", "PartitionError", "InfeasibleMemoryCap", "cost_lists"]
 
 GIB = 2**30
-
-
-def held_activation_bytes(costs: Sequence, *, recompute: bool = False) -> list[float]:
-    """Bytes a layer keeps per in-flight micro-batch.
-
-    Under activation checkpointing a layer keeps only its input (the previous
-    layer's output) and recomputes the rest during backward.
-    """
-    if not recompute:
-        return [float(c.activation_bytes) for c in costs]
-    return [0.0] + [float(c.output_bytes) for c in costs[:-1]]
 
 
 def cost_lists(costs: Sequence, *, recompute: bool = False) -> dict[str, list[float]]:
@@ -55,6 +44,7 @@ def partition_min_max(
     micro_batches: int | None = None,
     link_bandwidth: float | None = None,
     recompute: bool = False,
+    schedule: str = "1f1b",
 ) -> list[int]:
     """Optimal contiguous split of ``costs`` into ``num_stages`` stages (min of the slowest stage).
 
@@ -62,12 +52,14 @@ def partition_min_max(
         costs: one time (seconds) per layer, or one ``LayerCost`` per layer.
         num_stages: pipeline stages p (1 <= p <= number of layers).
         memory_cap_bytes / memory_cap_gib: per-stage cap on static + in-flight
-            activation bytes; stage s holds min(p - s, micro_batches) micro-batches.
+            activation bytes; stage s holds ``costs.stage.in_flight`` micro-batches
+            (min(p - s, micro_batches) under 1F1B).
         micro_batches: micro-batches per step (gradient accumulation steps); default p.
         link_bandwidth: bytes/s between neighbouring stages.  When given, a stage
             also pays 2 x (boundary bytes / bandwidth) for each side it has a neighbour.
         recompute: activation checkpointing: time includes the replayed forward and
             a layer keeps no activations in flight.
+        schedule: "1f1b" (DeepSpeed's) or "gpipe": how many micro-batches a stage holds.
 
     Returns:
         ``parts``: num_stages + 1 boundaries; stage s owns layers parts[s]:parts[s+1].
@@ -98,4 +90,5 @@ def partition_min_max(
         micro_batches=micro_batches,
         memory_cap=cap,
         boundary_time=boundary,
+        schedule=schedule,
     )

@@ -18,9 +18,10 @@ Memory.  With a cap, stage s must also fit
 
     stage_memory(s, i, j) = sum(static[i:j]) + inflight(s) * sum(activation[i:j])
 
-where static = parameter + gradient + optimizer-state bytes, and under 1F1B
-stage s holds ``inflight(s) = min(p - s, m)`` micro-batches of activations
-(m micro-batches per step): stage 0 holds the most.
+where static = parameter + gradient + optimizer-state bytes, and stage s holds
+``inflight(s)`` micro-batches of activations, as the stage model
+(``ds_pipe_ext.costs.stage.in_flight``) says for the schedule: min(p - s, m)
+under 1F1B (stage 0 holds the most), m under GPipe.
 
 Method.  Bisection on the bottleneck B over floats, where each probe is an exact
 feasibility test that also returns the bottleneck it actually achieved.  The
@@ -266,6 +267,6 @@ def partition_min_max_lists(times: Sequence[float], num_stages: int, **options) 
     """Plain-list entry point: returns DeepSpeed ``parts`` (num_stages + 1 boundaries).
 
     ``options`` are ``make_problem``'s: static_bytes, activation_bytes, micro_batches,
-    memory_cap, boundary_time.
+    memory_cap, boundary_time, schedule.
     """
     return solve(make_problem(times, num_stages, **options))

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..costs.stage import in_flight
+
 
 class PartitionError(ValueError):
     """Bad partitioning input; the message names the problem and the fix."""
@@ -44,6 +46,7 @@ class Problem:
     micro_batches: int
     memory_cap: float | None
     boundary: np.ndarray | None  # boundary[k] = one-way p2p time across boundary k (k=0..n); 0 at 0 and n
+    schedule: str = "1f1b"  # decides how many micro-batches of activations each stage holds
     _memory_prefix_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -51,7 +54,7 @@ class Problem:
         return len(self.times)
 
     def inflight(self, stage: int) -> int:
-        return min(self.num_stages - stage, self.micro_batches)
+        return in_flight(stage, self.num_stages, self.micro_batches, self.schedule)
 
     def stage_time(self, i: int, j: int) -> float:
         if self.boundary is None:
@@ -106,6 +109,7 @@ def make_problem(
     micro_batches: int | None = None,
     memory_cap: float | None = None,
     boundary_time: Sequence[float] | None = None,
+    schedule: str = "1f1b",
 ) -> Problem:
     """Validate the inputs and precompute prefix sums.
 
@@ -151,4 +155,5 @@ def make_problem(
         micro_batches=int(m),
         memory_cap=None if memory_cap is None else float(memory_cap),
         boundary=boundary,
+        schedule=schedule,
     )

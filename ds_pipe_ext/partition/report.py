@@ -1,63 +1,49 @@
-"""What a partition predicts, per stage: `StageReport`, `PartitionPlan`, table and JSON."""
+"""What a partition predicts: `PartitionPlan` (the stage model per stage, the simulated step), table and JSON."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+
+from ..costs.stage import StageCost, imbalance, stage_costs
+from ..simulate.schedule import simulate_stages
 
 MIB = 2**20
 
 
 @dataclass(frozen=True)
-class StageReport:
-    stage: int
-    layers: tuple[int, int]  # [start, stop)
-    layer_names: str
-    forward_ms: float
-    backward_ms: float
-    comm_ms: float  # p2p at this stage's boundaries, per micro-batch (fwd + bwd)
-    static_bytes: int  # params + grads + optimizer states
-    activation_bytes: int  # one micro-batch
-    inflight: int  # micro-batches held under 1F1B
-    param_bytes: int
-
-    @property
-    def time_ms(self) -> float:
-        return self.forward_ms + self.backward_ms + self.comm_ms
-
-    @property
-    def memory_bytes(self) -> int:
-        return self.static_bytes + self.inflight * self.activation_bytes
-
-
-@dataclass(frozen=True)
 class PartitionPlan:
+    """What a partition predicts: the stage model's ``StageCost`` per stage and the simulated step."""
+
     method: str
     parts: list[int]
     micro_batches: int
-    stages: list[StageReport]
+    stages: list[StageCost]
+    link_bandwidth: float | None = None  # bytes/s between stages; None: p2p not modelled
 
     @property
-    def slowest_over_fastest(self) -> float:
-        times = [s.time_ms for s in self.stages]
-        return max(times) / min(times) if min(times) > 0 else float("inf")
+    def imbalance(self) -> float:
+        """Fastest / slowest stage (1.0 is perfect, higher is better): ``costs.stage.imbalance``."""
+        return imbalance([s.time_s for s in self.stages])
 
     @property
     def predicted_step_ms(self) -> float:
-        """1F1B: one pass through every stage (fill + drain), then m - 1 more at the bottleneck."""
-        times = [s.time_ms for s in self.stages]
-        return sum(times) + (self.micro_batches - 1) * max(times)
+        """The event simulator's 1F1B step for these stages (fill, steady state, drain)."""
+        return 1e3 * simulate_stages(self.stages, self.micro_batches, link_bandwidth=self.link_bandwidth).step_s
 
     def to_dict(self) -> dict:
         return {
             "method": self.method,
             "parts": self.parts,
             "micro_batches": self.micro_batches,
-            "imbalance_slowest_over_fastest": self.slowest_over_fastest,
+            "imbalance": self.imbalance,
             "predicted_step_ms": self.predicted_step_ms,
             "stages": [
-                {**asdict(s), "layers": list(s.layers), "time_ms": s.time_ms, "memory_bytes": s.memory_bytes}
+                {"stage": s.stage, "layers": [s.start, s.stop], "layer_names": summarise_names(s.layer_names),
+                 "forward_ms": 1e3 * s.forward_s, "backward_ms": 1e3 * s.backward_s, "comm_ms": 1e3 * s.p2p_s,
+                 "time_ms": 1e3 * s.time_s, "param_bytes": s.param_bytes, "static_bytes": s.static_bytes,
+                 "activation_bytes": s.activation_bytes, "inflight": s.inflight, "memory_bytes": s.memory_bytes}
                 for s in self.stages
             ],
         }
@@ -70,12 +56,12 @@ class PartitionPlan:
         rows = [
             [
                 str(s.stage),
-                f"{s.layers[0]}-{s.layers[1] - 1}",
-                s.layer_names,
-                f"{s.forward_ms:.1f}",
-                f"{s.backward_ms:.1f}",
-                f"{s.comm_ms:.1f}",
-                f"{s.time_ms:.1f}",
+                f"{s.start}-{s.stop - 1}",
+                summarise_names(s.layer_names),
+                f"{1e3 * s.forward_s:.1f}",
+                f"{1e3 * s.backward_s:.1f}",
+                f"{1e3 * s.p2p_s:.1f}",
+                f"{1e3 * s.time_s:.1f}",
                 f"{s.static_bytes / MIB:.1f}",
                 f"{s.activation_bytes / MIB:.1f} x {s.inflight}",
                 f"{s.memory_bytes / MIB:.1f}",
@@ -85,7 +71,7 @@ class PartitionPlan:
         lines = [f"partition_method={self.method} parts={self.parts} micro_batches={self.micro_batches}"]
         lines += render_table(header, rows)
         lines.append(
-            f"imbalance (slowest/fastest) = {self.slowest_over_fastest:.3f}   "
+            f"imbalance (fastest/slowest, higher is better) = {self.imbalance:.3f}   "
             f"predicted 1F1B step = {self.predicted_step_ms:.1f} ms"
         )
         return "\n".join(lines)
@@ -107,7 +93,7 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[s
     return [fmt(header), sep, *(fmt(r) for r in rows)]
 
 
-def _summarise_names(names: Sequence[str]) -> str:
+def summarise_names(names: Sequence[str]) -> str:
     """['EmbeddingPipe', 'Block', 'Block'] -> 'EmbeddingPipe, Block x2'."""
     out: list[list] = []
     for n in names:
@@ -127,33 +113,6 @@ def build_plan(
     link_bandwidth: float | None = None,
     recompute: bool = False,
 ) -> PartitionPlan:
-    from . import held_activation_bytes
-
-    p = len(parts) - 1
-    held = held_activation_bytes(costs, recompute=recompute)
-    stages = []
-    for s in range(p):
-        i, j = parts[s], parts[s + 1]
-        layer = costs[i:j]
-        comm = 0.0
-        if link_bandwidth:
-            # 1F1B: activation in + its gradient out, activation out + its gradient in
-            if i > 0:
-                comm += 2 * costs[i - 1].output_bytes / link_bandwidth
-            if j < len(costs):
-                comm += 2 * costs[j - 1].output_bytes / link_bandwidth
-        stages.append(
-            StageReport(
-                stage=s,
-                layers=(i, j),
-                layer_names=_summarise_names([c.name for c in layer]),
-                forward_ms=1e3 * sum(c.forward_s for c in layer),
-                backward_ms=1e3 * sum(c.backward_s + (c.recompute_s if recompute else 0.0) for c in layer),
-                comm_ms=1e3 * comm,
-                static_bytes=sum(c.static_bytes for c in layer),
-                activation_bytes=int(sum(held[i:j])),
-                inflight=min(p - s, micro_batches),
-                param_bytes=sum(c.param_bytes for c in layer),
-            )
-        )
-    return PartitionPlan(method=method, parts=list(parts), micro_batches=micro_batches, stages=stages)
+    stages = stage_costs(costs, parts, micro_batches=micro_batches, recompute=recompute, link_bandwidth=link_bandwidth)
+    return PartitionPlan(method=method, parts=list(parts), micro_batches=micro_batches, stages=stages,
+                         link_bandwidth=link_bandwidth)

@@ -16,23 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-
-def _optimizer(engine):
-    opt = engine.optimizer
-    return getattr(opt, "optimizer", opt)  # DeepSpeed wrappers keep the torch optimizer inside
-
-
-def _local_layers(module):
-    """(global layer index, module) for the layers this stage built."""
-    for idx in range(module._local_start, module._local_stop):
-        layer = getattr(module, str(idx), None)
-        if isinstance(layer, torch.nn.Module):
-            yield idx, layer
-
-
-def _tp_rank(module) -> int:
-    topo = module._topo
-    return topo.get_coord(dist.get_rank()).model if "model" in topo.get_axis_names() else 0
+from ..compat.engine import coordinates, local_layers
+from ..compat.optimizer import unwrap_optimizer
 
 
 def _optim_path(ckpt_dir: Path, idx: int, tp_rank: int) -> Path:
@@ -43,11 +28,12 @@ def save(engine, save_dir: str | Path, *, step: int, tag: str = "ckpt") -> Path:
     """Weights through DeepSpeed, optimizer state per layer; every rank calls it."""
     engine.save_checkpoint(str(save_dir), tag=tag, client_state={"step": step})
     ckpt_dir = Path(save_dir) / tag
-    module, opt = engine.module, _optimizer(engine)
-    if module._grid.get_data_parallel_id() == 0:  # DP replicas hold identical state
-        for idx, layer in _local_layers(module):
+    module, opt = engine.module, unwrap_optimizer(engine.optimizer)
+    where = coordinates(module)
+    if where.data == 0:  # DP replicas hold identical state
+        for idx, layer in local_layers(module):
             states = {name: opt.state[p] for name, p in layer.named_parameters() if p in opt.state}
-            torch.save(states, _optim_path(ckpt_dir, idx, _tp_rank(module)))
+            torch.save(states, _optim_path(ckpt_dir, idx, where.model))
     dist.barrier()
     return ckpt_dir
 
@@ -56,9 +42,10 @@ def load(engine, load_dir: str | Path, *, tag: str = "ckpt") -> int:
     """Load weights (any partition) and per-layer optimizer state; returns the step to resume after."""
     _, client_state = engine.load_checkpoint(str(load_dir), tag=tag, load_module_only=True)
     ckpt_dir = Path(load_dir) / tag
-    module, opt = engine.module, _optimizer(engine)
-    for idx, layer in _local_layers(module):
-        path = _optim_path(ckpt_dir, idx, _tp_rank(module))
+    module, opt = engine.module, unwrap_optimizer(engine.optimizer)
+    tp_rank = coordinates(module).model
+    for idx, layer in local_layers(module):
+        path = _optim_path(ckpt_dir, idx, tp_rank)
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: the checkpoint was not written by ds_pipe_ext "
                                     f"(or with another tensor-parallel degree)")

@@ -1,11 +1,15 @@
 """`PipelineModule`: DeepSpeed's PipelineModule with cost-aware partition methods.
 
-A drop-in subclass.  DeepSpeed's own methods (``uniform``, ``parameters``,
-``type:``) go to DeepSpeed unchanged; the plugin's (``profiled``, ``parts:``)
-are decided on rank 0 and broadcast, so every rank builds identical stages even
-though profiling timings differ from rank to rank.  If rank 0 fails (an
-infeasible memory cap, say), every rank raises the same error instead of
+A drop-in subclass for any model DeepSpeed's accepts: ``LayerSpec``, ``TiedLayerSpec``,
+``nn.Module`` instances and callables.  DeepSpeed's own methods (``uniform``,
+``parameters``, ``type:``) go to DeepSpeed unchanged; the plugin's (``profiled``,
+``analytic``, ``parts:``) are decided on rank 0 and broadcast, so every rank builds
+identical stages even though profiling timings differ from rank to rank.  If rank 0
+fails (an infeasible memory cap, say), every rank raises the same error instead of
 waiting forever in a collective.
+
+Private DeepSpeed state is reached through ``ds_pipe_ext.compat`` only; the
+``_partition_layers`` override below is the one exception subclassing requires.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
 
+from ..compat import engine as ds_engine
+from ..costs.model import CostModel
 from ..costs.profiler import profile_layers
-from ..models.gpt import LayerImpl, layer_names
 from ..partition import PartitionError
 from ..partition.methods import PartitionRequest, lookup
 from ..partition.report import PartitionPlan, build_plan
@@ -33,14 +38,21 @@ class PartitionDecisionError(RuntimeError):
 class PipelineModule(_DeepSpeedPipelineModule):
     """``deepspeed.pipe.PipelineModule`` that also accepts ``partition_method="profiled"``.
 
-    Extra keyword arguments (all optional):
+    ``layers`` may mix ``LayerSpec``, ``TiedLayerSpec``, ``nn.Module`` instances and
+    callables, as DeepSpeed's.  Extra keyword arguments (all optional):
+
         settings: a ``PipelineSettings`` (the ``"pipeline"`` section of ds.json);
             its method, checkpoint interval and profile options are the defaults.
-        profile_batch: ``(inputs, labels)`` for one micro-batch; required by "profiled".
+        profile_batch: ``(inputs, labels)`` for one micro-batch, as the engine would
+            feed it (``inputs`` a tensor or a tuple of tensors); required by
+            "profiled" and "analytic".
         micro_batches: micro-batches per step (gradient accumulation steps), for the
             1F1B in-flight memory model; default: the number of stages.
         cost_key: extra fields for the profile cache key (e.g. the model config).
-        model_config: the ``GPTConfig`` the specs were built from; required by "analytic".
+        cost_model: a ``costs.model.CostModel`` describing the layers analytically;
+            required by "analytic".  It is the one hook for parallel degrees: the TP
+            degree comes from the topology and is passed to it; sequence parallelism
+            is the cost model's to know (``models.gpt_costs.gpt_cost_model(cfg, impl)``).
     """
 
     def __init__(
@@ -53,10 +65,10 @@ class PipelineModule(_DeepSpeedPipelineModule):
         partition_method: str | None = None,
         activation_checkpoint_interval: int | None = None,
         settings: PipelineSettings | None = None,
-        profile_batch: tuple[torch.Tensor, torch.Tensor] | None = None,
+        profile_batch: tuple | None = None,
         micro_batches: int | None = None,
         cost_key: dict | None = None,
-        model_config=None,
+        cost_model: CostModel | None = None,
         **deepspeed_kwargs,
     ):
         settings = settings or PipelineSettings(stages=num_stages or 1)
@@ -73,13 +85,18 @@ class PipelineModule(_DeepSpeedPipelineModule):
             )
         if spec.needs_costs and profile_batch is None:
             raise PartitionError(f"partition_method={method!r} needs one micro-batch: pass profile_batch=(inputs, labels)")
-        if spec.cost_source == "analytic" and model_config is None:
-            raise PartitionError(f"partition_method={method!r} computes costs from the model's shape: pass model_config")
+        if spec.needs_costs and not (isinstance(profile_batch, (tuple, list)) and len(profile_batch) == 2):
+            raise PartitionError(f"profile_batch must be (inputs, labels), as the engine's data iterator yields; "
+                                 f"got {type(profile_batch).__name__}")
+        if spec.cost_source == "analytic" and not isinstance(cost_model, CostModel):
+            raise PartitionError(f"partition_method={method!r} computes costs from a description of the model: pass "
+                                 f"cost_model= (a ds_pipe_ext.costs.model.CostModel; for the GPT in models/, "
+                                 f"gpt_cost_model(cfg, impl)), or use 'profiled'")
         self._ext_settings = settings
         self._ext_profile_batch = profile_batch
         self._ext_micro_batches = micro_batches or stages or 1
         self._ext_cost_key = cost_key or {}
-        self._ext_model_config = model_config
+        self._ext_cost_model = cost_model
         self._ext_recompute = interval > 0
         self.partition_plan: PartitionPlan | None = None
         self.layer_costs: list | None = None
@@ -108,7 +125,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
                 outcome[:3] = self._decide(spec, arg, method)
             except Exception as e:  # noqa: BLE001 - forwarded to every rank below
                 outcome[3] = f"{type(e).__name__}: {e}"
-        elif spec.cost_source == "profiled" and self.global_rank in self._profiling_peers():
+        elif spec.cost_source == "profiled" and self.global_rank in ds_engine.profiling_peers(self):
             # Under TP the layers communicate inside their TP group: rank 0's TP peers run
             # the same profile in step with it; only rank 0's numbers are used.
             try:
@@ -128,59 +145,42 @@ class PipelineModule(_DeepSpeedPipelineModule):
     def _take_parts(self, parts: list[int]) -> None:
         """Adopt the boundaries and build only this rank's stage."""
         self.parts = parts
-        stage_id = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=parts[stage_id], stop=parts[stage_id + 1])
-
-    def _profiling_peers(self) -> set[int]:
-        """Ranks that profile with rank 0: its tensor-parallel group (just rank 0 without TP)."""
-        axes = self._topo.get_axis_names()
-        if "model" not in axes or self._topo.get_dim("model") == 1:
-            return {0}
-        return set(self._topo.filter_match(pipe=0, data=0))
+        stage_id = ds_engine.coordinates(self).stage
+        ds_engine.set_local_layers(self, parts[stage_id], parts[stage_id + 1])
 
     def compute_layer_costs(self, source: str = "profiled") -> list:
-        """LayerCost per layer from a source (profiling runs here, on the calling rank)."""
+        """LayerCost per layer from a source (profiling runs here, on the calling rank).
+
+        Under TP, "profiled" must run on all of ``compat.engine.profiling_peers`` at once.
+        """
         inputs, labels = self._ext_profile_batch
+        specs = ds_engine.layer_specs(self)
         if source == "analytic":
-            from ..costs.estimate import EstimateRequest, analytic_layer_costs
-            from ..costs.hardware import get_device
-
-            opts = self._ext_settings.analytic
-            # a TP shard: the degree from the topology, SP from how the layers were built
-            tp = self._topo.get_dim("model") if "model" in self._topo.get_axis_names() else 1
-            impls = [arg for spec in self._layer_specs for arg in getattr(spec, "module_args", ())
-                     if isinstance(arg, LayerImpl)]
-            sp = any(impl.sequence_parallel for impl in impls)
-            request = EstimateRequest(micro_batch=inputs.shape[0], seq=inputs.shape[1], dtype=opts.get("dtype", "fp32"),
-                                      tp=tp, sp=sp)
-            cache_dir = self._ext_settings.profile.cache_dir
-            device = get_device(opts.get("device", "cpu"), cache_dir=cache_dir)
-            if opts.get("calibrate"):  # fit the roofline's efficiencies to one profiled embedding, block, head
-                from ..costs.calibrate import profile_and_calibrate
-
-                device = profile_and_calibrate(self._ext_model_config, request, device, cache_dir=cache_dir)
-            costs = analytic_layer_costs(self._ext_model_config, request, device)
-            if len(costs) != len(self._layer_specs):
+            costs = self._analytic_costs(inputs)
+            if len(costs) != len(specs):
                 raise PartitionError(
-                    f"analytic costs describe {len(costs)} layers but the model has {len(self._layer_specs)} "
-                    f"(tied embeddings are not modelled analytically yet); use partition_method 'profiled'"
+                    f"the cost model describes {len(costs)} layers but the pipeline has {len(specs)}: "
+                    f"its layer_costs must return one LayerCost per layer (or use partition_method 'profiled')"
                 )
             return costs
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         settings = self._ext_settings.profile
-        if len(self._profiling_peers()) > 1:
+        if len(ds_engine.profiling_peers(self)) > 1:
             # a cache hit on one TP rank but not another would leave the other waiting in a collective
             settings = replace(settings, cache_dir=None)
-        return profile_layers(
-            self._layer_specs,
-            inputs,
-            labels=labels,
-            loss_fn=self.loss_fn,
-            names=layer_names(self._layer_specs),
-            settings=settings,
-            device=device,
-            key_fields=self._ext_cost_key,
-        )
+        return profile_layers(specs, inputs, labels=labels, loss_fn=self.loss_fn, settings=settings, device=device,
+                              key_fields=self._ext_cost_key)
+
+    def _analytic_costs(self, inputs) -> list:
+        from ..costs.hardware import get_device
+
+        opts = self._ext_settings.analytic
+        dtype, cache_dir = opts.get("dtype", "fp32"), self._ext_settings.profile.cache_dir
+        tp = ds_engine.tensor_parallel_degree(self)  # a TP shard; SP is the cost model's to know
+        device = get_device(opts.get("device", "cpu"), cache_dir=cache_dir)
+        if opts.get("calibrate"):  # fit the roofline's efficiencies to a few layers profiled here
+            device = self._ext_cost_model.calibrate(inputs, tp=tp, device=device, dtype=dtype, cache_dir=cache_dir)
+        return self._ext_cost_model.layer_costs(inputs, tp=tp, device=device, dtype=dtype)
 
     def _decide(self, spec, arg: str, method: str) -> tuple[list[int], PartitionPlan | None, list | None]:
         settings = self._ext_settings
@@ -198,7 +198,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
 
         request = PartitionRequest(
             num_stages=self.num_stages,
-            num_layers=len(self._layer_specs),
+            num_layers=len(ds_engine.layer_specs(self)),
             costs=costs,
             micro_batches=self._ext_micro_batches,
             memory_cap_gib=settings.memory_cap_gib,

@@ -92,3 +92,20 @@ def simulate_1f1b(
     step = max(finish)
     busy = [micro_batches * (forward_s[s] + backward_s[s]) + opt[s] for s in range(p)]
     return StepSimulation(step, busy, finish, 1.0 - sum(busy) / (p * step) if step > 0 else 0.0)
+
+
+def simulate_stages(
+    stages: Sequence,
+    micro_batches: int,
+    *,
+    link_bandwidth: float | None = None,
+    optimizer_s: Sequence[float] | None = None,
+) -> StepSimulation:
+    """One step of ``StageCost`` records (``costs.stage.stage_costs``) under 1F1B.
+
+    Each boundary delays its consumer by one transfer of the activation (forward) or
+    of its gradient (backward): ``boundary_out_bytes / link_bandwidth``.
+    """
+    p2p = [st.boundary_out_bytes / link_bandwidth if link_bandwidth else 0.0 for st in stages[:-1]]
+    return simulate_1f1b([st.forward_s for st in stages], [st.backward_s for st in stages], micro_batches,
+                         p2p_s=p2p, optimizer_s=optimizer_s)

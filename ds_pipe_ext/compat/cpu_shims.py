@@ -1,4 +1,4 @@
-"""CPU shims for megatron-core's tensor/sequence-parallel layers.  Active only without CUDA.
+"""CPU shims for megatron-core's tensor/sequence-parallel layers and DeepSpeed's start-up.  Active only without CUDA.
 
 megatron-core 0.16 allocates sequence-parallel all-gather buffers (and a few others)
 with ``device=torch.cuda.current_device()``, which fails on a CPU-only torch.  Rather
@@ -50,6 +50,14 @@ def install() -> bool:
         if not isinstance(getattr(module, "torch", None), _CpuTorch):
             module.torch = proxy
     return True
+
+
+def uninstall() -> None:
+    """Give the megatron modules back their ``torch`` (tests restore what they patch)."""
+    for name in PATCHED_MODULES:
+        module = importlib.import_module(name)
+        if isinstance(getattr(module, "torch", None), _CpuTorch):
+            module.torch = torch
 
 
 def installed() -> bool:

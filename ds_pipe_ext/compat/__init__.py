@@ -1,0 +1,37 @@
+"""The one door to DeepSpeed's and megatron-core's private state.
+
+Everything in ds_pipe_ext that reads or replaces a private name of DeepSpeed or
+megatron-core goes through this package, one module per concern, so that an
+upgrade that renames one breaks here, visibly, and nowhere else.  The only
+exception is ``pipe/module.py``'s override of ``PipelineModule._partition_layers``,
+which subclassing requires.
+
+Tested with DeepSpeed >=0.19.0,<0.20 (0.19.8) and megatron-core 0.16.x (pinned in
+setup.py).  The private names relied on:
+
+DeepSpeed ``runtime/pipe/module.py`` (``PipelineModule``), in ``compat.engine``:
+    ``_topo``            the PipeModelDataParallelTopology: coordinates of a rank
+    ``_grid``            the PipelineParallelGrid: this rank's data-parallel id
+    ``_layer_specs``     the layer list as the user gave it
+    ``_local_start``, ``_local_stop``, ``_set_bounds``   this rank's layer range
+    ``str(idx)`` submodule names   where a built layer lives (``_build``'s ``add_module``)
+    ``_partition_layers``  overridden in pipe/module.py
+
+DeepSpeed ``runtime/pipe/engine.py`` (``PipelineEngine``), in ``compat.instructions``:
+    ``_INSTRUCTION_MAP``   instruction class -> bound method; a timed copy is put on the instance
+    ``_aggregate_total_loss``   the loss broadcast after the schedule (timed too)
+    ``_train_schedule``    reserved for schedules other than 1F1B (not used yet)
+
+DeepSpeed optimizer wrappers (ZeRO, fp16), in ``compat.optimizer``:
+    ``.optimizer``       the wrapped torch optimizer
+
+DeepSpeed ``comm/torch.py``, in ``compat.cpu_shims``:
+    ``build_shm_op``     the JIT build of the shared-memory op, skipped on CPU
+
+megatron-core, in ``compat.cpu_shims`` (CPU only):
+    the module-level name ``torch`` of ``tensor_parallel.mappings``, ``tensor_parallel.layers``
+    and ``utils``, whose ``torch.cuda.current_device()`` must name the CPU
+"""
+
+DEEPSPEED_TESTED = ">=0.19.0,<0.20"
+MEGATRON_CORE_TESTED = ">=0.16.0,<=0.16.1"

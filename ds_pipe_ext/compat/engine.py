@@ -1,0 +1,76 @@
+"""Where a rank sits in DeepSpeed's pipeline, and which layers it builds.
+
+Reads ``PipelineModule._topo``, ``._grid``, ``._layer_specs``, ``._local_start``/``._local_stop``
+and calls ``._set_bounds``: DeepSpeed-private, see ``ds_pipe_ext.compat``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RankCoordinates:
+    """A rank's place in the PP x DP x TP grid."""
+
+    stage: int
+    data: int
+    model: int  # tensor-parallel rank (0 without TP)
+
+
+def _has_model_axis(topo) -> bool:
+    return "model" in topo.get_axis_names()
+
+
+def coordinates(module, rank: int | None = None) -> RankCoordinates:
+    """Coordinates of ``rank`` (default: this process) in a PipelineModule's topology."""
+    topo = module._topo
+    coord = topo.get_coord(module.global_rank if rank is None else rank)
+    return RankCoordinates(stage=coord.pipe, data=coord.data, model=coord.model if _has_model_axis(topo) else 0)
+
+
+def tensor_parallel_degree(module) -> int:
+    topo = module._topo
+    return topo.get_dim("model") if _has_model_axis(topo) else 1
+
+
+def data_parallel_rank(module) -> int:
+    return module._grid.get_data_parallel_id()
+
+
+def profiling_peers(module) -> set[int]:
+    """Ranks that must run a profile together with rank 0: its tensor-parallel group."""
+    if tensor_parallel_degree(module) == 1:
+        return {0}
+    return set(module._topo.filter_match(pipe=0, data=0))
+
+
+def layer_specs(module) -> list:
+    """The layers as the user passed them (LayerSpec, TiedLayerSpec, nn.Module, callables)."""
+    return module._layer_specs
+
+
+def local_layer_range(module) -> tuple[int, int]:
+    """[start, stop) of the layers this rank's stage builds."""
+    return module._local_start, module._local_stop
+
+
+def set_local_layers(module, start: int, stop: int) -> None:
+    """Make this rank build layers [start, stop) (before DeepSpeed's ``_build``)."""
+    module._set_bounds(start=start, stop=stop)
+
+
+def local_layers(module) -> Iterator[tuple[int, nn.Module]]:
+    """(global layer index, module) for the layers with parameters this stage built.
+
+    DeepSpeed registers a built ``LayerSpec``/``nn.Module`` layer as submodule ``str(index)``;
+    tied modules live in ``tied_modules`` and callables have no module.
+    """
+    start, stop = local_layer_range(module)
+    for idx in range(start, stop):
+        layer = getattr(module, str(idx), None)
+        if isinstance(layer, nn.Module):
+            yield idx, layer

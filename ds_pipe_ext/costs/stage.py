@@ -1,0 +1,132 @@
+"""The stage model: what a contiguous slice of layers costs as one pipeline stage.
+
+This module is the one owner of three rules that everything else asks:
+
+* ``in_flight(stage, num_stages, micro_batches, schedule)``: how many micro-batches of
+  activations a stage holds at its peak.  Under 1F1B (DeepSpeed's ``TrainSchedule``,
+  PipeDream-flush) stage s runs min(p - s - 1, m) warm-up forwards before its first
+  backward, so it holds min(p - s, m); under GPipe every stage holds all m.  This is
+  *activations held*, not DeepSpeed's ``TrainSchedule.num_pipe_buffers()``, which
+  allocates max(2, ...) buffers for the tensors in transit.
+* ``held_activation_bytes(costs, recompute)``: bytes a layer keeps per in-flight
+  micro-batch (everything autograd saves; with full activation checkpointing only
+  the layer's input, which is the previous layer's output).
+* ``stage_costs(...)``: per-stage sums (``StageCost``) of time, memory by kind and
+  boundary p2p.  The partitioner's objective, the partition plan, ``estimate``'s
+  memory table and the run report all read them.
+
+And one definition of imbalance: fastest / slowest stage time (the seed report's;
+1.0 is perfect, higher is better).
+
+Pure Python, no torch: costs are any objects with ``LayerCost``'s fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def in_flight(stage: int, num_stages: int, micro_batches: int, schedule: str = "1f1b") -> int:
+    """Micro-batches whose activations stage ``stage`` of ``num_stages`` holds at its peak."""
+    if schedule == "1f1b":
+        return min(num_stages - stage, micro_batches)
+    if schedule == "gpipe":  # all forwards first, then all backwards
+        return micro_batches
+    raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+
+
+def held_activation_bytes(costs: Sequence, *, recompute: bool = False) -> list[float]:
+    """Bytes each layer keeps per in-flight micro-batch.
+
+    Under full activation checkpointing a layer keeps only its input (the previous
+    layer's output) and recomputes the rest in backward.
+    """
+    if not recompute:
+        return [float(c.activation_bytes) for c in costs]
+    return [0.0] + [float(c.output_bytes) for c in costs[:-1]]
+
+
+def imbalance(times: Sequence[float]) -> float:
+    """Fastest / slowest stage time: 1.0 is a perfect balance, higher is better."""
+    if len(times) < 2 or max(times) <= 0:
+        return 1.0
+    return min(times) / max(times)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One pipeline stage: layers [start, stop) on one rank, per micro-batch unless said otherwise."""
+
+    stage: int
+    start: int
+    stop: int
+    layer_names: tuple[str, ...]
+    forward_s: float
+    backward_s: float  # including the replayed forward under activation checkpointing
+    p2p_s: float  # boundary transfers per micro-batch: activation in/out and their gradients
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: float  # held per in-flight micro-batch
+    inflight: int
+    boundary_in_bytes: int  # the activation received from the previous stage (0 for the first)
+    boundary_out_bytes: int  # the activation sent to the next stage (0 for the last)
+
+    @property
+    def time_s(self) -> float:
+        """Forward + backward + p2p of one micro-batch: the partitioner's objective."""
+        return self.forward_s + self.backward_s + self.p2p_s
+
+    @property
+    def static_bytes(self) -> int:
+        """Held for the whole step: parameters, gradients, optimizer states."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def activation_peak_bytes(self) -> float:
+        return self.inflight * self.activation_bytes
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.static_bytes + self.activation_peak_bytes
+
+
+def stage_costs(
+    costs: Sequence,
+    parts: Sequence[int],
+    *,
+    micro_batches: int,
+    recompute: bool = False,
+    schedule: str = "1f1b",
+    link_bandwidth: float | None = None,
+) -> list[StageCost]:
+    """Per-stage sums of ``costs`` (one ``LayerCost`` per layer) split at ``parts``.
+
+    ``link_bandwidth`` (bytes/s): each boundary a stage has costs it 2 x bytes / bandwidth
+    per micro-batch (the activation one way, its gradient back).
+    """
+    p = len(parts) - 1
+    held = held_activation_bytes(costs, recompute=recompute)
+    out = []
+    for s in range(p):
+        i, j = parts[s], parts[s + 1]
+        layers = costs[i:j]
+        b_in = int(costs[i - 1].output_bytes) if i > 0 else 0
+        b_out = int(costs[j - 1].output_bytes) if j < len(costs) else 0
+        p2p = 2.0 * (b_in + b_out) / link_bandwidth if link_bandwidth else 0.0
+        out.append(StageCost(
+            stage=s, start=i, stop=j, layer_names=tuple(c.name for c in layers),
+            forward_s=sum(c.forward_s for c in layers),
+            backward_s=sum(c.backward_s + (c.recompute_s if recompute else 0.0) for c in layers),
+            p2p_s=p2p,
+            param_bytes=sum(int(c.param_bytes) for c in layers),
+            grad_bytes=sum(int(c.grad_bytes) for c in layers),
+            optimizer_bytes=sum(int(c.optimizer_bytes) for c in layers),
+            activation_bytes=sum(held[i:j]),
+            inflight=in_flight(s, p, micro_batches, schedule),
+            boundary_in_bytes=b_in, boundary_out_bytes=b_out,
+        ))
+    return out

@@ -1,0 +1,63 @@
+"""The GPT's analytic description: a ``costs.model.CostModel`` for ``partition_method: "analytic"``.
+
+The per-op formulas live in ``costs/analytic.py`` and ``costs/estimate.py`` (a
+transformer's ops, no model import); this file says which of them make up this
+model's pipeline layers, reads (b, s) from a micro-batch of tokens, and knows
+whether its layers are sequence-parallel (from the ``LayerImpl`` they were built with).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..costs.calibrate import calibrate
+from ..costs.estimate import EstimateRequest, analytic_layer_costs, layer_ops, shape_for
+from ..costs.hardware import DeviceSpec
+from ..costs.types import LayerCost
+from .config import GPTConfig
+from .gpt import LOCAL, LayerImpl, gpt_layer_specs, lm_loss
+
+
+@dataclass(frozen=True)
+class GPTCostModel:
+    """Analytic per-layer costs of a ``GPTConfig`` built with ``gpt_layer_specs``."""
+
+    config: GPTConfig
+    sequence_parallel: bool = False
+
+    def request(self, inputs, *, tp: int, dtype: str) -> EstimateRequest:
+        tokens = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+        b, s = tokens.shape
+        return EstimateRequest(micro_batch=int(b), seq=int(s), tp=tp, sp=self.sequence_parallel, dtype=dtype)
+
+    def layer_costs(self, inputs, *, tp: int, device: DeviceSpec, dtype: str) -> list[LayerCost]:
+        return analytic_layer_costs(self.config, self.request(inputs, tp=tp, dtype=dtype), device)
+
+    def calibrate(self, inputs, *, tp: int, device: DeviceSpec, dtype: str, cache_dir: str | None) -> DeviceSpec:
+        return profile_and_calibrate(self.config, self.request(inputs, tp=tp, dtype=dtype), device, cache_dir=cache_dir)
+
+
+def gpt_cost_model(cfg: GPTConfig, impl: LayerImpl = LOCAL) -> GPTCostModel:
+    """The cost model of ``gpt_layer_specs(cfg, impl)``."""
+    return GPTCostModel(cfg, sequence_parallel=impl.sequence_parallel)
+
+
+def profile_and_calibrate(cfg: GPTConfig, req: EstimateRequest, device: DeviceSpec, *,
+                          cache_dir: str | None = ".ds_pipe_ext_cache", warmup: int = 1, repeats: int = 3) -> DeviceSpec:
+    """Profile one embedding, one block and the head (+ loss) of ``cfg`` on this machine, then fit."""
+    from ..costs.profiler import ProfileSettings, profile_layers
+
+    if cfg.tie_embeddings:
+        cfg = GPTConfig.from_dict({**cfg.to_dict(), "tie_embeddings": False}, name=cfg.name)
+    specs = gpt_layer_specs(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (req.micro_batch, req.seq + 1), generator=torch.Generator().manual_seed(0))
+    measured = profile_layers([specs[0], specs[1], specs[-1]], tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss,
+                              settings=ProfileSettings(warmup=warmup, repeats=repeats, cache_dir=cache_dir, progress=False),
+                              key_fields={"model": cfg.to_dict(), "purpose": "calibration"})
+    ops = layer_ops(cfg, shape_for(cfg, req, device))
+    layers = [(ops[0][2], measured[0].forward_s, measured[0].backward_s),
+              (ops[1][2], measured[1].forward_s, measured[1].backward_s),
+              (ops[-1][2], measured[2].forward_s, measured[2].backward_s)]
+    return calibrate(device, layers, dtype=req.dtype)
