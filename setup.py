@@ -13,6 +13,8 @@ setup(
     # unpinned resolver pulls the CUDA build; the Makefile does it in that order.
     install_requires=[
         "torch>=2.13.0,<2.14",
+        # ds_pipe_ext/compat/ reads private DeepSpeed/megatron names (listed in its docstring):
+        # these are the ranges it was tested on (compat.DEEPSPEED_TESTED, compat.MEGATRON_CORE_TESTED)
         "deepspeed>=0.19.0,<0.20",
         "megatron-core>=0.16.0,<=0.16.1",  # 0.16.1 is the last release for Python 3.11
         "numpy>=1.26,<3",

@@ -36,13 +36,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(num_ranks: int, config: Path, *args: str, out_dir: Path, cwd: Path = ROOT, timeout: int = 240,
-           threads_per_rank: int = 1):
-    """Returns (completed process, {rank: metrics}).  Ranks run with OMP_NUM_THREADS=threads_per_rank."""
+def launch(num_ranks: int, config: Path | None, *args: str, out_dir: Path, cwd: Path = ROOT, timeout: int = 240,
+           threads_per_rank: int = 1, script: str = "train.py"):
+    """Returns (completed process, {rank: metrics}).  Ranks run with OMP_NUM_THREADS=threads_per_rank.
+
+    ``script`` (relative to the repository) must accept ``--metrics-out`` and write NAME.rankR.json files;
+    ``config`` is passed as ``--deepspeed_config`` unless None.
+    """
     metrics = out_dir / "metrics.json"
     deepspeed = Path(sys.executable).with_name("deepspeed")
-    cmd = [str(deepspeed), "--num_gpus", str(num_ranks), "--master_port", str(free_port()), str(ROOT / "train.py"),
-           "--deepspeed_config", str(config), "--metrics-out", str(metrics), *args]
+    config_args = ["--deepspeed_config", str(config)] if config is not None else []
+    cmd = [str(deepspeed), "--num_gpus", str(num_ranks), "--master_port", str(free_port()), str(ROOT / script),
+           *config_args, "--metrics-out", str(metrics), *args]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONPATH": str(ROOT),
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
