@@ -42,7 +42,10 @@ def write_png(rep: dict, path: str | Path) -> Path:
     ax_m.set_title(f"memory by kind (bottleneck: stage {s['bottleneck_stage_memory']})")
     ax_m.set_ylim(0, 1.25 * max(ax_m.get_ylim()[1], 1e-9))
     ax_m.legend(fontsize=8, loc="upper left", ncol=2)
-    fig.suptitle(f"{s['method']} parts={s['parts']}  m={s['micro_batches']}", fontsize=10)
+    ip, im = s["imbalance_predicted"], s["imbalance_measured"]
+    fig.suptitle(f"{s['method']} parts={s['parts']}  m={s['micro_batches']}   imbalance (fastest/slowest, higher is "
+                 f"better): predicted fwd {ip['forward'][0]:.2f} bwd {ip['backward'][0]:.2f}, "
+                 f"measured fwd {im['forward'][0]:.2f} bwd {im['backward'][0]:.2f}", fontsize=9)
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)
