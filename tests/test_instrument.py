@@ -60,14 +60,16 @@ def test_instrumentation_is_off_by_default():
 def test_refine_scales_each_stage_to_its_measured_time(tmp_path):
     from ds_pipe_ext.costs.types import LayerCost
     from ds_pipe_ext.instrument.refine import RunDirError, refine_costs
+    from ds_pipe_ext.instrument.rundir import Predicted, RunDir
 
     costs = [LayerCost("a", 1.0, 2.0), LayerCost("b", 1.0, 2.0), LayerCost("c", 3.0, 6.0)]
-    (tmp_path / "predicted.json").write_text(json.dumps(
-        {"parts": [0, 2, 3], "micro_batches": 2, "layer_costs": [c.to_dict() for c in costs]}))
-    (tmp_path / "summary.json").write_text(json.dumps({"stages": [
+    run = RunDir(tmp_path)
+    run.write_predicted(Predicted(method="parts:0,2,3", parts=[0, 2, 3], micro_batches=2, layer_costs=costs))
+    assert run.read_predicted() == Predicted("parts:0,2,3", [0, 2, 3], 2, costs)  # typed, round trip
+    run.write_summary({"stages": [
         {"stage": 0, "forward_ms_mean": 4000.0, "backward_ms_mean": 4000.0},   # 2x fwd, 1x bwd
         {"stage": 1, "forward_ms_mean": 1500.0, "backward_ms_mean": 12000.0},  # 0.5x fwd, 2x bwd
-    ]}))
+    ]})
     refined = refine_costs(costs, tmp_path)
     assert [(c.forward_s, c.backward_s) for c in refined] == [(2.0, 2.0), (2.0, 2.0), (1.5, 12.0)]
     with pytest.raises(RunDirError, match="different model"):

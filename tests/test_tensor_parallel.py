@@ -101,17 +101,12 @@ def test_tp_parity_with_single_process(tmp_path, sp, tied):
 
 def serial_reference(cfg, weights_path, steps, *, micro_batch=4, gas=4, seed=1234, lr=3e-4):
     """What train.py computes in one process: same data stream as DP rank 0, mean of the micro-batch losses."""
-    import sys
-
-    from ds_pipe_ext.runner import ROOT
-
-    sys.path.insert(0, str(ROOT))
-    from train import synthetic_batches
+    from ds_pipe_ext.train.data import SyntheticTokens
 
     model = SequentialGPT(gpt_layer_specs(cfg))
     model.load_state_dict(torch.load(weights_path))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
-    data = synthetic_batches(cfg.vocab_size, micro_batch, cfg.seq_len, seed=seed + 1000)
+    data = SyntheticTokens(cfg.vocab_size, micro_batch, cfg.seq_len, seed=seed + 1000)
     losses, norms = [], []
     for _ in range(steps):
         opt.zero_grad()

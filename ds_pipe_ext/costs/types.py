@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
+from pydantic import Field
+
+from ..config_model import ConfigModel
+
 
 @dataclass(frozen=True)
 class LayerCost:
@@ -63,18 +67,11 @@ class LayerCost:
         return cls(**d)
 
 
-@dataclass(frozen=True)
-class ProfileSettings:
-    warmup: int = 2
-    repeats: int = 5
-    cache_dir: str | None = ".ds_pipe_ext_cache"  # None: no cache
-    optimizer_bytes_per_param: int = 8  # Adam: exp_avg + exp_avg_sq in fp32
-    progress: bool = True
+class ProfileSettings(ConfigModel):
+    """``"pipeline": {"profile": {...}}``: how layers are profiled."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"profile.warmup = {self.warmup!r}; use an integer >= 0")
-        if not isinstance(self.repeats, int) or self.repeats < 1:
-            raise ValueError(f"profile.repeats = {self.repeats!r}; use an integer >= 1")
-        if not isinstance(self.optimizer_bytes_per_param, int) or self.optimizer_bytes_per_param < 0:
-            raise ValueError("profile.optimizer_bytes_per_param must be an integer >= 0")
+    warmup: int = Field(2, ge=0)  # untimed runs first (allocations, caches)
+    repeats: int = Field(5, ge=1)  # timed runs; the median is kept
+    cache_dir: str | None = ".ds_pipe_ext_cache"  # None: no cache
+    optimizer_bytes_per_param: int = Field(8, ge=0)  # Adam: exp_avg + exp_avg_sq in fp32
+    progress: bool = True

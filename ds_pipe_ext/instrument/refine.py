@@ -11,34 +11,18 @@ the step-time prediction.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 from ..costs.types import LayerCost
+from .rundir import Run, RunDir, RunDirError  # noqa: F401 - RunDirError is part of this module's API
 
 
-class RunDirError(ValueError):
-    """A run directory that cannot be used; the message names the missing or bad file."""
+def load_run(run_dir: str | Path) -> Run:
+    return RunDir(run_dir).read()
 
 
-def load_run(run_dir: str | Path) -> dict:
-    d = Path(run_dir)
-    out = {}
-    for name in ("predicted", "summary"):
-        path = d / f"{name}.json"
-        if not path.is_file():
-            raise RunDirError(f"{path} is missing: run train.py with instrumentation on "
-                              f'("pipeline": {{"instrument": {{"enabled": true, "run_dir": "{d}"}}}}) first')
-        try:
-            out[name] = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise RunDirError(f"{path} is not valid JSON ({e})") from None
-    out["predicted"]["layer_costs"] = [LayerCost.from_dict(c) for c in out["predicted"]["layer_costs"]]
-    return out
-
-
-def measured_overheads(run: dict) -> dict:
+def measured_overheads(run: Run) -> dict:
     """What a stage spends besides its layers' compute, in seconds, from a measured run.
 
     Per micro-batch: sending its activation on (gloo/NCCL sends occupy the sender),
@@ -46,8 +30,8 @@ def measured_overheads(run: dict) -> dict:
     Per step: gradient reduction + optimizer step per stage, and the loss broadcast
     after the schedule (its smallest time over stages: the others include waiting).
     """
-    stages = run["summary"]["stages"]
-    m = run["predicted"]["micro_batches"]
+    stages = run.summary["stages"]
+    m = run.predicted.micro_batches
     per_mb = lambda key: [st.get(key, 0.0) / m / 1e3 for st in stages]  # noqa: E731
     return {
         "send_forward_s": per_mb("send_activation_ms_mean"),
@@ -61,13 +45,13 @@ def measured_overheads(run: dict) -> dict:
 
 def refine_costs(costs: list[LayerCost], run_dir: str | Path) -> list[LayerCost]:
     run = load_run(run_dir)
-    old = run["predicted"]["layer_costs"]
+    old = run.predicted.layer_costs
     if [c.name for c in old] != [c.name for c in costs]:
         raise RunDirError(f"{run_dir} was measured on a different model ({len(old)} layers: "
                           f"{[c.name for c in old][:3]}...); refine only from a run of the same model")
-    parts = run["predicted"]["parts"]
+    parts = run.predicted.parts
     refined = list(costs)
-    for stage in run["summary"]["stages"]:
+    for stage in run.summary["stages"]:
         s = stage["stage"]
         i, j = parts[s], parts[s + 1]
         pf = sum(c.forward_s for c in costs[i:j])

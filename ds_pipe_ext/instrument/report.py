@@ -36,10 +36,9 @@ def _cumulative(xs: list[float], reverse: bool = False) -> list[float]:
 
 def build_report(run_dir: str | Path) -> dict:
     run = load_run(run_dir)
-    pred, stages = run["predicted"], run["summary"]["stages"]
-    costs, parts, m = pred["layer_costs"], pred["parts"], pred["micro_batches"]
-    recompute = bool(pred.get("recompute", False))
-    bandwidth = pred.get("link_bandwidth")
+    pred, stages = run.predicted, run.summary["stages"]
+    costs, parts, m = pred.layer_costs, pred.parts, pred.micro_batches
+    recompute, bandwidth = pred.recompute, pred.link_bandwidth
     p = len(parts) - 1
     if len(stages) != p:
         raise ValueError(f"{run_dir}: summary has {len(stages)} stages, the partition has {p}")
@@ -82,7 +81,7 @@ def build_report(run_dir: str | Path) -> dict:
     # Step prediction: the stages' layer times, plus what a refined run learned about the rest
     # (sends occupy the sender, loading, optimizer step, loss broadcast); without it, the
     # boundary transfer at the configured link bandwidth.
-    over = pred.get("overheads") or {}
+    over = pred.overheads or {}
     zero = [0.0] * p
     fwd_s = [f / 1e3 + a + b for f, a, b in zip(pf, over.get("send_forward_s", zero), over.get("load_s", zero))]
     bwd_s = [x / 1e3 + a for x, a in zip(pb, over.get("send_backward_s", zero))]
@@ -91,8 +90,8 @@ def build_report(run_dir: str | Path) -> dict:
     measured_step = max(st["step_ms_median"] for st in stages)
     predicted_step = 1e3 * (sim.step_s + over.get("tail_s", 0.0))
     summary = {
-        "run_dir": str(run_dir), "method": pred.get("method"), "parts": parts, "micro_batches": m,
-        "recompute": recompute, "refined_from": pred.get("refined_from"),
+        "run_dir": str(run_dir), "method": pred.method, "parts": parts, "micro_batches": m,
+        "recompute": recompute, "refined_from": pred.refined_from,
         "imbalance_predicted": dict(zip(("forward", "backward"), zip(_imbalance(pf), _imbalance(pb)))),
         "imbalance_measured": dict(zip(("forward", "backward"), zip(_imbalance(mf), _imbalance(mb)))),
         "predicted_step_ms": predicted_step, "measured_step_ms": measured_step,

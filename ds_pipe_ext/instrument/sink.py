@@ -1,19 +1,17 @@
 """Where the records go: JSONL per rank, a per-stage summary gathered on rank 0, DeepSpeed's monitor.
 
-Run directory layout::
-
-    RUN_DIR/predicted.json   what the partition predicted (written by rank 0 before training)
-    RUN_DIR/rank{R}.jsonl    one record per step from rank R
-    RUN_DIR/summary.json     per-stage summary, gathered on rank 0 (every N steps and at the end)
+The files are ``RunDir``'s (``instrument/rundir.py``).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from pathlib import Path
 
 import torch.distributed as dist
+from pathlib import Path
+
+from .rundir import RunDir
 
 
 def p90(values: list[float]) -> float:
@@ -51,14 +49,13 @@ def summarize(records: list[dict], *, skip_warmup: bool = True) -> dict:
 
 class RunSink:
     def __init__(self, run_dir: str | Path, rank: int, *, every: int = 0, monitor=None, group=None):
-        self.dir = Path(run_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = RunDir(run_dir)
         self.rank = rank
         self.every = every
         self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self.group = group
         self.records: list[dict] = []
-        self._file = open(self.dir / f"rank{rank}.jsonl", "w")
+        self._file = self.run_dir.open_rank_log(rank)
 
     def emit(self, record: dict) -> None:
         self.records.append(record)
@@ -79,7 +76,7 @@ class RunSink:
             by_stage.setdefault(s["stage"], []).append(s)
         summary = {"steps": mine["steps"], "ranks": everyone,
                    "stages": [_merge_stage(by_stage[k]) for k in sorted(by_stage)]}
-        (self.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.run_dir.write_summary(summary)
         if self.monitor is not None:
             step = mine["steps"]
             events = []

@@ -89,18 +89,50 @@ def available_models() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
 
 
+# Hugging Face GPT-2 config.json key -> GPTConfig field
+HF_GPT2_KEYS = {"n_embd": "hidden", "n_layer": "layers", "n_head": "heads", "vocab_size": "vocab_size",
+                "n_positions": "seq_len", "n_inner": "ffn_hidden", "layer_norm_epsilon": "layernorm_eps",
+                "tie_word_embeddings": "tie_embeddings", "resid_pdrop": "dropout"}
+
+
+def from_hf_gpt2(data: dict, *, name: str) -> GPTConfig:
+    """A Hugging Face GPT-2 ``config.json`` (read as JSON): n_embd, n_layer, n_head, vocab_size, n_positions.
+
+    GPT-2 ties its LM head to the embedding (``tie_word_embeddings``, default true) and uses
+    one dropout rate (``resid_pdrop``; the attention and embedding rates are taken equal).
+    """
+    if not isinstance(data, dict):
+        raise ModelConfigError(f"model config {name!r}: a Hugging Face config.json must be a JSON object")
+    missing = [k for k in ("n_embd", "n_layer", "n_head", "vocab_size", "n_positions") if k not in data]
+    if missing:
+        raise ModelConfigError(f"model config {name!r}: not a GPT-2 config.json, it lacks {missing}")
+    fields_ = {field: data[key] for key, field in HF_GPT2_KEYS.items() if data.get(key) is not None}
+    fields_.setdefault("tie_embeddings", True)
+    return GPTConfig.from_dict(fields_, name=name)
+
+
 def load_model_config(name_or_path: str | Path, **overrides) -> GPTConfig:
-    """Load ``tiny`` / ``gpt2-small`` / ... from model_configs/, or a .toml path.
+    """Load ``tiny`` / ``gpt2-small`` / ... from model_configs/, a .toml path, or a Hugging Face GPT-2 config.json.
 
     ``overrides`` replace fields after loading (e.g. ``seq_len=128``).
     """
     path = Path(name_or_path)
-    if path.suffix != ".toml":
+    if path.suffix not in (".toml", ".json"):
         path = CONFIG_DIR / f"{name_or_path}.toml"
     if not path.is_file():
         raise ModelConfigError(
-            f"unknown model {str(name_or_path)!r}: no file {path}; use one of {available_models()} or a path to a .toml file"
+            f"unknown model {str(name_or_path)!r}: no file {path}; use one of {available_models()}, "
+            f"a path to a .toml file or a Hugging Face GPT-2 config.json"
         )
+    if path.suffix == ".json":
+        import json
+
+        try:
+            cfg = from_hf_gpt2(json.loads(path.read_text()), name=path.parent.name or path.stem)
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"model config {path}: not valid JSON ({e})") from None
+        return GPTConfig.from_dict({**cfg.to_dict(), **{k: v for k, v in overrides.items() if v is not None}},
+                                   name=cfg.name)
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:

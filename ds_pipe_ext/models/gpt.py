@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
@@ -101,8 +102,12 @@ class EmbeddingPipe(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, impl: LayerImpl):
+    """``selective_recompute``: keep only q, k, v and recompute softmax(qk^T)v in backward
+    (Korthikanti et al. 2022's selective recomputation: the 5as/h term of a block's activations)."""
+
+    def __init__(self, cfg: GPTConfig, impl: LayerImpl, selective_recompute: bool = False):
         super().__init__()
+        self.selective_recompute = selective_recompute
         self.heads = cfg.heads // impl.tp_size  # heads on this rank
         self.head_dim = cfg.head_dim
         self.qkv = impl.column_linear(cfg.hidden, 3 * cfg.hidden, bias=True)
@@ -117,11 +122,17 @@ class CausalSelfAttention(nn.Module):
         s, b, _ = qkv.shape
         # (s, b, heads, 3 * d) -> (b, heads, s, 3 * d): q, k, v of a head are contiguous (Megatron's layout)
         q, k, v = qkv.view(s, b, self.heads, 3 * self.head_dim).permute(1, 2, 0, 3).chunk(3, dim=-1)
+        if self.selective_recompute and torch.is_grad_enabled():
+            y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            y = self._core(q, k, v)
+        return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s = q.shape[2]
         logits = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
         logits = logits.masked_fill(self.causal_mask[:s, :s], float("-inf"))
-        att = self.attn_drop(torch.softmax(logits, dim=-1))
-        y = (att @ v).permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
-        return self.proj(y)
+        return self.attn_drop(torch.softmax(logits, dim=-1)) @ v
 
 
 class MLP(nn.Module):
@@ -137,10 +148,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block (GPT-2): x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, cfg: GPTConfig, impl: LayerImpl = LOCAL):
+    def __init__(self, cfg: GPTConfig, impl: LayerImpl = LOCAL, selective_recompute: bool = False):
         super().__init__()
         self.ln_1 = impl.layer_norm(cfg.hidden, cfg.layernorm_eps)
-        self.attn = CausalSelfAttention(cfg, impl)
+        self.attn = CausalSelfAttention(cfg, impl, selective_recompute)
         self.ln_2 = impl.layer_norm(cfg.hidden, cfg.layernorm_eps)
         self.mlp = MLP(cfg, impl)
         self.drop = nn.Dropout(cfg.dropout)
@@ -190,7 +201,7 @@ def loss_fn_for(impl: LayerImpl) -> Callable:
     return impl.loss or lm_loss
 
 
-def gpt_layer_specs(cfg: GPTConfig, impl: LayerImpl = LOCAL) -> list:
+def gpt_layer_specs(cfg: GPTConfig, impl: LayerImpl = LOCAL, *, selective_recompute: bool = False) -> list:
     """The model as DeepSpeed layer specs, in pipeline order.
 
     Untied: [embedding, L blocks, final norm + head]            (L + 2 layers)
@@ -198,7 +209,8 @@ def gpt_layer_specs(cfg: GPTConfig, impl: LayerImpl = LOCAL) -> list:
     The loss is ``lm_loss``, passed to the PipelineModule as ``loss_fn``; it
     always runs on the last stage, so its cost belongs to the last layer.
     """
-    blocks = [LayerSpec(Block, cfg, impl) for _ in range(cfg.layers)]
+    block_args = (cfg, impl, True) if selective_recompute else (cfg, impl)  # the default keeps cache keys stable
+    blocks = [LayerSpec(Block, *block_args) for _ in range(cfg.layers)]
     if not cfg.tie_embeddings:
         return [LayerSpec(EmbeddingPipe, cfg, impl), *blocks, LayerSpec(HeadPipe, cfg, impl)]
     return [
@@ -214,5 +226,6 @@ def gpt_layer_specs(cfg: GPTConfig, impl: LayerImpl = LOCAL) -> list:
 class SequentialGPT(SequentialLayers):
     """The GPT's layers in one process (data parallelism, parity checks); see ``SequentialLayers``."""
 
-    def __init__(self, specs: list, loss_fn: Callable = lm_loss, *, base_seed: int | None = None):
-        super().__init__(specs, loss_fn, base_seed=base_seed)
+    def __init__(self, specs: list, loss_fn: Callable = lm_loss, *, base_seed: int | None = None,
+                 recompute: bool = False):
+        super().__init__(specs, loss_fn, base_seed=base_seed, recompute=recompute)

@@ -1,113 +1,98 @@
-"""The plugin's settings: the ``"pipeline"`` section of ds.json, validated.
+"""The plugin's settings: the ``"pipeline"`` section of ds.json, validated like DeepSpeed's own config.
 
 DeepSpeed copies unknown keys of its ``"pipeline"`` section through untouched,
 so the plugin's settings live beside DeepSpeed's own there::
 
     "pipeline": {
-      "stages": 2,
+      "stages": 2,                                      # DeepSpeed's (an integer, or "auto")
       "partition_method": "profiled",
       "profile": {"warmup": 2, "repeats": 5, "cache_dir": ".ds_pipe_ext_cache"},
       "memory_cap_gib": null,
-      "activation_checkpoint_interval": 0,
+      "activation_checkpoint_interval": 0,              # DeepSpeed's: full recompute every N layers
+      "link_bandwidth_gbs": null,                       # GB/s between stages (adds p2p time to the split)
       "analytic": {"device": "cpu", "dtype": "fp32", "calibrate": false},  # for partition_method "analytic"
       "instrument": {"enabled": false, "run_dir": "runs/latest", "every": 0},
       "refine_from": null                               # a run directory to learn stage costs from
     }
+
+Every key is typed and checked when ds.json is read, before any process group:
+a string where a boolean belongs, an unknown key (the error lists the valid
+ones) or a negative interval is a ``ConfigError`` naming the key.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import warnings
+from typing import Any, Literal
 
-from ..costs.types import ProfileSettings  # torch-free: config parsing stays light
+from pydantic import Field, model_validator
 
-# DeepSpeed's own keys in the same section: accepted and left to DeepSpeed.
-DEEPSPEED_PIPELINE_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
-                           "pipe_partitioned", "grad_partitioned", "use_reentrant"}
+from ..config_model import ConfigError, ConfigModel, parse_section
+from ..costs.types import ProfileSettings
 
-
-class ConfigError(ValueError):
-    """A malformed ``pipeline`` section; the message names the key and the fix."""
+__all__ = ["ConfigError", "PipelineSettings", "InstrumentSettings", "AnalyticSettings", "ProfileSettings"]
 
 
-@dataclass(frozen=True)
-class InstrumentSettings:
+class InstrumentSettings(ConfigModel):
     """``"pipeline": {"instrument": {"enabled": true, "run_dir": "runs/x", "every": 0}}`` (off by default)."""
 
     enabled: bool = False
-    run_dir: str = "runs/latest"
-    every: int = 0  # also gather a summary on rank 0 every N steps (0: only at the end)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise ConfigError("pipeline.instrument.enabled must be true or false")
-        if not isinstance(self.run_dir, str) or not self.run_dir:
-            raise ConfigError("pipeline.instrument.run_dir must be a directory path")
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
-            raise ConfigError("pipeline.instrument.every must be an integer >= 0")
+    run_dir: str = Field("runs/latest", min_length=1)
+    every: int = Field(0, ge=0)  # also gather a summary on rank 0 every N steps (0: only at the end)
 
 
-@dataclass(frozen=True)
-class PipelineSettings:
-    stages: int = 1
-    partition_method: str = "parameters"
-    profile: ProfileSettings = field(default_factory=ProfileSettings)
-    memory_cap_gib: float | None = None
-    activation_checkpoint_interval: int = 0
-    link_bandwidth_gbps: float | None = None  # GB/s between stages; None: ignore p2p in the partition
-    analytic: dict = field(default_factory=lambda: {"device": "cpu", "dtype": "fp32"})  # for "analytic"
-    instrument: InstrumentSettings = field(default_factory=InstrumentSettings)
+class AnalyticSettings(ConfigModel):
+    """``"pipeline": {"analytic": {...}}``: the device spec and precision the analytic costs assume."""
+
+    device: str = "cpu"  # a100 | a100-40gb | h100 | h200 | cpu (measured here)
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    calibrate: bool = False  # fit the spec's efficiencies to a few layers profiled on this machine
+
+
+class PipelineSettings(ConfigModel):
+    # DeepSpeed's own keys: accepted here, used by DeepSpeed
+    stages: int | Literal["auto"] = 1
+    partition: Any = None
+    seed_layers: bool | None = None
+    pipe_partitioned: bool | None = None
+    grad_partitioned: bool | None = None
+    use_reentrant: bool | None = None
+    activation_checkpoint_interval: int = Field(0, ge=0)
+    # ours
+    partition_method: str = Field("parameters", min_length=1)
+    profile: ProfileSettings = ProfileSettings()
+    memory_cap_gib: float | None = Field(None, gt=0)
+    link_bandwidth_gbs: float | None = Field(None, gt=0)  # GB/s between stages; None: ignore p2p in the partition
+    analytic: AnalyticSettings = AnalyticSettings()
+    instrument: InstrumentSettings = InstrumentSettings()
     refine_from: str | None = None  # a run directory: correct layer costs with its measured stage times
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data):
+        # link_bandwidth_gbps always meant gigaBYTES per second: accepted, with a note
+        if isinstance(data, dict) and "link_bandwidth_gbps" in data:
+            if "link_bandwidth_gbs" in data:
+                raise ValueError("give link_bandwidth_gbs only (link_bandwidth_gbps is its old name)")
+            warnings.warn("pipeline.link_bandwidth_gbps is deprecated: it is GB/s, now spelled link_bandwidth_gbs",
+                          FutureWarning, stacklevel=2)
+            data = {**data, "link_bandwidth_gbs": data["link_bandwidth_gbps"]}
+            del data["link_bandwidth_gbps"]
+        return data
+
+    @model_validator(mode="after")
+    def _stages(self):
+        if isinstance(self.stages, int) and self.stages < 1:
+            raise ValueError(f"stages = {self.stages}: use a positive integer or \"auto\"")
+        return self
+
+    @property
+    def link_bandwidth(self) -> float | None:
+        """Bytes per second, or None."""
+        return self.link_bandwidth_gbs * 1e9 if self.link_bandwidth_gbs else None
 
     @classmethod
     def from_ds_config(cls, ds_config: dict) -> "PipelineSettings":
         if not isinstance(ds_config, dict):
             raise ConfigError(f"the DeepSpeed config must be a JSON object, got {type(ds_config).__name__}")
-        section = ds_config.get("pipeline", {})
-        if not isinstance(section, dict):
-            raise ConfigError(f'"pipeline" in ds.json must be an object, got {section!r}')
-        ours = {f.name for f in fields(cls)}
-        unknown = sorted(set(section) - ours - DEEPSPEED_PIPELINE_KEYS)
-        if unknown:
-            raise ConfigError(
-                f'unknown key(s) {unknown} in the "pipeline" section of ds.json; valid keys are '
-                f"{sorted(ours | DEEPSPEED_PIPELINE_KEYS)}"
-            )
-        kw = {k: v for k, v in section.items() if k in ours}
-        prof = kw.get("profile", {})
-        if not isinstance(prof, dict):
-            raise ConfigError(f'"pipeline.profile" must be an object, got {prof!r}')
-        prof_fields = {f.name for f in fields(ProfileSettings)}
-        bad = sorted(set(prof) - prof_fields)
-        if bad:
-            raise ConfigError(f'unknown key(s) {bad} in "pipeline.profile"; valid keys are {sorted(prof_fields)}')
-        inst = kw.get("instrument", {})
-        inst_fields = {f.name for f in fields(InstrumentSettings)}
-        if not isinstance(inst, dict) or set(inst) - inst_fields:
-            raise ConfigError(f'"pipeline.instrument" must be an object with keys among {sorted(inst_fields)}')
-        try:
-            kw["profile"] = ProfileSettings(**prof)
-            kw["instrument"] = InstrumentSettings(**inst)
-            return cls(**kw)
-        except ValueError as e:
-            raise ConfigError(f'ds.json "pipeline": {e}') from None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
-            raise ConfigError(f"pipeline.stages = {self.stages!r}; use a positive integer")
-        if not isinstance(self.partition_method, str) or not self.partition_method:
-            raise ConfigError(f"pipeline.partition_method = {self.partition_method!r}; use a method name such as 'profiled'")
-        if self.memory_cap_gib is not None and (
-            isinstance(self.memory_cap_gib, bool) or not isinstance(self.memory_cap_gib, (int, float)) or self.memory_cap_gib <= 0
-        ):
-            raise ConfigError(f"pipeline.memory_cap_gib = {self.memory_cap_gib!r}; use a positive number or null")
-        if not isinstance(self.activation_checkpoint_interval, int) or self.activation_checkpoint_interval < 0:
-            raise ConfigError("pipeline.activation_checkpoint_interval must be an integer >= 0")
-        if not isinstance(self.analytic, dict) or set(self.analytic) - {"device", "dtype", "calibrate"}:
-            raise ConfigError('pipeline.analytic must be an object with keys among "device", "dtype", "calibrate"')
-        if self.refine_from is not None and not isinstance(self.refine_from, str):
-            raise ConfigError("pipeline.refine_from must be a run directory (string) or null")
-        if self.link_bandwidth_gbps is not None and not (
-            isinstance(self.link_bandwidth_gbps, (int, float)) and self.link_bandwidth_gbps > 0
-        ):
-            raise ConfigError("pipeline.link_bandwidth_gbps must be a positive number (GB/s) or null")
+        return parse_section(cls, ds_config.get("pipeline", {}), "pipeline")

@@ -15,7 +15,6 @@ Private DeepSpeed state is reached through ``ds_pipe_ext.compat`` only; the
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
@@ -27,13 +26,12 @@ from ..partition import PartitionError
 from ..partition.methods import PartitionRequest, lookup
 from ..partition.report import PartitionPlan, build_plan
 from .config import PipelineSettings
+from .decide import DecisionError, decide_and_broadcast
 
 log = logging.getLogger(__name__)
 
 
-class PartitionDecisionError(RuntimeError):
-    """Rank 0 could not decide a partition; raised on every rank with rank 0's reason."""
-
+PartitionDecisionError = DecisionError  # the name earlier releases raised
 
 class PipelineModule(_DeepSpeedPipelineModule):
     """``deepspeed.pipe.PipelineModule`` that also accepts ``partition_method="profiled"``.
@@ -119,23 +117,10 @@ class PipelineModule(_DeepSpeedPipelineModule):
             # (random.seed rejects np.int64): normalise to plain ints.
             self._take_parts([int(b) for b in self.parts])
             return
-        outcome: list = [None, None, None, None]  # parts, plan, costs, error
-        if self.global_rank == 0:
-            try:
-                outcome[:3] = self._decide(spec, arg, method)
-            except Exception as e:  # noqa: BLE001 - forwarded to every rank below
-                outcome[3] = f"{type(e).__name__}: {e}"
-        elif spec.cost_source == "profiled" and self.global_rank in ds_engine.profiling_peers(self):
-            # Under TP the layers communicate inside their TP group: rank 0's TP peers run
-            # the same profile in step with it; only rank 0's numbers are used.
-            try:
-                self.compute_layer_costs("profiled")
-            except Exception:  # noqa: BLE001 - rank 0 reports the failure to everyone
-                pass
-        dist.broadcast_object_list(outcome, src=0, group=self.world_group)
-        parts, plan, costs, error = outcome
-        if error is not None:
-            raise PartitionDecisionError(f"partition_method={method!r} failed on rank 0: {error}")
+        peers = ds_engine.profiling_peers(self) if spec.cost_source == "profiled" else {0}
+        parts, plan, costs = decide_and_broadcast(
+            lambda: self._decide(spec, arg, method) if self.global_rank == 0 else self.compute_layer_costs("profiled"),
+            what=f"partition_method={method!r}", rank=self.global_rank, group=self.world_group, peers=peers)
         self.partition_plan, self.layer_costs = plan, costs
         if self.global_rank == 0 and plan is not None:
             log.info("ds_pipe_ext partition\n%s", plan.to_table())
@@ -167,7 +152,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         settings = self._ext_settings.profile
         if len(ds_engine.profiling_peers(self)) > 1:
             # a cache hit on one TP rank but not another would leave the other waiting in a collective
-            settings = replace(settings, cache_dir=None)
+            settings = settings.model_copy(update={"cache_dir": None})
         return profile_layers(specs, inputs, labels=labels, loss_fn=self.loss_fn, settings=settings, device=device,
                               key_fields=self._ext_cost_key)
 
@@ -175,16 +160,16 @@ class PipelineModule(_DeepSpeedPipelineModule):
         from ..costs.hardware import get_device
 
         opts = self._ext_settings.analytic
-        dtype, cache_dir = opts.get("dtype", "fp32"), self._ext_settings.profile.cache_dir
+        dtype, cache_dir = opts.dtype, self._ext_settings.profile.cache_dir
         tp = ds_engine.tensor_parallel_degree(self)  # a TP shard; SP is the cost model's to know
-        device = get_device(opts.get("device", "cpu"), cache_dir=cache_dir)
-        if opts.get("calibrate"):  # fit the roofline's efficiencies to a few layers profiled here
+        device = get_device(opts.device, cache_dir=cache_dir)
+        if opts.calibrate:  # fit the roofline's efficiencies to a few layers profiled here
             device = self._ext_cost_model.calibrate(inputs, tp=tp, device=device, dtype=dtype, cache_dir=cache_dir)
         return self._ext_cost_model.layer_costs(inputs, tp=tp, device=device, dtype=dtype)
 
     def _decide(self, spec, arg: str, method: str) -> tuple[list[int], PartitionPlan | None, list | None]:
         settings = self._ext_settings
-        bandwidth = settings.link_bandwidth_gbps * 1e9 if settings.link_bandwidth_gbps else None
+        bandwidth = settings.link_bandwidth
         cache: dict = {}
 
         def costs(source: str):

@@ -8,6 +8,8 @@ parity checks: the same layer list DeepSpeed accepts (``LayerSpec``, ``TiedLayer
 * With ``base_seed``, spec i is built after seeding base_seed + i, as a
   ``PipelineModule(seed_layers=True)`` does, so both start from the same weights.
 * ``nn.Module`` instances and callables are used as given (no copy).
+* ``recompute=True``: full activation recomputation, each layer checkpointed (it keeps
+  only its input), as a pipeline with ``activation_checkpoint_interval=1``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -28,8 +31,10 @@ def _seed_everything(seed: int) -> None:
 
 
 class SequentialLayers(nn.Module):
-    def __init__(self, layers: Sequence, loss_fn: Callable | None = None, *, base_seed: int | None = None):
+    def __init__(self, layers: Sequence, loss_fn: Callable | None = None, *, base_seed: int | None = None,
+                 recompute: bool = False):
         super().__init__()
+        self.recompute = recompute
         self.layers = nn.ModuleList()
         self._calls: list[tuple[int | None, Callable | None]] = []  # (module index or None, function)
         tied: dict[str, int] = {}
@@ -54,12 +59,17 @@ class SequentialLayers(nn.Module):
                 raise TypeError(f"layer {layer_idx} ({layer!r}) is not a LayerSpec, an nn.Module or a callable")
         self.loss_fn = loss_fn
 
+    def _call(self, idx: int | None, fn: Callable | None, x):
+        if idx is None:
+            return fn(x)
+        layer = self.layers[idx]
+        return fn(layer, x) if fn is not None else layer(x)
+
     def forward(self, inputs, labels=None):
         x = inputs
         for idx, fn in self._calls:
-            if idx is None:
-                x = fn(x)
+            if self.recompute and idx is not None and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(self._call, idx, fn, x, use_reentrant=False)
             else:
-                layer = self.layers[idx]
-                x = fn(layer, x) if fn is not None else layer(x)
+                x = self._call(idx, fn, x)
         return x if labels is None or self.loss_fn is None else self.loss_fn(x, labels)

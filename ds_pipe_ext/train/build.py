@@ -1,0 +1,249 @@
+"""``build(cfg)``: from a validated ``RunConfig`` to an engine, its data and its sinks.
+
+Read top-down: validate what needs no process group (model, topology), start the
+process group, build the layers (megatron's TP layers when tp > 1), the model (a
+``PipelineModule`` with a pipeline section, ``SequentialGPT`` without), the engine,
+instrumentation, and finally the data stream (after a resume, so it continues where
+the checkpoint stopped).  Decisions that only rank 0 can make go through
+``decide_and_broadcast``: every rank gets the same result or the same error.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..config_model import ConfigError
+from ..models.config import GPTConfig, load_model_config
+from ..parallel.topology import ParallelDims, TopologyError
+from ..pipe.decide import decide_and_broadcast
+from . import checkpoint
+from .config import RunConfig
+from .data import SyntheticTokens, token_stream
+
+
+@dataclass
+class Built:
+    cfg: RunConfig
+    model_cfg: GPTConfig
+    dims: ParallelDims
+    rank: int
+    dp_rank: int
+    model: torch.nn.Module
+    engine: object
+    layout: checkpoint.Layout
+    start_step: int = 0
+    data: object = None
+    sink: object = None
+    grad_norms: list[float] = field(default_factory=list)
+
+
+def parallel_dims(cfg: RunConfig, model_cfg: GPTConfig, world: int) -> ParallelDims:
+    """PP x TP x DP from ds.json and the world size, checked against the model before any process group."""
+    tp, sp = cfg.tensor_parallel.size, cfg.tensor_parallel.sequence_parallel
+    stages = cfg.pipeline.stages if cfg.pipelined else 1
+    pp = max(world // tp, 1) if stages == "auto" else stages  # "auto": every rank a stage of its TP group
+    try:
+        dims = ParallelDims.from_world(world, pp=pp, tp=tp, sp=sp)
+        dims.check_model(model_cfg)
+    except TopologyError as e:
+        raise ConfigError(str(e)) from None
+    return dims
+
+
+def init_process_group() -> None:
+    import deepspeed
+
+    from ..compat.cpu_shims import skip_deepspeed_shm_op
+
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    skip_deepspeed_shm_op()  # CPU only: no C++ JIT build (and no stale build locks) at start-up
+    deepspeed.init_distributed()
+
+
+def build_layers(cfg: RunConfig, model_cfg: GPTConfig, dims: ParallelDims):
+    """(layer specs, loss, layer implementation, DeepSpeed topology or None)."""
+    from ..models.gpt import LOCAL, gpt_layer_specs, loss_fn_for
+
+    impl, topology = LOCAL, None
+    if dims.tp > 1:
+        from ..parallel import topology as topo
+        from ..parallel.tensor_parallel import megatron_layer_impl
+
+        topology = topo.initialize(dims, dist.get_world_size())  # megatron's groups, laid out as DeepSpeed's
+        impl = megatron_layer_impl(tp=dims.tp, sequence_parallel=dims.sp)
+    specs = gpt_layer_specs(model_cfg, impl, selective_recompute=cfg.train.recompute == "selective")
+    return specs, loss_fn_for(impl), impl, topology
+
+
+def build_pipeline(cfg: RunConfig, model_cfg: GPTConfig, dims: ParallelDims, specs, loss_fn, impl, topology):
+    from ..models.gpt_costs import gpt_cost_model
+    from ..pipe.module import PipelineModule
+
+    profile_batch = next(SyntheticTokens(model_cfg.vocab_size, cfg.micro_batch, model_cfg.seq_len, seed=0))
+    return PipelineModule(
+        specs, num_stages=None if topology is not None else dims.pp, topology=topology, loss_fn=loss_fn,
+        settings=cfg.pipeline, profile_batch=profile_batch, micro_batches=cfg.grad_accum,
+        cost_key={"model": model_cfg.to_dict()}, cost_model=gpt_cost_model(model_cfg, impl),
+        seed_layers=True,  # layer i starts from seed + i: the same weights under any partition
+        base_seed=cfg.train.seed,
+    )
+
+
+def build_data_parallel(cfg: RunConfig, specs, loss_fn):
+    from ..models.gpt import SequentialGPT
+
+    return SequentialGPT(specs, loss_fn, base_seed=cfg.train.seed, recompute=cfg.train.recompute == "full")
+
+
+def load_full_state(model: torch.nn.Module, path: str, *, tp: int, pipelined: bool) -> None:
+    """Copy a SequentialGPT state dict ("layers.<i>.…") into this rank's model, TP-sliced."""
+    full = torch.load(path)
+    if pipelined:  # a PipelineModule names its layers "<i>.…"
+        full = {k.removeprefix("layers."): v for k, v in full.items()}
+    if tp > 1:
+        from ..parallel.tensor_parallel import shard_like
+
+        full = shard_like(full, model)
+    missing = [k for k in model.state_dict() if k not in full and not k.endswith("_extra_state")]
+    if missing:
+        raise ConfigError(f"--init-from {path}: no weights for {missing[:3]}...; it must come from the same model")
+    model.load_state_dict({k: full.get(k, v) for k, v in model.state_dict().items()})
+
+
+def make_adamw(params, *, lr: float):
+    """AdamW: apex's FusedAdam on CUDA when apex is importable (an optional accelerator), torch's otherwise."""
+    if torch.cuda.is_available():
+        try:
+            from apex.optimizers import FusedAdam
+
+            return FusedAdam(params, lr=lr, adam_w_mode=True)
+        except ImportError:
+            pass
+    return torch.optim.AdamW(params, lr=lr, foreach=False)
+
+
+def build_engine(cfg: RunConfig, model: torch.nn.Module, dims: ParallelDims):
+    import deepspeed
+
+    ds = cfg.deepspeed_config()
+    optimizer = None
+    if "optimizer" not in ds:
+        optimizer = make_adamw([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr)
+    mpu = None
+    if dims.tp > 1 and not cfg.pipelined:  # data-parallel engine: reduce over the DP group only
+        from ..compat.mpu import MegatronMPU
+
+        mpu = MegatronMPU()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds, mpu=mpu,
+                                      model_parameters=None if optimizer else model.parameters())
+    return engine
+
+
+def global_grad_norm(model, dims: ParallelDims) -> float:
+    """L2 norm of the whole model's gradient: TP shards summed, TP-replicated and DP-replicated copies once."""
+    tp_rank = 0
+    if dims.tp > 1:
+        from megatron.core import parallel_state
+
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    total = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
+            total += p.grad.double().pow(2).sum()
+    dist.all_reduce(total)
+    return float((total / dims.dp).sqrt())
+
+
+def prediction_costs(built: Built) -> list:
+    """Layer costs for the instrumentation's prediction: the partition's, else profiled now (TP group together)."""
+    from ..compat.engine import profiling_peers
+
+    model = built.model
+    if model.layer_costs is not None:
+        return model.layer_costs
+    return decide_and_broadcast(lambda: model.compute_layer_costs("profiled"), what="profiling for the prediction",
+                                peers=profiling_peers(model))
+
+
+def start_instrumentation(built: Built, overheads: dict | None):
+    """Rank 0 writes what the partition predicts; every rank records its stage."""
+    from ..instrument.hooks import instrument_engine
+    from ..instrument.rundir import Predicted, RunDir
+    from ..instrument.sink import RunSink
+
+    settings, model = built.cfg.pipeline, built.model
+    costs = prediction_costs(built)
+    if built.rank == 0:
+        RunDir(settings.instrument.run_dir).write_predicted(Predicted(
+            method=settings.partition_method, parts=list(model.parts), micro_batches=built.cfg.grad_accum,
+            layer_costs=costs, recompute=settings.activation_checkpoint_interval > 0,
+            link_bandwidth=settings.link_bandwidth, refined_from=settings.refine_from, overheads=overheads))
+    sink = RunSink(settings.instrument.run_dir, built.rank, every=settings.instrument.every,
+                   monitor=getattr(built.engine, "monitor", None))
+    instrument_engine(built.engine, sink.emit)
+    return sink
+
+
+def refine_overheads(cfg: RunConfig) -> dict | None:
+    """What the refine_from run measured besides layer compute: read on rank 0, the same answer (or error) everywhere."""
+    if not (cfg.pipelined and cfg.pipeline.refine_from):
+        return None
+    from ..instrument.refine import load_run, measured_overheads
+
+    return decide_and_broadcast(lambda: measured_overheads(load_run(cfg.pipeline.refine_from)),
+                                what=f"pipeline.refine_from = {cfg.pipeline.refine_from!r}")
+
+
+def build_model(cfg: RunConfig, model_cfg: GPTConfig, dims: ParallelDims) -> torch.nn.Module:
+    torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
+    specs, loss_fn, impl, topology = build_layers(cfg, model_cfg, dims)
+    if cfg.pipelined:
+        model = build_pipeline(cfg, model_cfg, dims, specs, loss_fn, impl, topology)
+    else:
+        model = build_data_parallel(cfg, specs, loss_fn)
+    if cfg.options.init_from:
+        load_full_state(model, cfg.options.init_from, tp=dims.tp, pipelined=cfg.pipelined)
+    return model
+
+
+def data_parallel_rank(model, dims: ParallelDims, rank: int) -> int:
+    from ..compat.engine import data_parallel_rank as pipeline_dp_rank
+
+    if hasattr(model, "parts"):
+        return pipeline_dp_rank(model)
+    if dims.tp > 1:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank()
+    return rank
+
+
+def build(cfg: RunConfig) -> Built:
+    model_cfg = load_model_config(cfg.train.model)
+    dims = parallel_dims(cfg, model_cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group
+    init_process_group()
+    rank = dist.get_rank()
+    overheads = refine_overheads(cfg)
+    model = build_model(cfg, model_cfg, dims)
+    engine = build_engine(cfg, model, dims)
+    layout = checkpoint.Layout(pipelined=cfg.pipelined, zero_stage=cfg.zero_stage, world_size=dims.world_size,
+                               parts=list(model.parts) if cfg.pipelined else None)
+    built = Built(cfg, model_cfg, dims, rank, data_parallel_rank(model, dims, rank), model, engine, layout)
+    if cfg.pipelined and cfg.pipeline.instrument.enabled:
+        built.sink = start_instrumentation(built, overheads)
+    if cfg.options.load:
+        built.start_step = int(checkpoint.load(engine, cfg.options.load, layout=layout)["step"])
+    if cfg.pipelined or cfg.zero_stage == 0:
+        from ..compat.optimizer import unwrap_optimizer
+
+        unwrap_optimizer(engine.optimizer).register_step_pre_hook(
+            lambda *_: built.grad_norms.append(global_grad_norm(model, dims)))
+    built.data = token_stream(cfg.train.data, vocab=model_cfg.vocab_size, micro_batch=cfg.micro_batch,
+                              seq=model_cfg.seq_len, seed=cfg.train.seed, dp_rank=built.dp_rank, dp=dims.dp,
+                              position=built.start_step * cfg.grad_accum)
+    return built

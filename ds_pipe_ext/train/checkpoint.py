@@ -1,0 +1,176 @@
+"""Checkpoints that lose nothing: per-step tags, committed by a manifest, then the ``latest`` pointer.
+
+Saving step N (every rank calls ``save``):
+
+1. every rank writes its files into ``DIR/global_stepN/``: DeepSpeed's own (weights; ZeRO's
+   partitioned optimizer state), ours (per-layer optimizer state of a pipeline, this
+   rank's RNG state);
+2. a barrier: no rank goes on until every rank has written every file;
+3. rank 0 lists the files with their sizes in ``manifest.json`` (written atomically),
+   then moves DeepSpeed's ``latest`` pointer to the tag (atomically), then deletes all
+   but the newest ``keep_last`` complete checkpoints.
+
+A run killed at any point before (3) leaves ``latest`` on the previous complete
+checkpoint.  ``resolve`` refuses a tag without a manifest, or whose files are missing
+or shorter than the manifest says, naming the file; rank 0 checks and every rank
+receives the same verdict.
+
+Fault injection, for tests: ``DS_PIPE_EXT_FAULT_SAVE=RANK:FILES`` makes rank RANK exit
+abruptly during a save once it has written FILES of its own files (0: right after
+DeepSpeed's), so a crash mid-save is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..pipe.checkpoint import load_layer_optimizer_states, save_layer_optimizer_states
+from ..pipe.decide import decide_and_broadcast
+
+MANIFEST, LATEST = "manifest.json", "latest"
+FAULT_ENV = "DS_PIPE_EXT_FAULT_SAVE"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a checkpoint's files depend on; a resume under another layout is refused where it matters."""
+
+    pipelined: bool
+    zero_stage: int
+    world_size: int
+    parts: list[int] | None  # pipeline boundaries (None without a pipeline)
+
+    @property
+    def repartitionable(self) -> bool:
+        """Per-layer files: weights and optimizer state load under any partition."""
+        return self.pipelined and self.zero_stage == 0
+
+
+def tag_for(step: int) -> str:
+    return f"global_step{step}"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+class _FaultInjector:
+    def __init__(self, rank: int):
+        spec = os.environ.get(FAULT_ENV, "")
+        target, _, files = spec.partition(":")
+        self.armed = bool(spec) and int(target) == rank
+        self.files = int(files or 0)
+        self.written = 0
+
+    def check(self) -> None:
+        if self.armed and self.written >= self.files:
+            print(f"{FAULT_ENV}: rank exits during the save after {self.written} of its files", flush=True)
+            os._exit(17)
+
+    def wrote(self, _path=None) -> None:
+        self.written += 1
+        self.check()
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def _restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def save(engine, save_dir: str | Path, *, step: int, layout: Layout, keep_last: int, client_state: dict) -> Path:
+    rank = dist.get_rank()
+    tag, root = tag_for(step), Path(save_dir)
+    ckpt = root / tag
+    engine.save_checkpoint(str(root), tag=tag, client_state={**client_state, "step": step}, save_latest=False)
+    fault = _FaultInjector(rank)
+    fault.check()
+    if layout.repartitionable:
+        save_layer_optimizer_states(engine, ckpt, after_each=fault.wrote)
+    torch.save(_rng_state(), ckpt / f"rng_rank{rank:03d}.pt")
+    fault.wrote()
+    dist.barrier()  # every rank has written every file
+    if rank == 0:
+        files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()
+                 and p.name != MANIFEST}
+        manifest = {"step": step, "tag": tag, "layout": layout.__dict__, "files": files}
+        _atomic_write(ckpt / MANIFEST, json.dumps(manifest, indent=1))
+        _atomic_write(root / LATEST, tag)
+        _prune(root, keep_last=keep_last, newest=step)
+    dist.barrier()
+    return ckpt
+
+
+def _prune(root: Path, *, keep_last: int, newest: int) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints; drop older incomplete ones too."""
+    steps = sorted(int(p.name.removeprefix("global_step")) for p in root.glob("global_step*") if p.is_dir())
+    complete = [s for s in steps if (root / tag_for(s) / MANIFEST).is_file()]
+    keep = set(complete[-keep_last:])
+    for s in steps:
+        if s not in keep and s < newest:
+            shutil.rmtree(root / tag_for(s), ignore_errors=True)
+
+
+def verify(load_dir: str | Path) -> dict:
+    """The manifest of ``latest``'s checkpoint, after checking every file it lists."""
+    root = Path(load_dir)
+    latest = root / LATEST
+    if not latest.is_file():
+        raise CheckpointError(f"{latest} is missing: {root} holds no complete checkpoint (save with --save first)")
+    ckpt = root / latest.read_text().strip()
+    manifest_path = ckpt / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{manifest_path} is missing: the checkpoint {ckpt} is incomplete")
+    manifest = json.loads(manifest_path.read_text())
+    for name, size in manifest["files"].items():
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing: the checkpoint {ckpt} cannot be resumed")
+        if path.stat().st_size != size:
+            raise CheckpointError(f"{path} is truncated ({path.stat().st_size} of {size} bytes): "
+                                  f"the checkpoint {ckpt} cannot be resumed")
+    return manifest
+
+
+def _check_layout(saved: dict, layout: Layout, ckpt: Path) -> None:
+    if layout.repartitionable and saved["pipelined"] and saved["zero_stage"] == 0:
+        return  # per-layer files: any partition, any data-parallel degree
+    for key in ("pipelined", "zero_stage", "world_size", "parts"):
+        if saved[key] != getattr(layout, key):
+            raise CheckpointError(f"{ckpt} was written with {key} = {saved[key]}, this run has "
+                                  f"{getattr(layout, key)}: its optimizer state only fits the layout that wrote it; "
+                                  f"resume with the same {key}")
+
+
+def load(engine, load_dir: str | Path, *, layout: Layout) -> dict:
+    """Resume from ``latest``: weights, optimizer state, this rank's RNG; returns the client state (``step``)."""
+    manifest = decide_and_broadcast(lambda: verify(load_dir), what=f"--load {load_dir}")
+    ckpt = Path(load_dir) / manifest["tag"]
+    decide_and_broadcast(lambda: _check_layout(manifest["layout"], layout, ckpt), what=f"--load {load_dir}")
+    _, client_state = engine.load_checkpoint(str(load_dir), tag=manifest["tag"],
+                                             load_module_only=layout.repartitionable)
+    if layout.repartitionable:
+        load_layer_optimizer_states(engine, ckpt)
+    rng = ckpt / f"rng_rank{dist.get_rank():03d}.pt"
+    if rng.is_file():  # absent when resuming on more ranks than wrote the checkpoint
+        _restore_rng(torch.load(rng, weights_only=False))
+    return client_state or {"step": manifest["step"]}

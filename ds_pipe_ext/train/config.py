@@ -1,0 +1,131 @@
+"""`RunConfig`: everything a training run needs, parsed and validated once, before any process group.
+
+ds.json holds DeepSpeed's own sections (DeepSpeed validates those) and three of ours:
+
+    "train":           {"model": "tiny", "steps": 10, "seed": 1234, "lr": 3e-4, "data": null,
+                        "save_interval": 0, "keep_last": 2, "recompute": "none", "log": "auto"}
+    "tensor_parallel": {"size": 1, "sequence_parallel": false}
+    "pipeline":        see ds_pipe_ext/pipe/config.py (absent: plain data parallel, e.g. under ZeRO-3)
+
+Command-line overrides are written into the same sections before validation, so
+they pass the same checks.  The result is frozen: nothing downstream mutates it,
+and ``deepspeed_config()`` derives the dict handed to ``deepspeed.initialize``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from ..config_model import ConfigError, ConfigModel, parse_section
+from ..pipe.config import PipelineSettings
+
+
+class TrainSection(ConfigModel):
+    model: str = "tiny"  # a name in model_configs/, a .toml path, or a Hugging Face GPT-2 config.json
+    steps: int = Field(10, ge=0)  # 0: build, resume and report only (benches drive the engine themselves)
+    seed: int = 1234  # the same initial weights on every rank, and under every partition
+    lr: float = Field(3e-4, gt=0)
+    data: str | None = None  # a Megatron indexed dataset (PATH.bin + PATH.idx); None: synthetic tokens
+    save_interval: int = Field(0, ge=0)  # with --save: every N steps (0: after the last step only)
+    keep_last: int = Field(2, ge=1)  # complete checkpoints kept; older ones are deleted
+    recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
+    log: Literal["auto", "progress", "json"] = "auto"  # auto: a progress bar on a terminal, JSON lines otherwise
+
+
+class TensorParallelSection(ConfigModel):
+    size: int = Field(1, ge=1)
+    sequence_parallel: bool = False
+
+
+class RunOptions(ConfigModel):
+    """Command-line only: where things are read and written."""
+
+    init_from: str | None = None  # a single-process state dict to start from (parity checks)
+    save: str | None = None  # checkpoint directory
+    load: str | None = None  # resume from this directory's ``latest`` checkpoint
+    metrics_out: str | None = None  # rank 0 writes a JSON summary here, every rank NAME.rankR.json beside it
+
+
+class RunConfig(ConfigModel):
+    train: TrainSection
+    tensor_parallel: TensorParallelSection
+    pipeline: PipelineSettings | None  # None: data parallel (no pipeline)
+    options: RunOptions
+    deepspeed: dict  # DeepSpeed's own sections, for deepspeed.initialize (never mutated)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline is not None
+
+    @property
+    def micro_batch(self) -> int:
+        return int(self.deepspeed.get("train_micro_batch_size_per_gpu", 1))
+
+    @property
+    def grad_accum(self) -> int:
+        return int(self.deepspeed.get("gradient_accumulation_steps", 1))
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.deepspeed.get("zero_optimization", {}).get("stage", 0))
+
+    def deepspeed_config(self) -> dict:
+        """A fresh dict for ``deepspeed.initialize``: DeepSpeed's sections and the pipeline section."""
+        cfg = copy.deepcopy(self.deepspeed)
+        if self.pipeline is not None:
+            pipe = cfg.setdefault("pipeline", {})
+            if self.tensor_parallel.sequence_parallel:
+                # DeepSpeed splits each boundary tensor across the TP group and re-gathers it, assuming
+                # TP ranks hold the same activation; under SP each holds its own sequence shard.
+                pipe.update(pipe_partitioned=False, grad_partitioned=False)
+            pipe["activation_checkpoint_interval"] = self.pipeline.activation_checkpoint_interval
+        return cfg
+
+
+def read_ds_json(path: str) -> dict:
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--deepspeed_config {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed_config {path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"--deepspeed_config {path}: expected a JSON object")
+    return cfg
+
+
+def _merge(section, overrides: dict, name: str) -> dict:
+    if section is not None and not isinstance(section, dict):
+        raise ConfigError(f'"{name}" must be an object (a JSON dict), got {section!r}')
+    return {**(section or {}), **{k: v for k, v in overrides.items() if v is not None}}
+
+
+def build_run_config(ds: dict, *, train: dict | None = None, pipeline: dict | None = None,
+                     options: dict | None = None) -> RunConfig:
+    """Validate ds.json's sections with command-line overrides applied (``None`` values: not given)."""
+    ds = copy.deepcopy(ds)
+    train_cfg = parse_section(TrainSection, _merge(ds.pop("train", None), train or {}, "train"), "train")
+    tp_cfg = parse_section(TensorParallelSection, ds.pop("tensor_parallel", None), "tensor_parallel")
+    pipe_overrides = {k: v for k, v in (pipeline or {}).items() if v is not None}
+    if pipe_overrides and "pipeline" not in ds:
+        raise ConfigError(f"{sorted(pipe_overrides)} set pipeline options, but this ds.json has no \"pipeline\" "
+                          f"section (it trains data parallel); add one to train a pipeline")
+    pipe_cfg = None
+    if "pipeline" in ds:
+        merged = _merge(ds.get("pipeline"), pipe_overrides, "pipeline")
+        if train_cfg.recompute == "full":
+            if merged.get("activation_checkpoint_interval", 1) not in (0, 1):
+                raise ConfigError('train.recompute = "full" recomputes every layer: remove '
+                                  'pipeline.activation_checkpoint_interval or set it to 1')
+            merged["activation_checkpoint_interval"] = 1
+        pipe_cfg = parse_section(PipelineSettings, merged, "pipeline")
+        ds["pipeline"] = {k: v for k, v in merged.items()}
+    if tp_cfg.sequence_parallel and tp_cfg.size == 1:
+        raise ConfigError("tensor_parallel.sequence_parallel = true needs tensor_parallel.size > 1")
+    return RunConfig(train=train_cfg, tensor_parallel=tp_cfg, pipeline=pipe_cfg,
+                     options=parse_section(RunOptions, options or {}, "options"), deepspeed=ds)

@@ -1,0 +1,127 @@
+"""The training loop: one step function chosen once, timing, logging, checkpoints, a pure summary.
+
+``Trainer.run`` only times steps, logs them (a progress bar on a terminal, JSON lines
+otherwise), saves checkpoints on schedule and calls hooks; everything it reports is
+computed by ``summarize``, a pure function, and written at the edge by ``write_metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint
+from .build import Built
+
+
+def pipeline_step(built: Built) -> float:
+    """One optimizer step of the pipeline engine: its schedule runs every micro-batch."""
+    return float(built.engine.train_batch(data_iter=built.data))
+
+
+def data_parallel_step(built: Built) -> float:
+    """One optimizer step of a data-parallel engine: gradient accumulation over the micro-batches."""
+    from deepspeed.accelerator import get_accelerator
+
+    engine, device = built.engine, get_accelerator().device_name(built.engine.local_rank)
+    losses = []
+    for _ in range(built.cfg.grad_accum):
+        inputs, labels = next(built.data)
+        loss = engine(inputs.to(device), labels.to(device))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+    return float(torch.stack(losses).mean())  # what the pipeline engine reports: the mean over micro-batches
+
+
+class Trainer:
+    def __init__(self, built: Built):
+        self.built = built
+        self.step_fn: Callable[[Built], float] = pipeline_step if built.cfg.pipelined else data_parallel_step
+        self.hooks: list[Callable[[int, float], None]] = []  # called after every step with (step, loss)
+        self.losses: list[float] = []
+        self.step_times: list[float] = []
+
+    def _logger(self, total: int):
+        if self.built.rank != 0:
+            return lambda step, loss, seconds: None
+        mode = self.built.cfg.train.log
+        if mode == "progress" or (mode == "auto" and sys.stdout.isatty()):
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc="training", unit="step")
+            return lambda step, loss, seconds: (bar.update(1), bar.set_postfix(loss=f"{loss:.4f}"))
+        return lambda step, loss, seconds: print(json.dumps({"step": step, "loss": round(loss, 6),
+                                                              "step_s": round(seconds, 4)}), flush=True)
+
+    def _save(self, step: int) -> None:
+        cfg = self.built.cfg
+        checkpoint.save(self.built.engine, cfg.options.save, step=step, layout=self.built.layout,
+                        keep_last=cfg.train.keep_last, client_state={"data_position": step * cfg.grad_accum})
+
+    def run(self) -> dict:
+        cfg, first = self.built.cfg, self.built.start_step
+        log, last = self._logger(cfg.train.steps), first + cfg.train.steps
+        interval = cfg.train.save_interval
+        for step in range(first + 1, last + 1):
+            t0 = time.perf_counter()
+            loss = self.step_fn(self.built)
+            self.step_times.append(time.perf_counter() - t0)
+            self.losses.append(loss)
+            log(step, loss, self.step_times[-1])
+            for hook in self.hooks:
+                hook(step, loss)
+            if cfg.options.save and ((interval and step % interval == 0) or step == last):
+                self._save(step)
+        if self.built.sink is not None:
+            self.built.sink.gather()  # collective: rank 0 writes RUN_DIR/summary.json
+            self.built.sink.close()
+        return summarize(self.built, self.losses, self.step_times)
+
+
+def summarize(built: Built, losses: list[float], step_times: list[float]) -> dict:
+    """What the run measured (a pure function of the build and the loop's figures)."""
+    from ..compat.engine import coordinates, local_layer_range
+
+    cfg, dims = built.cfg, built.dims
+    timed = (step_times[1:] if len(step_times) > 1 else step_times) or [float("nan")]  # step 1 pays for warm-up
+    global_batch = cfg.micro_batch * cfg.grad_accum * dims.dp
+    pipelined = cfg.pipelined
+    return {
+        "mode": "pipeline" if pipelined else f"data-parallel zero={cfg.zero_stage}",
+        "model": built.model_cfg.name, "world_size": dims.world_size,
+        "stages": dims.pp, "partition_method": cfg.pipeline.partition_method if pipelined else None,
+        "parts": list(built.model.parts) if pipelined else None,
+        "stage_id": coordinates(built.model).stage if pipelined else 0,
+        "local_layers": list(local_layer_range(built.model)) if pipelined else None,
+        "start_step": built.start_step, "steps": len(losses), "losses": losses,
+        "step_s_median": statistics.median(timed), "samples_per_s": global_batch / statistics.median(timed),
+        "global_batch": global_batch, "grad_norms": built.grad_norms,
+        "tensor_parallel": dims.tp, "sequence_parallel": dims.sp, "recompute": cfg.train.recompute,
+        "data": cfg.train.data or "synthetic",
+    }
+
+
+def write_metrics(summary: dict, rank: int, metrics_out: str | None) -> None:
+    """Every rank: what it built (tests check that all ranks agree); rank 0: the summary."""
+    if metrics_out:
+        out = Path(metrics_out)
+        out.with_name(f"{out.stem}.rank{rank}.json").write_text(json.dumps({**summary, "rank": rank}, indent=2))
+    if rank == 0:
+        print("SUMMARY " + json.dumps(summary), flush=True)
+        if metrics_out:
+            Path(metrics_out).write_text(json.dumps(summary, indent=2))
+
+
+def leave_together() -> None:
+    """A rank that exits while others still talk to it aborts them ("terminate called without an
+    active exception" from gloo threads): wait for everyone, then tear the group down."""
+    dist.barrier()
+    dist.destroy_process_group()
