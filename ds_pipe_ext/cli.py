@@ -8,41 +8,76 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
+from pydantic import Field
+
+from .config_model import ConfigError, ConfigModel, parse_section
 from .partition import PartitionError
-from .pipe.config import ConfigError
+from .pipe.config import PipelineSettings
 
 
-def _profiled_costs(args):
+class ShapeArgs(ConfigModel):
+    """The shape arguments of ``partition`` and ``estimate``, checked like ds.json's keys."""
+
+    micro_batch: int = Field(1, ge=1)
+    micro_batches: int | None = Field(None, ge=1)
+    seq: int | None = Field(None, ge=1)
+    tp: int = Field(1, ge=1)
+    dp: int = Field(1, ge=1)
+
+
+_stdout = sys.stdout
+
+
+def emit(*args, **kwargs) -> None:
+    """The command's result, on standard output; everything else a command prints (DeepSpeed's
+    start-up warnings, progress) goes to standard error, so ``--json`` output stays parseable."""
+    print(*args, file=_stdout, **kwargs)
+
+
+def check_shape(args) -> ShapeArgs:
+    return parse_section(ShapeArgs, {k: getattr(args, k) for k in ShapeArgs.model_fields if hasattr(args, k)}, "")
+
+
+def pipeline_settings(args) -> PipelineSettings:
+    """The command line's pipeline options as the "pipeline" section of ds.json would give them."""
+    return parse_section(PipelineSettings, {
+        "stages": args.stages, "partition_method": args.method, "memory_cap_gib": args.memory_cap_gib,
+        "link_bandwidth_gbs": args.link_bandwidth_gbs,
+        "profile": {"warmup": args.warmup, "repeats": args.repeats, "cache_dir": args.cache_dir,
+                    "progress": not args.json}}, "")
+
+
+def _profiled_costs(args, shape: ShapeArgs, settings: PipelineSettings):
     """Profile the model's layers on this machine (cached like training does)."""
     import torch
 
-    from .costs.profiler import ProfileSettings, profile_layers
+    from .costs.profiler import profile_layers
     from .models.config import load_model_config
     from .models.gpt import gpt_layer_specs, lm_loss
 
-    cfg = load_model_config(args.model, seq_len=args.seq)
+    cfg = load_model_config(args.model, seq_len=shape.seq)
     specs = gpt_layer_specs(cfg)
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_len + 1), generator=gen)
-    settings = ProfileSettings(warmup=args.warmup, repeats=args.repeats, cache_dir=args.cache_dir,
-                               progress=not args.json)
+    tokens = torch.randint(0, cfg.vocab_size, (shape.micro_batch, cfg.seq_len + 1), generator=gen)
     return profile_layers(specs, tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss,
-                          settings=settings, key_fields={"model": cfg.to_dict()})
+                          settings=settings.profile, key_fields={"model": cfg.to_dict()})
 
 
 def cmd_partition(args) -> int:
     from .partition.methods import decide_offline
     from .partition.report import build_plan
 
-    costs = _profiled_costs(args)
-    micro_batches = args.micro_batches or args.stages
-    bandwidth = args.link_bandwidth_gbps * 1e9 if args.link_bandwidth_gbps else None
+    shape, settings = check_shape(args), pipeline_settings(args)  # before any profiling
+    costs = _profiled_costs(args, shape, settings)
+    micro_batches = shape.micro_batches or args.stages
+    bandwidth = settings.link_bandwidth
     parts = decide_offline(args.method, costs, args.stages, micro_batches=micro_batches,
-                           memory_cap_gib=args.memory_cap_gib, link_bandwidth=bandwidth)
+                           memory_cap_gib=settings.memory_cap_gib, link_bandwidth=bandwidth)
     plan = build_plan(args.method, parts, costs, micro_batches=micro_batches, link_bandwidth=bandwidth)
-    print(plan.to_json() if args.json else plan.to_table())
+    emit(plan.to_json() if args.json else plan.to_table())
     return 0
 
 
@@ -55,6 +90,7 @@ def cmd_estimate(args) -> int:
     from .models.config import load_model_config
     from .partition.report import render_table
 
+    check_shape(args)
     cfg = load_model_config(args.model)
     req = EstimateRequest(micro_batch=args.micro_batch, seq=args.seq or cfg.seq_len, tp=args.tp, sp=args.sp,
                           dtype=args.dtype, selective_recompute=args.selective_recompute)
@@ -84,31 +120,31 @@ def cmd_estimate(args) -> int:
                   "stages": stage_memory(costs, parts, micro_batches=m, dp=args.dp, zero=args.zero,
                                          full_recompute=args.full_recompute)}
     if args.json:
-        print(json.dumps({"model": cfg.name, "device": device.name, "request": req.__dict__,
+        emit(json.dumps({"model": cfg.name, "device": device.name, "request": req.__dict__,
                           "layers": layers, "block_ops": block, "pipeline": stages}, indent=1))
         return 0
     mib, ms = 2**20, 1e3
-    print(f"{cfg.name}: one block, per op (b={req.micro_batch} s={req.seq} tp={req.tp} sp={req.sp} "
+    emit(f"{cfg.name}: one block, per op (b={req.micro_batch} s={req.seq} tp={req.tp} sp={req.sp} "
           f"dtype={req.dtype} device={device.name})")
-    print("\n".join(render_table(
+    emit("\n".join(render_table(
         ["op", "fwd GFLOP", "bwd GFLOP", "act MiB", "weight MiB", "comm MiB", "comm type",
          "compute ms", "memory ms", "comm ms", "intensity"],
         [[r["op"], f"{r['fwd_flops'] / 1e9:.2f}", f"{r['bwd_flops'] / 1e9:.2f}", f"{r['activation_bytes'] / mib:.2f}",
           f"{r['weight_bytes'] / mib:.2f}", f"{(r['comm_fwd_bytes'] + r['comm_bwd_bytes']) / mib:.2f}",
           r["comm_type"] or "-", f"{r['compute_fwd_s'] * ms:.3f}", f"{r['memory_fwd_s'] * ms:.3f}",
           f"{r['comm_fwd_s'] * ms:.3f}", f"{r['intensity']:.1f}"] for r in block])))
-    print()
-    print("per layer:")
-    print("\n".join(render_table(
+    emit()
+    emit("per layer:")
+    emit("\n".join(render_table(
         ["layer", "kind", "fwd TFLOP", "act MiB", "params M", "fwd ms", "bwd ms"],
         [[f"{i}:{r['name']}", r["kind"], f"{r['fwd_flops'] / 1e12:.3f}", f"{r['activation_bytes'] / mib:.1f}",
           f"{r['params'] / 1e6:.1f}", f"{r['fwd_s'] * ms:.3f}", f"{r['bwd_s'] * ms:.3f}"] for i, r in enumerate(layers)])))
     if stages:
         gib = 2**30
-        print(f"\nmemory per rank, {args.stages} stages (analytic min-max split {stages['parts']}), "
+        emit(f"\nmemory per rank, {args.stages} stages (analytic min-max split {stages['parts']}), "
               f"m={stages['micro_batches']} micro-batches, dp={args.dp}, ZeRO-{args.zero}"
               + (", full recompute" if args.full_recompute else "") + ":")
-        print("\n".join(render_table(
+        emit("\n".join(render_table(
             ["stage", "layers", "params GiB", "grads GiB", "optimizer GiB", "act GiB x inflight", "total GiB"],
             [[str(r["stage"]), f"{r['layers'][0]}-{r['layers'][1] - 1}", f"{r['param_bytes'] / gib:.2f}",
               f"{r['grad_bytes'] / gib:.2f}", f"{r['optimizer_bytes'] / gib:.2f}",
@@ -125,13 +161,13 @@ def cmd_report(args) -> int:
         rep = build_report(args.run_dir)
     except RunDirError as e:
         raise ValueError(str(e)) from None
-    print(report_json(rep) if args.json else render_report_table(rep))
+    emit(report_json(rep) if args.json else render_report_table(rep))
     if args.png:
         from .instrument.plot import write_png
 
         out = write_png(rep, args.png)
         if not args.json:
-            print(f"wrote {out}")
+            emit(f"wrote {out}")
     return 0
 
 
@@ -146,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default: stages)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's seq_len)")
     p.add_argument("--memory-cap-gib", type=float, default=None, help="per-stage memory cap")
-    p.add_argument("--link-bandwidth-gbps", type=float, default=None, help="stage-to-stage GB/s (adds p2p time)")
+    p.add_argument("--link-bandwidth-gbs", "--link-bandwidth-gbps", dest="link_bandwidth_gbs", type=float, default=None,
+                   help="stage-to-stage bandwidth in GB/s (adds p2p time); --link-bandwidth-gbps is its old name")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--cache-dir", default=".ds_pipe_ext_cache")
@@ -181,9 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    global _stdout
     args = build_parser().parse_args(argv)
+    _stdout = sys.stdout
     try:
-        return args.func(args)
+        with contextlib.redirect_stdout(sys.stderr):
+            return args.func(args)
     except (PartitionError, ConfigError, ValueError) as e:
         print(f"ds-pipe-ext: error: {e}", file=sys.stderr)
         return 2

@@ -37,7 +37,7 @@ def free_port() -> int:
 
 
 def launch(num_ranks: int, config: Path | None, *args: str, out_dir: Path, cwd: Path = ROOT, timeout: int = 240,
-           threads_per_rank: int = 1, script: str = "train.py"):
+           threads_per_rank: int = 1, script: str = "train.py", env: dict | None = None):
     """Returns (completed process, {rank: metrics}).  Ranks run with OMP_NUM_THREADS=threads_per_rank.
 
     ``script`` (relative to the repository) must accept ``--metrics-out`` and write NAME.rankR.json files;
@@ -49,7 +49,7 @@ def launch(num_ranks: int, config: Path | None, *args: str, out_dir: Path, cwd: 
     cmd = [str(deepspeed), "--num_gpus", str(num_ranks), "--master_port", str(free_port()), str(ROOT / script),
            *config_args, "--metrics-out", str(metrics), *args]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONPATH": str(ROOT),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", **(env or {})}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     ranks = {}
     for f in out_dir.glob("metrics.rank*.json"):

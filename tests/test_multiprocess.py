@@ -26,6 +26,7 @@ def test_user_command_on_4_ranks_every_rank_builds_the_same_stages(tmp_path):
         assert r["local_layers"] == parts[r["stage_id"]:r["stage_id"] + 2]
     # one decision: only rank 0 profiled and printed the plan
     assert proc.stdout.count("partition_method=profiled parts=") == 1
+    assert proc.stdout.count("ds_pipe_ext: process group up, 4 ranks = pp 4 x tp 1 x dp 1") == 1
     assert all(math.isfinite(x) for x in ranks[0]["losses"])
 
 
@@ -68,18 +69,24 @@ def test_zero3_baseline_runs_the_same_model_on_4_ranks(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "ranks_n, overrides, message",
+    "ranks_n, overrides, message, before_group",
     [
-        (2, {"pipeline": {"memory_cap_gib": 1e-6}}, "smallest cap that admits a partition"),
-        (2, {"pipeline": {"partition_method": "profile"}}, "unknown partition_method 'profile'; valid methods"),
-        (8, {"pipeline": {"stages": 8}}, "8 pipeline stages but only 6 layers"),
-        # topology: checked before any process group exists
-        (6, {"tensor_parallel": {"size": 3}}, "tensor parallel degree 3 does not divide the attention heads"),
-        (6, {"tensor_parallel": {"size": 4}}, "world size 6 is not pipeline (2) x tensor (4) x data parallel"),
+        (2, {"pipeline": {"memory_cap_gib": 1e-6}}, "smallest cap that admits a partition", False),
+        (2, {"pipeline": {"partition_method": "profile"}}, "unknown partition_method 'profile'; valid methods", False),
+        (8, {"pipeline": {"stages": 8}}, "8 pipeline stages but only 6 layers", False),
+        # topology and config keys: checked before any process group exists
+        (6, {"tensor_parallel": {"size": 3}}, "tensor parallel degree 3 does not divide the attention heads", True),
+        (6, {"tensor_parallel": {"size": 4}}, "world size 6 is not pipeline (2) x tensor (4) x data parallel", True),
+        (2, {"tensor_parallel": {"size": 2, "sequence_parallel": "false"}},
+         "tensor_parallel.sequence_parallel = 'false': Input should be a valid boolean", True),
+        (2, {"train": {"model": "tiny", "stepz": 1}}, "unknown key 'train.stepz'; valid keys here are", True),
+        (2, {"train": {"model": "tiny", "save_interval": -1}}, "train.save_interval = -1", True),
     ],
 )
-def test_bad_input_fails_on_every_rank_without_hanging(tmp_path, ranks_n, overrides, message):
+def test_bad_input_fails_on_every_rank_without_hanging(tmp_path, ranks_n, overrides, message, before_group):
     cfg = write_config(tmp_path / "bad.json", **overrides)
     proc, _ = launch(ranks_n, cfg, "--steps", "1", out_dir=tmp_path, cwd=tmp_path, timeout=180)
     assert proc.returncode != 0
     assert proc.stderr.count(message) == ranks_n, proc.stderr[-3000:]
+    if before_group:  # no rank got as far as starting the process group
+        assert "process group up" not in proc.stdout + proc.stderr

@@ -228,6 +228,9 @@ def build(cfg: RunConfig) -> Built:
     dims = parallel_dims(cfg, model_cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group
     init_process_group()
     rank = dist.get_rank()
+    if rank == 0:
+        print(f"ds_pipe_ext: process group up, {dims.world_size} ranks = pp {dims.pp} x tp {dims.tp} x dp {dims.dp}"
+              + (" (sequence parallel)" if dims.sp else ""), flush=True)
     overheads = refine_overheads(cfg)
     model = build_model(cfg, model_cfg, dims)
     engine = build_engine(cfg, model, dims)

@@ -15,9 +15,9 @@ checkpoint.  ``resolve`` refuses a tag without a manifest, or whose files are mi
 or shorter than the manifest says, naming the file; rank 0 checks and every rank
 receives the same verdict.
 
-Fault injection, for tests: ``DS_PIPE_EXT_FAULT_SAVE=RANK:FILES`` makes rank RANK exit
-abruptly during a save once it has written FILES of its own files (0: right after
-DeepSpeed's), so a crash mid-save is deterministic.
+Fault injection, for tests: ``DS_PIPE_EXT_FAULT_SAVE=RANK:FILES[:STEP]`` makes rank RANK exit
+abruptly during the save of step STEP (default: any) once it has written FILES of its own
+files (0: right after DeepSpeed's), so a crash mid-save is deterministic.
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 class _FaultInjector:
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, step: int):
         spec = os.environ.get(FAULT_ENV, "")
-        target, _, files = spec.partition(":")
-        self.armed = bool(spec) and int(target) == rank
+        target, files, at_step = ([*spec.split(":"), "", ""])[:3] if spec else ("", "", "")
+        self.armed = bool(spec) and int(target) == rank and (not at_step or int(at_step) == step)
         self.files = int(files or 0)
         self.written = 0
 
@@ -102,7 +102,7 @@ def save(engine, save_dir: str | Path, *, step: int, layout: Layout, keep_last: 
     tag, root = tag_for(step), Path(save_dir)
     ckpt = root / tag
     engine.save_checkpoint(str(root), tag=tag, client_state={**client_state, "step": step}, save_latest=False)
-    fault = _FaultInjector(rank)
+    fault = _FaultInjector(rank, step)
     fault.check()
     if layout.repartitionable:
         save_layer_optimizer_states(engine, ckpt, after_each=fault.wrote)

@@ -58,7 +58,8 @@ class Trainer:
 
             bar = tqdm(total=total, desc="training", unit="step")
             return lambda step, loss, seconds: (bar.update(1), bar.set_postfix(loss=f"{loss:.4f}"))
-        return lambda step, loss, seconds: print(json.dumps({"step": step, "loss": round(loss, 6),
+        # the loss in full: resumed runs are compared with uninterrupted ones bit for bit
+        return lambda step, loss, seconds: print(json.dumps({"step": step, "loss": loss,
                                                               "step_s": round(seconds, 4)}), flush=True)
 
     def _save(self, step: int) -> None:

@@ -1,0 +1,131 @@
+"""The run config: typed, validated before any process group, the CLI through the same checks."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ds_pipe_ext.cli import main as cli
+from ds_pipe_ext.config_model import ConfigError
+from ds_pipe_ext.models.config import load_model_config
+from ds_pipe_ext.pipe.config import PipelineSettings
+from ds_pipe_ext.train import checkpoint
+from ds_pipe_ext.train.config import build_run_config
+from ds_pipe_ext.train.data import IndexedTokens, SyntheticTokens
+
+BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+        "pipeline": {"stages": 2, "partition_method": "profiled"}}
+
+
+@pytest.mark.parametrize("section, match", [
+    ({"tensor_parallel": {"size": 2, "sequence_parallel": "false"}},
+     r"tensor_parallel.sequence_parallel = 'false': Input should be a valid boolean"),
+    ({"train": {"model": "tiny", "stepz": 3}}, r"unknown key 'train.stepz'; valid keys here are \[.*'steps'"),
+    ({"train": {"save_interval": -1}}, r"train.save_interval = -1: Input should be greater than or equal to 0"),
+    ({"pipeline": {"stages": 2, "instrument": {"every": -2}}}, r"pipeline.instrument.every = -2"),
+    ({"pipeline": {"stages": 2, "analytic": {"device": "a100", "dtype": "fp8"}}}, r"pipeline.analytic.dtype = 'fp8'"),
+    ({"pipeline": {"stages": 2, "analytic": {"calibrat": True}}}, r"unknown key 'pipeline.analytic.calibrat'"),
+    ({"pipeline": {"stages": 0}}, r"stages = 0"),
+    ({"tensor_parallel": {"size": 1, "sequence_parallel": True}}, "needs tensor_parallel.size > 1"),
+    ({"train": "tiny"}, r'"train" must be an object'),
+])
+def test_a_bad_key_is_an_error_that_names_it(section, match):
+    with pytest.raises(ConfigError, match=match):
+        build_run_config({**BASE, **section})
+
+
+def test_deepspeed_keys_in_the_pipeline_section_stay_accepted_and_nothing_is_mutated():
+    ds = {**BASE, "pipeline": {"stages": "auto", "partition": "best", "seed_layers": True, "pipe_partitioned": True,
+                               "grad_partitioned": False, "use_reentrant": False, "activation_checkpoint_interval": 0,
+                               "partition_method": "uniform"},
+          "tensor_parallel": {"size": 2, "sequence_parallel": True}}
+    before = json.dumps(ds, sort_keys=True)
+    cfg = build_run_config(ds, train={"steps": 3}, pipeline={"partition_method": "profiled"})
+    assert json.dumps(ds, sort_keys=True) == before  # the caller's dict is untouched
+    assert cfg.pipeline.stages == "auto" and cfg.pipeline.partition_method == "profiled" and cfg.train.steps == 3
+    derived = cfg.deepspeed_config()
+    assert derived["pipeline"]["pipe_partitioned"] is False  # SP shards travel whole
+    assert cfg.deepspeed_config() is not derived and "train" not in derived and "tensor_parallel" not in derived
+    with pytest.raises(Exception):
+        cfg.train.steps = 4  # frozen
+    with pytest.warns(FutureWarning, match="link_bandwidth_gbs"):
+        assert PipelineSettings.from_ds_config({"pipeline": {"link_bandwidth_gbps": 2}}).link_bandwidth == 2e9
+    full = build_run_config({**BASE, "train": {"recompute": "full"}})
+    assert full.pipeline.activation_checkpoint_interval == 1
+    with pytest.raises(ConfigError, match="no \"pipeline\" section"):
+        build_run_config({"train_micro_batch_size_per_gpu": 1}, pipeline={"partition_method": "profiled"})
+
+
+def test_cli_arguments_go_through_the_same_checks(tmp_path, capsys):
+    args = ["partition", "--model", "tiny", "--stages", "2", "--warmup", "0", "--repeats", "1",
+            "--cache-dir", str(tmp_path)]
+    assert cli([*args, "--micro-batch", "0"]) == 2
+    assert "micro_batch = 0: Input should be greater than or equal to 1" in capsys.readouterr().err
+    assert cli([*args, "--memory-cap-gib", "-1"]) == 2
+    assert "memory_cap_gib = -1.0: Input should be greater than 0" in capsys.readouterr().err
+
+
+def test_hugging_face_gpt2_config_json(tmp_path, capsys):
+    hf = {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 96, "n_positions": 16,
+          "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "model_type": "gpt2"}
+    path = tmp_path / "gpt2-mini" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(hf))
+    cfg = load_model_config(path)
+    assert (cfg.name, cfg.hidden, cfg.layers, cfg.heads, cfg.vocab_size, cfg.seq_len, cfg.tie_embeddings) == \
+        ("gpt2-mini", 32, 2, 4, 96, 16, True)
+    assert cli(["partition", "--model", str(path), "--stages", "2", "--warmup", "0", "--repeats", "1",
+                "--cache-dir", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parts"][-1] == 2 + 3  # embedding, 2 blocks, final norm, tied head
+
+
+def build_indexed(prefix, docs):
+    """A Megatron indexed dataset (PREFIX.bin, PREFIX.idx) written with megatron-core's own builder."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    for doc in docs:
+        builder.add_item(torch.tensor(doc, dtype=torch.int32))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+
+
+def test_indexed_tokens_cross_documents_stride_by_rank_and_resume(tmp_path):
+    prefix = str(tmp_path / "toy")
+    build_indexed(prefix, [list(range(0, 7)), list(range(7, 20)), list(range(20, 40))])
+    stream = IndexedTokens(prefix, 2, 4, vocab=64, dp_rank=1, dp=2)  # windows of 5 tokens
+    x, y = next(stream)
+    # rank 1 of 2 reads windows 2 and 3 first: tokens 10..14 and 15..19 (window 1 spans two documents)
+    assert x.tolist() == [[10, 11, 12, 13], [15, 16, 17, 18]] and y.tolist() == [[11, 12, 13, 14], [16, 17, 18, 19]]
+    again = IndexedTokens(prefix, 2, 4, vocab=64, dp_rank=1, dp=2, position=1)
+    assert torch.equal(next(again)[0], next(stream)[0])  # a resumed stream continues exactly
+    assert [int(t) for t in IndexedTokens(prefix, 1, 4, vocab=64, dp_rank=0, dp=1)._window(1)] == [5, 6, 7, 8, 9]
+    with pytest.raises(ConfigError, match="token id 39 >= the model's vocab_size 32"):
+        IndexedTokens(prefix, 1, 4, vocab=32, dp_rank=0, dp=1)
+    with pytest.raises(ConfigError, match="nope.bin is missing"):
+        IndexedTokens(str(tmp_path / "nope"), 1, 4, vocab=64, dp_rank=0, dp=1)
+    s1, s2 = SyntheticTokens(50, 2, 4, seed=3), SyntheticTokens(50, 2, 4, seed=3, position=2)
+    next(s1), next(s1)
+    assert torch.equal(next(s1)[0], next(s2)[0])
+
+
+def test_a_checkpoint_with_a_missing_or_truncated_file_is_refused(tmp_path):
+    with pytest.raises(checkpoint.CheckpointError, match="latest is missing"):
+        checkpoint.verify(tmp_path)
+    ckpt = tmp_path / "global_step2"
+    ckpt.mkdir()
+    (tmp_path / "latest").write_text("global_step2")
+    with pytest.raises(checkpoint.CheckpointError, match="manifest.json is missing: the checkpoint .* is incomplete"):
+        checkpoint.verify(tmp_path)
+    (ckpt / "a.pt").write_bytes(b"x" * 10)
+    (ckpt / "b.pt").write_bytes(b"y" * 10)
+    (ckpt / "manifest.json").write_text(json.dumps({"step": 2, "tag": "global_step2", "layout": {},
+                                                     "files": {"a.pt": 10, "b.pt": 10}}))
+    assert checkpoint.verify(tmp_path)["step"] == 2
+    (ckpt / "b.pt").write_bytes(b"y" * 4)
+    with pytest.raises(checkpoint.CheckpointError, match=r"b.pt is truncated \(4 of 10 bytes\)"):
+        checkpoint.verify(tmp_path)
+    (ckpt / "a.pt").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="a.pt is missing"):
+        checkpoint.verify(tmp_path)
