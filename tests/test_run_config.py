@@ -129,3 +129,33 @@ def test_a_checkpoint_with_a_missing_or_truncated_file_is_refused(tmp_path):
     (ckpt / "a.pt").unlink()
     with pytest.raises(checkpoint.CheckpointError, match="a.pt is missing"):
         checkpoint.verify(tmp_path)
+
+
+def test_full_and_selective_recompute_keep_the_math(tmp_path):
+    """Recomputation changes what is kept for backward, never the loss or the gradients."""
+    from ds_pipe_ext.models.gpt import lm_loss
+
+    cfg = load_model_config("tiny")
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    grads = {}
+    for name, kwargs, recompute in [("none", {}, False), ("selective", {"selective_recompute": True}, False),
+                                    ("full", {}, True)]:
+        from ds_pipe_ext.models.gpt import SequentialGPT, gpt_layer_specs
+
+        model = SequentialGPT(gpt_layer_specs(cfg, **kwargs), lm_loss, base_seed=5, recompute=recompute)
+        loss = model(x, x)
+        loss.backward()
+        grads[name] = (float(loss), [p.grad.clone() for p in model.parameters()])
+    for name in ("selective", "full"):
+        assert grads[name][0] == grads["none"][0]
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[name][1], grads["none"][1]))
+
+
+def test_only_the_newest_complete_checkpoints_are_kept(tmp_path):
+    for step in (2, 3, 4, 6):
+        d = tmp_path / checkpoint.tag_for(step)
+        d.mkdir()
+        if step != 3:  # step 3 was interrupted: no manifest
+            (d / checkpoint.MANIFEST).write_text("{}")
+    checkpoint._prune(tmp_path, keep_last=2, newest=6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step4", "global_step6"]
