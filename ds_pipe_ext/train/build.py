@@ -241,7 +241,7 @@ def build(cfg: RunConfig) -> Built:
         built.sink = start_instrumentation(built, overheads)
     if cfg.options.load:
         built.start_step = int(checkpoint.load(engine, cfg.options.load, layout=layout)["step"])
-    if cfg.pipelined or cfg.zero_stage == 0:
+    if cfg.zero_stage == 0:  # under ZeRO the gradients are partitioned (and freed) before the inner step
         from ..compat.optimizer import unwrap_optimizer
 
         unwrap_optimizer(engine.optimizer).register_step_pre_hook(
