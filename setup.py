@@ -18,6 +18,8 @@ setup(
         "deepspeed>=0.19.0,<0.20",
         "megatron-core>=0.16.0,<=0.16.1",  # 0.16.1 is the last release for Python 3.11
         "numpy>=1.26,<3",
+        "scipy>=1.11,<2",  # least squares for fitting device specs (bench/calibrate_at_scale.py)
+        "pydantic>=2.5,<3",  # config sections, validated as DeepSpeed validates its own
         "matplotlib>=3.8,<4",
         "tqdm>=4.66,<5",
     ],

@@ -86,10 +86,11 @@ class OpCost:
     comm_bwd_bytes: float = 0.0
     comm_type: str = ""  # all-reduce | all-gather | reduce-scatter | all-gather+reduce-scatter
     recompute: bool = False  # dropped from saved activations under selective recompute
+    gemm_dim: float = 0.0  # a GEMM's smaller weight dimension on this rank (kernels fill the device less when small)
 
     def __add__(self, other: "OpCost") -> "OpCost":
         num = {f.name: getattr(self, f.name) + getattr(other, f.name)
-               for f in fields(self) if f.name not in ("name", "kind", "comm_type", "recompute")}
+               for f in fields(self) if f.name not in ("name", "kind", "comm_type", "recompute", "gemm_dim")}
         return OpCost(name=self.name, kind=self.kind, comm_type=self.comm_type, **num)
 
 
@@ -107,7 +108,7 @@ def linear(name: str, tokens: float, k: int, n: int, shp: Shape, *, bias: bool =
         fwd_flops=2.0 * tokens * k * n, bwd_flops=4.0 * tokens * k * n,
         fwd_bytes=(tokens * k + tokens * n) * shp.e + w,
         bwd_bytes=(2 * tokens * n + 2 * tokens * k) * shp.e + 2 * w,
-        activation_bytes=saved * shp.e, weight_bytes=w,
+        activation_bytes=saved * shp.e, weight_bytes=w, gemm_dim=float(min(k, n)),
     )
 
 

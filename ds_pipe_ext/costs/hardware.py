@@ -32,6 +32,9 @@ class DeviceSpec:
     vector_efficiency: float = 0.7
     memory_efficiency: float = 0.8
     comm_efficiency: float = 0.8
+    # GEMMs with a small weight dimension d (h/t under TP) fill the device less: matrix efficiency
+    # x d / (d + matrix_half_dim); 0 leaves it flat.  Fitted on published runs (bench/calibrate_at_scale.py).
+    matrix_half_dim: float = 0.0
 
     def op_time(self, op: OpCost, *, dtype: str, tp: int, backward: bool = False) -> dict:
         """Roofline: max(compute, memory) plus the op's TP collective (ring formulas)."""
@@ -40,14 +43,16 @@ class DeviceSpec:
         peak = (self.vector_flops if op.kind == "vector" else self.matrix_flops).get(dtype)
         if peak is None:
             raise AnalyticError(f"device {self.name} has no {op.kind} peak for dtype {dtype!r}")
-        compute = flops / (peak * self.efficiency(op.kind))
+        compute = flops / (peak * self.efficiency(op.kind, op.gemm_dim))
         memory = moved / (self.hbm_bandwidth * self.memory_efficiency)
         comm_bytes = op.comm_bwd_bytes if backward else op.comm_fwd_bytes
         comm = ring_time(comm_bytes, op.comm_type, tp, self.link_bandwidth(tp) * self.comm_efficiency)
         return {"compute_s": compute, "memory_s": memory, "comm_s": comm, "time_s": max(compute, memory) + comm,
                 "intensity": flops / moved if moved else float("inf")}
 
-    def efficiency(self, kind: str) -> float:
+    def efficiency(self, kind: str, gemm_dim: float = 0.0) -> float:
+        if kind == "matrix" and self.matrix_half_dim > 0 and gemm_dim > 0:
+            return self.matrix_efficiency * gemm_dim / (gemm_dim + self.matrix_half_dim)
         return {"matrix": self.matrix_efficiency, "attention": self.attention_efficiency,
                 "vector": self.vector_efficiency}[kind]
 
