@@ -26,7 +26,7 @@ demo: install
 	$(VENV)/bin/ds-pipe-ext partition --model tiny --stages 4 --micro-batch 4 --micro-batches 4
 
 test: install
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -q tests
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -q --durations=15 tests
 
 # the pure tests only (no process launches)
 test-fast: install

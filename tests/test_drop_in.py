@@ -74,6 +74,8 @@ def test_profiled_without_a_profile_batch_or_analytic_without_a_cost_model_is_a_
     with pytest.raises(PartitionError, match="pass cost_model="):
         PipelineModule([nn.Linear(2, 2), nn.Linear(2, 2)], num_stages=2, partition_method="analytic",
                        profile_batch=(torch.zeros(1, 2), torch.zeros(1)))
+    with pytest.raises(PartitionError, match="3 pipeline stages but only 2 layers: use at most 2 stages"):
+        PipelineModule([nn.Linear(2, 2), nn.Linear(2, 2)], num_stages=3, partition_method="uniform")
     with pytest.raises(PartitionError, match=r"profile_batch must be \(inputs, labels\)"):
         PipelineModule([nn.Linear(2, 2), nn.Linear(2, 2)], num_stages=2, partition_method="profiled",
                        profile_batch=torch.zeros(1, 2))
