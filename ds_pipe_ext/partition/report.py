@@ -85,7 +85,7 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[s
         cells = []
         for i, cell in enumerate(row):
             cell = str(cell)
-            numeric = cell.lstrip("+-").replace(".", "", 1).replace(" x ", "").replace("e", "").isdigit()
+            numeric = cell.lstrip("+").replace(".", "", 1).replace("-", "", 1).replace(" x ", "").replace("e", "").isdigit()
             cells.append(cell.rjust(widths[i]) if numeric else cell.ljust(widths[i]))
         return "  ".join(cells).rstrip()
 
