@@ -12,6 +12,7 @@ import torch
 from ds_pipe_ext.models.config import load_model_config
 from ds_pipe_ext.models.gpt import SequentialGPT, gpt_layer_specs
 from ds_pipe_ext.runner import ROOT, launch, write_config
+from test_tensor_parallel import serial_reference
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,22 +48,12 @@ def test_refine_from_a_missing_run_fails_on_every_rank(tmp_path):
     assert proc.stderr.count(message) == 2, proc.stderr[-3000:]
 
 
-def serial_first_loss(cfg, weights, *, micro_batch=4, gas=4, seed=1234) -> float:
-    from ds_pipe_ext.train.data import SyntheticTokens
-
-    model = SequentialGPT(gpt_layer_specs(cfg))
-    model.load_state_dict(torch.load(weights))
-    data = SyntheticTokens(cfg.vocab_size, micro_batch, cfg.seq_len, seed=seed + 1000)
-    with torch.no_grad():
-        return float(torch.stack([model(*next(data)) for _ in range(gas)]).mean())
-
-
 def test_tensor_parallel_without_a_pipeline_and_selective_recompute(tmp_path):
     """TP 2 x DP 1, no PipelineModule, selective recompute on: the first loss of one process without
     recompute (recompute changes what is kept, not the math; see also test_run_config.py)."""
     cfg = load_model_config("tiny")
     torch.save(SequentialGPT(gpt_layer_specs(cfg), base_seed=99).state_dict(), tmp_path / "init.pt")
-    want = serial_first_loss(cfg, tmp_path / "init.pt")
+    want = serial_reference(cfg, tmp_path / "init.pt", 1)[0][0]
     ds = write_config(tmp_path / "ds.json", pipeline=None, tensor_parallel={"size": 2},
                       train={"model": "tiny", "steps": 2, "seed": 1234, "recompute": "selective"})
     proc, ranks = launch(2, ds, "--init-from", str(tmp_path / "init.pt"), out_dir=tmp_path, cwd=tmp_path)

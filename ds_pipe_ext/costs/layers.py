@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from torch import nn
 
 
-def _is_spec(layer) -> bool:
+def is_layer_spec(layer) -> bool:
+    """A DeepSpeed ``LayerSpec`` or ``TiedLayerSpec`` (duck-typed: built later, from ``typename``)."""
     return hasattr(layer, "typename") and callable(getattr(layer, "build", None))
 
 
@@ -36,7 +37,7 @@ def _function_name(fn) -> str:
 def layer_name(layer) -> str:
     """``Block`` for ``LayerSpec(Block, ...)``, ``EmbeddingPipe.tied_lm_head`` for a tied spec called
     through a function, ``Linear`` for an ``nn.Linear`` instance, ``lambda`` for a lambda."""
-    if _is_spec(layer):
+    if is_layer_spec(layer):
         base = layer.typename.__name__
         forward_fn = getattr(layer, "forward_fn", None)
         return f"{base}.{_function_name(forward_fn)}" if forward_fn is not None else base
@@ -61,7 +62,7 @@ def _describe_function(fn) -> str:
 
 def describe_layer(layer) -> str:
     """A text that is equal for layers that cost the same and stable across processes."""
-    if _is_spec(layer):
+    if is_layer_spec(layer):
         forward_fn = getattr(layer, "forward_fn", None)
         return f"spec {layer!r}" + (f" via {_describe_function(forward_fn)}" if forward_fn is not None else "")
     if isinstance(layer, nn.Module):
@@ -76,7 +77,7 @@ def build_for_profiling(layer) -> tuple[nn.Module, Callable]:
     A spec is built afresh, an ``nn.Module`` instance is deep-copied (its weights and
     ``requires_grad`` flags included), a callable runs as is on an empty module.
     """
-    if _is_spec(layer):
+    if is_layer_spec(layer):
         module = layer.build()
         forward_fn = getattr(layer, "forward_fn", None)
         if forward_fn is not None:

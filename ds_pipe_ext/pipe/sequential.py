@@ -22,6 +22,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from ..costs.layers import is_layer_spec
+
 
 def _seed_everything(seed: int) -> None:
     """What DeepSpeed's ``ds_utils.set_random_seed`` does for ``seed_layers``."""
@@ -39,11 +41,12 @@ class SequentialLayers(nn.Module):
         self._calls: list[tuple[int | None, Callable | None]] = []  # (module index or None, function)
         tied: dict[str, int] = {}
         for layer_idx, layer in enumerate(layers):
-            key = getattr(layer, "key", None) if hasattr(layer, "typename") else None
+            spec = is_layer_spec(layer)
+            key = getattr(layer, "key", None) if spec else None
             if key is not None and key in tied:
                 self._calls.append((tied[key], getattr(layer, "forward_fn", None)))
                 continue
-            if hasattr(layer, "typename"):  # LayerSpec / TiedLayerSpec: build it now
+            if spec:  # LayerSpec / TiedLayerSpec: build it now
                 if base_seed is not None:
                     _seed_everything(base_seed + layer_idx)
                 self.layers.append(layer.build())

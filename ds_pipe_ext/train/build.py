@@ -211,10 +211,10 @@ def build_model(cfg: RunConfig, model_cfg: GPTConfig, dims: ParallelDims) -> tor
     return model
 
 
-def data_parallel_rank(model, dims: ParallelDims, rank: int) -> int:
+def data_parallel_rank(model, dims: ParallelDims, rank: int, *, pipelined: bool) -> int:
     from ..compat.engine import data_parallel_rank as pipeline_dp_rank
 
-    if hasattr(model, "parts"):
+    if pipelined:
         return pipeline_dp_rank(model)
     if dims.tp > 1:
         from megatron.core import parallel_state
@@ -236,7 +236,8 @@ def build(cfg: RunConfig) -> Built:
     engine = build_engine(cfg, model, dims)
     layout = checkpoint.Layout(pipelined=cfg.pipelined, zero_stage=cfg.zero_stage, world_size=dims.world_size,
                                parts=list(model.parts) if cfg.pipelined else None)
-    built = Built(cfg, model_cfg, dims, rank, data_parallel_rank(model, dims, rank), model, engine, layout)
+    built = Built(cfg, model_cfg, dims, rank, data_parallel_rank(model, dims, rank, pipelined=cfg.pipelined), model,
+                  engine, layout)
     if cfg.pipelined and cfg.pipeline.instrument.enabled:
         built.sink = start_instrumentation(built, overheads)
     if cfg.options.load:

@@ -124,7 +124,7 @@ def build_run_config(ds: dict, *, train: dict | None = None, pipeline: dict | No
                                   'pipeline.activation_checkpoint_interval or set it to 1')
             merged["activation_checkpoint_interval"] = 1
         pipe_cfg = parse_section(PipelineSettings, merged, "pipeline")
-        ds["pipeline"] = {k: v for k, v in merged.items()}
+        ds["pipeline"] = merged
     if tp_cfg.sequence_parallel and tp_cfg.size == 1:
         raise ConfigError("tensor_parallel.sequence_parallel = true needs tensor_parallel.size > 1")
     return RunConfig(train=train_cfg, tensor_parallel=tp_cfg, pipeline=pipe_cfg,
