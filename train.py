@@ -30,7 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="train.model: a name in model_configs/, a .toml, or a HF GPT-2 config.json")
     ap.add_argument("--partition-method", default=None, help="pipeline.partition_method")
     ap.add_argument("--instrument", nargs="?", const="runs/latest", default=None, metavar="RUN_DIR",
-                    help="record per-stage time and memory into RUN_DIR (pipeline.instrument)")
+                    help="record per-rank time and memory into RUN_DIR (pipeline.instrument, or "
+                         "the top-level instrument section of a data-parallel run)")
     ap.add_argument("--refine-from", default=None, metavar="RUN_DIR", help="pipeline.refine_from")
     ap.add_argument("--init-from", default=None, metavar="FILE",
                     help="start from a single-process model's state dict (torch.save of SequentialGPT)")
@@ -45,10 +46,9 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     """ds.json with the command line's overrides, through the same validation."""
     ds = read_ds_json(args.deepspeed_config)
     pipeline = {"partition_method": args.partition_method, "refine_from": args.refine_from}
-    if args.instrument:
-        section = ds.get("pipeline", {}).get("instrument", {}) if isinstance(ds.get("pipeline"), dict) else {}
-        pipeline["instrument"] = {**section, "enabled": True, "run_dir": args.instrument}
+    instrument = {"enabled": True, "run_dir": args.instrument} if args.instrument else None
     return build_run_config(ds, train={"steps": args.steps, "model": args.model}, pipeline=pipeline,
+                            instrument=instrument,
                             options={"init_from": args.init_from, "save": args.save, "load": args.load,
                                      "metrics_out": args.metrics_out})
 
@@ -75,7 +75,9 @@ if __name__ == "__main__":
     from ds_pipe_ext.train.checkpoint import CheckpointError
 
     try:
-        main()
+        summary = main()
+        if summary.get("status") == "oom":
+            sys.exit(3)  # stopped at train.memory_cap_gib: a result, reported in the metrics, but not a success
     except (ConfigError, ModelConfigError, PartitionError, DecisionError, CheckpointError) as e:
         # the same message on every rank, then a clean non-zero exit (no hang, no traceback)
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -42,13 +42,13 @@ def worker() -> None:
         for _ in range(ROUNDS):
             for kind in ("baseline", "on", "off"):
                 if kind == "on":
-                    instrument_engine(engine, lambda rec: None)
+                    recorder = instrument_engine(engine, lambda rec: None)
                 for _ in range(BLOCK):
                     t0 = time.perf_counter()
                     engine.train_batch(data_iter=data)
                     times[kind].append(time.perf_counter() - t0)
                 if kind == "on":
-                    remove_instrumentation(engine)
+                    remove_instrumentation(engine, recorder)
         if dist.get_rank() == 0:
             out.write_text(json.dumps(times))
 

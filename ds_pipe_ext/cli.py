@@ -3,6 +3,8 @@
     ds-pipe-ext partition --model bench-cpu --stages 2 --micro-batch 4 [--method profiled] [--json]
     ds-pipe-ext estimate --model gpt3-175b --tp 8 --sp --device a100 --micro-batch 1 --seq 2048 [--json]
     ds-pipe-ext report RUN_DIR [--json] [--png FILE]
+    ds-pipe-ext compare --model tiny --world 4 [--global-batch G] [--micro-batch B] [--memory-cap-gib X] [--json]
+    ds-pipe-ext estimate --compare --model gpt3-175b --world 64 --tp 8 --device a100-80gb [--json]
 """
 
 from __future__ import annotations
@@ -84,6 +86,9 @@ def cmd_partition(args) -> int:
 def cmd_estimate(args) -> int:
     import json
 
+    if args.compare:
+        return cmd_estimate_compare(args)
+
     from .costs.analytic import AnalyticError
     from .costs.estimate import EstimateRequest, estimate_layers, layer_ops, op_rows, shape_for
     from .costs.hardware import get_device
@@ -153,6 +158,120 @@ def cmd_estimate(args) -> int:
     return 0
 
 
+def _comparison_configs(args, micro_batch: int):
+    from .compare.configs import comparison_configs
+
+    global_batch = args.global_batch or 2 * args.world // args.tp * micro_batch
+    return comparison_configs(args.world, global_batch=global_batch, micro_batch=micro_batch, tp=args.tp,
+                              patterns=args.configs)
+
+
+def cmd_compare(args) -> int:
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from .compare import render
+    from .compare.run import Comparison, DeepSpeedLauncher, run_comparison
+    from .compare.predict import model_shape
+    from .models.config import load_model_config
+
+    check_shape(args)
+    model = str(Path(args.model).resolve()) if Path(args.model).suffix else args.model
+    model_cfg = load_model_config(model)
+    configs = _comparison_configs(args, args.micro_batch)
+    if args.steps < 2:
+        raise ValueError(f"--steps {args.steps}: use at least 2 (the first step pays for warm-up and is not timed)")
+    out = Path(args.out or f"runs/compare-{model_cfg.name}-w{args.world}")
+    cpu_only = not torch.cuda.is_available()
+    comparison = Comparison(out, model=model, model_cfg=model_cfg, shape=model_shape(model_cfg), steps=args.steps,
+                            memory_cap_gib=args.memory_cap_gib, launcher=DeepSpeedLauncher(timeout=args.timeout),
+                            cpu_only=cpu_only)
+    done = [c.name for c in configs if comparison.row_path(c).is_file()]
+    if done:
+        print(f"resuming {out}: {len(done)} of {len(configs)} rows already finished ({', '.join(done)})",
+              file=sys.stderr)
+    rows = run_comparison(configs, comparison, find_max=args.find_max_micro_batch, progress=not args.json)
+    (out / "rows.json").write_text(render.rows_json(rows))
+    png = render.write_png(rows, args.png or out / "compare.png",
+                           title=f"{model_cfg.name} on {args.world} ranks" + (f", cap {args.memory_cap_gib} GiB"
+                                                                                  if args.memory_cap_gib else ""))
+    if args.json:
+        emit(render.rows_json(rows))
+        return 0
+    emit(f"{model_cfg.name}: {len(rows)} configurations on {args.world} ranks, {args.steps} steps each "
+         f"(samples/s: median of steps 2..{args.steps})")
+    emit(render.render_rows(rows))
+    for line in render.notes(rows, world=args.world, cores=os.cpu_count(), cpu_only=cpu_only):
+        emit(f"  - {line}")
+    emit(f"wrote {out / 'rows.json'} and {png}")
+    return 0
+
+
+def cmd_estimate_compare(args) -> int:
+    """The memory side of ``compare`` from the analytic model alone: no launch, any model and cluster."""
+    import json
+
+    from .compare.predict import KINDS, model_shape
+    from .compare.configs import CompareConfig
+    from .costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs
+    from .costs.hardware import get_device
+    from .models.config import load_model_config
+    from .compare.predict import predicted_ranks
+    from .partition.methods import decide_offline
+    from .partition.report import render_table
+
+    if not args.world:
+        raise ValueError("estimate --compare needs --world N (the number of GPUs)")
+    cfg = load_model_config(args.model)
+    device = get_device(args.device)
+    shape = model_shape(cfg)
+    configs = _comparison_configs(args, args.micro_batch)
+    req = EstimateRequest(micro_batch=args.micro_batch, seq=args.seq or cfg.seq_len, tp=args.tp, sp=args.sp,
+                          dtype=args.dtype, selective_recompute=args.selective_recompute)
+    costs = analytic_layer_costs(cfg, req, device)
+    acts = [c.activation_bytes for c in costs]
+    rows = []
+    for c in configs:
+        parts = None
+        if c.kind == "pipeline":
+            if len(costs) < c.pp:
+                continue  # more stages than layers
+            # "profiled" needs the device: the analytic min-max split stands in for it here
+            parts = decide_offline("analytic" if c.method == "profiled" else c.method, costs, c.pp,
+                                   micro_batches=c.grad_accum)
+        stages = predicted_ranks(c, shape, acts, parts=parts, element_bytes=DTYPE_BYTES[args.dtype])
+        if c.offload:  # optimizer states and parameter partitions live in CPU memory
+            for st in stages:
+                st["total_bytes"] -= st["optimizer_bytes"] + st["param_bytes"]
+                st["optimizer_bytes"] = st["param_bytes"] = 0
+        worst = max(stages, key=lambda st: st["total_bytes"])
+        rows.append({"config": c.name if c.method != "profiled" else c.name.replace("profiled", "analytic"),
+                     **c.to_dict(), "parts": parts, "stages": stages, "heaviest_stage": worst["stage"],
+                     "predicted_bytes": {k: worst[k] for k in KINDS},
+                     "predicted_peak_memory_bytes": worst["total_bytes"],
+                     "status": "oom" if worst["total_bytes"] > device.memory_bytes else "fits"})
+    if args.json:
+        emit(json.dumps({"model": cfg.name, "device": device.name, "device_memory_bytes": device.memory_bytes,
+                          "world": args.world, "dtype": args.dtype, "rows": rows}, indent=1))
+        return 0
+    gib = 2**30
+    emit(f"{cfg.name} ({shape.params / 1e9:.2f} B params) on {args.world} x {device.name} "
+         f"({device.memory_bytes / gib:.0f} GiB each), {args.dtype}, micro-batch {args.micro_batch}, seq {req.seq}"
+         + (f", tp {args.tp}" + (" + sp" if args.sp else "") if args.tp > 1 else "") + "; analytic, no launch")
+    emit("\n".join(render_table(
+        ["config", "pp x tp x dp", "ZeRO", "mb x acc", "heaviest stage", "params GiB", "grads GiB", "optimizer GiB",
+         "activations GiB", "total GiB", "fits?"],
+        [[r["config"], f"{r['pp']}x{r['tp']}x{r['dp']}", str(r["zero"]), f"{r['micro_batch']} x {r['grad_accum']}",
+          str(r["heaviest_stage"]), *(f"{r['predicted_bytes'][k] / gib:.1f}" for k in KINDS),
+          f"{r['predicted_peak_memory_bytes'] / gib:.1f}", "OOM" if r["status"] == "oom" else "yes"] for r in rows])))
+    emit("  - per rank: model states by DeepSpeed's allocation rules for this precision (ZeRO-1/2/3 divide them "
+         "over dp), activations for one micro-batch x the stage's 1F1B in-flight count; 'analytic' rows are split "
+         "by the analytic min-max partition; zero3-offload keeps its states in CPU memory")
+    return 0
+
+
 def cmd_report(args) -> int:
     from .instrument.refine import RunDirError
     from .instrument.report import build_report, render_report_table, report_json
@@ -206,8 +325,34 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--full-recompute", action="store_true", help="activation checkpointing of every layer")
     e.add_argument("--calibrate", action="store_true",
                    help="profile one embedding, block and head here and fit the device's efficiency factors")
+    e.add_argument("--compare", action="store_true",
+                   help="per-rank memory by kind of every configuration `compare` would run, on --world devices")
+    e.add_argument("--world", type=int, default=None, help="with --compare: the number of devices")
+    e.add_argument("--global-batch", type=int, default=None, help="with --compare (default: 2 x dp x micro-batch)")
+    e.add_argument("--configs", nargs="*", default=None, help="with --compare: only these (shell patterns)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_estimate)
+
+    c = sub.add_parser("compare", help="pipeline (profiled, uniform) against ZeRO-1/2/3: real launches, one table")
+    c.add_argument("--model", required=True, help="a name in model_configs/ or a .toml path")
+    c.add_argument("--world", type=int, required=True, help="ranks per launch (deepspeed --num_gpus)")
+    c.add_argument("--global-batch", type=int, default=None, help="samples per step, the same in every row "
+                   "(default: 2 x world/tp x micro-batch)")
+    c.add_argument("--micro-batch", type=int, default=4)
+    c.add_argument("--tp", type=int, default=1, help="tensor parallelism inside every configuration")
+    c.add_argument("--steps", type=int, default=4, help="steps per launch (the first is warm-up, not timed)")
+    c.add_argument("--memory-cap-gib", type=float, default=None,
+                   help="per-rank cap: a configuration above it is an OOM row (on CPU: its RSS peak, checked "
+                        "after every step)")
+    c.add_argument("--configs", nargs="*", default=None, help="only these configurations (shell patterns, e.g. 'pipe-*' zero3)")
+    c.add_argument("--find-max-micro-batch", action="store_true",
+                   help="also search each configuration's largest micro-batch under the cap (more launches)")
+    c.add_argument("--out", default=None, help="results and launches (default runs/compare-MODEL-wN); "
+                   "re-running with the same --out resumes")
+    c.add_argument("--timeout", type=int, default=900, help="seconds per launch")
+    c.add_argument("--json", action="store_true", help="print the rows as JSON")
+    c.add_argument("--png", default=None, metavar="FILE", help="chart (default OUT/compare.png)")
+    c.set_defaults(func=cmd_compare, seq=None, dp=1, micro_batches=None)
 
     r = sub.add_parser("report", help="predicted vs measured per stage, from an instrumented run directory")
     r.add_argument("run_dir")

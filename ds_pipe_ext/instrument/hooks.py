@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..compat.instructions import unwrap_engine, wrap_engine
-from .memory import SavedActivationMeter, model_state_bytes, process_peak_bytes
+from .memory import ModelStateProbe, SavedActivationMeter, process_peak_bytes
 
 # instruction class name -> record key
 _KINDS = {
@@ -77,7 +77,7 @@ class StageRecorder:
         self.meter = SavedActivationMeter(module)
         self.step = 0
         self.times: dict[str, list[float]] = defaultdict(list)
-        self.state_bytes: dict[str, int] = {}
+        self.states = ModelStateProbe(module, engine.optimizer)  # counted at the optimizer step
 
     def wrap_instruction(self, kind: str, fn):
         recorder = self
@@ -87,13 +87,6 @@ class StageRecorder:
                 token = recorder.clock.start()
                 with recorder.meter.forward(kw.get("buffer_id", 0)):
                     fn(engine, **kw)
-                recorder.clock.stop(kind, token, recorder.times)
-        elif kind == "optimizer_step":
-            def run(engine, **kw):
-                # gradients are complete here and freed by the step: count them now
-                recorder.state_bytes = model_state_bytes(engine.module, engine.optimizer)
-                token = recorder.clock.start()
-                fn(engine, **kw)
                 recorder.clock.stop(kind, token, recorder.times)
         elif kind == "backward":
             def run(engine, **kw):
@@ -153,9 +146,7 @@ class StageRecorder:
         for kind in [*_KINDS.values(), "aggregate_loss"]:
             if kind not in ("forward", "backward"):
                 rec[f"{kind}_ms"] = sum(self.times.get(kind, []))
-        after = model_state_bytes(eng.module, eng.optimizer)  # optimizer states exist after the first step
-        rec.update(param_bytes=after["param_bytes"], optimizer_bytes=after["optimizer_bytes"],
-                   grad_bytes=self.state_bytes.get("grad_bytes", after["grad_bytes"]))
+        rec.update(self.states.read())
         rec["activation_peak_bytes"] = self.meter.peak
         rec.update(process_peak_bytes(self.device))
         return rec
@@ -174,6 +165,8 @@ def instrument_engine(engine, emit: Callable[[dict], None]) -> StageRecorder:
     return recorder
 
 
-def remove_instrumentation(engine) -> None:
+def remove_instrumentation(engine, recorder: StageRecorder | None = None) -> None:
     """Undo ``instrument_engine``: the engine runs DeepSpeed's own methods again."""
     unwrap_engine(engine)
+    if recorder is not None:
+        recorder.states.remove()

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from ..compat.optimizer import unwrap_optimizer
+from ..compat.zero import held_model_state_bytes
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -15,24 +16,29 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def model_state_bytes(module: torch.nn.Module, optimizer) -> dict[str, int]:
-    """Parameter, gradient and optimizer-state bytes of this rank.
+    """Parameter, gradient and optimizer-state bytes this rank holds, counted from the tensors
+    (ZeRO's flat buffers, padding and fp32 master copies included: ``compat.zero``)."""
+    return held_model_state_bytes(module, optimizer)
 
-    Optimizer state counts the per-parameter moment tensors (same size as the
-    parameter, e.g. Adam's exp_avg and exp_avg_sq); scalar bookkeeping such as
-    Adam's step counter is left out, as the cost model leaves it out.
-    """
-    params = list({id(p): p for p in module.parameters()}.values())
-    out = {
-        "param_bytes": sum(tensor_bytes(p) for p in params),
-        "grad_bytes": sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer_bytes": 0,
-    }
-    state = getattr(unwrap_optimizer(optimizer), "state", {})
-    for p, s in state.items():
-        for v in s.values():
-            if isinstance(v, torch.Tensor) and v.numel() == p.numel() and v.dim() > 0:
-                out["optimizer_bytes"] += tensor_bytes(v)
-    return out
+
+class ModelStateProbe:
+    """Counts the model states when they are complete: at every step of the inner optimizer
+    (gradients reduced, not yet freed), through a step pre-hook.  ``latest`` is the last count."""
+
+    def __init__(self, module: torch.nn.Module, optimizer):
+        self.module, self.optimizer = module, optimizer
+        self.latest: dict[str, int] | None = None
+        self._handle = unwrap_optimizer(optimizer).register_step_pre_hook(lambda *_: self._count())
+
+    def _count(self) -> None:
+        self.latest = held_model_state_bytes(self.module, self.optimizer)
+
+    def read(self) -> dict[str, int]:
+        """The count at the last optimizer step (now, if there was none yet)."""
+        return dict(self.latest) if self.latest is not None else held_model_state_bytes(self.module, self.optimizer)
+
+    def remove(self) -> None:
+        self._handle.remove()
 
 
 def process_peak_bytes(device: torch.device | None = None) -> dict[str, int]:
@@ -68,7 +74,10 @@ class SavedActivationMeter:
 
         def pack(t):
             key = self._key(t)
-            if key not in self._param_storages:
+            # a parameter is not an activation: ZeRO-3 gathers parameters into fresh storages, so
+            # the storages seen at start are not enough; the saved tensor is the Parameter or its view
+            if not (key in self._param_storages or isinstance(t, torch.nn.Parameter)
+                    or isinstance(t._base, torch.nn.Parameter)):
                 seen.add(key)
             return t
 

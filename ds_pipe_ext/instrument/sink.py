@@ -36,7 +36,8 @@ def summarize(records: list[dict], *, skip_warmup: bool = True) -> dict:
         "step_ms_mean": mean("step_ms"), "step_ms_median": statistics.median(r["step_ms"] for r in steady),
     }
     for key in ("send_activation_ms", "recv_activation_ms", "send_grad_ms", "recv_grad_ms", "reduce_grads_ms",
-                "reduce_tied_grads_ms", "optimizer_step_ms", "load_micro_batch_ms", "aggregate_loss_ms"):
+                "reduce_tied_grads_ms", "optimizer_step_ms", "load_micro_batch_ms", "aggregate_loss_ms",
+                "all_gather_ms"):
         out[f"{key}_mean"] = mean(key) if key in last else 0.0
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
         out[key] = last[key]

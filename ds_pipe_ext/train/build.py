@@ -38,6 +38,7 @@ class Built:
     start_step: int = 0
     data: object = None
     sink: object = None
+    recorder: object = None  # data-parallel runs with instrumentation: instrument.data_parallel
     grad_norms: list[float] = field(default_factory=list)
 
 
@@ -189,6 +190,17 @@ def start_instrumentation(built: Built, overheads: dict | None):
     return sink
 
 
+def start_data_parallel_instrumentation(built: Built):
+    """Every rank records its phases and memory into the run directory (no partition to predict)."""
+    from ..instrument.data_parallel import DataParallelRecorder
+    from ..instrument.sink import RunSink
+
+    settings = built.cfg.instrument
+    sink = RunSink(settings.run_dir, built.rank, every=settings.every, monitor=getattr(built.engine, "monitor", None))
+    recorder = DataParallelRecorder(built.engine, sink.emit, rank=built.rank, micro_batches=built.cfg.grad_accum)
+    return sink, recorder
+
+
 def refine_overheads(cfg: RunConfig) -> dict | None:
     """What the refine_from run measured besides layer compute: read on rank 0, the same answer (or error) everywhere."""
     if not (cfg.pipelined and cfg.pipeline.refine_from):
@@ -240,6 +252,8 @@ def build(cfg: RunConfig) -> Built:
                   engine, layout)
     if cfg.pipelined and cfg.pipeline.instrument.enabled:
         built.sink = start_instrumentation(built, overheads)
+    elif not cfg.pipelined and cfg.instrument.enabled:
+        built.sink, built.recorder = start_data_parallel_instrumentation(built)
     if cfg.options.load:
         built.start_step = int(checkpoint.load(engine, cfg.options.load, layout=layout)["step"])
     if cfg.zero_stage == 0:  # under ZeRO the gradients are partitioned (and freed) before the inner step

@@ -6,6 +6,8 @@ ds.json holds DeepSpeed's own sections (DeepSpeed validates those) and three of 
                         "save_interval": 0, "keep_last": 2, "recompute": "none", "log": "auto"}
     "tensor_parallel": {"size": 1, "sequence_parallel": false}
     "pipeline":        see ds_pipe_ext/pipe/config.py (absent: plain data parallel, e.g. under ZeRO-3)
+    "instrument":      {"enabled": false, "run_dir": "runs/latest", "every": 0}   (data-parallel runs;
+                       a pipeline's is "pipeline": {"instrument": ...})
 
 Command-line overrides are written into the same sections before validation, so
 they pass the same checks.  The result is frozen: nothing downstream mutates it,
@@ -22,7 +24,7 @@ from typing import Literal
 from pydantic import Field
 
 from ..config_model import ConfigError, ConfigModel, parse_section
-from ..pipe.config import PipelineSettings
+from ..pipe.config import InstrumentSettings, PipelineSettings
 
 
 class TrainSection(ConfigModel):
@@ -35,6 +37,10 @@ class TrainSection(ConfigModel):
     keep_last: int = Field(2, ge=1)  # complete checkpoints kept; older ones are deleted
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
     log: Literal["auto", "progress", "json"] = "auto"  # auto: a progress bar on a terminal, JSON lines otherwise
+    # per-rank memory cap: after every step each rank compares its peak (resident set on CPU,
+    # allocator peak on GPU) with it; above it, every rank stops after that step and the run
+    # reports "oom" with what it measured (a real, safe OOM on CPU; `ds-pipe-ext compare` uses it)
+    memory_cap_gib: float | None = Field(None, gt=0)
 
 
 class TensorParallelSection(ConfigModel):
@@ -55,6 +61,7 @@ class RunConfig(ConfigModel):
     train: TrainSection
     tensor_parallel: TensorParallelSection
     pipeline: PipelineSettings | None  # None: data parallel (no pipeline)
+    data_parallel_instrument: InstrumentSettings = InstrumentSettings()  # ds.json's top-level "instrument"
     options: RunOptions
     deepspeed: dict  # DeepSpeed's own sections, for deepspeed.initialize (never mutated)
 
@@ -69,6 +76,11 @@ class RunConfig(ConfigModel):
     @property
     def grad_accum(self) -> int:
         return int(self.deepspeed.get("gradient_accumulation_steps", 1))
+
+    @property
+    def instrument(self) -> InstrumentSettings:
+        """Where this run's instrumentation is configured: the pipeline's section, or the top-level one."""
+        return self.pipeline.instrument if self.pipeline is not None else self.data_parallel_instrument
 
     @property
     def zero_stage(self) -> int:
@@ -106,12 +118,19 @@ def _merge(section, overrides: dict, name: str) -> dict:
 
 
 def build_run_config(ds: dict, *, train: dict | None = None, pipeline: dict | None = None,
-                     options: dict | None = None) -> RunConfig:
+                     options: dict | None = None, instrument: dict | None = None) -> RunConfig:
     """Validate ds.json's sections with command-line overrides applied (``None`` values: not given)."""
     ds = copy.deepcopy(ds)
     train_cfg = parse_section(TrainSection, _merge(ds.pop("train", None), train or {}, "train"), "train")
     tp_cfg = parse_section(TensorParallelSection, ds.pop("tensor_parallel", None), "tensor_parallel")
+    instrument_section = ds.pop("instrument", None)
+    if instrument_section is not None and "pipeline" in ds:
+        raise ConfigError('a pipeline run is instrumented by "pipeline": {"instrument": {...}}; '
+                          'move the top-level "instrument" section there')
     pipe_overrides = {k: v for k, v in (pipeline or {}).items() if v is not None}
+    if instrument and "pipeline" in ds:
+        pipe_overrides["instrument"] = {**(ds["pipeline"].get("instrument") or {}
+                                           if isinstance(ds["pipeline"], dict) else {}), **instrument}
     if pipe_overrides and "pipeline" not in ds:
         raise ConfigError(f"{sorted(pipe_overrides)} set pipeline options, but this ds.json has no \"pipeline\" "
                           f"section (it trains data parallel); add one to train a pipeline")
@@ -127,5 +146,7 @@ def build_run_config(ds: dict, *, train: dict | None = None, pipeline: dict | No
         ds["pipeline"] = merged
     if tp_cfg.sequence_parallel and tp_cfg.size == 1:
         raise ConfigError("tensor_parallel.sequence_parallel = true needs tensor_parallel.size > 1")
+    dp_instrument = _merge(instrument_section, (instrument or {}) if pipe_cfg is None else {}, "instrument")
     return RunConfig(train=train_cfg, tensor_parallel=tp_cfg, pipeline=pipe_cfg,
+                     data_parallel_instrument=parse_section(InstrumentSettings, dp_instrument, "instrument"),
                      options=parse_section(RunOptions, options or {}, "options"), deepspeed=ds)

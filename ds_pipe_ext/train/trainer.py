@@ -30,15 +30,41 @@ def data_parallel_step(built: Built) -> float:
     """One optimizer step of a data-parallel engine: gradient accumulation over the micro-batches."""
     from deepspeed.accelerator import get_accelerator
 
+    from ..instrument.data_parallel import NoRecorder
+
     engine, device = built.engine, get_accelerator().device_name(built.engine.local_rank)
+    rec = built.recorder or NoRecorder()
+    rec.begin_step()
     losses = []
     for _ in range(built.cfg.grad_accum):
         inputs, labels = next(built.data)
-        loss = engine(inputs.to(device), labels.to(device))
-        engine.backward(loss)
-        engine.step()
+        with rec.phase("forward"):
+            loss = engine(inputs.to(device), labels.to(device))
+        with rec.phase("backward"):
+            engine.backward(loss)
+        with rec.phase("optimizer_step"):
+            engine.step()  # steps the optimizer at the last micro-batch only
         losses.append(loss.detach())
-    return float(torch.stack(losses).mean())  # what the pipeline engine reports: the mean over micro-batches
+    mean = float(torch.stack(losses).mean())  # what the pipeline engine reports: the mean over micro-batches
+    rec.end_step(mean)
+    return mean
+
+
+def over_memory_cap(cap_gib: float, device: torch.device) -> dict | None:
+    """Collective: every rank's peak so far; the heaviest rank's when it exceeds the cap, else None."""
+    from ..instrument.memory import process_peak_bytes
+
+    peaks = process_peak_bytes(device)
+    mine = peaks.get("max_allocated_bytes", peaks.get("peak_rss_bytes", 0))
+    everyone = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+    everyone[dist.get_rank()] = mine
+    dist.all_reduce(everyone)  # a sum of one-hot rows: every rank's peak, on every rank
+    rank = int(everyone.argmax())
+    cap = cap_gib * 2**30
+    if everyone[rank] <= cap:
+        return None
+    return {"rank": rank, "peak_bytes": int(everyone[rank]), "cap_bytes": int(cap),
+            "measure": "allocator peak" if "max_allocated_bytes" in peaks else "resident set (RSS) peak"}
 
 
 class Trainer:
@@ -48,6 +74,7 @@ class Trainer:
         self.hooks: list[Callable[[int, float], None]] = []  # called after every step with (step, loss)
         self.losses: list[float] = []
         self.step_times: list[float] = []
+        self.oom: dict | None = None  # set when a rank's peak passed train.memory_cap_gib
 
     def _logger(self, total: int):
         if self.built.rank != 0:
@@ -79,12 +106,28 @@ class Trainer:
             log(step, loss, self.step_times[-1])
             for hook in self.hooks:
                 hook(step, loss)
+            if cfg.train.memory_cap_gib is not None:
+                self.oom = over_memory_cap(cfg.train.memory_cap_gib, _device(self.built))
+                if self.oom is not None:  # every rank got the same answer: all stop here, together
+                    self.oom["after_step"] = step
+                    if self.built.rank == 0:
+                        print(f"ds_pipe_ext: memory cap exceeded: rank {self.oom['rank']} peaked at "
+                              f"{self.oom['peak_bytes'] / 2**30:.3f} GiB ({self.oom['measure']}) > "
+                              f"train.memory_cap_gib = {cfg.train.memory_cap_gib} after step {step}; "
+                              f"stopping all ranks", file=sys.stderr, flush=True)
+                    break
             if cfg.options.save and ((interval and step % interval == 0) or step == last):
                 self._save(step)
         if self.built.sink is not None:
             self.built.sink.gather()  # collective: rank 0 writes RUN_DIR/summary.json
             self.built.sink.close()
-        return summarize(self.built, self.losses, self.step_times)
+        return {**summarize(self.built, self.losses, self.step_times), "status": "oom" if self.oom else "ok",
+                "oom": self.oom, "memory_cap_gib": cfg.train.memory_cap_gib}
+
+
+def _device(built: Built) -> torch.device:
+    first = next(iter(built.engine.module.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def summarize(built: Built, losses: list[float], step_times: list[float]) -> dict:
@@ -96,7 +139,8 @@ def summarize(built: Built, losses: list[float], step_times: list[float]) -> dic
     global_batch = cfg.micro_batch * cfg.grad_accum * dims.dp
     pipelined = cfg.pipelined
     return {
-        "mode": "pipeline" if pipelined else f"data-parallel zero={cfg.zero_stage}",
+        "mode": "pipeline" if pipelined else f"data-parallel zero={cfg.zero_stage}", "zero_stage": cfg.zero_stage,
+        "micro_batch": cfg.micro_batch, "grad_accum": cfg.grad_accum, "pp": dims.pp, "tp": dims.tp, "dp": dims.dp,
         "model": built.model_cfg.name, "world_size": dims.world_size,
         "stages": dims.pp, "partition_method": cfg.pipeline.partition_method if pipelined else None,
         "parts": list(built.model.parts) if pipelined else None,

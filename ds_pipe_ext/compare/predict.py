@@ -1,0 +1,84 @@
+"""The analytic side of a comparison: bytes per rank by kind, for any configuration, without launching.
+
+Model states come from DeepSpeed's allocation rules (``costs.zero``) applied to the
+parameter sizes of the layers a rank holds; activations from the analytic cost model
+(``costs.estimate``) through the stage model (``costs.stage``): a pipeline stage holds
+its layers' activations for each of its 1F1B in-flight micro-batches, a data-parallel
+rank holds every layer's for one micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..costs.estimate import EstimateRequest, analytic_layer_costs
+from ..costs.hardware import get_device
+from ..costs.stage import stage_costs
+from ..costs.zero import zero_model_states
+from .configs import ZERO_SETTINGS, CompareConfig
+
+KINDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Per layer, the element count of each parameter tensor (what ZeRO's padding depends on)."""
+
+    name: str
+    layer_numels: list[list[int]]
+    seq_len: int
+
+    @property
+    def params(self) -> int:
+        return sum(sum(layer) for layer in self.layer_numels)
+
+
+def model_shape(model_cfg) -> ModelShape:
+    """The GPT's layers built on the meta device: shapes without memory, for any size of model."""
+    from ..models.gpt import gpt_layer_specs
+
+    with torch.device("meta"):
+        layers = [spec.build() if hasattr(spec, "build") else spec for spec in gpt_layer_specs(model_cfg)]
+    numels = [[p.numel() for p in layer.parameters()] if isinstance(layer, torch.nn.Module) else []
+              for layer in layers]
+    return ModelShape(model_cfg.name, numels, model_cfg.seq_len)
+
+
+def layer_activation_bytes(model_cfg, cfg: CompareConfig, *, dtype: str = "fp32") -> list[float]:
+    """Activation bytes each layer holds for one micro-batch (the analytic cost model's)."""
+    req = EstimateRequest(micro_batch=cfg.micro_batch, seq=model_cfg.seq_len, tp=cfg.tp, dtype=dtype,
+                          mask_bytes=4 if dtype == "fp32" else 1)
+    return [c.activation_bytes for c in analytic_layer_costs(model_cfg, req, get_device("a100"))]
+
+
+def _states(numels: list[int], cfg: CompareConfig, element_bytes: int) -> dict[str, int]:
+    # a TP rank holds 1/tp of each matrix; exact only at tp 1 (vectors are replicated, not split)
+    shard = [max(1, n // cfg.tp) if cfg.tp > 1 and n > 1 else n for n in numels]
+    return zero_model_states(shard, dp=cfg.dp, stage=cfg.zero, element_bytes=element_bytes,
+                             persistence_threshold=int(ZERO_SETTINGS["stage3_param_persistence_threshold"])).to_dict()
+
+
+def predicted_ranks(cfg: CompareConfig, shape: ModelShape, activations: list[float], *,
+                    parts: list[int] | None = None, element_bytes: int = 4) -> list[dict]:
+    """One entry per pipeline stage (a data-parallel run is one stage): bytes by kind and in total."""
+    if cfg.kind == "pipeline":
+        if parts is None:
+            raise ValueError(f"{cfg.name}: a pipeline's prediction needs its partition (parts)")
+        from ..costs.types import LayerCost
+
+        fake = [LayerCost(name=str(i), forward_s=0.0, backward_s=0.0, activation_bytes=int(a))
+                for i, a in enumerate(activations)]
+        rows = []
+        for st in stage_costs(fake, parts, micro_batches=cfg.grad_accum):
+            numels = [n for layer in shape.layer_numels[st.start:st.stop] for n in layer]
+            rows.append({"stage": st.stage, "layers": [st.start, st.stop], "inflight": st.inflight,
+                         **_states(numels, cfg, element_bytes), "activation_bytes": int(st.activation_peak_bytes)})
+    else:
+        numels = [n for layer in shape.layer_numels for n in layer]
+        rows = [{"stage": 0, "layers": [0, len(shape.layer_numels)], "inflight": 1,
+                 **_states(numels, cfg, element_bytes), "activation_bytes": int(sum(activations))}]
+    for r in rows:
+        r["total_bytes"] = sum(r[k] for k in KINDS)
+    return rows

@@ -1,0 +1,70 @@
+"""What a rank holds under DeepSpeed's ZeRO optimizers, counted from the tensors themselves.
+
+``held_model_state_bytes(module, optimizer)`` walks the tensors DeepSpeed keeps for
+this rank and sums their storages once each (views of one flat buffer count once):
+
+- **parameters**: the module's parameter storages (under ZeRO-1/2 the padded flat
+  ``bit16_groups_flat`` buffer they are views of; under ZeRO-3 each parameter's
+  partition ``ds_tensor``, plus the full data of any parameter gathered at the time);
+- **optimizer states**: the inner torch optimizer's parameters when they are not the
+  module's (ZeRO's fp32 master partitions), and its per-parameter state tensors
+  (Adam's exp_avg, exp_avg_sq);
+- **gradients**: the module's ``.grad`` storages, the master partitions' ``.grad``,
+  and ZeRO's own gradient buffers.
+
+Call it where the gradients are complete: a step pre-hook of the inner optimizer.
+The private names read here (DeepSpeed 0.19, ``runtime/zero/stage_1_and_2.py`` and
+``stage3.py``): ``ds_tensor`` on ZeRO-3 parameters, and the optimizer attributes in
+``_GRAD_BUFFERS``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .optimizer import unwrap_optimizer
+
+# ZeRO's gradient buffers (a missing or None attribute is skipped)
+_GRAD_BUFFERS = ("grads_in_partition", "ipg_buffer", "grad_partitions_flat_buffer", "averaged_gradients")
+
+
+def _storages(obj, out: dict) -> None:
+    """(data_ptr, nbytes) -> nbytes for every tensor in obj (a tensor, or lists/dicts of them)."""
+    if isinstance(obj, torch.Tensor):
+        s = obj.untyped_storage()
+        if s.nbytes():
+            out[(s.data_ptr(), s.nbytes())] = s.nbytes()
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _storages(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _storages(x, out)
+
+
+def held_model_state_bytes(module: torch.nn.Module, optimizer) -> dict[str, int]:
+    params = list({id(p): p for p in module.parameters()}.values())
+    held: dict[str, dict] = {"param_bytes": {}, "optimizer_bytes": {}, "grad_bytes": {}}
+    for p in params:
+        _storages(p.data, held["param_bytes"])
+        _storages(getattr(p, "ds_tensor", None), held["param_bytes"])
+    inner = unwrap_optimizer(optimizer)
+    for group in getattr(inner, "param_groups", []):
+        _storages(group["params"], held["optimizer_bytes"])
+        for q in group["params"]:
+            _storages(q.grad, held["grad_bytes"])
+    for q, state in getattr(inner, "state", {}).items():
+        _storages([v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0], held["optimizer_bytes"])
+    for p in params:
+        _storages(p.grad, held["grad_bytes"])
+    for name in _GRAD_BUFFERS:
+        _storages(getattr(optimizer, name, None), held["grad_bytes"])
+    # a storage counts once, under the first kind that holds it (an fp32 model's master
+    # "copy" under ZeRO-0 is the parameter itself)
+    seen: set = set()
+    out = {}
+    for kind, storages in held.items():
+        keys = [k for k in storages if k not in seen]
+        seen.update(keys)
+        out[kind] = sum(storages[k] for k in keys)
+    return out
