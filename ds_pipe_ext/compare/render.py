@@ -27,7 +27,8 @@ def layout(row: dict) -> str:
 
 def render_rows(rows: list[dict]) -> str:
     headers = ["config", "pp x tp x dp", "ZeRO", "mb x acc", "global", "status", "samples/s", "step ms",
-               "rank", "params MiB meas/pred", "grads", "optimizer", "activations", "peak MiB", "max mb fit/fail"]
+               "rank", "params MiB meas/pred", "grads", "optimizer", "activations", "peak MiB meas/pred", "RSS MiB",
+               "max mb fit/fail"]
     body = []
     for r in rows:
         mx = r.get("max_micro_batch")
@@ -38,7 +39,8 @@ def render_rows(rows: list[dict]) -> str:
             "-" if r.get("step_ms") is None else f"{r['step_ms']:.0f}",
             "-" if r.get("heaviest_rank") is None else str(r["heaviest_rank"]),
             _pair(r, "param_bytes"), _pair(r, "grad_bytes"), _pair(r, "optimizer_bytes"), _pair(r, "activation_bytes"),
-            _mib(r.get("peak_memory_bytes")),
+            f"{_mib(r.get('peak_memory_bytes'))} / {_mib(r.get('predicted_peak_memory_bytes'))}",
+            _mib(r.get("process_peak_bytes")),
             "-" if not mx else f"{mx['fits'] if mx['fits'] is not None else 'none'} / {mx['fails'] or '-'}",
         ])
     return "\n".join(render_table(headers, body))
@@ -53,8 +55,11 @@ def notes(rows: list[dict], *, world: int, cores: int | None, cpu_only: bool) ->
                "optimizer step, measured / predicted from DeepSpeed's allocation rules; activations are the saved "
                "tensors' peak, measured / analytic (x the stage's 1F1B in-flight count)")
     if cpu_only:
-        out.append("peak MiB is the process's resident-set peak (it includes ~0.4 GiB of Python, torch and DeepSpeed); "
-                   "a memory cap is enforced on it after every step: a rank above it stops the run, which is the OOM row")
+        out.append("peak MiB: on CPU, the tensors the rank held (the sum of the four kinds, what a GPU's allocator "
+                   "peak would show); a memory cap applies to it after every step and a rank above it stops the run "
+                   "cleanly: that is an OOM row.  RSS MiB is the process's resident-set peak since the model was "
+                   "built: ~0.5 GiB of Python, torch and DeepSpeed plus allocator slack, shown but not capped, "
+                   "because at these sizes it varies more than the layouts differ")
         if cores is not None and world > cores:
             out.append(f"{world} ranks time-slice {cores} cores: other ranks fill a pipeline's bubbles and ZeRO's "
                        f"collectives wait on descheduled ranks, so read these samples/s as memory runs; compare "
@@ -86,8 +91,8 @@ def write_png(rows: list[dict], path: str | Path, *, title: str = "") -> Path:
         vals = [((r.get("measured_bytes") or {}).get(kind) or 0) / MIB for r in shown]
         ax_mem.bar(names, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    peaks = [(r.get("peak_memory_bytes") or 0) / MIB for r in shown]
-    ax_mem.scatter(names, peaks, marker="_", s=400, color="black", label="process peak", zorder=3)
+    peaks = [(r.get("predicted_peak_memory_bytes") or 0) / MIB for r in shown]
+    ax_mem.scatter(names, peaks, marker="_", s=400, color="black", label="predicted", zorder=3)
     cap = next((r.get("memory_cap_gib") for r in shown if r.get("memory_cap_gib")), None)
     if cap:
         ax_mem.axhline(cap * 1024, color="red", linestyle="--", label=f"cap {cap} GiB")

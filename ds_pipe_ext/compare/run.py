@@ -14,6 +14,7 @@ what it measured before it stopped; it never stops the comparison.
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,10 @@ from .configs import CompareConfig, ds_config
 from .predict import KINDS, ModelShape, layer_activation_bytes, predicted_ranks
 
 OOM_EXIT = 3  # train.py's exit status when it stopped at train.memory_cap_gib
+# glibc keeps freed memory in its heaps, so a process's resident set says more about the
+# allocator's history than about the tensors alive; with large blocks mmap-ed and returned
+# at once, the resident-set peak follows what the rank really held
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_ARENA_MAX": "2"}
 OOM_TEXT = ("out of memory", "outofmemoryerror", "cannot allocate memory")
 
 
@@ -48,12 +53,15 @@ class DeepSpeedLauncher:
 
         from ..runner import launch
 
-        work.mkdir(parents=True, exist_ok=True)
+        if work.exists():  # an interrupted earlier attempt: nothing of it may be read as this launch's
+            shutil.rmtree(work)
+        work.mkdir(parents=True)
         config = work / "ds.json"
         config.write_text(json.dumps(ds, indent=1))
         run_dir = work / "run"
         try:
-            proc, _ = launch(cfg.world, config, "--instrument", str(run_dir), out_dir=work, timeout=self.timeout)
+            proc, _ = launch(cfg.world, config, "--instrument", str(run_dir), out_dir=work, timeout=self.timeout,
+                             env=MALLOC_ENV)
             rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
         except subprocess.TimeoutExpired:
             rc, tail = 124, f"timed out after {self.timeout} s"
@@ -73,8 +81,9 @@ def launch_status(result: LaunchResult) -> str:
     return "failed"
 
 
-def _peak(rank: dict) -> int:
-    return int(rank.get("max_allocated_bytes", rank.get("peak_rss_bytes", 0)))
+def _peak(rank: dict, counted: int) -> int:
+    """The figure the memory cap applies to: the allocator peak on GPU, the counted tensors on CPU."""
+    return int(rank.get("max_allocated_bytes", counted))
 
 
 def build_row(cfg: CompareConfig, result: LaunchResult, shape: ModelShape, model_cfg, *,
@@ -86,7 +95,7 @@ def build_row(cfg: CompareConfig, result: LaunchResult, shape: ModelShape, model
            "samples_per_s": m.get("samples_per_s") if status == "ok" else None,
            "step_ms": 1e3 * m["step_s_median"] if status == "ok" and "step_s_median" in m else None,
            "parts": m.get("parts"), "oom": m.get("oom"), "memory_cap_gib": memory_cap_gib,
-           "peak_measure": "allocator peak" if not cpu_only else "resident set (RSS) peak",
+           "peak_measure": "allocator peak" if not cpu_only else "tensors held (model states + activations)",
            "predicted_samples_per_s": None}  # the schedule simulator's, once it models ZeRO
     if status == "failed":
         row["error"] = result.log_tail[-1500:]
@@ -101,17 +110,19 @@ def build_row(cfg: CompareConfig, result: LaunchResult, shape: ModelShape, model
     for r in sorted(ranks, key=lambda r: r["rank"]):
         measured = {k: int(r[k]) for k in ("param_bytes", "grad_bytes", "optimizer_bytes")}
         measured["activation_bytes"] = int(r["activation_peak_bytes"])
-        row["ranks"].append({"rank": r["rank"], "stage": r["stage"], "measured": measured, "peak_bytes": _peak(r),
+        counted = sum(measured.values())
+        row["ranks"].append({"rank": r["rank"], "stage": r["stage"], "measured": measured,
+                             "peak_bytes": _peak(r, counted), "process_peak_bytes": r.get("peak_rss_bytes"),
                              "predicted": by_stage.get(r["stage"])})
     if row["ranks"]:
         heaviest = max(row["ranks"], key=lambda r: r["peak_bytes"])
         row["heaviest_rank"] = heaviest["rank"]
         row["peak_memory_bytes"] = heaviest["peak_bytes"]
         row["measured_bytes"] = heaviest["measured"]
-        row["counted_bytes"] = sum(heaviest["measured"].values())
+        row["process_peak_bytes"] = heaviest["process_peak_bytes"]
         pred = heaviest["predicted"] or {}
     else:
-        row.update(heaviest_rank=None, peak_memory_bytes=None, measured_bytes=None, counted_bytes=None)
+        row.update(heaviest_rank=None, peak_memory_bytes=None, measured_bytes=None, process_peak_bytes=None)
         pred = max(predicted, key=lambda p: p["total_bytes"]) if predicted else {}
     row["predicted_bytes"] = {k: pred[k] for k in KINDS} if pred else None
     row["predicted_peak_memory_bytes"] = pred.get("total_bytes")

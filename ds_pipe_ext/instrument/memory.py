@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import sys
+from pathlib import Path
 
 import torch
 
@@ -22,32 +23,70 @@ def model_state_bytes(module: torch.nn.Module, optimizer) -> dict[str, int]:
 
 
 class ModelStateProbe:
-    """Counts the model states when they are complete: at every step of the inner optimizer
-    (gradients reduced, not yet freed), through a step pre-hook.  ``latest`` is the last count."""
+    """Counts the model states when they are complete, around every step of the inner optimizer:
+    gradients just before it (reduced, not yet freed), parameters and optimizer states just after it
+    (Adam creates its moments in its first step).  ``read()`` is the last step's count."""
 
     def __init__(self, module: torch.nn.Module, optimizer):
         self.module, self.optimizer = module, optimizer
         self.latest: dict[str, int] | None = None
-        self._handle = unwrap_optimizer(optimizer).register_step_pre_hook(lambda *_: self._count())
+        self._grads = 0
+        inner = unwrap_optimizer(optimizer)
+        self._handles = [inner.register_step_pre_hook(lambda *_: self._before()),
+                         inner.register_step_post_hook(lambda *_: self._after())]
 
-    def _count(self) -> None:
-        self.latest = held_model_state_bytes(self.module, self.optimizer)
+    def _before(self) -> None:
+        self._grads = held_model_state_bytes(self.module, self.optimizer)["grad_bytes"]
+
+    def _after(self) -> None:
+        self.latest = {**held_model_state_bytes(self.module, self.optimizer), "grad_bytes": self._grads}
 
     def read(self) -> dict[str, int]:
         """The count at the last optimizer step (now, if there was none yet)."""
         return dict(self.latest) if self.latest is not None else held_model_state_bytes(self.module, self.optimizer)
 
     def remove(self) -> None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
+
+
+def _vm_hwm_bytes() -> int | None:
+    """Linux: the resident-set high-water mark, which ``reset_process_peak`` can reset."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def process_peak_bytes(device: torch.device | None = None) -> dict[str, int]:
-    """Peak allocator memory on GPU; peak resident set size of the process on CPU."""
+    """Peak allocator memory on GPU; peak resident set size of the process on CPU (since the last
+    ``reset_process_peak``, on Linux)."""
     if device is not None and device.type == "cuda":
         return {"max_allocated_bytes": torch.cuda.max_memory_allocated(device),
                 "max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+    hwm = _vm_hwm_bytes()
+    if hwm is not None:
+        return {"peak_rss_bytes": hwm}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"peak_rss_bytes": rss if sys.platform == "darwin" else rss * 1024}  # Linux reports KiB
+
+
+def reset_process_peak(device: torch.device | None = None) -> str:
+    """Start the peak over: what training needs, not what building (and profiling) the model needed.
+
+    Returns what the peak now measures, for the run's summary.
+    """
+    if device is not None and device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return "allocator peak since the model was built"
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # Linux >= 4.0: reset VmHWM to the current RSS
+        return "resident-set peak since the model was built"
+    except OSError:
+        return "resident-set peak of the whole process (this kernel cannot reset it)"
 
 
 class SavedActivationMeter:

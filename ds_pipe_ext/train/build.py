@@ -40,6 +40,8 @@ class Built:
     sink: object = None
     recorder: object = None  # data-parallel runs with instrumentation: instrument.data_parallel
     grad_norms: list[float] = field(default_factory=list)
+    peak_measure: str = ""  # what "peak memory" means in this run (instrument.memory.reset_process_peak)
+    cap_measure: str = ""  # what train.memory_cap_gib is compared with (trainer.rank_peak_bytes)
 
 
 def parallel_dims(cfg: RunConfig, model_cfg: GPTConfig, world: int) -> ParallelDims:
@@ -261,6 +263,14 @@ def build(cfg: RunConfig) -> Built:
 
         unwrap_optimizer(engine.optimizer).register_step_pre_hook(
             lambda *_: built.grad_norms.append(global_grad_norm(model, dims)))
+    from ..instrument.memory import reset_process_peak
+
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    built.peak_measure = reset_process_peak(device)
+    if cfg.train.memory_cap_gib is not None:
+        built.cap_measure = ("allocator peak" if device.type == "cuda" else
+                             "tensors held: model states at the optimizer step + saved-activation peak")
     built.data = token_stream(cfg.train.data, vocab=model_cfg.vocab_size, micro_batch=cfg.micro_batch,
                               seq=model_cfg.seq_len, seed=cfg.train.seed, dp_rank=built.dp_rank, dp=dims.dp,
                               position=built.start_step * cfg.grad_accum)

@@ -37,9 +37,10 @@ class TrainSection(ConfigModel):
     keep_last: int = Field(2, ge=1)  # complete checkpoints kept; older ones are deleted
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
     log: Literal["auto", "progress", "json"] = "auto"  # auto: a progress bar on a terminal, JSON lines otherwise
-    # per-rank memory cap: after every step each rank compares its peak (resident set on CPU,
-    # allocator peak on GPU) with it; above it, every rank stops after that step and the run
-    # reports "oom" with what it measured (a real, safe OOM on CPU; `ds-pipe-ext compare` uses it)
+    # per-rank memory cap: after every step each rank compares its peak with it (allocator peak on
+    # GPU; on CPU the tensors it held, counted by the instrumentation, which it therefore needs);
+    # above it, every rank stops after that step and the run reports "oom" with what it measured
+    # (a safe OOM on CPU; `ds-pipe-ext compare` uses it)
     memory_cap_gib: float | None = Field(None, gt=0)
 
 
@@ -144,6 +145,11 @@ def build_run_config(ds: dict, *, train: dict | None = None, pipeline: dict | No
             merged["activation_checkpoint_interval"] = 1
         pipe_cfg = parse_section(PipelineSettings, merged, "pipeline")
         ds["pipeline"] = merged
+    instrumented = (pipe_cfg.instrument.enabled if pipe_cfg is not None
+                    else bool({**(instrument_section or {}), **(instrument or {})}.get("enabled")))
+    if train_cfg.memory_cap_gib is not None and not instrumented:
+        raise ConfigError("train.memory_cap_gib counts the tensors each rank holds, which the instrumentation "
+                          "records: turn it on (train.py --instrument RUN_DIR)")
     if tp_cfg.sequence_parallel and tp_cfg.size == 1:
         raise ConfigError("tensor_parallel.sequence_parallel = true needs tensor_parallel.size > 1")
     dp_instrument = _merge(instrument_section, (instrument or {}) if pipe_cfg is None else {}, "instrument")

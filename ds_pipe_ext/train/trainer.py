@@ -50,12 +50,19 @@ def data_parallel_step(built: Built) -> float:
     return mean
 
 
-def over_memory_cap(cap_gib: float, device: torch.device) -> dict | None:
-    """Collective: every rank's peak so far; the heaviest rank's when it exceeds the cap, else None."""
-    from ..instrument.memory import process_peak_bytes
+def rank_peak_bytes(built: Built) -> int:
+    """What the memory cap is compared with: the allocator's peak on GPU; on CPU the tensors this rank
+    held at its peak (model states at the optimizer step + saved activations, from the instrumentation),
+    because a CPU process's resident set mostly measures libraries and allocator slack."""
+    device = _device(built)
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    last = built.sink.records[-1]
+    return int(sum(last[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes")))
 
-    peaks = process_peak_bytes(device)
-    mine = peaks.get("max_allocated_bytes", peaks.get("peak_rss_bytes", 0))
+
+def over_memory_cap(cap_gib: float, mine: int) -> dict | None:
+    """Collective: every rank's peak; the heaviest rank's when it exceeds the cap, else None."""
     everyone = torch.zeros(dist.get_world_size(), dtype=torch.float64)
     everyone[dist.get_rank()] = mine
     dist.all_reduce(everyone)  # a sum of one-hot rows: every rank's peak, on every rank
@@ -63,8 +70,7 @@ def over_memory_cap(cap_gib: float, device: torch.device) -> dict | None:
     cap = cap_gib * 2**30
     if everyone[rank] <= cap:
         return None
-    return {"rank": rank, "peak_bytes": int(everyone[rank]), "cap_bytes": int(cap),
-            "measure": "allocator peak" if "max_allocated_bytes" in peaks else "resident set (RSS) peak"}
+    return {"rank": rank, "peak_bytes": int(everyone[rank]), "cap_bytes": int(cap)}
 
 
 class Trainer:
@@ -107,9 +113,9 @@ class Trainer:
             for hook in self.hooks:
                 hook(step, loss)
             if cfg.train.memory_cap_gib is not None:
-                self.oom = over_memory_cap(cfg.train.memory_cap_gib, _device(self.built))
+                self.oom = over_memory_cap(cfg.train.memory_cap_gib, rank_peak_bytes(self.built))
                 if self.oom is not None:  # every rank got the same answer: all stop here, together
-                    self.oom["after_step"] = step
+                    self.oom.update(after_step=step, measure=self.built.cap_measure)
                     if self.built.rank == 0:
                         print(f"ds_pipe_ext: memory cap exceeded: rank {self.oom['rank']} peaked at "
                               f"{self.oom['peak_bytes'] / 2**30:.3f} GiB ({self.oom['measure']}) > "
@@ -122,7 +128,8 @@ class Trainer:
             self.built.sink.gather()  # collective: rank 0 writes RUN_DIR/summary.json
             self.built.sink.close()
         return {**summarize(self.built, self.losses, self.step_times), "status": "oom" if self.oom else "ok",
-                "oom": self.oom, "memory_cap_gib": cfg.train.memory_cap_gib}
+                "oom": self.oom, "memory_cap_gib": cfg.train.memory_cap_gib,
+                "peak_measure": self.built.peak_measure, "cap_measure": self.built.cap_measure}
 
 
 def _device(built: Built) -> torch.device:
