@@ -24,6 +24,10 @@ install: $(STAMP)
 demo: install
 	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/deepspeed --num_gpus 4 train.py --deepspeed_config ds.json --steps 5
 	$(VENV)/bin/ds-pipe-ext partition --model tiny --stages 4 --micro-batch 4 --micro-batches 4
+	@echo; echo "== the plugin's point: the profiled pipeline against DeepSpeed's uniform split and ZeRO-3 (2 ranks)"
+	rm -rf runs/demo-compare
+	PATH=$(abspath $(VENV))/bin:$$PATH launch_scripts/compare_zero3.sh 2 compare-cpu --micro-batch 8 --steps 3 \
+		--out runs/demo-compare --png runs/demo-compare/compare.png
 
 test: install
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -q --durations=15 tests
