@@ -25,6 +25,16 @@ DeepSpeed ``runtime/pipe/engine.py`` (``PipelineEngine``), in ``compat.instructi
 DeepSpeed optimizer wrappers (ZeRO, fp16), in ``compat.optimizer``:
     ``.optimizer``       the wrapped torch optimizer
 
+DeepSpeed ZeRO optimizers (``runtime/zero/stage_1_and_2.py``, ``stage3.py``), in ``compat.zero``:
+    ``ds_tensor``        a ZeRO-3 parameter's partition
+    ``grads_in_partition``, ``ipg_buffer``, ``grad_partitions_flat_buffer``, ``averaged_gradients``
+                         ZeRO's gradient buffers (counted when present)
+
+DeepSpeed ``deepspeed.comm`` (public functions, replaced on the package while instrumenting a
+data-parallel run), in ``compat.comm``:
+    ``all_reduce``, ``reduce``, ``reduce_scatter_fn``, ``reduce_scatter_tensor``, ``allgather_fn``,
+    ``all_gather_into_tensor``, ``all_gather``
+
 DeepSpeed ``comm/torch.py``, in ``compat.cpu_shims``:
     ``build_shm_op``     the JIT build of the shared-memory op, skipped on CPU
 
