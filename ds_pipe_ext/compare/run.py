@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,7 +247,3 @@ def model_state_error_pct(rows: list[dict]) -> float:
                 if r["measured"][k]:
                     errors.append(100 * abs(r["predicted"][k] - r["measured"][k]) / r["measured"][k])
     return max(errors)
-
-
-def median_ratio(a: list[float], b: list[float]) -> float:
-    return statistics.median(x / y for x, y in zip(a, b))

@@ -12,16 +12,6 @@ from ..compat.optimizer import unwrap_optimizer
 from ..compat.zero import held_model_state_bytes
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def model_state_bytes(module: torch.nn.Module, optimizer) -> dict[str, int]:
-    """Parameter, gradient and optimizer-state bytes this rank holds, counted from the tensors
-    (ZeRO's flat buffers, padding and fp32 master copies included: ``compat.zero``)."""
-    return held_model_state_bytes(module, optimizer)
-
-
 class ModelStateProbe:
     """Counts the model states when they are complete, around every step of the inner optimizer:
     gradients just before it (reduced, not yet freed), parameters and optimizer states just after it

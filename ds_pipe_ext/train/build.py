@@ -40,6 +40,7 @@ class Built:
     sink: object = None
     recorder: object = None  # data-parallel runs with instrumentation: instrument.data_parallel
     grad_norms: list[float] = field(default_factory=list)
+    device: torch.device = torch.device("cpu")  # where this rank's parameters live
     peak_measure: str = ""  # what "peak memory" means in this run (instrument.memory.reset_process_peak)
     cap_measure: str = ""  # what train.memory_cap_gib is compared with (trainer.rank_peak_bytes)
 
@@ -266,10 +267,11 @@ def build(cfg: RunConfig) -> Built:
     from ..instrument.memory import reset_process_peak
 
     first = next(iter(model.parameters()), None)
-    device = first.device if first is not None else torch.device("cpu")
-    built.peak_measure = reset_process_peak(device)
+    if first is not None:
+        built.device = first.device
+    built.peak_measure = reset_process_peak(built.device)
     if cfg.train.memory_cap_gib is not None:
-        built.cap_measure = ("allocator peak" if device.type == "cuda" else
+        built.cap_measure = ("allocator peak" if built.device.type == "cuda" else
                              "tensors held: model states at the optimizer step + saved-activation peak")
     built.data = token_stream(cfg.train.data, vocab=model_cfg.vocab_size, micro_batch=cfg.micro_batch,
                               seq=model_cfg.seq_len, seed=cfg.train.seed, dp_rank=built.dp_rank, dp=dims.dp,

@@ -54,9 +54,8 @@ def rank_peak_bytes(built: Built) -> int:
     """What the memory cap is compared with: the allocator's peak on GPU; on CPU the tensors this rank
     held at its peak (model states at the optimizer step + saved activations, from the instrumentation),
     because a CPU process's resident set mostly measures libraries and allocator slack."""
-    device = _device(built)
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+    if built.device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(built.device))
     last = built.sink.records[-1]
     return int(sum(last[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes")))
 
@@ -130,11 +129,6 @@ class Trainer:
         return {**summarize(self.built, self.losses, self.step_times), "status": "oom" if self.oom else "ok",
                 "oom": self.oom, "memory_cap_gib": cfg.train.memory_cap_gib,
                 "peak_measure": self.built.peak_measure, "cap_measure": self.built.cap_measure}
-
-
-def _device(built: Built) -> torch.device:
-    first = next(iter(built.engine.module.parameters()), None)
-    return first.device if first is not None else torch.device("cpu")
 
 
 def summarize(built: Built, losses: list[float], step_times: list[float]) -> dict:
