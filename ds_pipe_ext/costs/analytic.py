@@ -87,8 +87,13 @@ class OpCost:
     comm_type: str = ""  # all-reduce | all-gather | reduce-scatter | all-gather+reduce-scatter
     recompute: bool = False  # dropped from saved activations under selective recompute
     gemm_dim: float = 0.0  # a GEMM's smaller weight dimension on this rank (kernels fill the device less when small)
+    # sizes of the large buffers the op allocates (outputs forward; input and weight gradients backward):
+    # on a CPU each one above the allocator's mmap threshold arrives as fresh pages (see DeviceSpec)
+    fwd_allocs: tuple = ()
+    bwd_allocs: tuple = ()
 
     def __add__(self, other: "OpCost") -> "OpCost":
+        # numbers add; allocation lists concatenate
         num = {f.name: getattr(self, f.name) + getattr(other, f.name)
                for f in fields(self) if f.name not in ("name", "kind", "comm_type", "recompute", "gemm_dim")}
         return OpCost(name=self.name, kind=self.kind, comm_type=self.comm_type, **num)
@@ -109,6 +114,7 @@ def linear(name: str, tokens: float, k: int, n: int, shp: Shape, *, bias: bool =
         fwd_bytes=(tokens * k + tokens * n) * shp.e + w,
         bwd_bytes=(2 * tokens * n + 2 * tokens * k) * shp.e + 2 * w,
         activation_bytes=saved * shp.e, weight_bytes=w, gemm_dim=float(min(k, n)),
+        fwd_allocs=(tokens * n * shp.e,), bwd_allocs=(tokens * k * shp.e, w),
     )
 
 
@@ -129,16 +135,18 @@ def qkv(shp: Shape) -> OpCost:
 def attention_logits(shp: Shape) -> OpCost:
     """Q K^T per head: 2*b*s*s*h/t FLOPs; saves Q and K (4sbh/t at 16-bit)."""
     flops = 2.0 * shp.b * shp.s * shp.s * shp.h / shp.t
+    scores = shp.a * shp.s * shp.s * shp.b / shp.t * shp.e
     return OpCost("logits", "attention", fwd_flops=flops, bwd_flops=2 * flops,
-                  fwd_bytes=(2 * shp.sbh / shp.t + shp.a * shp.s * shp.s * shp.b / shp.t) * shp.e,
-                  activation_bytes=2 * shp.sbh / shp.t * shp.e)
+                  fwd_bytes=2 * shp.sbh / shp.t * shp.e + scores,
+                  activation_bytes=2 * shp.sbh / shp.t * shp.e, fwd_allocs=(scores,))
 
 
 def softmax(shp: Shape) -> OpCost:
     """Saves its output: a*s*s*b/t elements (2as^2b/t at 16-bit); recomputed under selective recompute."""
     n = shp.a * shp.s * shp.s * shp.b / shp.t
     return OpCost("softmax", "vector", fwd_flops=5.0 * n, bwd_flops=4.0 * n, fwd_bytes=2 * n * shp.e,
-                  bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e, recompute=True)
+                  bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e, recompute=True,
+                  fwd_allocs=(n * shp.e,), bwd_allocs=(n * shp.e,))
 
 
 def dropout(name: str, elems: float, shp: Shape, *, recompute: bool = False) -> OpCost:
@@ -158,7 +166,8 @@ def attend(shp: Shape) -> list[OpCost]:
     flops = 2.0 * shp.b * shp.s * shp.s * shp.h / shp.t
     probs = shp.a * shp.s * shp.s * shp.b / shp.t
     return [OpCost("attend", "attention", fwd_flops=flops, bwd_flops=2 * flops,
-                   fwd_bytes=(probs + 2 * shp.sbh / shp.t) * shp.e, activation_bytes=shp.sbh / shp.t * shp.e),
+                   fwd_bytes=(probs + 2 * shp.sbh / shp.t) * shp.e, activation_bytes=shp.sbh / shp.t * shp.e,
+                   bwd_allocs=(probs * shp.e,)),
             OpCost("attend_saved_probs", "attention", activation_bytes=probs * shp.e if shp.dropout else 0.0,
                    recompute=True)]
 
@@ -223,7 +232,8 @@ def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
     # backward: the gradient of the whole (V/t x h) table is zeroed and written (dense in torch/Megatron),
     # which on small batches costs far more than the rows actually looked up
     ops = [OpCost("word_embedding", "vector", fwd_bytes=2 * out * shp.e, bwd_bytes=2 * out * shp.e + 2 * table,
-                  activation_bytes=shp.tokens * 8 + (shp.s * 8 if positions else 0), weight_bytes=rows * shp.h * shp.e)]
+                  activation_bytes=shp.tokens * 8 + (shp.s * 8 if positions else 0), weight_bytes=rows * shp.h * shp.e,
+                  fwd_allocs=(out * shp.e,), bwd_allocs=(table,))]
     if shp.t > 1:
         # Megatron's vocab-parallel lookup also keeps a bool mask of the tokens outside this rank's rows
         ops[0] = replace(ops[0], comm_fwd_bytes=out * shp.e, activation_bytes=ops[0].activation_bytes + shp.tokens,
@@ -264,9 +274,12 @@ def lm_head(shp: Shape) -> list[OpCost]:
     head = _tp_entry_comm(head, shp)
     logits = shp.tokens * -(-shp.V // shp.t)
     # log-softmax over fp32 logits: a max pass, an exp-sum pass, then read and write the result
-    # (4 passes); backward reads the saved probabilities and the logits' grad is written (3 passes)
+    # (4 passes); backward reads the saved probabilities and the logits' grad is written (3 passes).
+    # It allocates the log-probabilities forward; backward, the loss's dense gradient of them and
+    # the logits' gradient
     xent = OpCost("cross_entropy", "vector", fwd_flops=5.0 * logits, bwd_flops=2.0 * logits,
                   fwd_bytes=4 * logits * 4, bwd_bytes=3 * logits * 4, activation_bytes=logits * 4,
+                  fwd_allocs=(logits * 4,), bwd_allocs=(logits * 4, logits * 4),
                   comm_fwd_bytes=3 * shp.tokens * 4 if shp.t > 1 else 0.0,
                   comm_type="all-reduce" if shp.t > 1 else "")
     return [layer_norm("ln_f", shp), head, xent]
@@ -286,22 +299,3 @@ def matmul_flops_per_iteration(*, B: int, s: int, L: int, h: int, V: int) -> flo
     """Narayanan et al. 2021: 72*B*s*L*h^2 * (1 + s/(6h) + V/(12hL)) (fwd + bwd, no recompute)."""
     return 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
 
-
-def zero_model_state_bytes(params: int, dp: int, stage: int, *, largest_layer_params: int = 0) -> int:
-    """Model-state bytes per data-parallel rank under ZeRO ``stage`` (0-3), as DeepSpeed estimates them.
-
-    Stage 2: 2*P + 18*P/dp; stage 3: 4*largest_layer + 18*P/dp (DeepSpeed's estimators,
-    no offload).  Stage 1 partitions fp32 params + Adam states (12 B) and keeps 16-bit
-    params/grads and fp32 grads (8 B); stage 0 keeps all 20 B per parameter.
-    """
-    if stage not in (0, 1, 2, 3):
-        raise AnalyticError(f"ZeRO stage {stage!r}: use 0, 1, 2 or 3")
-    if dp < 1 or params < 0:
-        raise AnalyticError("dp must be >= 1 and params >= 0")
-    if stage == 0:
-        return 20 * params
-    if stage == 1:
-        return 8 * params + int(12 * params / dp)
-    if stage == 2:
-        return 2 * params + int(18 * params / dp)
-    return 4 * largest_layer_params + int(18 * params / dp)  # 4*largest: the gathered 16-bit layer + its grads

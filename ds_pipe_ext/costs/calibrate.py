@@ -29,6 +29,8 @@ def _layer_time(ops: list[OpCost], device: DeviceSpec, dtype: str, backward: boo
         moved = op.bwd_bytes if backward else op.fwd_bytes
         peak = device.vector_flops[dtype] if op.kind == "vector" else device.matrix_flops[dtype]
         total = total + np.maximum(flops / (peak * eff[op.kind]), moved / (device.hbm_bandwidth * eff["memory"]))
+        # page faults are measured, not fitted
+        total = total + device.fresh_alloc_time(op.bwd_allocs if backward else op.fwd_allocs)
     return total
 
 

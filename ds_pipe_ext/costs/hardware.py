@@ -35,6 +35,17 @@ class DeviceSpec:
     # GEMMs with a small weight dimension d (h/t under TP) fill the device less: matrix efficiency
     # x d / (d + matrix_half_dim); 0 leaves it flat.  Fitted on published runs (bench/calibrate_at_scale.py).
     matrix_half_dim: float = 0.0
+    # A CPU's allocator (glibc) maps every block above its mmap threshold afresh and returns it on
+    # free, so each such buffer pays a page fault per page, every step; GPUs' caching allocators
+    # reuse memory (0: no such cost).  Measured by ``measure_cpu``.
+    fresh_page_bandwidth: float = 0.0  # bytes/s of first touches
+    fresh_alloc_min_bytes: float = 32 * 2**20  # glibc's largest dynamic mmap threshold (64-bit)
+
+    def fresh_alloc_time(self, sizes) -> float:
+        """Seconds of page faults for buffers of these sizes (bytes)."""
+        if not self.fresh_page_bandwidth:
+            return 0.0
+        return sum(b for b in sizes if b > self.fresh_alloc_min_bytes) / self.fresh_page_bandwidth
 
     def op_time(self, op: OpCost, *, dtype: str, tp: int, backward: bool = False) -> dict:
         """Roofline: max(compute, memory) plus the op's TP collective (ring formulas)."""
@@ -47,7 +58,9 @@ class DeviceSpec:
         memory = moved / (self.hbm_bandwidth * self.memory_efficiency)
         comm_bytes = op.comm_bwd_bytes if backward else op.comm_fwd_bytes
         comm = ring_time(comm_bytes, op.comm_type, tp, self.link_bandwidth(tp) * self.comm_efficiency)
-        return {"compute_s": compute, "memory_s": memory, "comm_s": comm, "time_s": max(compute, memory) + comm,
+        fresh = self.fresh_alloc_time(op.bwd_allocs if backward else op.fwd_allocs)
+        return {"compute_s": compute, "memory_s": memory, "comm_s": comm, "fresh_s": fresh,
+                "time_s": max(compute, memory) + fresh + comm,
                 "intensity": flops / moved if moved else float("inf")}
 
     def efficiency(self, kind: str, gemm_dim: float = 0.0) -> float:
@@ -90,35 +103,47 @@ ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm"}
 
 
 def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float = 0.5) -> DeviceSpec:
-    """A 'cpu' spec from a short fp32 matmul and copy micro-benchmark (cached per thread count)."""
+    """A 'cpu' spec from short fp32 micro-benchmarks (cached per thread count and mmap threshold).
+
+    matmul: 1024^3 GEMMs.  Memory bandwidth: a copy between two warm 64 MiB buffers (beyond the
+    caches).  Vector peak: an add on warm 128 KiB buffers (cache-resident, so it measures the
+    arithmetic, not the memory traffic the roofline charges separately).  First touches: filling a
+    freshly allocated 64 MiB buffer (above glibc's mmap threshold, so new pages each time) against
+    filling a warm one; the difference is the page faults.
+    """
     import torch
 
     threads = torch.get_num_threads()
-    path = Path(cache_dir) / f"cpu-spec-{threads}threads.json" if cache_dir else None
+    mmap_min = float(os.environ.get("MALLOC_MMAP_THRESHOLD_", 32 * 2**20))  # glibc: fixed if set, else <= 32 MiB
+    path = Path(cache_dir) / f"cpu-spec-v2-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
     if path is not None and path.exists():
         try:
             return DeviceSpec(**json.loads(path.read_text()))
         except (TypeError, ValueError):
             pass  # corrupt: measure again
 
-    def rate(fn, work):
+    def seconds_per_call(fn):
         fn()
         n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds / 2:
+        while time.perf_counter() - t0 < seconds / 4:
             fn()
             n += 1
-        return n * work / (time.perf_counter() - t0)
+        return (time.perf_counter() - t0) / n
 
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    mm = rate(lambda: a @ b, 2 * 1024**3)
+    mm = 2 * 1024**3 / seconds_per_call(lambda: a @ b)
     x = torch.empty(16 * 2**20)  # 64 MiB: beyond the caches
     y = torch.empty_like(x)
-    bw = rate(lambda: y.copy_(x), 2 * x.numel() * 4)
-    vec = rate(lambda: torch.add(x, y, out=y), x.numel())
+    bw = 2 * x.nbytes / seconds_per_call(lambda: y.copy_(x))
+    small, small_out = torch.ones(32 * 2**10), torch.ones(32 * 2**10)  # 128 KiB each: cache-resident
+    vec = small.numel() / seconds_per_call(lambda: torch.add(small, small_out, out=small_out))
+    warm = seconds_per_call(lambda: y.fill_(1.0))
+    fresh = seconds_per_call(lambda: torch.empty_like(x).fill_(1.0))
+    faults = x.nbytes / max(fresh - warm, 1e-9)
     ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     spec = DeviceSpec("cpu", {"fp32": mm, "bf16": mm}, {"fp32": vec, "bf16": vec}, bw, bw, bw, ram, gpus_per_node=1,
                       matrix_efficiency=1.0, attention_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0,
-                      comm_efficiency=1.0)
+                      comm_efficiency=1.0, fresh_page_bandwidth=faults, fresh_alloc_min_bytes=mmap_min)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(spec)))
