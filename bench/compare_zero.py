@@ -1,12 +1,15 @@
 """Pipeline (profiled, uniform) against ZeRO-3 for bench-cpu: throughput on 2 ranks, memory on 4.
 
-    python bench/compare_zero.py [--model bench-cpu] [--rounds 2] [--micro-batch 1] [--out runs/bench-compare]
+    python bench/compare_zero.py [--model bench-cpu] [--rounds 2] [--micro-batch 4] [--out runs/bench-compare]
 
 Throughput: 2 ranks (one core each, so no rank time-slices another's core), the three
 configurations launched in alternating order (A B C, then B C A, ...) for ``--rounds`` rounds,
-each round in its own directory; a ratio is taken within a round and the median over rounds
-is quoted with its spread.  Memory: 4 ranks, one launch per configuration (the model-state bytes
-are deterministic; the bench checks them against the prediction on every rank of every row).
+each round in its own directory, with glibc's default malloc as in training; a ratio is taken
+within a round and the median over rounds is quoted with its spread.  Memory: 4 ranks at
+``--memory-micro-batch``, one 2-step launch per configuration with ``--compact-malloc`` (the
+model-state bytes are deterministic; the bench checks them against the prediction on every rank
+of every row).  Micro-batch 4 is the spine bench's (bench/partition_speedup.py); at micro-batch 1
+a 4-micro-batch step is a third optimizer step, which no partition balances.
 Nothing here is calibrated: the memory predictions are DeepSpeed's allocation rules and the
 analytic activation model, and no measured run feeds them.
 
@@ -28,10 +31,11 @@ THROUGHPUT = ["pipe-profiled-pp2-dp1-z0", "pipe-uniform-pp2-dp1-z0", "zero3"]
 MEMORY = ["pipe-*-z0", "zero1", "zero2", "zero3"]
 
 
-def compare(model: str, world: int, configs: list[str], out: Path, micro_batch: int, steps: int) -> list[dict]:
+def compare(model: str, world: int, configs: list[str], out: Path, micro_batch: int, steps: int,
+            *extra: str) -> list[dict]:
     cmd = [str(Path(sys.executable).with_name("ds-pipe-ext")), "compare", "--model", model, "--world", str(world),
            "--micro-batch", str(micro_batch), "--steps", str(steps), "--out", str(out), "--json",
-           "--configs", *configs]
+           *extra, "--configs", *configs]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"compare failed:\n{proc.stderr[-3000:]}")
@@ -42,7 +46,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="bench-cpu")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--micro-batch", type=int, default=4, help="throughput runs")
+    ap.add_argument("--memory-micro-batch", type=int, default=1, help="memory runs")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="runs/bench-compare")
     args = ap.parse_args()
@@ -67,7 +72,7 @@ def main() -> None:
     print(f"profiled / uniform per round: {[round(x, 3) for x in vs_uniform]} "
           f"(median {statistics.median(vs_uniform):.3f}, spread {min(vs_uniform):.3f}-{max(vs_uniform):.3f})")
 
-    memory_rows = compare(args.model, 4, MEMORY, out / "memory-w4", args.micro_batch, 2)
+    memory_rows = compare(args.model, 4, MEMORY, out / "memory-w4", args.memory_micro_batch, 2, "--compact-malloc")
     print("\nmemory on 4 ranks (predicted, never calibrated):")
     print(render_rows(memory_rows))
     throughput_rows = [json.loads((out / f"throughput-round{k}" / "rows" / f"{n}.json").read_text())

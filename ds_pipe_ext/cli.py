@@ -186,7 +186,8 @@ def cmd_compare(args) -> int:
     out = Path(args.out or f"runs/compare-{model_cfg.name}-w{args.world}")
     cpu_only = not torch.cuda.is_available()
     comparison = Comparison(out, model=model, model_cfg=model_cfg, shape=model_shape(model_cfg), steps=args.steps,
-                            memory_cap_gib=args.memory_cap_gib, launcher=DeepSpeedLauncher(timeout=args.timeout),
+                            memory_cap_gib=args.memory_cap_gib,
+                            launcher=DeepSpeedLauncher(timeout=args.timeout, compact_malloc=args.compact_malloc),
                             cpu_only=cpu_only)
     done = [c.name for c in configs if comparison.row_path(c).is_file()]
     if done:
@@ -203,7 +204,8 @@ def cmd_compare(args) -> int:
     emit(f"{model_cfg.name}: {len(rows)} configurations on {args.world} ranks, {args.steps} steps each "
          f"(samples/s: median of steps 2..{args.steps})")
     emit(render.render_rows(rows))
-    for line in render.notes(rows, world=args.world, cores=os.cpu_count(), cpu_only=cpu_only):
+    for line in render.notes(rows, world=args.world, cores=os.cpu_count(), cpu_only=cpu_only,
+                             compact_malloc=args.compact_malloc):
         emit(f"  - {line}")
     emit(f"wrote {out / 'rows.json'} and {png}")
     return 0
@@ -219,6 +221,7 @@ def cmd_estimate_compare(args) -> int:
     from .costs.hardware import get_device
     from .models.config import load_model_config
     from .compare.predict import predicted_ranks
+    from .compat.zero import deepspeed_estimate_bytes
     from .partition.methods import decide_offline
     from .partition.report import render_table
 
@@ -247,10 +250,14 @@ def cmd_estimate_compare(args) -> int:
                 st["total_bytes"] -= st["optimizer_bytes"] + st["param_bytes"]
                 st["optimizer_bytes"] = st["param_bytes"] = 0
         worst = max(stages, key=lambda st: st["total_bytes"])
+        # DeepSpeed's own model-state estimate, beside ours (its estimators assume 16-bit, no pipeline)
+        ds_estimate = (deepspeed_estimate_bytes(shape.params, shape.largest_module_params, dp=c.dp, stage=c.zero)
+                       if c.kind != "pipeline" and not c.offload and c.tp == 1 and args.dtype != "fp32" else None)
         rows.append({"config": c.name if c.method != "profiled" else c.name.replace("profiled", "analytic"),
                      **c.to_dict(), "parts": parts, "stages": stages, "heaviest_stage": worst["stage"],
                      "predicted_bytes": {k: worst[k] for k in KINDS},
                      "predicted_peak_memory_bytes": worst["total_bytes"],
+                     "deepspeed_estimate_model_state_bytes": ds_estimate,
                      "status": "oom" if worst["total_bytes"] > device.memory_bytes else "fits"})
     if args.json:
         emit(json.dumps({"model": cfg.name, "device": device.name, "device_memory_bytes": device.memory_bytes,
@@ -269,6 +276,13 @@ def cmd_estimate_compare(args) -> int:
     emit("  - per rank: model states by DeepSpeed's allocation rules for this precision (ZeRO-1/2/3 divide them "
          "over dp), activations for one micro-batch x the stage's 1F1B in-flight count; 'analytic' rows are split "
          "by the analytic min-max partition; zero3-offload keeps its states in CPU memory")
+    for r in rows:
+        if r["deepspeed_estimate_model_state_bytes"] is not None:
+            ours = sum(r["predicted_bytes"][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
+            emit(f"  - {r['config']}: model states {ours / gib:.2f} GiB here, "
+                 f"{r['deepspeed_estimate_model_state_bytes'] / gib:.2f} GiB by DeepSpeed's estimate_zero"
+                 f"{r['zero']}_model_states_mem_needs (it counts a 16-bit gradient partition under ZeRO-2, the "
+                 f"largest module in 32 bits under ZeRO-3)")
     return 0
 
 
@@ -342,8 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tp", type=int, default=1, help="tensor parallelism inside every configuration")
     c.add_argument("--steps", type=int, default=4, help="steps per launch (the first is warm-up, not timed)")
     c.add_argument("--memory-cap-gib", type=float, default=None,
-                   help="per-rank cap: a configuration above it is an OOM row (on CPU: its RSS peak, checked "
-                        "after every step)")
+                   help="per-rank cap: a configuration above it is an OOM row (checked after every step against "
+                        "the allocator peak on GPU, the tensors the rank holds on CPU)")
+    c.add_argument("--compact-malloc", action="store_true",
+                   help="CPU: have glibc return every block above 128 KiB at once, so the RSS column follows "
+                        "the tensors held; every large allocation then pays its page faults each step "
+                        "(slower: for memory runs, not throughput)")
     c.add_argument("--configs", nargs="*", default=None, help="only these configurations (shell patterns, e.g. 'pipe-*' zero3)")
     c.add_argument("--find-max-micro-batch", action="store_true",
                    help="also search each configuration's largest micro-batch under the cap (more launches)")

@@ -42,9 +42,16 @@ def test_zero_allocation_rules():
     assert zero_model_states(numels, dp=1, stage=0).to_dict() == \
         {"param_bytes": 72, "grad_bytes": 72, "optimizer_bytes": 144}
     # ZeRO-1/2: one flat buffer padded to a multiple of 2 * dp = 8 -> 24 elements, 6 per rank
-    z1 = zero_model_states(numels, dp=4, stage=1)
-    assert z1 == zero_model_states(numels, dp=4, stage=2)
+    z1 = zero_model_states(numels, dp=4, stage=1, rank=1)
+    assert z1 == zero_model_states(numels, dp=4, stage=2, rank=1)
     assert z1.to_dict() == {"param_bytes": 96, "grad_bytes": 24, "optimizer_bytes": 72}
+    # rank 0's partition [0, 6) lies inside the first parameter (10 elements): in fp32 its gradient is a
+    # view of that parameter's whole one; in 16-bit the fp32 conversion copies it.  None: the heaviest rank
+    assert zero_model_states(numels, dp=4, stage=1, rank=0).grad_bytes == 40
+    assert zero_model_states(numels, dp=4, stage=1).grad_bytes == 40
+    assert zero_model_states(numels, dp=4, stage=1, rank=0, element_bytes=2).grad_bytes == 24
+    with pytest.raises(ValueError, match="rank 4"):
+        zero_model_states(numels, dp=4, stage=1, rank=4)
     # ZeRO-3: each parameter padded to a multiple of dp: 3 + 2 + 1 = 6 elements per rank
     assert zero_model_states(numels, dp=4, stage=3).to_dict() == \
         {"param_bytes": 24, "grad_bytes": 48, "optimizer_bytes": 72}
@@ -52,6 +59,23 @@ def test_zero_allocation_rules():
     assert zero_model_states(numels, dp=4, stage=3, persistence_threshold=7).param_bytes == 24 + 4 * 8
     with pytest.raises(ValueError, match="ZeRO stage 4"):
         zero_model_states(numels, dp=2, stage=4)
+
+
+def test_zero_rules_against_deepspeed_estimates():
+    """DeepSpeed's estimators (16-bit, no offload) differ from the allocation rules by exactly the terms
+    costs.zero names: ZeRO-2 counts a 16-bit gradient partition not held at the step; ZeRO-3 adds the
+    largest module in 32 bits and leaves out the 16-bit reduced-gradient buffer."""
+    from ds_pipe_ext.compat.zero import deepspeed_estimate_bytes
+
+    shape = model_shape(load_model_config("tiny"))
+    numels = [n for layer in shape.layer_numels for n in layer]
+    n, dp, largest = shape.params, 4, shape.largest_module_params
+    assert n % (2 * dp) == 0 and all(k % dp == 0 for k in numels)  # no padding: the estimators have none
+    assert largest == max(numels)  # tiny's largest module is one weight matrix (the embedding)
+    ours = {stage: zero_model_states(numels, dp=dp, stage=stage, element_bytes=2).total_bytes for stage in (2, 3)}
+    assert deepspeed_estimate_bytes(n, largest, dp=dp, stage=2) - ours[2] == 2 * n // dp
+    assert deepspeed_estimate_bytes(n, largest, dp=dp, stage=3) - ours[3] == 4 * largest - 2 * n // dp
+    assert deepspeed_estimate_bytes(n, largest, dp=dp, stage=1) is None
 
 
 def test_model_shape_counts_every_parameter():
@@ -154,3 +178,23 @@ def test_compare_launches(tmp_path):
     (row,), _ = _compare("--configs", "pipe-uniform-*", "--find-max-micro-batch", out=out)
     assert row["max_micro_batch"] == {"fits": 2, "fails": 3, "tried": {"2": True, "3": False, "4": False}}
     assert sorted(p.name for p in (out / "search" / row["config"]).iterdir()) == ["mb3.json", "mb4.json"]
+
+
+def test_estimate_compare_is_the_memory_side_without_launches(capsys):
+    """`estimate --compare`: per-rank memory of every configuration from the analytic model, with
+    DeepSpeed's own estimate beside the ZeRO-2/3 rows, and OOM where the device is too small."""
+    from ds_pipe_ext.cli import main
+
+    assert main(["estimate", "--compare", "--model", "gpt3-175b", "--world", "64", "--tp", "8", "--micro-batch", "1",
+                 "--device", "a100-80gb", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["config"]: r for r in out["rows"]}
+    assert out["world"] == 64 and {r["global_batch"] for r in rows.values()} == {16}
+    # ZeRO-3 divides the parameters over dp 8 as well: a rank holds an eighth of ZeRO-1's (both tp-sharded)
+    z1, z3 = rows["zero1-tp8"]["predicted_bytes"], rows["zero3-tp8"]["predicted_bytes"]
+    assert z3["param_bytes"] == pytest.approx(z1["param_bytes"] / 8, rel=1e-3)
+    assert z3["optimizer_bytes"] == pytest.approx(z1["optimizer_bytes"], rel=1e-3)
+    # GPT-3 at micro-batch 1 without recompute: only offloading ZeRO-3's states fits in 80 GiB
+    assert [name for name, r in rows.items() if r["status"] == "fits"] == ["zero3-offload-tp8"]
+    assert rows["zero2-tp8"]["deepspeed_estimate_model_state_bytes"] is None  # DeepSpeed's estimate has no TP
+    assert [r["pp"] for r in rows.values() if r["kind"] == "pipeline"] == [8, 8, 4, 4, 4, 4, 2, 2, 2, 2]

@@ -29,6 +29,8 @@ class ModelShape:
     name: str
     layer_numels: list[list[int]]
     seq_len: int
+    largest_module_params: int = 0  # DeepSpeed's "largest layer" (one module's own parameters) for ZeRO-3
+
 
     @property
     def params(self) -> int:
@@ -41,9 +43,12 @@ def model_shape(model_cfg) -> ModelShape:
 
     with torch.device("meta"):
         layers = [spec.build() if hasattr(spec, "build") else spec for spec in gpt_layer_specs(model_cfg)]
+    modules = [layer for layer in layers if isinstance(layer, torch.nn.Module)]
     numels = [[p.numel() for p in layer.parameters()] if isinstance(layer, torch.nn.Module) else []
               for layer in layers]
-    return ModelShape(model_cfg.name, numels, model_cfg.seq_len)
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for layer in modules for m in layer.modules()),
+                  default=0)
+    return ModelShape(model_cfg.name, numels, model_cfg.seq_len, largest)
 
 
 def layer_activation_bytes(model_cfg, cfg: CompareConfig, *, dtype: str = "fp32") -> list[float]:
@@ -53,16 +58,22 @@ def layer_activation_bytes(model_cfg, cfg: CompareConfig, *, dtype: str = "fp32"
     return [c.activation_bytes for c in analytic_layer_costs(model_cfg, req, get_device("a100"))]
 
 
-def _states(numels: list[int], cfg: CompareConfig, element_bytes: int) -> dict[str, int]:
+def _states(numels: list[int], cfg: CompareConfig, element_bytes: int, dp_rank: int | None) -> dict[str, int]:
     # a TP rank holds 1/tp of each matrix; exact only at tp 1 (vectors are replicated, not split)
     shard = [max(1, n // cfg.tp) if cfg.tp > 1 and n > 1 else n for n in numels]
-    return zero_model_states(shard, dp=cfg.dp, stage=cfg.zero, element_bytes=element_bytes,
+    return zero_model_states(shard, dp=cfg.dp, stage=cfg.zero, element_bytes=element_bytes, rank=dp_rank,
                              persistence_threshold=int(ZERO_SETTINGS["stage3_param_persistence_threshold"])).to_dict()
 
 
+def data_parallel_rank(cfg: CompareConfig, rank: int) -> int:
+    """A global rank's data-parallel index: DeepSpeed's pipe x data (x model) topology, model fastest."""
+    return (rank // cfg.tp) % cfg.dp
+
+
 def predicted_ranks(cfg: CompareConfig, shape: ModelShape, activations: list[float], *,
-                    parts: list[int] | None = None, element_bytes: int = 4) -> list[dict]:
-    """One entry per pipeline stage (a data-parallel run is one stage): bytes by kind and in total."""
+                    parts: list[int] | None = None, element_bytes: int = 4, dp_rank: int | None = None) -> list[dict]:
+    """One entry per pipeline stage (a data-parallel run is one stage): bytes by kind and in total,
+    for data-parallel rank ``dp_rank`` (None: the heaviest)."""
     if cfg.kind == "pipeline":
         if parts is None:
             raise ValueError(f"{cfg.name}: a pipeline's prediction needs its partition (parts)")
@@ -74,11 +85,12 @@ def predicted_ranks(cfg: CompareConfig, shape: ModelShape, activations: list[flo
         for st in stage_costs(fake, parts, micro_batches=cfg.grad_accum):
             numels = [n for layer in shape.layer_numels[st.start:st.stop] for n in layer]
             rows.append({"stage": st.stage, "layers": [st.start, st.stop], "inflight": st.inflight,
-                         **_states(numels, cfg, element_bytes), "activation_bytes": int(st.activation_peak_bytes)})
+                         **_states(numels, cfg, element_bytes, dp_rank),
+                         "activation_bytes": int(st.activation_peak_bytes)})
     else:
         numels = [n for layer in shape.layer_numels for n in layer]
         rows = [{"stage": 0, "layers": [0, len(shape.layer_numels)], "inflight": 1,
-                 **_states(numels, cfg, element_bytes), "activation_bytes": int(sum(activations))}]
+                 **_states(numels, cfg, element_bytes, dp_rank), "activation_bytes": int(sum(activations))}]
     for r in rows:
         r["total_bytes"] = sum(r[k] for k in KINDS)
     return rows

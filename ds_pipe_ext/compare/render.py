@@ -46,7 +46,8 @@ def render_rows(rows: list[dict]) -> str:
     return "\n".join(render_table(headers, body))
 
 
-def notes(rows: list[dict], *, world: int, cores: int | None, cpu_only: bool) -> list[str]:
+def notes(rows: list[dict], *, world: int, cores: int | None, cpu_only: bool,
+          compact_malloc: bool = False) -> list[str]:
     out = []
     batches = sorted({r["global_batch"] for r in rows if r["status"] != "n/a"})
     out.append(f"every row trains global batch {batches[0]}" if len(batches) == 1
@@ -60,6 +61,11 @@ def notes(rows: list[dict], *, world: int, cores: int | None, cpu_only: bool) ->
                    "cleanly: that is an OOM row.  RSS MiB is the process's resident-set peak since the model was "
                    "built: ~0.5 GiB of Python, torch and DeepSpeed plus allocator slack, shown but not capped, "
                    "because at these sizes it varies more than the layouts differ")
+        out.append("malloc: compact (glibc returns blocks above 128 KiB at once, so RSS follows the tensors held, "
+                   "and every large allocation pays its page faults: samples/s are slower than in training)"
+                   if compact_malloc else
+                   "malloc: glibc's defaults, as in training (RSS includes what the allocator keeps after a free; "
+                   "--compact-malloc makes it follow the tensors, at the price of the step time)")
         if cores is not None and world > cores:
             out.append(f"{world} ranks time-slice {cores} cores: other ranks fill a pipeline's bubbles and ZeRO's "
                        f"collectives wait on descheduled ranks, so read these samples/s as memory runs; compare "

@@ -20,13 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .configs import CompareConfig, ds_config
-from .predict import KINDS, ModelShape, layer_activation_bytes, predicted_ranks
+from .predict import KINDS, ModelShape, data_parallel_rank, layer_activation_bytes, predicted_ranks
 
 OOM_EXIT = 3  # train.py's exit status when it stopped at train.memory_cap_gib
 # glibc keeps freed memory in its heaps, so a process's resident set says more about the
-# allocator's history than about the tensors alive; with large blocks mmap-ed and returned
-# at once, the resident-set peak follows what the rank really held
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_ARENA_MAX": "2"}
+# allocator's history than about the tensors alive; with every block above 128 KiB mmap-ed and
+# returned at once, the resident-set peak follows what the rank really held.  The price is a page
+# fault per page of every large allocation, every step (bench-cpu, micro-batch 1: 0.317 against
+# 0.356 samples/s), so this is for memory runs only (``--compact-malloc``); throughput runs keep
+# glibc's defaults.
+COMPACT_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_ARENA_MAX": "2"}
 OOM_TEXT = ("out of memory", "outofmemoryerror", "cannot allocate memory")
 
 
@@ -44,8 +47,8 @@ Launcher = Callable[[CompareConfig, dict, Path], LaunchResult]
 class DeepSpeedLauncher:
     """``deepspeed --num_gpus WORLD train.py --deepspeed_config DS --instrument RUN_DIR``."""
 
-    def __init__(self, *, timeout: int = 900):
-        self.timeout = timeout
+    def __init__(self, *, timeout: int = 900, compact_malloc: bool = False):
+        self.timeout, self.env = timeout, (COMPACT_MALLOC_ENV if compact_malloc else None)
 
     def __call__(self, cfg: CompareConfig, ds: dict, work: Path) -> LaunchResult:
         import subprocess
@@ -60,7 +63,7 @@ class DeepSpeedLauncher:
         run_dir = work / "run"
         try:
             proc, _ = launch(cfg.world, config, "--instrument", str(run_dir), out_dir=work, timeout=self.timeout,
-                             env=MALLOC_ENV)
+                             env=self.env)
             rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
         except subprocess.TimeoutExpired:
             rc, tail = 124, f"timed out after {self.timeout} s"
@@ -104,7 +107,9 @@ def build_row(cfg: CompareConfig, result: LaunchResult, shape: ModelShape, model
         predicted = predicted_ranks(cfg, shape, acts, parts=row["parts"])
     except ValueError:
         predicted = []  # a pipeline that stopped before it was partitioned: nothing to predict against
-    by_stage = {p["stage"]: p for p in predicted}
+    # ZeRO-1/2 in fp32 can differ between data-parallel ranks (costs.zero): predict each one's own
+    by_rank = {(d, p["stage"]): p for d in range(cfg.dp) if predicted
+               for p in predicted_ranks(cfg, shape, acts, parts=row["parts"], dp_rank=d)}
     row["ranks"] = []
     for r in sorted(ranks, key=lambda r: r["rank"]):
         measured = {k: int(r[k]) for k in ("param_bytes", "grad_bytes", "optimizer_bytes")}
@@ -112,7 +117,7 @@ def build_row(cfg: CompareConfig, result: LaunchResult, shape: ModelShape, model
         counted = sum(measured.values())
         row["ranks"].append({"rank": r["rank"], "stage": r["stage"], "measured": measured,
                              "peak_bytes": _peak(r, counted), "process_peak_bytes": r.get("peak_rss_bytes"),
-                             "predicted": by_stage.get(r["stage"])})
+                             "predicted": by_rank.get((data_parallel_rank(cfg, r["rank"]), r["stage"]))})
     if row["ranks"]:
         heaviest = max(row["ranks"], key=lambda r: r["peak_bytes"])
         row["heaviest_rank"] = heaviest["rank"]

@@ -68,3 +68,24 @@ def held_model_state_bytes(module: torch.nn.Module, optimizer) -> dict[str, int]
         seen.update(keys)
         out[kind] = sum(storages[k] for k in keys)
     return out
+
+
+def deepspeed_estimate_bytes(total_params: int, largest_module_params: int, *, dp: int, stage: int) -> int | None:
+    """DeepSpeed's own estimate of one rank's model-state bytes, for the cross-check of ``costs.zero``.
+
+    ``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs`` (what the
+    ``*_all_live`` helpers print), without offload, on one node of ``dp`` devices: 16-bit training only
+    (they count 2-byte parameters beside fp32 master weights), no padding, and ZeRO-3 adds the largest
+    module's parameters gathered in 32 bits as a working set.  ``None`` for ZeRO-0 and -1, which they
+    do not cover.
+    """
+    if stage == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        return int(estimate_zero2_model_states_mem_needs(total_params, num_gpus_per_node=dp, cpu_offload=False)[1])
+    if stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        return int(estimate_zero3_model_states_mem_needs(total_params, largest_module_params, num_gpus_per_node=dp,
+                                                         cpu_offload=False)[1])
+    return None

@@ -12,7 +12,11 @@ allocation rule (DeepSpeed 0.19, one parameter group, Adam):
   rank keeps all of it; each rank owns a partition of ``padded / dp`` elements with an
   fp32 master copy (a copy even when the model is fp32), the two moments and, at the
   step, its fp32 gradient.  Gradients are reduced in buckets during the backward pass
-  and the non-owned ones freed, so ZeRO-1 and ZeRO-2 hold the same at the step.
+  and the non-owned ones freed, so ZeRO-1 and ZeRO-2 hold the same at the step.  One
+  exception depends on the rank: in fp32, a partition that lies inside a single larger
+  parameter (a wide embedding over many ranks) gets its gradient as a view of that
+  parameter's whole gradient (``get_flat_partition`` flattens a one-tensor list without
+  copying), so that rank holds the whole gradient.
 - ZeRO-3 (``stage3.py``, ``partition_parameters.py``): each parameter is padded to a
   multiple of ``dp`` and split, so a rank holds ``sum(ceil(n_i / dp))`` elements of
   parameters, the same again of reduced gradients (``grad_partitions_flat_buffer``),
@@ -20,8 +24,16 @@ allocation rule (DeepSpeed 0.19, one parameter group, Adam):
   below ``stage3_param_persistence_threshold`` elements also stays whole on every
   rank; `ds-pipe-ext compare` writes the threshold into every ZeRO-3 config.
 
-16-bit training adds, per the same rules, fp32 master copies beside 16-bit
-parameters (the measured check covers fp32 training, which is what runs on CPU).
+16-bit training keeps 16-bit parameters beside the fp32 master copies, by the same rules;
+under ZeRO-3 its reduced-gradient buffer is 16-bit too.  Both precisions are measured:
+fp32 in `ds-pipe-ext compare` (tests/test_compare.py), bf16 on 2 CPU ranks under ZeRO-1/2/3
+in ``bench/zero_rules_16bit.py``.
+
+DeepSpeed's own estimators (``estimate_zero2/3_model_states_mem_needs``, cross-checked in
+tests/test_compare.py) assume 16-bit training and differ from these rules in two terms: ZeRO-2's
+counts a 16-bit gradient partition (2 bytes x N/dp) that is not held at the step, and ZeRO-3's adds
+a working set of the largest module in 32 bits (4 bytes x its parameters) and leaves out the
+16-bit reduced-gradient buffer (2 bytes x N/dp).
 """
 
 from __future__ import annotations
@@ -47,13 +59,26 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _partition_grad_elements(param_numels: list[int], lo: int, hi: int) -> int:
+    """Elements of fp32 gradient a ZeRO-1/2 rank holds for its partition [lo, hi) of the flat buffer."""
+    start = 0
+    for n in param_numels:
+        if start <= lo and hi <= start + n:  # inside one parameter: a view of its whole gradient
+            return n
+        start += n
+    return hi - lo
+
+
 def zero_model_states(param_numels: list[int], *, dp: int, stage: int, element_bytes: int = 4,
-                      persistence_threshold: int = 0) -> ModelStates:
-    """Bytes one data-parallel rank holds for parameters of these sizes (a stage's, or the whole model's)."""
+                      persistence_threshold: int = 0, rank: int | None = None) -> ModelStates:
+    """Bytes data-parallel rank ``rank`` holds for parameters of these sizes (a stage's, or the whole
+    model's); ``rank=None``: the heaviest rank."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage {stage!r}: use 0, 1, 2 or 3")
     if dp < 1:
         raise ValueError(f"dp = {dp}: the data-parallel degree must be >= 1")
+    if rank is not None and not 0 <= rank < dp:
+        raise ValueError(f"rank {rank}: a data-parallel rank is in [0, {dp})")
     e, n = element_bytes, sum(param_numels)
     master = 0 if e == 4 else 4  # 16-bit training keeps fp32 master weights
     if stage == 0:
@@ -62,7 +87,11 @@ def zero_model_states(param_numels: list[int], *, dp: int, stage: int, element_b
         alignment = 2 * dp
         padded = _ceil_div(n, alignment) * alignment
         part = padded // dp
-        return ModelStates(param_bytes=e * padded, grad_bytes=4 * part, optimizer_bytes=12 * part)
+        grads = part
+        if e == 4:  # in 16-bit the conversion to fp32 copies, and the view's source is freed
+            ranks = range(dp) if rank is None else (rank,)
+            grads = max(_partition_grad_elements(param_numels, r * part, (r + 1) * part) for r in ranks)
+        return ModelStates(param_bytes=e * padded, grad_bytes=4 * grads, optimizer_bytes=12 * part)
     part = sum(_ceil_div(k, dp) for k in param_numels)
     persistent = sum(k for k in param_numels if k <= persistence_threshold)
     return ModelStates(param_bytes=e * (part + persistent), grad_bytes=e * part + 4 * part, optimizer_bytes=12 * part)
