@@ -4,18 +4,22 @@
    embedding, a block and the head + loss of bench-cpu and gpt2-small (seq 256),
    micro-batch 1-4, TP 1, and TP 2 with SP off and on (per TP rank, measured in a
    2-process group; vocabulary padded to a multiple of 128 as Megatron does).
-2. Per-layer forward + backward time: analytic on the "cpu" spec calibrated on
-   bench-cpu at micro-batch 4, against profiled, at shapes including unprofiled ones.
+2. Per-layer forward + backward time: analytic on the "cpu" spec calibrated on bench-cpu
+   at three (micro-batch, sequence) shapes (three factors: matmuls, elementwise arithmetic,
+   the memory system with its page faults), against profiled on a grid that was not fitted:
+   micro-batch 1, 2, 4 x sequence 128, 256 x bench-cpu (h 512) and gpt2-small (h 768).
 3. Throughput of the `analytic` partition against the `profiled` one on the spine's
-   2-stage benchmark (two real launches).
+   2-stage benchmark (3 rounds of two real launches, alternating which goes first).
 
     python bench/analytic_vs_profiled.py
 
-Last line: RESULT activation_bytes_worst_error_pct=X analytic_vs_profiled_throughput=Y  (target Y >= 0.95)
+Last line: RESULT activation_bytes_worst_error_pct=X analytic_vs_profiled_throughput=Y layer_time_worst_error_pct=Z
+(targets: Y >= 0.95, Z <= 15)
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from ds_pipe_ext.models.gpt_costs import profile_and_calibrate  # noqa: E402
+from ds_pipe_ext.models.gpt_costs import calibration_points, fit_device  # noqa: E402
 from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers  # noqa: E402
 from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
 from ds_pipe_ext.costs.profiler import ProfileSettings, profile_layers  # noqa: E402
@@ -37,47 +41,66 @@ from ds_pipe_ext.runner import ROOT, launch  # noqa: E402
 CACHE = str(ROOT / ".ds_pipe_ext_cache")
 
 
-def three_layers(cfg, b, seq, repeats=0):
+def three_layers(cfg, b, seq, repeats=0, cache_dir=CACHE):
     cfg = GPTConfig.from_dict({**cfg.to_dict(), "seq_len": seq, "tie_embeddings": False}, name=cfg.name)
     specs = gpt_layer_specs(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (b, seq + 1), generator=torch.Generator().manual_seed(0))
     measured = profile_layers([specs[0], specs[1], specs[-1]], tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss,
                               settings=ProfileSettings(warmup=1 if repeats else 0, repeats=max(repeats, 1),
-                                                       cache_dir=CACHE, progress=False),
+                                                       cache_dir=cache_dir, progress=False),
                               key_fields={"model": cfg.to_dict(), "bench": "analytic_vs_profiled"})
     return cfg, measured
 
 
 # Calibrated on one shape, checked on a grid that excludes it: micro-batch x sequence x two widths
-FIT_SHAPE = ("bench-cpu", 3, 192)
+# Calibrated on bench-cpu at three (micro-batch, sequence) shapes, checked on a grid that excludes them
+FIT = [("bench-cpu", 3, 192), ("bench-cpu", 1, 64), ("bench-cpu", 6, 96)]
 GRID = [(name, b, s) for name in ("bench-cpu", "gpt2-small") for b in (1, 2, 4) for s in (128, 256)]
+PASSES = 3
 
 
 def layer_times(cpu) -> float:
-    """Per-layer fwd+bwd: analytic on the cpu spec calibrated at FIT_SHAPE, against profiled on GRID."""
-    name, b, seq = FIT_SHAPE
-    fit_cfg = GPTConfig.from_dict({**load_model_config(name).to_dict(), "seq_len": seq}, name=name)
-    calibrated = profile_and_calibrate(fit_cfg, EstimateRequest(b, seq, dtype="fp32"), cpu, cache_dir=CACHE)
+    """Per-layer fwd+bwd: analytic on the cpu spec calibrated at FIT, against profiled on GRID.
+
+    A shared machine's speed drifts by more than the target between minutes (the same block measured
+    417 to 688 ms in three runs of one morning), so every shape is profiled once per pass, PASSES passes
+    over FIT + GRID in turn, and the median pass is kept: drift then hits every shape alike.
+    """
+    passes: dict[tuple, list] = {}
+    for k in range(PASSES):
+        for name, b, seq in FIT + GRID:
+            cfg, measured = three_layers(load_model_config(name), b, seq, repeats=1, cache_dir=None)
+            passes.setdefault((name, b, seq), []).append((cfg, [(m.forward_s, m.backward_s) for m in measured]))
+        print(f"  pass {k + 1}/{PASSES} over {len(FIT + GRID)} shapes", flush=True)
+
+    def median(key):
+        cfg = passes[key][0][0]
+        per_layer = zip(*(times for _, times in passes[key]))
+        return cfg, [(statistics.median(f for f, _ in ts), statistics.median(b for _, b in ts)) for ts in per_layer]
+
+    points = []
+    for key in FIT:
+        cfg, times = median(key)
+        points += calibration_points(cfg, EstimateRequest(key[1], key[2], dtype="fp32"), cpu, times)
+    calibrated = fit_device(cpu, points, dtype="fp32")
     print(f"\ncpu spec (measured): matmul {cpu.matrix_flops['fp32'] / 1e9:.1f} GFLOP/s, vector "
           f"{cpu.vector_flops['fp32'] / 1e9:.2f} G/s, copy {cpu.hbm_bandwidth / 1e9:.1f} GB/s, first touch "
           f"{cpu.fresh_page_bandwidth / 1e9:.2f} GB/s above {cpu.fresh_alloc_min_bytes / 2**20:.0f} MiB")
-    print(f"calibrated at {name} b={b} s={seq}: matrix {calibrated.matrix_efficiency:.3f}, attention "
-          f"{calibrated.attention_efficiency:.3f}, vector {calibrated.vector_efficiency:.3f}, memory "
-          f"{calibrated.memory_efficiency:.3f} (x the measured peaks)", flush=True)
+    print(f"calibrated on {FIT}: matmul {calibrated.matrix_efficiency:.3f}, vector "
+          f"{calibrated.vector_efficiency:.3f}, memory system {calibrated.memory_efficiency:.3f} (x the measured "
+          f"peaks)", flush=True)
     rows, worst = [], 0.0
     for name, b, seq in GRID:
-        cfg, measured = three_layers(load_model_config(name), b, seq, repeats=3)
+        cfg, measured = median((name, b, seq))
         est = estimate_layers(cfg, EstimateRequest(b, seq, dtype="fp32"), calibrated)
-        for m, e in zip(measured, (est[0], est[1], est[-1])):
-            pt, at = 1e3 * (m.forward_s + m.backward_s), 1e3 * (e["fwd_s"] + e["bwd_s"])
+        for (mf, mb), e in zip(measured, (est[0], est[1], est[-1])):
+            pt, at = 1e3 * (mf + mb), 1e3 * (e["fwd_s"] + e["bwd_s"])
             err = 100 * (at - pt) / pt
             worst = max(worst, abs(err))
-            rows.append([name, f"b={b} s={seq}", e["name"], f"{1e3 * m.forward_s:.1f}", f"{1e3 * e['fwd_s']:.1f}",
-                         f"{1e3 * m.backward_s:.1f}", f"{1e3 * e['bwd_s']:.1f}", f"{pt:.1f}", f"{at:.1f}",
-                         f"{err:+.1f}"])
-        print(f"  timed {name} b={b} s={seq}", flush=True)
-    print(f"\nms per layer: analytic (calibrated at {FIT_SHAPE[0]} b={FIT_SHAPE[1]} s={FIT_SHAPE[2]}, not in this "
-          f"grid) vs profiled (median of 3)")
+            rows.append([name, f"b={b} s={seq}", e["name"], f"{1e3 * mf:.1f}", f"{1e3 * e['fwd_s']:.1f}",
+                         f"{1e3 * mb:.1f}", f"{1e3 * e['bwd_s']:.1f}", f"{pt:.1f}", f"{at:.1f}", f"{err:+.1f}"])
+    print(f"\nms per layer: analytic (calibrated on FIT, not on this grid) vs profiled (median of {PASSES} "
+          f"interleaved passes)")
     print("\n".join(render_table(["model", "shape", "layer", "fwd prof", "fwd ana", "bwd prof", "bwd ana",
                                   "fwd+bwd prof", "fwd+bwd ana", "err %"], rows)))
     return worst
@@ -120,21 +143,28 @@ def main() -> None:
     print("\n".join(render_table(["model", "b", "tp", "sp", "layer", "profiled B", "analytic B", "err %"], rows)))
 
     time_worst = layer_times(cpu)
+    # 3 rounds, alternating which split launches first (P A, A P, P A); a ratio per round, the median quoted
     work = Path(tempfile.mkdtemp(prefix="ds_pipe_ext_analytic_"))
-    speed = {}
-    for method, cfg_path in (("profiled", ROOT / "launch_scripts" / "bench_cpu_pipeline.json"),
-                             ("analytic", ROOT / "launch_scripts" / "bench_cpu_analytic.json")):
-        out = work / method
-        out.mkdir()
-        proc, ranks = launch(2, cfg_path, "--steps", "4", out_dir=out, cwd=work, timeout=900)
-        if proc.returncode != 0:
-            raise SystemExit(proc.stderr[-3000:])
-        speed[method] = ranks[0]
-        print(f"{method:<9} parts={ranks[0]['parts']} {ranks[0]['samples_per_s']:.3f} samples/s", flush=True)
-    ratio = speed["analytic"]["samples_per_s"] / speed["profiled"]["samples_per_s"]
+    configs = {"profiled": ROOT / "launch_scripts" / "bench_cpu_pipeline.json",
+               "analytic": ROOT / "launch_scripts" / "bench_cpu_analytic.json"}
+    ratios = []
+    for k in range(3):
+        speed = {}
+        for method in (["profiled", "analytic"] if k % 2 == 0 else ["analytic", "profiled"]):
+            out = work / f"round{k}-{method}"
+            out.mkdir()
+            proc, ranks = launch(2, configs[method], "--steps", "4", out_dir=out, cwd=work, timeout=900)
+            if proc.returncode != 0:
+                raise SystemExit(proc.stderr[-3000:])
+            speed[method] = ranks[0]
+            print(f"round {k} {method:<9} parts={ranks[0]['parts']} {ranks[0]['samples_per_s']:.3f} samples/s",
+                  flush=True)
+        ratios.append(speed["analytic"]["samples_per_s"] / speed["profiled"]["samples_per_s"])
+    ratio = statistics.median(ratios)
+    print(f"analytic / profiled per round: {[round(r, 3) for r in ratios]} (median {ratio:.3f}, spread "
+          f"{min(ratios):.3f}-{max(ratios):.3f})")
     print(f"RESULT activation_bytes_worst_error_pct={worst:.2f} analytic_vs_profiled_throughput={ratio:.3f} "
           f"layer_time_worst_error_pct={time_worst:.1f}")
-
 
 if __name__ == "__main__":
     main()

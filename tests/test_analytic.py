@@ -154,3 +154,31 @@ def test_stage_memory_zero_division_and_inflight():
     assert [r["activation_bytes"] for r in z[0]] == [2 * 20, 1 * 20]
     full = stage_memory(costs, parts, micro_batches=8, full_recompute=True)
     assert [r["activation_bytes"] for r in full] == [2 * (0 + 4), 1 * (4 + 4)]
+
+
+def test_calibration_recovers_the_factors_that_made_the_times():
+    """Times made by a known spec (GEMMs and per-head matmuls at one factor, page faults slowed with the
+    memory system) are fitted back by the CPU calibration's three factors, within its grid's step."""
+    from dataclasses import replace
+
+    from ds_pipe_ext.costs.calibrate import calibrate
+    from ds_pipe_ext.costs.hardware import DeviceSpec
+
+    spec = DeviceSpec("cpu", {"fp32": 40e9}, {"fp32": 2.5e9}, 20e9, 20e9, 20e9, 24 * 2**30, gpus_per_node=1,
+                      matrix_efficiency=1.0, attention_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0,
+                      fresh_page_bandwidth=1e9)
+    truth = replace(spec, matrix_efficiency=0.6, attention_efficiency=0.6, vector_efficiency=0.3,
+                    memory_efficiency=0.7, fresh_page_bandwidth=0.7e9)
+    layers = []
+    for b, s in ((1, 64), (3, 192), (6, 96)):
+        shp = A.Shape(b=b, s=s, h=512, a=8, f=2048, V=50257, e=4, m=4, dropout=False)
+        for ops in (A.embedding(shp), A.transformer_block(shp), A.lm_head(shp)):
+            f, bw = (sum(truth.op_time(op, dtype="fp32", tp=1, backward=k)["time_s"] for op in ops) for k in (0, 1))
+            layers.append((ops, f, bw))
+    fitted = calibrate(spec, layers, dtype="fp32", fit=("matrix", "vector", "memory"), attention_as_matrix=True)
+    assert fitted.matrix_efficiency == fitted.attention_efficiency == pytest.approx(0.6, rel=0.1)
+    assert fitted.vector_efficiency == pytest.approx(0.3, rel=0.1)
+    assert fitted.memory_efficiency == pytest.approx(0.7, rel=0.1)
+    assert fitted.fresh_page_bandwidth == pytest.approx(0.7e9, rel=0.1)
+    with pytest.raises(ValueError, match="cannot fit"):
+        calibrate(spec, layers, dtype="fp32", fit=("gemm",))

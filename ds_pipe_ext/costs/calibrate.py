@@ -29,35 +29,51 @@ def _layer_time(ops: list[OpCost], device: DeviceSpec, dtype: str, backward: boo
         moved = op.bwd_bytes if backward else op.fwd_bytes
         peak = device.vector_flops[dtype] if op.kind == "vector" else device.matrix_flops[dtype]
         total = total + np.maximum(flops / (peak * eff[op.kind]), moved / (device.hbm_bandwidth * eff["memory"]))
-        # page faults are measured, not fitted
-        total = total + device.fresh_alloc_time(op.bwd_allocs if backward else op.fwd_allocs)
+        # page faults scale with the memory factor: both are the memory system's speed against the
+        # micro-benchmark's (on a shared machine, what the neighbours leave of it)
+        total = total + device.fresh_alloc_time(op.bwd_allocs if backward else op.fwd_allocs) / eff["memory"]
     return total
 
 
 def _fit(layers, device, dtype, axes: dict[str, np.ndarray]) -> dict[str, float]:
     grids = np.meshgrid(*axes.values(), indexing="ij")
     eff = dict(zip(axes, grids))
+    eff.setdefault("attention", eff["matrix"])  # tied: one factor for every matmul
     loss = np.zeros(grids[0].shape)
     for ops, fwd, bwd in layers:
         for backward, measured in ((False, fwd), (True, bwd)):
             if measured > 0:
                 loss += np.log(np.maximum(_layer_time(ops, device, dtype, backward, eff), 1e-12) / measured) ** 2
     i = np.unravel_index(int(np.argmin(loss)), loss.shape)
-    return {k: float(g[i]) for k, g in eff.items()}
+    return {k: float(g[i]) for k, g in zip(axes, grids)}
 
 
-def calibrate(device: DeviceSpec, layers: list[tuple[list[OpCost], float, float]], *, dtype: str) -> DeviceSpec:
+def calibrate(device: DeviceSpec, layers: list[tuple[list[OpCost], float, float]], *, dtype: str,
+              fit: tuple[str, ...] = CLASSES, attention_as_matrix: bool = False) -> DeviceSpec:
     """``layers``: (ops, measured forward s, measured backward s) per profiled layer.
 
-    Fits the matrix (GEMM), attention-matmul, vector and memory efficiencies by least
-    squares on log time: a coarse grid over [0.01, 10] x the spec's peaks, then a finer
-    one around the best point.  Communication is not fitted (one rank has none).
+    Fits the efficiencies named in ``fit`` (of matrix/GEMM, attention-matmul, vector, memory;
+    the others keep the spec's values) by least squares on log time: a coarse grid over
+    [0.01, 10] x the spec's peaks, then a finer one around the best point.  With
+    ``attention_as_matrix`` the per-head matmuls share the GEMMs' factor (one fewer unknown).
+    Communication is not fitted (one rank has none).
     """
+    unknown = set(fit) - set(CLASSES)
+    if unknown:
+        raise ValueError(f"cannot fit {sorted(unknown)}: choose from {CLASSES}")
+    held = {"matrix": device.matrix_efficiency, "attention": device.attention_efficiency,
+            "vector": device.vector_efficiency, "memory": device.memory_efficiency}
+    free = [k for k in CLASSES if k in fit and not (attention_as_matrix and k == "attention")]
     coarse = np.geomspace(0.01, 10.0, 16)
-    best = _fit(layers, device, dtype, {k: coarse for k in CLASSES})
     step = coarse[1] / coarse[0]
-    fine = {k: best[k] * np.geomspace(1 / step, step, 13) for k in CLASSES}
-    best = _fit(layers, device, dtype, fine)
+    best = held
+    for grid in (lambda k: coarse, lambda k: best[k] * np.geomspace(1 / step, step, 13)):
+        axes = {k: grid(k) if k in free else np.array([held[k]]) for k in CLASSES if k != "attention"
+                or not attention_as_matrix}
+        best = _fit(layers, device, dtype, axes)
+        if attention_as_matrix:
+            best["attention"] = best["matrix"]
     return replace(device, matrix_efficiency=best["matrix"], attention_efficiency=best["attention"],
                    vector_efficiency=best["vector"], memory_efficiency=best["memory"],
+                   fresh_page_bandwidth=device.fresh_page_bandwidth * best["memory"],
                    name=f"{device.name}-calibrated")
