@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from ds_pipe_ext.models.gpt_costs import calibration_points, fit_device  # noqa: E402
+from ds_pipe_ext.costs.calibrate import fit_device  # noqa: E402
+from ds_pipe_ext.models.gpt_costs import calibration_points, profile_three_layers  # noqa: E402
 from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers  # noqa: E402
 from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
-from ds_pipe_ext.costs.profiler import ProfileSettings, profile_layers  # noqa: E402
+from ds_pipe_ext.costs.profiler import ProfileSettings  # noqa: E402
 from ds_pipe_ext.models.config import GPTConfig, load_model_config  # noqa: E402
-from ds_pipe_ext.models.gpt import gpt_layer_specs, lm_loss  # noqa: E402
 from ds_pipe_ext.parallel.probe import tp_activation_bytes  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
 from ds_pipe_ext.runner import ROOT, launch  # noqa: E402
@@ -42,17 +42,10 @@ CACHE = str(ROOT / ".ds_pipe_ext_cache")
 
 
 def three_layers(cfg, b, seq, repeats=0, cache_dir=CACHE):
-    cfg = GPTConfig.from_dict({**cfg.to_dict(), "seq_len": seq, "tie_embeddings": False}, name=cfg.name)
-    specs = gpt_layer_specs(cfg)
-    tokens = torch.randint(0, cfg.vocab_size, (b, seq + 1), generator=torch.Generator().manual_seed(0))
-    measured = profile_layers([specs[0], specs[1], specs[-1]], tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss,
-                              settings=ProfileSettings(warmup=1 if repeats else 0, repeats=max(repeats, 1),
-                                                       cache_dir=cache_dir, progress=False),
-                              key_fields={"model": cfg.to_dict(), "bench": "analytic_vs_profiled"})
-    return cfg, measured
+    settings = ProfileSettings(warmup=1 if repeats else 0, repeats=max(repeats, 1), cache_dir=cache_dir, progress=False)
+    return profile_three_layers(cfg, b, seq, settings, {"bench": "analytic_vs_profiled"})
 
 
-# Calibrated on one shape, checked on a grid that excludes it: micro-batch x sequence x two widths
 # Calibrated on bench-cpu at three (micro-batch, sequence) shapes, checked on a grid that excludes them
 FIT = [("bench-cpu", 3, 192), ("bench-cpu", 1, 64), ("bench-cpu", 6, 96)]
 GRID = [(name, b, s) for name in ("bench-cpu", "gpt2-small") for b in (1, 2, 4) for s in (128, 256)]

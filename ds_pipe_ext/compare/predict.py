@@ -31,7 +31,6 @@ class ModelShape:
     seq_len: int
     largest_module_params: int = 0  # DeepSpeed's "largest layer" (one module's own parameters) for ZeRO-3
 
-
     @property
     def params(self) -> int:
         return sum(sum(layer) for layer in self.layer_numels)

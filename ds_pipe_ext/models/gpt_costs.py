@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..costs.calibrate import calibrate
+from ..costs.calibrate import fit_device
 from ..costs.estimate import EstimateRequest, analytic_layer_costs, layer_ops, shape_for
 from ..costs.hardware import DeviceSpec
 from ..costs.types import LayerCost
@@ -44,24 +44,30 @@ def gpt_cost_model(cfg: GPTConfig, impl: LayerImpl = LOCAL) -> GPTCostModel:
     return GPTCostModel(cfg, sequence_parallel=impl.sequence_parallel)
 
 
+def profile_three_layers(cfg: GPTConfig, micro_batch: int, seq: int, settings, key_fields: dict):
+    """The embedding, one block and the head (+ loss) of ``cfg`` (untied, at sequence ``seq``) profiled
+    alone on this machine: (the config as profiled, their ``LayerCost``)."""
+    from ..costs.profiler import profile_layers
+
+    cfg = GPTConfig.from_dict({**cfg.to_dict(), "seq_len": seq, "tie_embeddings": False}, name=cfg.name)
+    specs = gpt_layer_specs(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    measured = profile_layers([specs[0], specs[1], specs[-1]], tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss,
+                              settings=settings, key_fields={"model": cfg.to_dict(), **key_fields})
+    return cfg, measured
+
+
 def profile_and_calibrate(cfg: GPTConfig, req: EstimateRequest, device: DeviceSpec, *,
                           cache_dir: str | None = ".ds_pipe_ext_cache", warmup: int = 1, repeats: int = 3,
                           also: tuple[EstimateRequest, ...] = ()) -> DeviceSpec:
     """Profile one embedding, one block and the head (+ loss) of ``cfg`` on this machine at ``req``
     (and at each shape in ``also``: more shapes separate the factors), then fit."""
-    from ..costs.profiler import ProfileSettings, profile_layers
+    from ..costs.profiler import ProfileSettings
 
-    if cfg.tie_embeddings:
-        cfg = GPTConfig.from_dict({**cfg.to_dict(), "tie_embeddings": False}, name=cfg.name)
+    settings = ProfileSettings(warmup=warmup, repeats=repeats, cache_dir=cache_dir, progress=False)
     layers = []
     for r in (req, *also):
-        shaped = GPTConfig.from_dict({**cfg.to_dict(), "seq_len": r.seq}, name=cfg.name)
-        specs = gpt_layer_specs(shaped)
-        tokens = torch.randint(0, cfg.vocab_size, (r.micro_batch, r.seq + 1), generator=torch.Generator().manual_seed(0))
-        measured = profile_layers([specs[0], specs[1], specs[-1]], tokens[:, :-1], labels=tokens[:, 1:],
-                                  loss_fn=lm_loss, key_fields={"model": shaped.to_dict(), "purpose": "calibration"},
-                                  settings=ProfileSettings(warmup=warmup, repeats=repeats, cache_dir=cache_dir,
-                                                           progress=False))
+        shaped, measured = profile_three_layers(cfg, r.micro_batch, r.seq, settings, {"purpose": "calibration"})
         layers += calibration_points(shaped, r, device, [(m.forward_s, m.backward_s) for m in measured])
     return fit_device(device, layers, dtype=req.dtype)
 
@@ -71,13 +77,3 @@ def calibration_points(cfg: GPTConfig, req: EstimateRequest, device: DeviceSpec,
     """(ops, forward s, backward s) of the embedding, a block and the head, measured at ``req``."""
     ops = layer_ops(cfg, shape_for(cfg, req, device))
     return [(ops[i][2], fwd, bwd) for i, (fwd, bwd) in zip((0, 1, -1), measured)]
-
-
-def fit_device(device: DeviceSpec, layers: list[tuple], *, dtype: str) -> DeviceSpec:
-    if device.name == "cpu":
-        # Three factors on a measured spec: GEMMs (the per-head matmuls are GEMMs too: a separate
-        # factor trades against the others and went to 16x), elementwise arithmetic, and the memory
-        # system (copies and page faults together: on a shared machine both slow down with the
-        # neighbours' traffic; fitting the copy alone put it at 0.12 and tripled the embedding)
-        return calibrate(device, layers, dtype=dtype, fit=("matrix", "vector", "memory"), attention_as_matrix=True)
-    return calibrate(device, layers, dtype=dtype)
