@@ -18,8 +18,14 @@ def test_in_flight_follows_the_schedule():
     assert [in_flight(s, 4, 8) for s in range(4)] == [4, 3, 2, 1]  # 1F1B: min(p - s, m)
     assert [in_flight(s, 4, 2) for s in range(4)] == [2, 2, 2, 1]
     assert [in_flight(s, 4, 8, "gpipe") for s in range(4)] == [8, 8, 8, 8]
-    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'; known: 1f1b, gpipe"):
+    # held until the deferred weight gradient: rank s defers s of them
+    assert [in_flight(s, 4, 8, "zb-h1") for s in range(4)] == [4, 4, 4, 4]
+    # two chunks per rank: the stages are the 2p chunks, each counted on its own
+    assert [in_flight(s, 8, 8, "dualpipev") for s in range(8)] == [8, 7, 6, 5, 4, 3, 2, 1]
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'; known: gpipe, 1f1b, interleaved"):
         in_flight(0, 2, 2, "zb")
+    with pytest.raises(ValueError, match="2 stages per rank: num_stages=3"):
+        in_flight(0, 3, 8, "dualpipev")
 
 
 def test_held_bytes_with_and_without_recompute():

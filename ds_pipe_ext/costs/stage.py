@@ -3,9 +3,10 @@
 This module is the one owner of three rules that everything else asks:
 
 * ``in_flight(stage, num_stages, micro_batches, schedule)``: how many micro-batches of
-  activations a stage holds at its peak.  Under 1F1B (DeepSpeed's ``TrainSchedule``,
-  PipeDream-flush) stage s runs min(p - s - 1, m) warm-up forwards before its first
-  backward, so it holds min(p - s, m); under GPipe every stage holds all m.  This is
+  activations a stage holds at its peak, read off the schedule's order.  Under 1F1B
+  (DeepSpeed's ``TrainSchedule``, PipeDream-flush) stage s runs min(p - s - 1, m) warm-up
+  forwards before its first backward, so it holds min(p - s, m); under GPipe every stage
+  holds all m; ZB-H1 holds a micro-batch until its deferred weight gradient.  This is
   *activations held*, not DeepSpeed's ``TrainSchedule.num_pipe_buffers()``, which
   allocates max(2, ...) buffers for the tensors in transit.
 * ``held_activation_bytes(costs, recompute)``: bytes a layer keeps per in-flight
@@ -25,17 +26,34 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
-SCHEDULES = ("1f1b", "gpipe")
+from ..simulate.schedules import SCHEDULES, build_schedule
 
 
 def in_flight(stage: int, num_stages: int, micro_batches: int, schedule: str = "1f1b") -> int:
-    """Micro-batches whose activations stage ``stage`` of ``num_stages`` holds at its peak."""
-    if schedule == "1f1b":
-        return min(num_stages - stage, micro_batches)
-    if schedule == "gpipe":  # all forwards first, then all backwards
-        return micro_batches
-    raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    """Micro-batches whose activations stage ``stage`` of ``num_stages`` holds at its peak.
+
+    A micro-batch is held from its forward until its last backward part (the weight gradient
+    where the schedule splits it off), and the count follows from the schedule's order
+    (``simulate.schedules``).  For schedules with several chunks per rank (interleaved with
+    v = 2, DualPipeV) the stages are the chunks: ``num_stages`` = v x ranks, and the count is
+    per chunk; the rank holds its chunks' together.
+    """
+    return _in_flight(schedule, num_stages, micro_batches)[stage]
+
+
+@lru_cache(maxsize=256)
+def _in_flight(schedule: str, num_stages: int, micro_batches: int) -> tuple[int, ...]:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    chunks = {"interleaved": 2, "dualpipev": 2}.get(schedule, 1)
+    if num_stages % chunks:
+        raise ValueError(f"the {schedule} schedule runs {chunks} stages per rank: num_stages={num_stages} is odd")
+    ranks = num_stages // chunks
+    sched = build_schedule(schedule, ranks, micro_batches, virtual_stages=2 if schedule == "interleaved" else 1)
+    only = lambda c: [1.0 if k == c else 0.0 for k in range(num_stages)]  # noqa: E731
+    return tuple(int(sched.held_peak(sched.chunk_rank[c], only(c))) for c in range(num_stages))
 
 
 def held_activation_bytes(costs: Sequence, *, recompute: bool = False) -> list[float]:

@@ -24,6 +24,7 @@ class PartitionRequest:
     link_bandwidth: float | None = None  # bytes/s
     recompute: bool = False
     arg: str = ""  # the text after "name:" for prefix methods
+    schedule: str = "1f1b"  # how many micro-batches each stage holds (``costs.stage.in_flight``)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ def _min_max(req: PartitionRequest, source: str) -> list[int]:
         micro_batches=req.micro_batches,
         link_bandwidth=req.link_bandwidth,
         recompute=req.recompute,
+        schedule=req.schedule,
     )
 
 
@@ -131,6 +133,7 @@ def decide_offline(
     memory_cap_gib: float | None = None,
     link_bandwidth: float | None = None,
     recompute: bool = False,
+    schedule: str = "1f1b",
 ) -> list[int]:
     """The parts any registered method would choose, without a process group (CLI, benches).
 
@@ -145,7 +148,7 @@ def decide_offline(
         raise PartitionError(f"{num_stages} stages but only {len(costs)} layers: use at most {len(costs)} stages")
     if not spec.deepspeed_builtin:
         request = PartitionRequest(num_stages, len(costs), lambda source: costs, micro_batches,
-                                   memory_cap_gib, link_bandwidth, recompute, arg)
+                                   memory_cap_gib, link_bandwidth, recompute, arg, schedule)
         return [int(b) for b in spec.solve(request)]
     import re
 

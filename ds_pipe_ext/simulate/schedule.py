@@ -1,40 +1,13 @@
-"""1F1B pipeline schedule as plain data, and an event simulation of one training step.
-
-Pure Python: stage times in, step time out.  The order of work on each stage is
-DeepSpeed's ``TrainSchedule`` (PipeDream-flush 1F1B): stage s runs
-min(p - s - 1, m) warm-up forwards, then alternates one forward and one backward,
-then drains the remaining backwards.  Dependencies: a forward needs the previous
-stage's forward of the same micro-batch (plus the p2p transfer), a backward needs
-the next stage's backward of it (plus the transfer).  A step ends when every stage
-has finished its backwards and its optimizer step.
-"""
+"""One step of a pipeline of stages (one chunk per rank): the shortcuts the partition
+plan, the run report and the iteration model call.  The schedules live in
+``schedules.py`` and the simulation in ``events.py``."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-
-def one_f_one_b_order(stage: int, num_stages: int, micro_batches: int) -> list[tuple[str, int]]:
-    """[("F", i) | ("B", i), ...]: the order stage ``stage`` executes its micro-batches."""
-    warmup = min(num_stages - stage - 1, micro_batches)
-    order = [("F", i) for i in range(warmup)]
-    f, b = warmup, 0
-    while f < micro_batches:
-        order.append(("F", f))
-        f += 1
-        order.append(("B", b))
-        b += 1
-    order += [("B", i) for i in range(b, micro_batches)]
-    return order
-
-
-@dataclass(frozen=True)
-class StepSimulation:
-    step_s: float
-    stage_busy_s: list[float]  # compute time per stage (fwd + bwd + optimizer)
-    stage_finish_s: list[float]  # when each stage finished its optimizer step
-    bubble_fraction: float  # 1 - busy / (p * step) : the idle share of the pipeline
+from .events import ChunkCosts, Link, Network, StepSimulation, simulate
+from .schedules import build_schedule
 
 
 def simulate_1f1b(
@@ -44,12 +17,12 @@ def simulate_1f1b(
     *,
     p2p_s: Sequence[float] | None = None,
     optimizer_s: Sequence[float] | None = None,
+    schedule: str = "1f1b",
 ) -> StepSimulation:
-    """Makespan of one 1F1B step.
+    """Makespan of one step of ``schedule`` (1F1B unless said) over per-stage times.
 
-    ``forward_s[s]``/``backward_s[s]``: per-micro-batch time of stage s.
-    ``p2p_s[s]``: one transfer across the boundary between stage s and s + 1 (p - 1 entries).
-    ``optimizer_s[s]``: stage s's optimizer step (and gradient reduction), after its last backward.
+    ``p2p_s[s]``: one transfer across the boundary between stage s and s + 1 (p - 1 entries),
+    either way.  ``optimizer_s[s]``: stage s's optimizer step, after its last backward.
     """
     p = len(forward_s)
     if len(backward_s) != p or p == 0:
@@ -59,39 +32,14 @@ def simulate_1f1b(
     comm = list(p2p_s) if p2p_s is not None else [0.0] * (p - 1)
     if len(comm) != p - 1:
         raise ValueError(f"p2p_s needs {p - 1} entries (one per boundary), got {len(comm)}")
-    opt = list(optimizer_s) if optimizer_s is not None else [0.0] * p
-    orders = [one_f_one_b_order(s, p, micro_batches) for s in range(p)]
-    done_f = [[None] * micro_batches for _ in range(p)]
-    done_b = [[None] * micro_batches for _ in range(p)]
-    clock = [0.0] * p
-    pos = [0] * p
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for s in range(p):
-            while pos[s] < len(orders[s]):
-                kind, i = orders[s][pos[s]]
-                if kind == "F":
-                    dep = 0.0 if s == 0 else done_f[s - 1][i]
-                    if dep is None:
-                        break
-                    start = max(clock[s], dep + (comm[s - 1] if s > 0 else 0.0))
-                    clock[s] = done_f[s][i] = start + forward_s[s]
-                else:
-                    dep = done_f[s][i] if s == p - 1 else done_b[s + 1][i]
-                    if dep is None:
-                        break
-                    start = max(clock[s], dep + (comm[s] if s < p - 1 else 0.0))
-                    clock[s] = done_b[s][i] = start + backward_s[s]
-                pos[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # pragma: no cover - the 1F1B order never deadlocks
-            raise RuntimeError("schedule deadlocked")
-    finish = [clock[s] + opt[s] for s in range(p)]
-    step = max(finish)
-    busy = [micro_batches * (forward_s[s] + backward_s[s]) + opt[s] for s in range(p)]
-    return StepSimulation(step, busy, finish, 1.0 - sum(busy) / (p * step) if step > 0 else 0.0)
+    # one byte per boundary at 1 / seconds bytes/s: the transfer takes p2p_s[s]
+    links = {}
+    for s, t in enumerate(comm):
+        if t > 0:
+            links[(s, s + 1)] = links[(s + 1, s)] = Link(bandwidth=1.0 / t)
+    return simulate(build_schedule(schedule, p, micro_batches),
+                    ChunkCosts(list(forward_s), list(backward_s), output_bytes=[1.0] * p),
+                    network=Network(links=links), optimizer_s=optimizer_s)
 
 
 def simulate_stages(
@@ -99,13 +47,14 @@ def simulate_stages(
     micro_batches: int,
     *,
     link_bandwidth: float | None = None,
+    link_latency_s: float = 0.0,
     optimizer_s: Sequence[float] | None = None,
+    schedule: str = "1f1b",
 ) -> StepSimulation:
-    """One step of ``StageCost`` records (``costs.stage.stage_costs``) under 1F1B.
-
-    Each boundary delays its consumer by one transfer of the activation (forward) or
-    of its gradient (backward): ``boundary_out_bytes / link_bandwidth``.
-    """
-    p2p = [st.boundary_out_bytes / link_bandwidth if link_bandwidth else 0.0 for st in stages[:-1]]
-    return simulate_1f1b([st.forward_s for st in stages], [st.backward_s for st in stages], micro_batches,
-                         p2p_s=p2p, optimizer_s=optimizer_s)
+    """One step of ``StageCost`` records (``costs.stage.stage_costs``): each boundary carries the
+    stage's ``boundary_out_bytes`` forward and their gradient back over one link."""
+    costs = ChunkCosts([st.forward_s for st in stages], [st.backward_s for st in stages],
+                       output_bytes=[st.boundary_out_bytes for st in stages],
+                       activation_bytes=[st.activation_bytes for st in stages])
+    return simulate(build_schedule(schedule, len(stages), micro_batches), costs,
+                    network=Network(Link(link_latency_s, link_bandwidth)), optimizer_s=optimizer_s)

@@ -1,0 +1,164 @@
+"""An event simulation of one training step: any ``Schedule`` against costs and links.
+
+Pure Python: per-chunk times, boundary bytes and a ``Network`` in, step time,
+bubble, per-rank busy time, peak activations held and a timeline out.
+
+Rules:
+* A rank runs its order one item at a time; an item starts when the rank is free and
+  its inputs are there.  ``F`` of chunk c needs chunk c - 1's output of that
+  micro-batch; ``B``/``I`` of chunk c needs its own ``F`` and chunk c + 1's input
+  gradient; ``W`` needs its own ``I``.
+* Between ranks a tensor travels on the directed link (src, dst): it leaves when its
+  producer finishes, waits for the link's earlier transfers (one at a time per
+  direction), takes bytes / bandwidth and arrives ``latency`` later.  Within a rank it
+  is there at once.  The gradient is as large as the activation it answers.
+* After its last item a rank runs its optimizer step (and gradient reduction); the step
+  ends when the last rank has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .schedules import Schedule, Work
+
+
+@dataclass(frozen=True)
+class Link:
+    latency_s: float = 0.0
+    bandwidth: float | None = None  # bytes/s; None: no bandwidth limit
+
+    def busy_s(self, nbytes: float) -> float:
+        return nbytes / self.bandwidth if self.bandwidth else 0.0
+
+
+@dataclass(frozen=True)
+class Network:
+    """Links between ranks: ``intra`` inside a node of ``ranks_per_node`` consecutive ranks,
+    ``inter`` across nodes (``ranks_per_node`` 0: one node).  ``links`` overrides single
+    directed pairs."""
+
+    intra: Link = Link()
+    inter: Link | None = None
+    ranks_per_node: int = 0
+    links: dict = field(default_factory=dict)  # {(src, dst): Link}
+
+    def link(self, src: int, dst: int) -> Link:
+        if (src, dst) in self.links:
+            return self.links[(src, dst)]
+        same_node = not self.ranks_per_node or src // self.ranks_per_node == dst // self.ranks_per_node
+        return self.intra if same_node or self.inter is None else self.inter
+
+
+@dataclass(frozen=True)
+class ChunkCosts:
+    """Per chunk (in pipeline order), per micro-batch."""
+
+    forward_s: Sequence[float]
+    backward_s: Sequence[float]  # the whole backward (I + W)
+    weight_grad_s: Sequence[float] | None = None  # its W part where the schedule splits it; None: half
+    output_bytes: Sequence[float] | None = None  # the activation chunk c sends to chunk c + 1
+    activation_bytes: Sequence[float] | None = None  # held per micro-batch in flight
+
+    def duration(self, w: Work) -> float:
+        c = w.chunk
+        if w.kind == "F":
+            return self.forward_s[c]
+        if w.kind == "B":
+            return self.backward_s[c]
+        weight = self.weight_grad_s[c] if self.weight_grad_s is not None else self.backward_s[c] / 2
+        return weight if w.kind == "W" else self.backward_s[c] - weight
+
+
+@dataclass(frozen=True)
+class Slot:
+    rank: int
+    work: Work
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class StepSimulation:
+    step_s: float
+    stage_busy_s: list[float]  # compute per rank (its work + optimizer step)
+    stage_finish_s: list[float]  # when each rank finished its optimizer step
+    bubble_fraction: float  # 1 - busy / (p x step): the idle share of the pipeline
+    held_peak: list[float] = field(default_factory=list)  # per rank: micro-batch chunks held at the peak
+    held_peak_bytes: list[float] = field(default_factory=list)  # the same in bytes, where known
+    timeline: list[Slot] = field(default_factory=list)
+
+
+def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Network(),
+             optimizer_s: Sequence[float] | None = None) -> StepSimulation:
+    p, n = schedule.num_ranks, schedule.num_chunks
+    for name in ("forward_s", "backward_s", "weight_grad_s", "output_bytes", "activation_bytes"):
+        values = getattr(costs, name)
+        if values is not None and len(values) != n:
+            raise ValueError(f"{name} needs one entry per chunk ({n}), got {len(values)}")
+    opt = list(optimizer_s) if optimizer_s is not None else [0.0] * p
+    if len(opt) != p:
+        raise ValueError(f"optimizer_s needs one entry per rank ({p}), got {len(opt)}")
+    out_bytes = costs.output_bytes if costs.output_bytes is not None else [0.0] * n
+    rank_of = schedule.chunk_rank
+    done: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, chunk) -> finish time
+    arrive: dict[tuple[str, int, int], float] = {}  # (F|G, micro-batch, consumer chunk) -> arrival
+    link_free: dict[tuple[int, int], float] = {}
+    clock, pos = [0.0] * p, [0] * p
+    timeline: list[Slot] = []
+
+    def send(kind: str, mb: int, src_chunk: int, dst_chunk: int, t: float) -> None:
+        src, dst = rank_of[src_chunk], rank_of[dst_chunk]
+        if src == dst:
+            arrive[(kind, mb, dst_chunk)] = t
+            return
+        link = network.link(src, dst)
+        start = max(t, link_free.get((src, dst), 0.0))
+        link_free[(src, dst)] = start + link.busy_s(out_bytes[min(src_chunk, dst_chunk)])
+        arrive[(kind, mb, dst_chunk)] = link_free[(src, dst)] + link.latency_s
+
+    def ready(w: Work) -> float | None:
+        i, c = w.micro_batch, w.chunk
+        if w.kind == "F":
+            return 0.0 if c == 0 else arrive.get(("F", i, c))
+        own = done.get(("F", i, c))
+        if w.kind == "W":
+            return done.get(("I", i, c))
+        if c == n - 1 or own is None:
+            return own
+        grad = arrive.get(("G", i, c))
+        return None if grad is None else max(own, grad)
+
+    remaining = sum(len(o) for o in schedule.orders)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            order = schedule.orders[r]
+            while pos[r] < len(order):
+                w = order[pos[r]]
+                t = ready(w)
+                if t is None:
+                    break
+                start = max(clock[r], t)
+                clock[r] = end = start + costs.duration(w)
+                done[(w.kind, w.micro_batch, w.chunk)] = end
+                timeline.append(Slot(r, w, start, end))
+                if w.kind == "F" and w.chunk < n - 1:
+                    send("F", w.micro_batch, w.chunk, w.chunk + 1, end)
+                elif w.kind in "BI" and w.chunk > 0:
+                    send("G", w.micro_batch, w.chunk, w.chunk - 1, end)
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: schedule.orders[r][pos[r]] for r in range(p) if pos[r] < len(schedule.orders[r])}
+            raise ValueError(f"schedule {schedule.name!r} deadlocks: each rank waits on another ({stuck})")
+    finish = [clock[r] + opt[r] for r in range(p)]
+    step = max(finish)
+    busy = [sum(costs.duration(w) for w in schedule.orders[r]) + opt[r] for r in range(p)]
+    held = [schedule.held_peak(r) for r in range(p)]
+    held_bytes = ([schedule.held_peak(r, costs.activation_bytes) for r in range(p)]
+                  if costs.activation_bytes is not None else [])
+    return StepSimulation(step, busy, finish, 1.0 - sum(busy) / (p * step) if step > 0 else 0.0, held, held_bytes,
+                          timeline)

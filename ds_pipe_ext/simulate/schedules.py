@@ -1,0 +1,169 @@
+"""Pipeline schedules as plain data: the order each rank runs its work in.
+
+A schedule is a list per rank of ``Work`` items - forward ``F``, whole backward ``B``,
+or the backward split into its input-gradient half ``I`` and weight-gradient half
+``W`` (zero-bubble schedules) - each for one micro-batch on one model *chunk*.  Chunks
+are the model's slices in pipeline order (chunk c feeds chunk c + 1); a rank may hold
+several (interleaved 1F1B holds v, DualPipeV two).  Nothing here knows about time:
+``simulate.events`` runs these orders against costs and links.
+
+    gpipe        every forward, then every backward (torch's ``ScheduleGPipe``)
+    1f1b         PipeDream-flush, DeepSpeed's ``TrainSchedule`` order
+    interleaved  Megatron's interleaved 1F1B, v chunks per rank (chunk c on rank c % p)
+    zb-h1        1F1B with the weight gradients deferred into the bubbles (Qi et al. 2023,
+                 the order of torch's ZB1P with one chunk per rank)
+    dualpipev    DeepSeek's DualPipeV as DeepSpeed 0.19 runs it (``DualPipeVSchedule``): rank r
+                 holds chunks r and 2p - 1 - r; weight gradients stay inside ``B``
+
+Interleaved and ZB-H1 are simulated only: DeepSpeed has no engine for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import count
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
+SIMULATED_ONLY = ("interleaved", "zb-h1")  # no DeepSpeed engine runs them
+
+
+@dataclass(frozen=True)
+class Work:
+    kind: str  # "F", "B" (whole backward), "I" (input gradient), "W" (weight gradient)
+    micro_batch: int
+    chunk: int = 0  # the model chunk, in pipeline order
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    num_ranks: int
+    micro_batches: int
+    chunk_rank: tuple[int, ...]  # the rank that runs each chunk
+    orders: tuple[tuple[Work, ...], ...]  # per rank, in execution order
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_rank)
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.num_chunks // self.num_ranks
+
+    @property
+    def splits_backward(self) -> bool:
+        return any(w.kind == "W" for order in self.orders for w in order)
+
+    def held_peak(self, rank: int, chunk_weight=None) -> float:
+        """Peak of what ``rank`` holds: a micro-batch's activations on a chunk live from its ``F``
+        until its last backward part (``W`` where the backward is split).  Counted in micro-batch
+        chunks, or weighted by ``chunk_weight[c]`` (bytes).  The rank runs its order one item at a
+        time, so the peak follows from the order alone, whatever the timings."""
+        weight = chunk_weight if chunk_weight is not None else [1.0] * self.num_chunks
+        last = "W" if self.splits_backward else "B"
+        held = peak = 0.0
+        for w in self.orders[rank]:
+            if w.kind == "F":
+                held += weight[w.chunk]
+                peak = max(peak, held)
+            elif w.kind == last:
+                held -= weight[w.chunk]
+        return peak
+
+
+def build_schedule(name: str, num_ranks: int, micro_batches: int, *, virtual_stages: int = 1) -> Schedule:
+    """The ``Schedule`` called ``name`` for ``num_ranks`` ranks and ``micro_batches`` micro-batches."""
+    p, m = num_ranks, micro_batches
+    if p < 1 or m < 1:
+        raise ValueError(f"a schedule needs at least one rank and one micro-batch, got p={p}, m={m}")
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    if virtual_stages != 1 and name != "interleaved":
+        raise ValueError(f"--virtual-stages applies to the interleaved schedule, not {name!r}")
+    if name == "interleaved":
+        v = virtual_stages
+        if v < 2:
+            raise ValueError("interleaved 1F1B needs virtual_stages >= 2 (with 1 it is 1f1b)")
+        if m % p:
+            raise ValueError(f"interleaved 1F1B needs micro-batches a multiple of the stages (Megatron's rule): "
+                             f"m={m}, p={p}")
+        return Schedule(name, p, m, tuple(c % p for c in range(v * p)), tuple(_interleaved(r, p, m, v) for r in range(p)))
+    if name == "dualpipev":
+        if m < 2 * p:
+            raise ValueError(f"DualPipeV needs at least 2 x stages micro-batches (DeepSpeed's rule): m={m}, p={p}")
+        chunk_rank = tuple(c if c < p else 2 * p - 1 - c for c in range(2 * p))
+        return Schedule(name, p, m, chunk_rank, tuple(_dualpipev(r, p, m) for r in range(p)))
+    order = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1}[name]
+    return Schedule(name, p, m, tuple(range(p)), tuple(order(r, p, m) for r in range(p)))
+
+
+def _gpipe(rank: int, p: int, m: int) -> tuple[Work, ...]:
+    return tuple([Work("F", i, rank) for i in range(m)] + [Work("B", i, rank) for i in range(m)])
+
+
+def _one_f_one_b(rank: int, p: int, m: int, backward: str = "B") -> tuple[Work, ...]:
+    """min(p - r - 1, m) warm-up forwards, then one forward and one backward, then the rest."""
+    warmup = min(p - rank - 1, m)
+    order = [Work("F", i, rank) for i in range(warmup)]
+    for f in range(warmup, m):
+        order += [Work("F", f, rank), Work(backward, f - warmup, rank)]
+    order += [Work(backward, i, rank) for i in range(m - warmup, m)]
+    return tuple(order)
+
+
+def _zb_h1(rank: int, p: int, m: int) -> tuple[Work, ...]:
+    """1F1B with ``I`` for ``B``; rank r runs its first r steady ``I`` without a ``W`` and from then
+    on follows each ``I`` with the oldest pending ``W``; the deferred ``W`` fill the tail."""
+    order, pending, seen = [], [], 0
+    for w in _one_f_one_b(rank, p, m, backward="I"):
+        order.append(w)
+        if w.kind == "I":
+            pending.append(w.micro_batch)
+            seen += 1
+            if seen > rank:
+                order.append(Work("W", pending.pop(0), rank))
+    return tuple(order + [Work("W", i, rank) for i in pending])
+
+
+def _interleaved(rank: int, p: int, m: int, v: int) -> tuple[Work, ...]:
+    """Megatron's interleaved 1F1B: work item k of a rank's forwards runs local chunk (k mod pv) // p
+    on micro-batch (k // pv) p + k mod p (backwards walk the chunks in reverse); the warm-up is
+    2 (p - r - 1) + (v - 1) p forwards."""
+    total = m * v
+
+    def item(kind: str, k: int) -> Work:
+        local = (k % (p * v)) // p
+        if kind == "B":
+            local = v - 1 - local
+        return Work(kind, (k // (p * v)) * p + k % p, local * p + rank)
+
+    warmup = min(2 * (p - rank - 1) + (v - 1) * p, total)
+    order = [item("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [item("F", warmup + k), item("B", k)]
+    order += [item("B", k) for k in range(total - warmup, total)]
+    return tuple(order)
+
+
+def _dualpipev(rank: int, p: int, m: int) -> tuple[Work, ...]:
+    """DeepSpeed's ``DualPipeVSchedule`` compute order (phase 0 = chunk r, phase 1 = chunk 2p-1-r)."""
+    chunk = (rank, 2 * p - 1 - rank)
+    counters = {(k, ph): count() for k in "FB" for ph in (0, 1)}
+
+    def run(*steps: str) -> list[Work]:  # "F0" = forward of phase 0's next micro-batch
+        return [Work(s[0], next(counters[(s[0], int(s[1]))]), chunk[int(s[1])]) for s in steps]
+
+    later = p - rank - 1  # ranks after this one
+    order = run(*["F0"] * 2 * later)
+    for _ in range(rank + 1):
+        order += run("F0", "F1")
+    for _ in range(later):
+        order += run("B1", "F1")
+    for _ in range(m - 2 * p + rank + 1):
+        order += run("F0", "B1", "F1", "B0")
+    for _ in range(later):
+        order += run("B1", "F1", "B0")
+    for _ in range(rank + 1):
+        order += run("B1", "B0")
+    order += run(*["B0"] * later)
+    return tuple(order)
