@@ -5,6 +5,7 @@
     ds-pipe-ext report RUN_DIR [--json] [--png FILE]
     ds-pipe-ext compare --model tiny --world 4 [--global-batch G] [--micro-batch B] [--memory-cap-gib X] [--json]
     ds-pipe-ext estimate --compare --model gpt3-175b --world 64 --tp 8 --device a100-80gb [--json]
+    ds-pipe-ext simulate --model gpt3-small --stages 3 --schedule gpipe [--latency-ms L] [--bandwidth-gbs B] [--grid]
 """
 
 from __future__ import annotations
@@ -54,18 +55,10 @@ def pipeline_settings(args) -> PipelineSettings:
 
 def _profiled_costs(args, shape: ShapeArgs, settings: PipelineSettings):
     """Profile the model's layers on this machine (cached like training does)."""
-    import torch
-
-    from .costs.profiler import profile_layers
     from .models.config import load_model_config
-    from .models.gpt import gpt_layer_specs, lm_loss
+    from .models.gpt_costs import profile_gpt_layers
 
-    cfg = load_model_config(args.model, seq_len=shape.seq)
-    specs = gpt_layer_specs(cfg)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (shape.micro_batch, cfg.seq_len + 1), generator=gen)
-    return profile_layers(specs, tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss,
-                          settings=settings.profile, key_fields={"model": cfg.to_dict()})
+    return profile_gpt_layers(load_model_config(args.model, seq_len=shape.seq), shape.micro_batch, settings.profile)
 
 
 def cmd_partition(args) -> int:
@@ -377,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true")
     r.add_argument("--png", default=None, metavar="FILE", help="also write per-stage bar charts to FILE")
     r.set_defaults(func=cmd_report)
+
+    from .simulate.command import add_parser as add_simulate
+
+    add_simulate(sub)
     return ap
 
 

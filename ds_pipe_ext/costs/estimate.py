@@ -72,6 +72,10 @@ def estimate_layers(cfg, req: EstimateRequest, device: DeviceSpec) -> list[dict]
             "output_bytes": 0 if kind == "head" else shp.replicated_sbh * shp.e,
             "comm_bytes": sum(r["comm_fwd_bytes"] + r["comm_bwd_bytes"] for r in rows),
             "fwd_s": sum(r["fwd_s"] for r in rows), "bwd_s": sum(r["bwd_s"] for r in rows) + recompute_fwd,
+            # W: an embedding's backward is all weight gradient (token ids take none); a GEMM with a
+            # weight spends half its backward on dW (the other half is dX); the rest is input gradient
+            "wgrad_s": (sum(r["bwd_s"] for r in rows) if kind == "embedding" else
+                        sum(0.5 * r["bwd_s"] for r, op in zip(rows, ops) if op.kind == "matrix" and op.weight_bytes)),
         })
     return out
 
@@ -88,6 +92,7 @@ def analytic_layer_costs(cfg, req: EstimateRequest, device: DeviceSpec) -> list[
             param_bytes=params * shp.e, grad_bytes=params * shp.e,
             optimizer_bytes=params * per_param,
             activation_bytes=int(row["activation_bytes"]), output_bytes=int(row["output_bytes"]),
+            weight_grad_s=row["wgrad_s"],
         ))
     return costs
 

@@ -66,6 +66,12 @@ class IterationTime:
         return flops / (self.step_s * gpus) / 1e12
 
 
+def adam_step_s(params: float, device: DeviceSpec, *, bytes_per_param: float = 30.0) -> float:
+    """A memory-bound Adam step over ``params`` parameters: in mixed precision it reads param, grad,
+    m, v and writes param, m, v and the 16-bit copy (~30 bytes a parameter; 28 in fp32)."""
+    return bytes_per_param * params / (device.hbm_bandwidth * device.memory_efficiency)
+
+
 def _stage_times(cfg, layout: Layout, device: DeviceSpec, dtype: str) -> tuple[list[float], list[float], list[float]]:
     """(forward s, backward s, parameters) of each pipeline rank, per micro-batch."""
     req = EstimateRequest(micro_batch=layout.micro_batch, seq=cfg.seq_len, tp=layout.tp, sp=layout.sp, dtype=dtype,
@@ -114,8 +120,7 @@ def predict_iteration(cfg, layout: Layout, device: DeviceSpec, cluster: ClusterS
                        _dp_bandwidth(layout, cluster) * device.comm_efficiency)
     if layout.dp_overlap:  # hidden under the last micro-batch's backward and the next step's first forward
         reduce = max(0.0, reduce / 2 - bwd[heaviest]) + max(0.0, reduce / 2 - fwd[heaviest])
-    # Adam in fp32: read param, grad, m, v; write param, m, v and the 16-bit copy (~30 bytes a parameter)
     sharded = params[heaviest] / (layout.dp if layout.distributed_optimizer else 1)
-    optimizer = 30.0 * sharded / (device.hbm_bandwidth * device.memory_efficiency)
+    optimizer = adam_step_s(sharded, device)
     return IterationTime(step_s=pipeline + reduce + optimizer, pipeline_s=pipeline, dp_comm_s=reduce,
                          optimizer_s=optimizer, bubble_fraction=bubble)

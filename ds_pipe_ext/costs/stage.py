@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..simulate.schedules import SCHEDULES, build_schedule
+from ..simulate.schedules import SCHEDULES, schedule_for_chunks
 
 
 def in_flight(stage: int, num_stages: int, micro_batches: int, schedule: str = "1f1b") -> int:
@@ -47,11 +47,7 @@ def in_flight(stage: int, num_stages: int, micro_batches: int, schedule: str = "
 def _in_flight(schedule: str, num_stages: int, micro_batches: int) -> tuple[int, ...]:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
-    chunks = {"interleaved": 2, "dualpipev": 2}.get(schedule, 1)
-    if num_stages % chunks:
-        raise ValueError(f"the {schedule} schedule runs {chunks} stages per rank: num_stages={num_stages} is odd")
-    ranks = num_stages // chunks
-    sched = build_schedule(schedule, ranks, micro_batches, virtual_stages=2 if schedule == "interleaved" else 1)
+    sched = schedule_for_chunks(schedule, num_stages, micro_batches)
     only = lambda c: [1.0 if k == c else 0.0 for k in range(num_stages)]  # noqa: E731
     return tuple(int(sched.held_peak(sched.chunk_rank[c], only(c))) for c in range(num_stages))
 
@@ -84,6 +80,7 @@ class StageCost:
     layer_names: tuple[str, ...]
     forward_s: float
     backward_s: float  # including the replayed forward under activation checkpointing
+    weight_grad_s: float  # the W part of backward_s (half of a layer's backward where not known)
     p2p_s: float  # boundary transfers per micro-batch: activation in/out and their gradients
     param_bytes: int
     grad_bytes: int
@@ -139,6 +136,8 @@ def stage_costs(
             stage=s, start=i, stop=j, layer_names=tuple(c.name for c in layers),
             forward_s=sum(c.forward_s for c in layers),
             backward_s=sum(c.backward_s + (c.recompute_s if recompute else 0.0) for c in layers),
+            weight_grad_s=sum(c.backward_s / 2 if getattr(c, "weight_grad_s", None) is None else c.weight_grad_s
+                              for c in layers),
             p2p_s=p2p,
             param_bytes=sum(int(c.param_bytes) for c in layers),
             grad_bytes=sum(int(c.grad_bytes) for c in layers),

@@ -31,6 +31,9 @@ class LayerCost:
     activation_bytes: int = 0
     output_bytes: int = 0
     peak_bytes: int = 0  # GPU allocator peak above the layer's resting memory during fwd+bwd (0 where unmeasured)
+    # the weight-gradient part of backward_s, which zero-bubble schedules run apart (W after the input
+    # gradient B); None where neither measured nor modelled: the schedules then take half
+    weight_grad_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -39,6 +42,8 @@ class LayerCost:
                     raise ValueError(f"LayerCost.name must be a string, got {self.name!r}")
                 continue
             v = getattr(self, f.name)
+            if v is None and f.name == "weight_grad_s":
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"LayerCost({self.name!r}).{f.name} = {v!r}: must be a finite number >= 0")
 

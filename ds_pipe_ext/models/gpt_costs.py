@@ -44,6 +44,15 @@ def gpt_cost_model(cfg: GPTConfig, impl: LayerImpl = LOCAL) -> GPTCostModel:
     return GPTCostModel(cfg, sequence_parallel=impl.sequence_parallel)
 
 
+def profile_gpt_layers(cfg: GPTConfig, micro_batch: int, settings, key_fields: dict | None = None):
+    """Every pipeline layer of ``cfg`` profiled on this machine with one micro-batch of tokens (cached)."""
+    from ..costs.profiler import profile_layers
+
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    return profile_layers(gpt_layer_specs(cfg), tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss,
+                          settings=settings, key_fields={"model": cfg.to_dict(), **(key_fields or {})})
+
+
 def profile_three_layers(cfg: GPTConfig, micro_batch: int, seq: int, settings, key_fields: dict):
     """The embedding, one block and the head (+ loss) of ``cfg`` (untied, at sequence ``seq``) profiled
     alone on this machine: (the config as profiled, their ``LayerCost``)."""

@@ -97,6 +97,21 @@ def build_schedule(name: str, num_ranks: int, micro_batches: int, *, virtual_sta
     return Schedule(name, p, m, tuple(range(p)), tuple(order(r, p, m) for r in range(p)))
 
 
+def chunks_per_rank(name: str, virtual_stages: int = 2) -> int:
+    """How many model chunks each rank runs: 2 under DualPipeV, v under interleaved, else 1."""
+    return {"dualpipev": 2, "interleaved": virtual_stages}.get(name, 1)
+
+
+def schedule_for_chunks(name: str, num_chunks: int, micro_batches: int, *, virtual_stages: int = 2) -> Schedule:
+    """The schedule over ``num_chunks`` model chunks (pipeline stages, in the partitioner's sense)."""
+    per_rank = chunks_per_rank(name, virtual_stages)
+    if num_chunks % per_rank:
+        raise ValueError(f"the {name} schedule runs {per_rank} stages per rank: num_stages={num_chunks} "
+                         f"is not a multiple of {per_rank}")
+    return build_schedule(name, num_chunks // per_rank, micro_batches,
+                          virtual_stages=virtual_stages if name == "interleaved" else 1)
+
+
 def _gpipe(rank: int, p: int, m: int) -> tuple[Work, ...]:
     return tuple([Work("F", i, rank) for i in range(m)] + [Work("B", i, rank) for i in range(m)])
 
