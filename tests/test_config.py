@@ -50,6 +50,8 @@ def test_pipeline_section_parses_and_validates():
     assert (s.stages, s.partition_method, s.profile.repeats, s.memory_cap_gib) == (2, "profiled", 3, 4)
     # DeepSpeed's own keys in the same section are accepted
     PipelineSettings.from_ds_config({"pipeline": {"stages": 2, "pipe_partitioned": True}})
+    s = PipelineSettings.from_ds_config({"pipeline": {"schedule": "gpipe", "link_emulation": {"latency_ms": 5}}})
+    assert (s.schedule, s.link_emulation.latency_ms, s.link_emulation.bandwidth_gbs) == ("gpipe", 5.0, None)
     for bad, match in [
         ({"pipeline": {"stages": 0}}, "stages"),
         ({"pipeline": {"stagse": 2}}, "unknown key"),
@@ -57,6 +59,10 @@ def test_pipeline_section_parses_and_validates():
         ({"pipeline": {"profile": {"repeats": 0}}}, "repeats"),
         ({"pipeline": {"memory_cap_gib": -1}}, "memory_cap_gib"),
         ({"pipeline": []}, "must be an object"),
+        # DeepSpeed's engine runs 1F1B and GPipe; zero-bubble and interleaved are simulated only
+        ({"pipeline": {"schedule": "zb-h1"}}, "pipeline.schedule"),
+        ({"pipeline": {"link_emulation": {"bandwidth_gbs": 0}}}, "bandwidth_gbs"),
+        ({"pipeline": {"link_emulation": {"latency": 1}}}, "unknown key"),
     ]:
         with pytest.raises(ConfigError, match=match):
             PipelineSettings.from_ds_config(bad)

@@ -30,17 +30,21 @@ def test_user_command_on_4_ranks_every_rank_builds_the_same_stages(tmp_path):
     assert all(math.isfinite(x) for x in ranks[0]["losses"])
 
 
-def test_partition_does_not_change_the_math(tmp_path):
-    """Two different splits on 2 ranks and one process without a pipeline: the same losses."""
+def test_partition_and_schedule_do_not_change_the_math(tmp_path):
+    """Two splits on 2 ranks, the second under GPipe (DeepSpeed's engine through ``_train_schedule``)
+    over an emulated slow link, and one process without a pipeline: the same losses."""
+    gpipe = write_config(tmp_path / "gpipe.json", pipeline={"schedule": "gpipe",
+                                                            "link_emulation": {"latency_ms": 2, "bandwidth_gbs": 0.5}})
     runs = {}
-    for name, method in [("front", "parts:0,2,6"), ("back", "parts:0,4,6")]:
+    for name, method, ds in [("front", "parts:0,2,6", ROOT / "launch_scripts" / "ds_pipeline.json"),
+                             ("back", "parts:0,4,6", gpipe)]:
         out = tmp_path / name
         out.mkdir()
-        proc, ranks = launch(2, ROOT / "launch_scripts" / "ds_pipeline.json", "--steps", "3",
-                             "--partition-method", method, out_dir=out, cwd=tmp_path)
+        proc, ranks = launch(2, ds, "--steps", "3", "--partition-method", method, out_dir=out, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert ranks[0]["parts"] == [int(b) for b in method.split(":")[1].split(",")]
         runs[name] = ranks[0]["losses"]
+    assert ranks[0]["schedule"] == "gpipe" and ranks[0]["link_emulation"]["latency_ms"] == 2
     # the same layers in this process: seeded per layer as seed_layers does, the same data stream
     import torch
     from test_tensor_parallel import serial_reference

@@ -169,3 +169,76 @@ def test_links_differ_inside_and_across_nodes():
     sim = simulate(build_schedule("1f1b", 4, 4), costs, network=slow)
     # the first forward and the last backward cross the slow link once each: 2 x (0.5 + 1 s)
     assert sim.step_s >= fast.step_s + 2 * 1.5 - 1e-9
+
+
+def test_deepspeed_gpipe_schedule_runs_the_simulated_order():
+    """ds_pipe_ext's GPipe PipeSchedule for DeepSpeed's engine: the order simulated, every micro-batch
+    in its own buffer, each transfer where its compute needs it, the step at the end."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    from ds_pipe_ext.pipe.schedules import GPipeSchedule
+
+    for p, m in [(1, 1), (2, 4), (3, 5), (4, 8)]:
+        ours = build_schedule("gpipe", p, m)
+        for s in range(p):
+            sched = GPipeSchedule(micro_batches=m, stages=p, stage_id=s)
+            cmds = [c for step in sched.steps() for c in step]
+            compute = [("F" if isinstance(c, ds.ForwardPass) else "B", c.buffer_id) for c in cmds
+                       if isinstance(c, (ds.ForwardPass, ds.BackwardPass))]
+            assert compute == [(w.kind, w.micro_batch) for w in ours.orders[s]]
+            assert sched.num_pipe_buffers() == max(2, m)
+            sends = [c.buffer_id for c in cmds if isinstance(c, ds.SendActivation)]
+            recvs = [c.buffer_id for c in cmds if isinstance(c, ds.RecvGrad)]
+            assert sends == (list(range(m)) if s < p - 1 else []) and recvs == sends
+            assert isinstance(cmds[-1], ds.OptimizerStep)
+
+
+def test_link_emulator_delays_p2p_by_latency_plus_bytes_over_bandwidth(monkeypatch):
+    import time
+
+    import torch
+    from deepspeed.runtime.pipe import p2p
+
+    from ds_pipe_ext.compat import link_emulator
+
+    calls = []
+    monkeypatch.setattr(p2p, "send", lambda t, stage, async_op=False: calls.append(("send", stage)))
+    monkeypatch.setattr(p2p, "recv", lambda t, stage, async_op=False: calls.append(("recv", stage)))
+    original = p2p.send
+    link_emulator.emulate_links(0.02, 1e6)  # 20 ms + 1 MB/s
+    try:
+        t0 = time.perf_counter()
+        p2p.send(torch.zeros(10_000), 1)  # 40 kB: 40 ms more
+        p2p.recv(torch.zeros(10_000), 0)
+        took = time.perf_counter() - t0
+    finally:
+        link_emulator.restore()
+    assert calls == [("send", 1), ("recv", 0)]
+    assert took >= 2 * 0.06 - 1e-3
+    assert p2p.send is original
+    with pytest.raises(ValueError, match="bandwidth > 0"):
+        link_emulator.emulate_links(0.0, 0.0)
+
+
+def test_engine_schedules_place_transfers_as_deepspeed_does():
+    """DeepSpeed's engine sends a 1F1B forward's output only after the next gradient receive, and both
+    ends of a gloo/NCCL transfer wait for each other: the same compute order as the pure schedule, the
+    same step on a free network, a longer one on a slow link."""
+    from ds_pipe_ext.pipe.schedules import engine_schedule
+
+    for name in ("1f1b", "gpipe"):
+        for p, m in [(2, 4), (3, 6), (4, 2)]:
+            run, pure = engine_schedule(name, p, m), build_schedule(name, p, m)
+            for r in range(p):
+                assert [w for w in run.orders[r] if w.kind in "FB"] == list(pure.orders[r])
+            costs = ChunkCosts([1.0] * p, [2.0] * p, output_bytes=[1e6] * p)
+            assert simulate(run, costs).step_s == pytest.approx(simulate(pure, costs).step_s)
+            slow = Network(Link(0.5, 1e6))  # 1.5 s a transfer
+            assert simulate(run, costs, network=slow).step_s > simulate(pure, costs, network=slow).step_s
+    # 2 stages of 1F1B, 1 micro-batch-unit transfers both ways: F0 | SA0 ... (rendezvous), worked by hand
+    run = engine_schedule("1f1b", 2, 1)
+    assert [w.kind for w in run.orders[0]] == ["F", "SA", "RG", "B"]
+    assert [w.kind for w in run.orders[1]] == ["RA", "F", "B", "SG"]
+    sim = simulate(run, ChunkCosts([1.0, 1.0], [2.0, 2.0], output_bytes=[1.0, 1.0]),
+                   network=Network(Link(0.25, 4.0)))  # 0.5 s a transfer
+    assert sim.step_s == pytest.approx(1 + 0.5 + 1 + 2 + 0.5 + 2)

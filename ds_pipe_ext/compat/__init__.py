@@ -20,7 +20,13 @@ DeepSpeed ``runtime/pipe/module.py`` (``PipelineModule``), in ``compat.engine``:
 DeepSpeed ``runtime/pipe/engine.py`` (``PipelineEngine``), in ``compat.instructions``:
     ``_INSTRUCTION_MAP``   instruction class -> bound method; a timed copy is put on the instance
     ``_aggregate_total_loss``   the loss broadcast after the schedule (timed too)
-    ``_train_schedule``    reserved for schedules other than 1F1B (not used yet)
+
+DeepSpeed ``runtime/pipe/engine.py``, in ``compat.engine``:
+    ``_train_schedule``    the PipeSchedule of each ``train_batch``; replaced on the instance for GPipe
+
+DeepSpeed ``runtime/pipe/p2p.py`` (public module functions, replaced while emulating a slow
+link), in ``compat.link_emulator``:
+    ``send``, ``recv``     the pipeline's activation and gradient transfers
 
 DeepSpeed optimizer wrappers (ZeRO, fp16), in ``compat.optimizer``:
     ``.optimizer``       the wrapped torch optimizer

@@ -74,3 +74,33 @@ def local_layers(module) -> Iterator[tuple[int, nn.Module]]:
         layer = getattr(module, str(idx), None)
         if isinstance(layer, nn.Module):
             yield idx, layer
+
+
+def set_train_schedule(engine, schedule_cls, *, losses_per_micro_batch: bool = False) -> None:
+    """Have ``engine`` run ``schedule_cls`` (a ``PipeSchedule``) for training: DeepSpeed asks its
+    overridable ``_train_schedule()`` for the schedule of every ``train_batch``.
+
+    The engine's last stage backpropagates ``engine.loss``, the loss of its latest forward, which
+    is right only when each backward follows its own forward (1F1B).  ``losses_per_micro_batch``
+    keeps each forward's loss by buffer and hands it back to that buffer's backward (GPipe runs
+    every forward first), through the engine's ``_INSTRUCTION_MAP``, on this instance only.
+    """
+    from deepspeed.runtime.pipe import schedule as ds
+
+    engine._train_schedule = lambda: schedule_cls(micro_batches=engine.micro_batches, stages=engine.num_stages,
+                                                  stage_id=engine.stage_id)
+    if not (losses_per_micro_batch and engine.is_last_stage()):
+        return
+    current = dict(engine._INSTRUCTION_MAP)
+    forward, backward = current[ds.ForwardPass], current[ds.BackwardPass]
+    losses: dict[int, object] = {}
+
+    def forward_keeping_loss(self, buffer_id):
+        forward(self, buffer_id)
+        losses[buffer_id] = self.loss
+
+    def backward_of_its_loss(self, buffer_id):
+        self.loss = losses.pop(buffer_id)
+        backward(self, buffer_id)
+
+    engine._INSTRUCTION_MAP = {**current, ds.ForwardPass: forward_keeping_loss, ds.BackwardPass: backward_of_its_loss}

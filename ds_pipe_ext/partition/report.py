@@ -21,6 +21,7 @@ class PartitionPlan:
     micro_batches: int
     stages: list[StageCost]
     link_bandwidth: float | None = None  # bytes/s between stages; None: p2p not modelled
+    schedule: str = "1f1b"
 
     @property
     def imbalance(self) -> float:
@@ -29,8 +30,9 @@ class PartitionPlan:
 
     @property
     def predicted_step_ms(self) -> float:
-        """The event simulator's 1F1B step for these stages (fill, steady state, drain)."""
-        return 1e3 * simulate_stages(self.stages, self.micro_batches, link_bandwidth=self.link_bandwidth).step_s
+        """The event simulator's step for these stages under the schedule (fill, steady state, drain)."""
+        return 1e3 * simulate_stages(self.stages, self.micro_batches, link_bandwidth=self.link_bandwidth,
+                                     schedule=self.schedule).step_s
 
     def to_dict(self) -> dict:
         return {
@@ -112,7 +114,9 @@ def build_plan(
     micro_batches: int,
     link_bandwidth: float | None = None,
     recompute: bool = False,
+    schedule: str = "1f1b",
 ) -> PartitionPlan:
-    stages = stage_costs(costs, parts, micro_batches=micro_batches, recompute=recompute, link_bandwidth=link_bandwidth)
+    stages = stage_costs(costs, parts, micro_batches=micro_batches, recompute=recompute, link_bandwidth=link_bandwidth,
+                         schedule=schedule)
     return PartitionPlan(method=method, parts=list(parts), micro_batches=micro_batches, stages=stages,
-                         link_bandwidth=link_bandwidth)
+                         link_bandwidth=link_bandwidth, schedule=schedule)

@@ -10,6 +10,8 @@ so the plugin's settings live beside DeepSpeed's own there::
       "memory_cap_gib": null,
       "activation_checkpoint_interval": 0,              # DeepSpeed's: full recompute every N layers
       "link_bandwidth_gbs": null,                       # GB/s between stages (adds p2p time to the split)
+      "schedule": "1f1b",                               # or "gpipe": every forward, then every backward
+      "link_emulation": null,                           # {"latency_ms": 5, "bandwidth_gbs": 0.25}: a slower link
       "analytic": {"device": "cpu", "dtype": "fp32", "calibrate": false},  # for partition_method "analytic"
       "instrument": {"enabled": false, "run_dir": "runs/latest", "every": 0},
       "refine_from": null                               # a run directory to learn stage costs from
@@ -30,7 +32,7 @@ from pydantic import Field, model_validator
 from ..config_model import ConfigError, ConfigModel, parse_section
 from ..costs.types import ProfileSettings
 
-__all__ = ["ConfigError", "PipelineSettings", "InstrumentSettings", "AnalyticSettings", "ProfileSettings"]
+__all__ = ["ConfigError", "LinkEmulation", "PipelineSettings", "InstrumentSettings", "AnalyticSettings", "ProfileSettings"]
 
 
 class InstrumentSettings(ConfigModel):
@@ -47,6 +49,14 @@ class AnalyticSettings(ConfigModel):
     device: str = "cpu"  # a100 | a100-40gb | h100 | h200 | cpu (measured here)
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     calibrate: bool = False  # fit the spec's efficiencies to a few layers profiled on this machine
+
+
+class LinkEmulation(ConfigModel):
+    """``"pipeline": {"link_emulation": {"latency_ms": 5, "bandwidth_gbs": 0.25}}``: every pipeline p2p
+    transfer takes this much longer (``compat.link_emulator``), to measure a network this machine lacks."""
+
+    latency_ms: float = Field(0.0, ge=0)
+    bandwidth_gbs: float | None = Field(None, gt=0)  # GB/s; None: latency only
 
 
 class PipelineSettings(ConfigModel):
@@ -66,6 +76,10 @@ class PipelineSettings(ConfigModel):
     analytic: AnalyticSettings = AnalyticSettings()
     instrument: InstrumentSettings = InstrumentSettings()
     refine_from: str | None = None  # a run directory: correct layer costs with its measured stage times
+    # the order DeepSpeed's engine runs: its 1F1B TrainSchedule, or GPipe (holds every micro-batch);
+    # the partitioner's memory cap counts the micro-batches the chosen one holds
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    link_emulation: LinkEmulation | None = None  # off: the machine's own links
 
     @model_validator(mode="before")
     @classmethod

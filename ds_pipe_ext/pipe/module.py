@@ -190,12 +190,13 @@ class PipelineModule(_DeepSpeedPipelineModule):
             link_bandwidth=bandwidth,
             recompute=self._ext_recompute,
             arg=arg,
+            schedule=settings.schedule,
         )
         parts = [int(b) for b in spec.solve(request)]
         if "costs" not in cache:
             return parts, None, None
         plan = build_plan(
             method, parts, cache["costs"], micro_batches=self._ext_micro_batches,
-            link_bandwidth=bandwidth, recompute=self._ext_recompute,
+            link_bandwidth=bandwidth, recompute=self._ext_recompute, schedule=settings.schedule,
         )
         return parts, plan, cache["costs"]

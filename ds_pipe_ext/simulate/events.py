@@ -12,6 +12,11 @@ Rules:
   producer finishes, waits for the link's earlier transfers (one at a time per
   direction), takes bytes / bandwidth and arrives ``latency`` later.  Within a rank it
   is there at once.  The gradient is as large as the activation it answers.
+* A schedule may instead place its transfers itself (``Schedule.explicit_comm``: DeepSpeed's
+  engine, ``pipe.engine_schedule``): send and receive items (``SA``/``RA`` activations,
+  ``SG``/``RG`` gradients) that block both ranks until the other side has posted - a
+  rendezvous, as gloo and NCCL sends are - and then for the link's time.  Compute items
+  then wait only for the items before them on their rank.
 * After its last item a rank runs its optimizer step (and gradient reduction); the step
   ends when the last rank has.
 """
@@ -21,7 +26,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .schedules import Schedule, Work
+from .schedules import COMPUTE, Schedule, Work
+
+# a send or receive item -> its rendezvous key: (what, micro-batch, the boundary's upstream chunk)
+RENDEZVOUS = {
+    "SA": lambda i, c: ("A", i, c),  # chunk c sends its output to c + 1
+    "RA": lambda i, c: ("A", i, c - 1),  # chunk c receives its input from c - 1
+    "SG": lambda i, c: ("G", i, c - 1),  # chunk c sends its input's gradient to c - 1
+    "RG": lambda i, c: ("G", i, c),  # chunk c receives its output's gradient from c + 1
+}
 
 
 @dataclass(frozen=True)
@@ -118,8 +131,14 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
         link_free[(src, dst)] = start + link.busy_s(out_bytes[min(src_chunk, dst_chunk)])
         arrive[(kind, mb, dst_chunk)] = link_free[(src, dst)] + link.latency_s
 
+    explicit = schedule.explicit_comm
+    posted: dict[tuple[str, int, int], tuple[int, float]] = {}  # rendezvous key -> (rank, post time)
+    waiting = [False] * p  # posted a send or receive whose partner has not
+
     def ready(w: Work) -> float | None:
         i, c = w.micro_batch, w.chunk
+        if explicit:  # the rank's own receive items come first
+            return 0.0
         if w.kind == "F":
             return 0.0 if c == 0 else arrive.get(("F", i, c))
         own = done.get(("F", i, c))
@@ -130,6 +149,26 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
         grad = arrive.get(("G", i, c))
         return None if grad is None else max(own, grad)
 
+    def rendezvous(r: int, w: Work) -> bool:
+        """Post ``w`` (a send or receive) on rank r; complete it with its partner if that has posted."""
+        key = RENDEZVOUS[w.kind](w.micro_batch, w.chunk)
+        if key not in posted:
+            posted[key] = (r, clock[r])
+            waiting[r] = True
+            return False
+        other, t_other = posted.pop(key)
+        waiting[other] = False
+        lo = key[2]
+        src, dst = (rank_of[lo], rank_of[lo + 1]) if key[0] == "A" else (rank_of[lo + 1], rank_of[lo])
+        link = network.link(src, dst)
+        start = max(clock[r], t_other, link_free.get((src, dst), 0.0))
+        link_free[(src, dst)] = start + link.busy_s(out_bytes[lo])
+        clock[r] = clock[other] = link_free[(src, dst)] + link.latency_s
+        for rank in (r, other):
+            timeline.append(Slot(rank, schedule.orders[rank][pos[rank]], start, clock[rank]))
+            pos[rank] += 1
+        return True
+
     remaining = sum(len(o) for o in schedule.orders)
     while remaining:
         progressed = False
@@ -137,6 +176,12 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
             order = schedule.orders[r]
             while pos[r] < len(order):
                 w = order[pos[r]]
+                if w.kind in RENDEZVOUS:
+                    if waiting[r] or not rendezvous(r, w):
+                        break  # posted: the partner completes it when it posts
+                    remaining -= 2
+                    progressed = True
+                    continue
                 t = ready(w)
                 if t is None:
                     break
@@ -144,9 +189,9 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
                 clock[r] = end = start + costs.duration(w)
                 done[(w.kind, w.micro_batch, w.chunk)] = end
                 timeline.append(Slot(r, w, start, end))
-                if w.kind == "F" and w.chunk < n - 1:
+                if not explicit and w.kind == "F" and w.chunk < n - 1:
                     send("F", w.micro_batch, w.chunk, w.chunk + 1, end)
-                elif w.kind in "BI" and w.chunk > 0:
+                elif not explicit and w.kind in "BI" and w.chunk > 0:
                     send("G", w.micro_batch, w.chunk, w.chunk - 1, end)
                 pos[r] += 1
                 remaining -= 1
@@ -156,7 +201,7 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
             raise ValueError(f"schedule {schedule.name!r} deadlocks: each rank waits on another ({stuck})")
     finish = [clock[r] + opt[r] for r in range(p)]
     step = max(finish)
-    busy = [sum(costs.duration(w) for w in schedule.orders[r]) + opt[r] for r in range(p)]
+    busy = [sum(costs.duration(w) for w in schedule.orders[r] if w.kind in COMPUTE) + opt[r] for r in range(p)]
     held = [schedule.held_peak(r) for r in range(p)]
     held_bytes = ([schedule.held_peak(r, costs.activation_bytes) for r in range(p)]
                   if costs.activation_bytes is not None else [])

@@ -25,11 +25,14 @@ from itertools import count
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
 SIMULATED_ONLY = ("interleaved", "zb-h1")  # no DeepSpeed engine runs them
+COMPUTE = ("F", "B", "I", "W")
 
 
 @dataclass(frozen=True)
 class Work:
-    kind: str  # "F", "B" (whole backward), "I" (input gradient), "W" (weight gradient)
+    # "F", "B" (whole backward), "I" (input gradient), "W" (weight gradient); where a schedule places
+    # its transfers itself: "SA"/"RA" send/receive an activation, "SG"/"RG" a gradient
+    kind: str
     micro_batch: int
     chunk: int = 0  # the model chunk, in pipeline order
 
@@ -49,6 +52,10 @@ class Schedule:
     @property
     def chunks_per_rank(self) -> int:
         return self.num_chunks // self.num_ranks
+
+    @property
+    def explicit_comm(self) -> bool:
+        return any(w.kind not in COMPUTE for order in self.orders for w in order)
 
     @property
     def splits_backward(self) -> bool:

@@ -148,6 +148,20 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, dims: ParallelDims):
     return engine
 
 
+def configure_pipeline_engine(engine, settings) -> None:
+    """The ``"pipeline"`` section's runtime choices: the schedule the engine runs and an emulated link."""
+    from ..compat.engine import set_train_schedule
+    from ..pipe.schedules import TRAIN_SCHEDULES
+
+    if settings.schedule != "1f1b":  # DeepSpeed's own TrainSchedule otherwise
+        set_train_schedule(engine, TRAIN_SCHEDULES[settings.schedule], losses_per_micro_batch=True)
+    link = settings.link_emulation
+    if link is not None:
+        from ..compat.link_emulator import emulate_links
+
+        emulate_links(link.latency_ms / 1e3, link.bandwidth_gbs * 1e9 if link.bandwidth_gbs else None)
+
+
 def global_grad_norm(model, dims: ParallelDims) -> float:
     """L2 norm of the whole model's gradient: TP shards summed, TP-replicated and DP-replicated copies once."""
     tp_rank = 0
@@ -249,6 +263,8 @@ def build(cfg: RunConfig) -> Built:
     overheads = refine_overheads(cfg)
     model = build_model(cfg, model_cfg, dims)
     engine = build_engine(cfg, model, dims)
+    if cfg.pipelined:
+        configure_pipeline_engine(engine, cfg.pipeline)
     layout = checkpoint.Layout(pipelined=cfg.pipelined, zero_stage=cfg.zero_stage, world_size=dims.world_size,
                                parts=list(model.parts) if cfg.pipelined else None)
     built = Built(cfg, model_cfg, dims, rank, data_parallel_rank(model, dims, rank, pipelined=cfg.pipelined), model,

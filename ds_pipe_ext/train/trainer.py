@@ -145,6 +145,9 @@ def summarize(built: Built, losses: list[float], step_times: list[float]) -> dic
         "model": built.model_cfg.name, "world_size": dims.world_size,
         "stages": dims.pp, "partition_method": cfg.pipeline.partition_method if pipelined else None,
         "parts": list(built.model.parts) if pipelined else None,
+        "schedule": cfg.pipeline.schedule if pipelined else None,
+        "link_emulation": (cfg.pipeline.link_emulation.model_dump() if pipelined and cfg.pipeline.link_emulation
+                           else None),
         "stage_id": coordinates(built.model).stage if pipelined else 0,
         "local_layers": list(local_layer_range(built.model)) if pipelined else None,
         "start_step": built.start_step, "steps": len(losses), "losses": losses,
