@@ -89,18 +89,20 @@ def set_train_schedule(engine, schedule_cls, *, losses_per_micro_batch: bool = F
 
     engine._train_schedule = lambda: schedule_cls(micro_batches=engine.micro_batches, stages=engine.num_stages,
                                                   stage_id=engine.stage_id)
+    # switching schedules (benches) starts again from the map the first switch found
+    base = engine.__dict__.setdefault("_ds_pipe_ext_schedule_base", engine._INSTRUCTION_MAP)
+    engine._INSTRUCTION_MAP = base
     if not (losses_per_micro_batch and engine.is_last_stage()):
         return
-    current = dict(engine._INSTRUCTION_MAP)
-    forward, backward = current[ds.ForwardPass], current[ds.BackwardPass]
+    forward, backward = base[ds.ForwardPass], base[ds.BackwardPass]
     losses: dict[int, object] = {}
 
-    def forward_keeping_loss(self, buffer_id):
-        forward(self, buffer_id)
-        losses[buffer_id] = self.loss
+    def forward_keeping_loss(self, **kw):  # the engine passes the instruction's fields by name
+        forward(self, **kw)
+        losses[kw["buffer_id"]] = self.loss
 
-    def backward_of_its_loss(self, buffer_id):
-        self.loss = losses.pop(buffer_id)
-        backward(self, buffer_id)
+    def backward_of_its_loss(self, **kw):
+        self.loss = losses.pop(kw["buffer_id"])
+        backward(self, **kw)
 
-    engine._INSTRUCTION_MAP = {**current, ds.ForwardPass: forward_keeping_loss, ds.BackwardPass: backward_of_its_loss}
+    engine._INSTRUCTION_MAP = {**base, ds.ForwardPass: forward_keeping_loss, ds.BackwardPass: backward_of_its_loss}

@@ -86,7 +86,7 @@ class OpCost:
     comm_bwd_bytes: float = 0.0
     comm_type: str = ""  # all-reduce | all-gather | reduce-scatter | all-gather+reduce-scatter
     recompute: bool = False  # dropped from saved activations under selective recompute
-    gemm_dim: float = 0.0  # a GEMM's smaller weight dimension on this rank (kernels fill the device less when small)
+    gemm_dim: float = 0.0  # a GEMM's smallest dimension on this rank (kernels fill the device less when small)
     # sizes of the large buffers the op allocates (outputs forward; input and weight gradients backward):
     # on a CPU each one above the allocator's mmap threshold arrives as fresh pages (see DeviceSpec)
     fwd_allocs: tuple = ()
@@ -113,7 +113,7 @@ def linear(name: str, tokens: float, k: int, n: int, shp: Shape, *, bias: bool =
         fwd_flops=2.0 * tokens * k * n, bwd_flops=4.0 * tokens * k * n,
         fwd_bytes=(tokens * k + tokens * n) * shp.e + w,
         bwd_bytes=(2 * tokens * n + 2 * tokens * k) * shp.e + 2 * w,
-        activation_bytes=saved * shp.e, weight_bytes=w, gemm_dim=float(min(k, n)),
+        activation_bytes=saved * shp.e, weight_bytes=w, gemm_dim=float(min(tokens, k, n)),
         fwd_allocs=(tokens * n * shp.e,), bwd_allocs=(tokens * k * shp.e, w),
     )
 

@@ -28,22 +28,32 @@ def _layer_time(ops: list[OpCost], device: DeviceSpec, dtype: str, backward: boo
         flops = op.bwd_flops if backward else op.fwd_flops
         moved = op.bwd_bytes if backward else op.fwd_bytes
         peak = device.vector_flops[dtype] if op.kind == "vector" else device.matrix_flops[dtype]
-        total = total + np.maximum(flops / (peak * eff[op.kind]), moved / (device.hbm_bandwidth * eff["memory"]))
+        # the spec's efficiency for this op with the fitted factor in place of its class's own
+        # (``DeviceSpec.efficiency``: small GEMMs fill the device less)
+        size = device.efficiency(op.kind, op.gemm_dim) / device.efficiency(op.kind) if op.kind == "matrix" else 1.0
+        total = total + np.maximum(flops / (peak * eff[op.kind] * size),
+                                   moved / (device.hbm_bandwidth * eff["memory"]))
         # page faults scale with the memory factor: both are the memory system's speed against the
         # micro-benchmark's (on a shared machine, what the neighbours leave of it)
         total = total + device.fresh_alloc_time(op.bwd_allocs if backward else op.fwd_allocs) / eff["memory"]
     return total
 
 
+def _loss(layers, device: DeviceSpec, dtype: str, eff: dict) -> np.ndarray:
+    """Σ squared log error of the modelled forward and backward times (broadcast over ``eff``'s arrays)."""
+    loss = 0.0
+    for ops, fwd, bwd in layers:
+        for backward, measured in ((False, fwd), (True, bwd)):
+            if measured > 0:
+                loss = loss + np.log(np.maximum(_layer_time(ops, device, dtype, backward, eff), 1e-12) / measured) ** 2
+    return loss
+
+
 def _fit(layers, device, dtype, axes: dict[str, np.ndarray]) -> dict[str, float]:
     grids = np.meshgrid(*axes.values(), indexing="ij")
     eff = dict(zip(axes, grids))
     eff.setdefault("attention", eff["matrix"])  # tied: one factor for every matmul
-    loss = np.zeros(grids[0].shape)
-    for ops, fwd, bwd in layers:
-        for backward, measured in ((False, fwd), (True, bwd)):
-            if measured > 0:
-                loss += np.log(np.maximum(_layer_time(ops, device, dtype, backward, eff), 1e-12) / measured) ** 2
+    loss = _loss(layers, device, dtype, eff) + np.zeros(grids[0].shape)
     i = np.unravel_index(int(np.argmin(loss)), loss.shape)
     return {k: float(g[i]) for k, g in zip(axes, grids)}
 
@@ -79,13 +89,29 @@ def calibrate(device: DeviceSpec, layers: list[tuple[list[OpCost], float, float]
                    name=f"{device.name}-calibrated")
 
 
+# the GEMM sizes at which a CPU's matmul efficiency halves that fit_device tries
+HALF_DIMS = (0.0, 8.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0, 192.0, 256.0)
+
+
 def fit_device(device: DeviceSpec, layers: list[tuple[list[OpCost], float, float]], *, dtype: str) -> DeviceSpec:
-    """``calibrate`` with the factors that suit the device: all four on a datasheet spec, three on a
-    measured ("cpu") one."""
-    if device.name == "cpu":
-        # Three factors on a measured spec: GEMMs (the per-head matmuls are GEMMs too: a separate
-        # factor trades against the others and went to 16x), elementwise arithmetic, and the memory
-        # system (copies and page faults together: on a shared machine both slow down with the
-        # neighbours' traffic; fitting the copy alone put it at 0.12 and tripled the embedding)
-        return calibrate(device, layers, dtype=dtype, fit=("matrix", "vector", "memory"), attention_as_matrix=True)
-    return calibrate(device, layers, dtype=dtype)
+    """``calibrate`` with the factors that suit the device: all four on a datasheet spec; on a
+    measured ("cpu") one, the two a CPU's layers need.
+
+    A measured spec already has the machine's peaks (the fastest of its micro-benchmark runs), so
+    elementwise work and memory traffic keep them: fitting those as well traded them against the
+    GEMMs and went to 0.05x and 3x, far from anything physical.  What the 1024^3 micro-benchmark
+    cannot know is how a GEMM of the layers' shapes does: its efficiency (the per-head matmuls are
+    GEMMs too) and the size at which a small dimension (few tokens, a thin weight) halves it.
+    """
+    if device.name != "cpu":
+        return calibrate(device, layers, dtype=dtype)
+    best, best_loss = device, float("inf")
+    for half in HALF_DIMS:
+        fitted = calibrate(replace(device, matrix_half_dim=half), layers, dtype=dtype, fit=("matrix",),
+                           attention_as_matrix=True)
+        eff = {"matrix": fitted.matrix_efficiency, "attention": fitted.attention_efficiency,
+               "vector": fitted.vector_efficiency, "memory": fitted.memory_efficiency}
+        loss = float(_loss(layers, fitted, dtype, eff))
+        if loss < best_loss:
+            best, best_loss = fitted, loss
+    return best
