@@ -1,6 +1,7 @@
 """ds_pipe_ext: cost-aware pipeline partitioning for DeepSpeed (and Megatron-core TP/SP).
 
-Importing the package is cheap: ``PipelineModule`` (which needs DeepSpeed) loads on first use.
+Importing the package is cheap: ``PipelineModule`` and ``DualPipeVPipelineModule`` (which need
+DeepSpeed) load on first use.
 """
 
 __version__ = "0.1.0"
@@ -8,12 +9,13 @@ __version__ = "0.1.0"
 from .costs.types import LayerCost
 from .partition import InfeasibleMemoryCap, PartitionError, partition_min_max
 
-__all__ = ["LayerCost", "partition_min_max", "PartitionError", "InfeasibleMemoryCap", "PipelineModule", "__version__"]
+__all__ = ["LayerCost", "partition_min_max", "PartitionError", "InfeasibleMemoryCap", "PipelineModule",
+           "DualPipeVPipelineModule", "__version__"]
 
 
 def __getattr__(name):
-    if name == "PipelineModule":
-        from .pipe.module import PipelineModule
+    if name in ("PipelineModule", "DualPipeVPipelineModule"):
+        from .pipe import module
 
-        return PipelineModule
+        return getattr(module, name)
     raise AttributeError(f"module 'ds_pipe_ext' has no attribute {name!r}")

@@ -63,6 +63,7 @@ def test_pipeline_section_parses_and_validates():
         ({"pipeline": {"schedule": "zb-h1"}}, "pipeline.schedule"),
         ({"pipeline": {"link_emulation": {"bandwidth_gbs": 0}}}, "bandwidth_gbs"),
         ({"pipeline": {"link_emulation": {"latency": 1}}}, "unknown key"),
+        ({"pipeline": {"schedule": "dualpipev", "link_emulation": {"latency_ms": 1}}}, "batch_isend_irecv"),
     ]:
         with pytest.raises(ConfigError, match=match):
             PipelineSettings.from_ds_config(bad)

@@ -31,20 +31,29 @@ def test_user_command_on_4_ranks_every_rank_builds_the_same_stages(tmp_path):
 
 
 def test_partition_and_schedule_do_not_change_the_math(tmp_path):
-    """Two splits on 2 ranks, the second under GPipe (DeepSpeed's engine through ``_train_schedule``)
-    over an emulated slow link, and one process without a pipeline: the same losses."""
+    """Three runs on 2 ranks - 1F1B, GPipe (DeepSpeed's engine through ``_train_schedule``) over an
+    emulated slow link, DeepSpeed's DualPipeV engine cut by our pair-balancing ``profiled`` split -
+    and one process without a pipeline: the same losses."""
     gpipe = write_config(tmp_path / "gpipe.json", pipeline={"schedule": "gpipe",
                                                             "link_emulation": {"latency_ms": 2, "bandwidth_gbs": 0.5}})
+    dualpipev = write_config(tmp_path / "dualpipev.json", pipeline={"schedule": "dualpipev"})
     runs = {}
     for name, method, ds in [("front", "parts:0,2,6", ROOT / "launch_scripts" / "ds_pipeline.json"),
-                             ("back", "parts:0,4,6", gpipe)]:
+                             ("back", "parts:0,4,6", gpipe), ("dualpipev", "profiled", dualpipev)]:
         out = tmp_path / name
         out.mkdir()
         proc, ranks = launch(2, ds, "--steps", "3", "--partition-method", method, out_dir=out, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert ranks[0]["parts"] == [int(b) for b in method.split(":")[1].split(",")]
-        runs[name] = ranks[0]["losses"]
-    assert ranks[0]["schedule"] == "gpipe" and ranks[0]["link_emulation"]["latency_ms"] == 2
+        if method.startswith("parts:"):
+            assert ranks[0]["parts"] == [int(b) for b in method.split(":")[1].split(",")]
+        runs[name] = ranks[0]
+    assert runs["back"]["schedule"] == "gpipe" and runs["back"]["link_emulation"]["latency_ms"] == 2
+    # DualPipeV: 2p = 4 chunks, rank 0 holds the first and the last (the embedding and the head)
+    dpv = runs["dualpipev"]
+    assert dpv["schedule"] == "dualpipev" and len(dpv["parts"]) == 5 and dpv["local_layers"][0] == 0
+    assert dpv["losses"][0] == runs["front"]["losses"][0]  # same weights, same data
+    assert dpv["losses"] == pytest.approx(runs["front"]["losses"], rel=1e-6)
+    runs = {name: r["losses"] for name, r in runs.items()}
     # the same layers in this process: seeded per layer as seed_layers does, the same data stream
     import torch
     from test_tensor_parallel import serial_reference

@@ -188,3 +188,29 @@ def test_deepspeed_never_better(times, p):
     ours = partition_min_max([float(t) for t in times], p)
     theirs = ds_utils.partition_balanced(times, p)
     assert _bottleneck(times, ours) <= _bottleneck(times, theirs)
+
+
+def test_dualpipev_pairs_are_balanced_exactly_against_brute_force():
+    """DualPipeV gives rank r chunks r and 2p - 1 - r: the split minimises the slowest pair."""
+    import itertools
+    import random
+
+    from ds_pipe_ext.partition.pairs import pair_times, partition_pairs_min_max
+
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(2, 10)
+        p = rng.randint(1, n // 2)
+        t = [float(rng.randint(0, 20)) for _ in range(n)]
+        brute = min(max(pair_times(t, [0, *c, n])) for c in itertools.combinations(range(1, n), 2 * p - 1))
+        parts = partition_pairs_min_max(t, p)
+        assert parts[0] == 0 and parts[-1] == n and len(parts) == 2 * p + 1
+        assert all(a < b for a, b in zip(parts, parts[1:]))
+        assert max(pair_times(t, parts)) == brute, (t, p, parts)
+    # an embedding (cheap) and a head (dear) at the two ends land on the same rank, 0, which then
+    # takes two blocks (1 + 4 + 4 + 9 = 18) and leaves four to rank 1 (16); a 1F1B-style min-max
+    # over the four chunks alone would give rank 0 the head's chunk plus another
+    t = [1, 4, 4, 4, 4, 4, 4, 9]
+    assert pair_times(t, partition_pairs_min_max(t, 2)) == [18.0, 16.0]
+    with pytest.raises(PartitionError, match="at most 2 pipeline ranks"):
+        partition_pairs_min_max([1.0] * 5, 3)

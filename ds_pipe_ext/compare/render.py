@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..figures import pyplot, save
 from ..partition.report import render_table
 
 MIB = 2**20
@@ -84,10 +85,7 @@ def rows_json(rows: list[dict]) -> str:
 
 
 def write_png(rows: list[dict], path: str | Path, *, title: str = "") -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     shown = [r for r in rows if r["status"] != "n/a"]
     names = [r["config"] for r in shown]
@@ -115,9 +113,4 @@ def write_png(rows: list[dict], path: str | Path, *, title: str = "") -> Path:
         ax.tick_params(axis="x", labelrotation=60, labelsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..figures import pyplot, save
+
 MIB = 2**20
 
 
 def write_png(rep: dict, path: str | Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows, s = rep["stages"], rep["summary"]
     x = list(range(len(rows)))
@@ -46,8 +45,4 @@ def write_png(rep: dict, path: str | Path) -> Path:
     fig.suptitle(f"{s['method']} parts={s['parts']}  m={s['micro_batches']}   imbalance (fastest/slowest, higher is "
                  f"better): predicted fwd {ip['forward'][0]:.2f} bwd {ip['backward'][0]:.2f}, "
                  f"measured fwd {im['forward'][0]:.2f} bwd {im['backward'][0]:.2f}", fontsize=9)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save(fig, path)

@@ -92,6 +92,14 @@ def _check_parts(parts: list[int], num_stages: int, num_layers: int) -> list[int
 
 
 def _min_max(req: PartitionRequest, source: str) -> list[int]:
+    if req.schedule == "dualpipev":  # rank r runs chunks r and 2p - 1 - r: balance the pairs
+        from .pairs import partition_pairs_min_max
+
+        if req.memory_cap_gib is not None or req.link_bandwidth is not None:
+            raise PartitionError("under DualPipeV the split balances each rank's pair of chunks by time only: "
+                                 "drop memory_cap_gib and link_bandwidth_gbs (or use the 1f1b or gpipe schedule)")
+        return partition_pairs_min_max([c.time_s(recompute=req.recompute) for c in req.costs(source)],
+                                       req.num_stages // 2)
     return partition_min_max(
         req.costs(source),
         req.num_stages,

@@ -10,7 +10,7 @@ so the plugin's settings live beside DeepSpeed's own there::
       "memory_cap_gib": null,
       "activation_checkpoint_interval": 0,              # DeepSpeed's: full recompute every N layers
       "link_bandwidth_gbs": null,                       # GB/s between stages (adds p2p time to the split)
-      "schedule": "1f1b",                               # or "gpipe": every forward, then every backward
+      "schedule": "1f1b",                               # or "gpipe" (every forward, then every backward), "dualpipev"
       "link_emulation": null,                           # {"latency_ms": 5, "bandwidth_gbs": 0.25}: a slower link
       "analytic": {"device": "cpu", "dtype": "fp32", "calibrate": false},  # for partition_method "analytic"
       "instrument": {"enabled": false, "run_dir": "runs/latest", "every": 0},
@@ -76,9 +76,10 @@ class PipelineSettings(ConfigModel):
     analytic: AnalyticSettings = AnalyticSettings()
     instrument: InstrumentSettings = InstrumentSettings()
     refine_from: str | None = None  # a run directory: correct layer costs with its measured stage times
-    # the order DeepSpeed's engine runs: its 1F1B TrainSchedule, or GPipe (holds every micro-batch);
-    # the partitioner's memory cap counts the micro-batches the chosen one holds
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    # the order DeepSpeed's engine runs: its 1F1B TrainSchedule, GPipe (holds every micro-batch), or
+    # its DualPipeV engine (2 chunks a rank; our methods then balance each rank's pair); the
+    # partitioner's memory cap counts the micro-batches the chosen one holds
+    schedule: Literal["1f1b", "gpipe", "dualpipev"] = "1f1b"
     link_emulation: LinkEmulation | None = None  # off: the machine's own links
 
     @model_validator(mode="before")
@@ -98,6 +99,13 @@ class PipelineSettings(ConfigModel):
     def _stages(self):
         if isinstance(self.stages, int) and self.stages < 1:
             raise ValueError(f"stages = {self.stages}: use a positive integer or \"auto\"")
+        return self
+
+    @model_validator(mode="after")
+    def _emulation_reaches_the_schedule(self):
+        if self.schedule == "dualpipev" and self.link_emulation is not None:
+            raise ValueError("link_emulation slows DeepSpeed's p2p send/recv, which DualPipeV does not use (it "
+                             "batches its transfers through batch_isend_irecv): drop one of the two")
         return self
 
     @property

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import torch
 from deepspeed import comm as dist
+from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
 
 from ..compat import engine as ds_engine
@@ -127,6 +128,11 @@ class PipelineModule(_DeepSpeedPipelineModule):
             print(plan.to_table(), flush=True)
         self._take_parts(parts)
 
+    @property
+    def schedule_name(self) -> str:
+        """The schedule the engine will run (the partitioner's memory rule follows it)."""
+        return self._ext_settings.schedule
+
     def _take_parts(self, parts: list[int]) -> None:
         """Adopt the boundaries and build only this rank's stage."""
         self.parts = parts
@@ -190,13 +196,28 @@ class PipelineModule(_DeepSpeedPipelineModule):
             link_bandwidth=bandwidth,
             recompute=self._ext_recompute,
             arg=arg,
-            schedule=settings.schedule,
+            schedule=self.schedule_name,
         )
         parts = [int(b) for b in spec.solve(request)]
         if "costs" not in cache:
             return parts, None, None
         plan = build_plan(
             method, parts, cache["costs"], micro_batches=self._ext_micro_batches,
-            link_bandwidth=bandwidth, recompute=self._ext_recompute, schedule=settings.schedule,
+            link_bandwidth=bandwidth, recompute=self._ext_recompute, schedule=self.schedule_name,
         )
         return parts, plan, cache["costs"]
+
+
+class DualPipeVPipelineModule(DualPipeVModule, PipelineModule):
+    """DeepSpeed's ``DualPipeVModule`` with ds_pipe_ext's partition methods.
+
+    ``DualPipeVModule._partition_layers`` doubles ``num_stages`` and hands the cut to the
+    next class in line, this package's ``PipelineModule``, so ``profiled`` and ``analytic``
+    cut the 2p chunks; under this schedule they balance each rank's pair of chunks (r and
+    2p - 1 - r, ``partition.pairs``).  ``deepspeed.initialize`` runs it with DeepSpeed's
+    ``DualPipeVEngine`` (it needs at least 2p micro-batches).
+    """
+
+    @property
+    def schedule_name(self) -> str:
+        return "dualpipev"

@@ -1,9 +1,10 @@
-"""A simulated step for people: a per-rank text timeline, a PNG Gantt chart, the grid table."""
+"""A simulated step for people: a per-rank text timeline and a PNG Gantt chart."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..figures import pyplot, save
 from .events import StepSimulation
 
 GLYPH = {"F": "F", "B": "B", "I": "b", "W": "w"}  # idle is "."
@@ -32,10 +33,7 @@ def text_timeline(sim: StepSimulation, width: int = 72) -> list[str]:
 
 
 def write_gantt(sim: StepSimulation, path: str | Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     p = len(sim.stage_busy_s)
     fig, ax = plt.subplots(figsize=(12, 0.6 * p + 1.6))
@@ -60,9 +58,4 @@ def write_gantt(sim: StepSimulation, path: str | Path, title: str) -> Path:
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     ax.set_title(f"{title}: step {sim.step_s * ms:.1f} ms, bubble {100 * sim.bubble_fraction:.1f}%", fontsize=10)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save(fig, path)

@@ -86,10 +86,12 @@ def build_layers(cfg: RunConfig, model_cfg: GPTConfig, dims: ParallelDims):
 
 def build_pipeline(cfg: RunConfig, model_cfg: GPTConfig, dims: ParallelDims, specs, loss_fn, impl, topology):
     from ..models.gpt_costs import gpt_cost_model
-    from ..pipe.module import PipelineModule
+    from ..pipe.module import DualPipeVPipelineModule, PipelineModule
 
     profile_batch = next(SyntheticTokens(model_cfg.vocab_size, cfg.micro_batch, model_cfg.seq_len, seed=0))
-    return PipelineModule(
+    # DeepSpeed runs a DualPipeVModule with its DualPipeVEngine
+    module_cls = DualPipeVPipelineModule if cfg.pipeline.schedule == "dualpipev" else PipelineModule
+    return module_cls(
         specs, num_stages=None if topology is not None else dims.pp, topology=topology, loss_fn=loss_fn,
         settings=cfg.pipeline, profile_batch=profile_batch, micro_batches=cfg.grad_accum,
         cost_key={"model": model_cfg.to_dict()}, cost_model=gpt_cost_model(model_cfg, impl),
@@ -153,7 +155,7 @@ def configure_pipeline_engine(engine, settings) -> None:
     from ..compat.engine import set_train_schedule
     from ..pipe.schedules import TRAIN_SCHEDULES
 
-    if settings.schedule != "1f1b":  # DeepSpeed's own TrainSchedule otherwise
+    if settings.schedule == "gpipe":  # 1F1B: DeepSpeed's own TrainSchedule; DualPipeV: its own engine
         set_train_schedule(engine, TRAIN_SCHEDULES[settings.schedule], losses_per_micro_batch=True)
     link = settings.link_emulation
     if link is not None:
