@@ -42,6 +42,13 @@ def test_every_stage_records_and_the_report_renders(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert len(data["stages"]) == stages and "step_error_pct" in data["summary"]
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the run's measured stages through the simulator: the report's stage times, GPipe's order
+    assert cli(["simulate", "--model", "tiny", "--stages", str(stages), "--costs", str(run), "--schedule", "gpipe",
+                "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)
+    assert sim["parts"] == data["summary"]["parts"] and sim["micro_batches"] == data["summary"]["micro_batches"]
+    busiest = max((r["meas_forward_ms"] + r["meas_backward_ms"]) * sim["micro_batches"] for r in data["stages"])
+    assert sim["step_ms"] >= busiest
 
 
 def test_report_on_missing_run_dir_is_a_clear_error(tmp_path, capsys):

@@ -7,10 +7,10 @@
       + the optimizer step (memory-bound Adam over this rank's parameters)
 
 This is the model ``bench/calibrate_at_scale.py`` fits to published Megatron-LM runs and
-the planner will rank layouts with.  Interleaved 1F1B (v model chunks per rank) is not
-in the simulator yet; its step is m T + (p - 1) T / v for a slowest stage time T
-(Narayanan et al. 2021, Sec. 2.2.2), the formula the simulator must reproduce for
-uniform stages.
+the planner will rank layouts with.  Interleaved 1F1B (v model chunks per rank) still
+uses its closed form here, m T + (p - 1) T / v for a slowest stage time T (Narayanan et
+al. 2021, Sec. 2.2.2), which the event simulator reproduces for uniform stages
+(tests/test_schedule.py); moving this model onto the simulator is the step model's work.
 """
 
 from __future__ import annotations

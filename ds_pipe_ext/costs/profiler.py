@@ -99,9 +99,15 @@ def saved_activation_bytes(run: Callable[[], object], params: Sequence[torch.Ten
         key = _storage_key(t)
         if key not in param_storages:
             seen.add(key)
-        return t
+        # keep nothing: this forward only counts and is never backpropagated.  Handing back ``t``
+        # would have the graph hold an op's own output (output -> grad_fn -> saved output), a
+        # cycle through C++ that the garbage collector cannot see: every profile leaked its layer
+        return None
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def unpack(_):
+        raise RuntimeError("the activation-counting forward cannot be backpropagated")
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         out = run()
     return sum(nbytes for _, nbytes in seen), out
 
