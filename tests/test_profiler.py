@@ -92,3 +92,25 @@ def test_cache_hit_and_corrupt_cache(tmp_path, monkeypatch, caplog):
 def test_bad_profile_settings():
     with pytest.raises(ValueError, match="repeats"):
         ProfileSettings(repeats=0)
+
+
+def test_profiling_frees_the_layers_it_built():
+    """The activation-counting forward must not leave a graph that holds its own outputs (a cycle
+    through C++ the garbage collector cannot free): after profiling, no layer it built is alive."""
+    import gc
+
+    class Saves(nn.Module):  # tanh and softmax save their outputs
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(37, 37)
+
+        def forward(self, x):
+            return torch.softmax(torch.tanh(self.proj(x)), dim=-1)
+
+    def live():
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, nn.Parameter) and tuple(o.shape) == (37, 37))
+
+    before = live()
+    profile_layers([LayerSpec(Saves)] * 3, torch.randn(8, 37), settings=ProfileSettings(cache_dir=None, **FAST))
+    assert live() == before

@@ -95,20 +95,26 @@ def saved_activation_bytes(run: Callable[[], object], params: Sequence[torch.Ten
     param_storages = {_storage_key(p) for p in params}
     seen: set[tuple[int, int]] = set()
 
+    held: list[torch.Tensor] = []
+
     def pack(t: torch.Tensor):
         key = _storage_key(t)
         if key not in param_storages:
             seen.add(key)
-        # keep nothing: this forward only counts and is never backpropagated.  Handing back ``t``
-        # would have the graph hold an op's own output (output -> grad_fn -> saved output), a
-        # cycle through C++ that the garbage collector cannot see: every profile leaked its layer
-        return None
+        # The graph gets an index, not the tensor: this forward only counts and is never
+        # backpropagated, and a graph holding an op's own output (output -> grad_fn -> saved output)
+        # is a cycle through C++ the garbage collector cannot see (every profile leaked its layer).
+        # ``held`` keeps the saved tensors alive until the forward ends, so a freed storage's
+        # address is not reused under a new key and counted twice
+        held.append(t)
+        return len(held) - 1
 
     def unpack(_):
         raise RuntimeError("the activation-counting forward cannot be backpropagated")
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         out = run()
+    held.clear()
     return sum(nbytes for _, nbytes in seen), out
 
 
