@@ -11,7 +11,7 @@
 3. Throughput of the `analytic` partition against the `profiled` one on the spine's
    2-stage benchmark (3 rounds of two real launches, alternating which goes first).
 
-    python bench/analytic_vs_profiled.py
+    python bench/analytic_vs_profiled.py     [--times-only | --launches-only: one part alone]
 
 Last line: RESULT activation_bytes_worst_error_pct=X analytic_vs_profiled_throughput=Y layer_time_worst_error_pct=Z
 (targets: Y >= 0.95, Z <= 15)
@@ -116,11 +116,39 @@ def layer_times() -> float:
     return worst
 
 
+def launch_rounds(rounds: int = 3) -> float:
+    """Samples/s of the analytic split over the profiled one: ``rounds`` pairs of 2-rank launches of
+    bench-cpu, alternating which goes first (P A, A P, P A); the median ratio."""
+    work = Path(tempfile.mkdtemp(prefix="ds_pipe_ext_analytic_"))
+    configs = {"profiled": ROOT / "launch_scripts" / "bench_cpu_pipeline.json",
+               "analytic": ROOT / "launch_scripts" / "bench_cpu_analytic.json"}
+    ratios = []
+    for k in range(rounds):
+        speed = {}
+        for method in (["profiled", "analytic"] if k % 2 == 0 else ["analytic", "profiled"]):
+            out = work / f"round{k}-{method}"
+            out.mkdir()
+            proc, ranks = launch(2, configs[method], "--steps", "4", out_dir=out, cwd=work, timeout=900)
+            if proc.returncode != 0:
+                raise SystemExit(proc.stderr[-3000:])
+            speed[method] = ranks[0]
+            print(f"round {k} {method:<9} parts={ranks[0]['parts']} {ranks[0]['samples_per_s']:.3f} samples/s",
+                  flush=True)
+        ratios.append(speed["analytic"]["samples_per_s"] / speed["profiled"]["samples_per_s"])
+    ratio = statistics.median(ratios)
+    print(f"analytic / profiled per round: {[round(r, 3) for r in ratios]} (median {ratio:.3f}, spread "
+          f"{min(ratios):.3f}-{max(ratios):.3f})")
+    return ratio
+
+
 def main() -> None:
     torch.set_num_threads(1)
     cpu = get_device("cpu", cache_dir=CACHE)
     if "--times-only" in sys.argv:  # iterate on the time model without the activation and launch parts
         print(f"RESULT layer_time_worst_error_pct={layer_times():.1f}")
+        return
+    if "--launches-only" in sys.argv:  # the throughput part alone
+        print(f"RESULT analytic_vs_profiled_throughput={launch_rounds():.3f}")
         return
     rows, worst = [], 0.0
     for name in ("bench-cpu", "gpt2-small"):
@@ -153,26 +181,7 @@ def main() -> None:
     print("\n".join(render_table(["model", "b", "tp", "sp", "layer", "profiled B", "analytic B", "err %"], rows)))
 
     time_worst = layer_times()
-    # 3 rounds, alternating which split launches first (P A, A P, P A); a ratio per round, the median quoted
-    work = Path(tempfile.mkdtemp(prefix="ds_pipe_ext_analytic_"))
-    configs = {"profiled": ROOT / "launch_scripts" / "bench_cpu_pipeline.json",
-               "analytic": ROOT / "launch_scripts" / "bench_cpu_analytic.json"}
-    ratios = []
-    for k in range(3):
-        speed = {}
-        for method in (["profiled", "analytic"] if k % 2 == 0 else ["analytic", "profiled"]):
-            out = work / f"round{k}-{method}"
-            out.mkdir()
-            proc, ranks = launch(2, configs[method], "--steps", "4", out_dir=out, cwd=work, timeout=900)
-            if proc.returncode != 0:
-                raise SystemExit(proc.stderr[-3000:])
-            speed[method] = ranks[0]
-            print(f"round {k} {method:<9} parts={ranks[0]['parts']} {ranks[0]['samples_per_s']:.3f} samples/s",
-                  flush=True)
-        ratios.append(speed["analytic"]["samples_per_s"] / speed["profiled"]["samples_per_s"])
-    ratio = statistics.median(ratios)
-    print(f"analytic / profiled per round: {[round(r, 3) for r in ratios]} (median {ratio:.3f}, spread "
-          f"{min(ratios):.3f}-{max(ratios):.3f})")
+    ratio = launch_rounds()
     print(f"RESULT activation_bytes_worst_error_pct={worst:.2f} analytic_vs_profiled_throughput={ratio:.3f} "
           f"layer_time_worst_error_pct={time_worst:.1f}")
 
