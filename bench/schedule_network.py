@@ -7,7 +7,7 @@ running 1F1B (its TrainSchedule) and GPipe (ours, through ``_train_schedule``), 
 pipeline transfer slowed by ``compat.link_emulator``.  The seed's settings would add ~1%
 to a multi-second step here, so they are scaled until the slowest at least doubles it:
 
-    1 ms + 0.5 GB/s,  20 ms + 0.05 GB/s,  50 ms + 0.02 GB/s,  100 ms + 0.005 GB/s
+    1 ms + 0.5 GB/s,  20 ms + 0.05 GB/s,  50 ms + 0.02 GB/s,  150 ms + 0.004 GB/s
 
 One launch per micro-batch size runs every (schedule, network) cell in alternating order
 (A B ... then reversed) for ROUNDS rounds of STEPS steps, so drift hits every cell alike;
@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NETWORKS = [(1.0, 0.5), (20.0, 0.05), (50.0, 0.02), (100.0, 0.005)]  # (latency ms, GB/s)
+NETWORKS = [(1.0, 0.5), (20.0, 0.05), (50.0, 0.02), (150.0, 0.004)]  # (latency ms, GB/s)
 SCHEDULES = ("gpipe", "1f1b")
 SIZES = (1, 2, 4)
 GLOBAL_BATCH, STAGES = 16, 2

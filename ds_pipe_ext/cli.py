@@ -209,7 +209,6 @@ def cmd_estimate_compare(args) -> int:
     import json
 
     from .compare.predict import KINDS, model_shape
-    from .compare.configs import CompareConfig
     from .costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs
     from .costs.hardware import get_device
     from .models.config import load_model_config

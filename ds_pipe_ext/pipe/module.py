@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import torch
-from deepspeed import comm as dist
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
 
