@@ -39,6 +39,12 @@ def _layer_time(ops: list[OpCost], device: DeviceSpec, dtype: str, backward: boo
     return total
 
 
+def _efficiencies(device: DeviceSpec) -> dict[str, float]:
+    """The spec's factor for each fitted class."""
+    return {"matrix": device.matrix_efficiency, "attention": device.attention_efficiency,
+            "vector": device.vector_efficiency, "memory": device.memory_efficiency}
+
+
 def _loss(layers, device: DeviceSpec, dtype: str, eff: dict) -> np.ndarray:
     """Σ squared log error of the modelled forward and backward times (broadcast over ``eff``'s arrays)."""
     loss = 0.0
@@ -71,8 +77,7 @@ def calibrate(device: DeviceSpec, layers: list[tuple[list[OpCost], float, float]
     unknown = set(fit) - set(CLASSES)
     if unknown:
         raise ValueError(f"cannot fit {sorted(unknown)}: choose from {CLASSES}")
-    held = {"matrix": device.matrix_efficiency, "attention": device.attention_efficiency,
-            "vector": device.vector_efficiency, "memory": device.memory_efficiency}
+    held = _efficiencies(device)
     free = [k for k in CLASSES if k in fit and not (attention_as_matrix and k == "attention")]
     coarse = np.geomspace(0.01, 10.0, 16)
     step = coarse[1] / coarse[0]
@@ -109,9 +114,7 @@ def fit_device(device: DeviceSpec, layers: list[tuple[list[OpCost], float, float
     for half in HALF_DIMS:
         fitted = calibrate(replace(device, matrix_half_dim=half), layers, dtype=dtype, fit=("matrix",),
                            attention_as_matrix=True)
-        eff = {"matrix": fitted.matrix_efficiency, "attention": fitted.attention_efficiency,
-               "vector": fitted.vector_efficiency, "memory": fitted.memory_efficiency}
-        loss = float(_loss(layers, fitted, dtype, eff))
+        loss = float(_loss(layers, fitted, dtype, _efficiencies(fitted)))
         if loss < best_loss:
             best, best_loss = fitted, loss
     return best

@@ -62,7 +62,7 @@ def engine_schedule(name: str, num_stages: int, micro_batches: int) -> Schedule:
     orders = []
     for s in range(num_stages):
         sched = TRAIN_SCHEDULES[name](micro_batches=micro_batches, stages=num_stages, stage_id=s)
-        order, by_buffer, count = [], {}, {k: 0 for k in kinds.values()}
+        order, count = [], {k: 0 for k in kinds.values()}
         for step in sched.steps():
             for cmd in step:
                 kind = kinds.get(type(cmd))
@@ -71,7 +71,6 @@ def engine_schedule(name: str, num_stages: int, micro_batches: int) -> Schedule:
                 # each kind walks the micro-batches in order; a buffer is reused only after its backward
                 i = count[kind]
                 count[kind] += 1
-                by_buffer[cmd.buffer_id] = i
                 order.append(Work(kind, i, s))
         orders.append(tuple(order))
     return Schedule(f"{name} (DeepSpeed engine)", num_stages, micro_batches, tuple(range(num_stages)), tuple(orders))

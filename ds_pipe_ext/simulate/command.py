@@ -91,7 +91,7 @@ class StepModel:
         chunks = args.stages * chunks_per_rank(schedule, args.virtual_stages)
         sched = schedule_for_chunks(schedule, chunks, micro_batches, virtual_stages=args.virtual_stages)
         if self.run is not None:
-            costs, optimizer, parts = self._run_chunks(schedule, chunks, micro_batch)
+            costs, optimizer, parts = self._run_chunks(chunks)
         else:
             from ..costs.stage import stage_costs
             from ..partition.methods import decide_offline
@@ -119,7 +119,7 @@ class StepModel:
         sim = simulate(sched, costs, network=network, optimizer_s=optimizer)
         return SimulatedStep(schedule, micro_batch, micro_batches, list(parts), latency_ms, bandwidth_gbs, sim)
 
-    def _run_chunks(self, schedule: str, chunks: int, micro_batch: int):
+    def _run_chunks(self, chunks: int):
         run = self.run
         if chunks != len(run["forward_s"]):
             raise ValueError(f"--costs {self.args.costs}: the run has {len(run['forward_s'])} stages; simulate it "

@@ -121,15 +121,16 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
     clock, pos = [0.0] * p, [0] * p
     timeline: list[Slot] = []
 
-    def send(kind: str, mb: int, src_chunk: int, dst_chunk: int, t: float) -> None:
-        src, dst = rank_of[src_chunk], rank_of[dst_chunk]
-        if src == dst:
-            arrive[(kind, mb, dst_chunk)] = t
-            return
+    def book(src: int, dst: int, nbytes: float, t: float) -> tuple[float, float]:
+        """A transfer ready at t on the directed link (src, dst): (its start, its arrival)."""
         link = network.link(src, dst)
         start = max(t, link_free.get((src, dst), 0.0))
-        link_free[(src, dst)] = start + link.busy_s(out_bytes[min(src_chunk, dst_chunk)])
-        arrive[(kind, mb, dst_chunk)] = link_free[(src, dst)] + link.latency_s
+        link_free[(src, dst)] = start + link.busy_s(nbytes)
+        return start, link_free[(src, dst)] + link.latency_s
+
+    def send(kind: str, mb: int, src_chunk: int, dst_chunk: int, t: float) -> None:
+        src, dst = rank_of[src_chunk], rank_of[dst_chunk]
+        arrive[(kind, mb, dst_chunk)] = t if src == dst else book(src, dst, out_bytes[min(src_chunk, dst_chunk)], t)[1]
 
     explicit = schedule.explicit_comm
     posted: dict[tuple[str, int, int], tuple[int, float]] = {}  # rendezvous key -> (rank, post time)
@@ -160,10 +161,8 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
         waiting[other] = False
         lo = key[2]
         src, dst = (rank_of[lo], rank_of[lo + 1]) if key[0] == "A" else (rank_of[lo + 1], rank_of[lo])
-        link = network.link(src, dst)
-        start = max(clock[r], t_other, link_free.get((src, dst), 0.0))
-        link_free[(src, dst)] = start + link.busy_s(out_bytes[lo])
-        clock[r] = clock[other] = link_free[(src, dst)] + link.latency_s
+        start, clock[r] = book(src, dst, out_bytes[lo], max(clock[r], t_other))
+        clock[other] = clock[r]
         for rank in (r, other):
             timeline.append(Slot(rank, schedule.orders[rank][pos[rank]], start, clock[rank]))
             pos[rank] += 1
