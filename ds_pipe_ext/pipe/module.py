@@ -96,6 +96,13 @@ class PipelineModule(_DeepSpeedPipelineModule):
         self._ext_cost_key = cost_key or {}
         self._ext_cost_model = cost_model
         self._ext_recompute = interval > 0
+        if interval > 0 and settings.use_reentrant is not True and "activation_checkpoint_func" not in deepspeed_kwargs:
+            # DeepSpeed's default (reentrant) checkpoint drops the gradient of a first layer whose input
+            # needs none (an embedding's token ids) and so checkpoints only some layers; the
+            # non-reentrant one checkpoints every layer with parameters, as the cost model assumes
+            from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+
+            deepspeed_kwargs["activation_checkpoint_func"] = non_reentrant_checkpoint
         self.partition_plan: PartitionPlan | None = None
         self.layer_costs: list | None = None
         super().__init__(

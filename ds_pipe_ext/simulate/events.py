@@ -23,7 +23,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .schedules import COMPUTE, Schedule, Work
@@ -104,7 +104,9 @@ class StepSimulation:
 
 
 def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Network(),
-             optimizer_s: Sequence[float] | None = None) -> StepSimulation:
+             optimizer_s: Sequence[float] | None = None,
+             slowdown: Mapping[tuple[int, Work], float] | None = None) -> StepSimulation:
+    """``slowdown[(rank, work)]`` stretches one compute item (ranks sharing CPU cores: ``step_model``)."""
     p, n = schedule.num_ranks, schedule.num_chunks
     for name in ("forward_s", "backward_s", "weight_grad_s", "output_bytes", "activation_bytes"):
         values = getattr(costs, name)
@@ -133,6 +135,7 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
         arrive[(kind, mb, dst_chunk)] = t if src == dst else book(src, dst, out_bytes[min(src_chunk, dst_chunk)], t)[1]
 
     explicit = schedule.explicit_comm
+    stretch = (lambda r, w: slowdown.get((r, w), 1.0)) if slowdown else (lambda r, w: 1.0)  # noqa: E731
     posted: dict[tuple[str, int, int], tuple[int, float]] = {}  # rendezvous key -> (rank, post time)
     waiting = [False] * p  # posted a send or receive whose partner has not
 
@@ -185,7 +188,7 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
                 if t is None:
                     break
                 start = max(clock[r], t)
-                clock[r] = end = start + costs.duration(w)
+                clock[r] = end = start + costs.duration(w) * stretch(r, w)
                 done[(w.kind, w.micro_batch, w.chunk)] = end
                 timeline.append(Slot(r, w, start, end))
                 if not explicit and w.kind == "F" and w.chunk < n - 1:
@@ -200,7 +203,8 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
             raise ValueError(f"schedule {schedule.name!r} deadlocks: each rank waits on another ({stuck})")
     finish = [clock[r] + opt[r] for r in range(p)]
     step = max(finish)
-    busy = [sum(costs.duration(w) for w in schedule.orders[r] if w.kind in COMPUTE) + opt[r] for r in range(p)]
+    busy = [sum(costs.duration(w) * stretch(r, w) for w in schedule.orders[r] if w.kind in COMPUTE) + opt[r]
+            for r in range(p)]
     held = [schedule.held_peak(r) for r in range(p)]
     held_bytes = ([schedule.held_peak(r, costs.activation_bytes) for r in range(p)]
                   if costs.activation_bytes is not None else [])

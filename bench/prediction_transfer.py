@@ -1,0 +1,137 @@
+"""Does the step model transfer?  Calibrate on two runs, predict every other configuration, measure it.
+
+The grid (CPU, OMP_NUM_THREADS=1 a rank, one rank a stage):
+  models bench-cpu (micro-batch 2) and tiny (micro-batch 4)  x  stages 2 and 4
+  x  micro-batches 2, 4, 8  x  activation checkpointing off and on          = 24 configurations
+
+Calibration runs (the only measurements the model sees): bench-cpu on 2 stages and tiny on 4
+stages, 4 micro-batches, no checkpointing, the `profiled` split.  Every other configuration is
+predicted before it is measured, with a split the calibration runs did not use where one exists
+(cycling `uniform`, `parameters` and an off-balance `parts:` split).  Every launch profiles its
+layers afresh (no profile cache), so a prediction uses the layer costs measured just before that
+run trained - as `partition_method: profiled` does - and the model's fitted step terms; nothing
+that run measured while training.  The 4-rank runs share the machine's 2 cores: the model's
+`cores` term.
+
+    python bench/prediction_transfer.py [--out runs/prediction-transfer] [--analyse-only]
+
+Resumable: a cell whose run directory holds a summary is not launched again.
+Last line: RESULT transfer_median_error_pct=X transfer_worst_error_pct=Y  (targets: X <= 10, Y <= 20)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds_pipe_ext.instrument.rundir import RunDir  # noqa: E402
+from ds_pipe_ext.instrument.step_fit import fit_step_model, predict_run, run_stages  # noqa: E402
+from ds_pipe_ext.partition.report import render_table  # noqa: E402
+from ds_pipe_ext.runner import launch, write_config  # noqa: E402
+
+CORES = os.cpu_count() or 2
+MODELS = {  # name -> (micro-batch size, layers in the pipeline, optimizer steps per launch)
+    "bench-cpu": (2, 14, 3),
+    "tiny": (4, 6, 12),
+}
+CALIBRATION = {("bench-cpu", 2, 4, False), ("tiny", 4, 4, False)}
+
+
+def grid() -> list[tuple[str, int, int, bool]]:
+    cells = [(model, stages, m, ckpt) for model in MODELS for stages in (2, 4) for m in (2, 4, 8)
+             for ckpt in (False, True)]
+    calib = [c for c in cells if c in CALIBRATION]
+    rest = [c for c in cells if c not in CALIBRATION]
+    # alternate the models so that the machine's drift does not line up with one of them
+    rest.sort(key=lambda c: (c[1], c[2], c[3], c[0]))
+    return calib + rest
+
+
+def split_for(cell, index: int) -> str:
+    model, stages, _, _ = cell
+    if cell in CALIBRATION:
+        return "profiled"
+    n = MODELS[model][1]
+    skewed = [0, *(round(n * (s + 1) / stages) - (1 if s == 0 else 0) for s in range(stages - 1)), n]
+    return ["uniform", "parameters", "parts:" + ",".join(map(str, skewed))][index % 3]
+
+
+def tag(cell) -> str:
+    model, stages, m, ckpt = cell
+    return f"{model}-pp{stages}-m{m}-{'ckpt' if ckpt else 'nockpt'}"
+
+
+def run_cell(cell, method: str, out: Path) -> Path:
+    model, stages, m, ckpt = cell
+    run_dir = out / tag(cell) / "run"
+    if (run_dir / "summary.json").is_file():
+        return run_dir
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    micro, _, steps = MODELS[model]
+    cfg = write_config(run_dir.parent / "ds.json", train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=m,
+                       pipeline={"stages": stages, "partition_method": method,
+                                 "activation_checkpoint_interval": 1 if ckpt else 0,
+                                 "profile": {"warmup": 1, "repeats": 3, "cache_dir": None, "progress": False}},
+                       train={"model": model, "steps": steps, "seed": 1234})
+    t0 = time.perf_counter()
+    proc, _ = launch(stages, cfg, "--instrument", str(run_dir), out_dir=run_dir.parent, cwd=run_dir.parent,
+                     timeout=1200)
+    if proc.returncode != 0:
+        raise SystemExit(f"{tag(cell)}: launch failed\n{proc.stderr[-3000:]}")
+    print(f"  measured {tag(cell):<28} {method:<16} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return run_dir
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/prediction-transfer")
+    ap.add_argument("--analyse-only", action="store_true", help="fit and predict from the runs already in --out")
+    args = ap.parse_args()
+    out = Path(args.out).resolve()
+    cells = grid()
+    print(f"{len(cells)} configurations, {CORES} cores, runs in {out}", flush=True)
+    runs = {}
+    for i, cell in enumerate(cells):
+        run_dir = out / tag(cell) / "run"
+        if not args.analyse_only:
+            run_dir = run_cell(cell, split_for(cell, i), out)
+        if (run_dir / "summary.json").is_file():
+            runs[cell] = run_stages(RunDir(run_dir).read(), tag(cell))
+
+    calibration = [runs[c] for c in cells if c in CALIBRATION and c in runs]
+    model = fit_step_model(calibration, cores=CORES)
+    print("\nstep model, fitted on " + ", ".join(r.name for r in calibration) + ":")
+    print(json.dumps({k: v for k, v in model.to_dict().items() if k != "calibrated_on"}, indent=1))
+    model.save(out / "step_model.json")
+    calib_parts = {tuple([0] + [st.stop for st in run.stages]) for run in calibration}
+
+    rows, errors = [], []
+    for cell, run in runs.items():
+        parts = [0] + [st.stop for st in run.stages]
+        predicted = predict_run(model, run)
+        err = 100.0 * (predicted - run.step_s) / run.step_s
+        role = "calibration" if cell in CALIBRATION else "predicted"
+        if role == "predicted":
+            errors.append(err)
+        rows.append([tag(cell), role, str(parts) + (" (calib split)" if tuple(parts) in calib_parts and role == "predicted" else ""),
+                     f"{run.step_s:.2f}", f"{predicted:.2f}", f"{err:+.1f}"])
+    print()
+    print("\n".join(render_table(["configuration", "role", "parts", "measured s", "predicted s", "error %"], rows)))
+    if not errors:
+        raise SystemExit("no predicted configuration has been measured yet")
+    med = statistics.median(abs(e) for e in errors)
+    worst = max(abs(e) for e in errors)
+    print(f"\n{len(errors)} predicted configurations: median |error| {med:.1f}%, worst {worst:.1f}%, "
+          f"mean signed {statistics.mean(errors):+.1f}%")
+    print(f"RESULT transfer_median_error_pct={med:.1f} transfer_worst_error_pct={worst:.1f}")
+
+
+if __name__ == "__main__":
+    main()

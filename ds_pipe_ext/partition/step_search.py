@@ -1,0 +1,134 @@
+"""Partition by the predicted step: an exact branch and bound over contiguous splits.
+
+``partition_min_max`` minimises the slowest stage's forward + backward.  A step also holds the
+pipeline's fill and drain, every stage's optimizer step after the stages meet (it grows with a
+stage's parameters), the engine's fixed cost per instruction and the transfers: what
+``StepModel.predict`` simulates.  This finds the contiguous split whose predicted step is
+smallest:
+
+* incumbent: the min-max split (the fast core), so the search starts from a good answer;
+* branch: boundaries left to right, one stage at a time; a stage over the memory cap is cut;
+* bound: for stages 0..k-1 fixed at ``before`` = their forward + backward, stage s >= k cannot
+  finish its m micro-batches before ``before_s + m (f_s + b_s)``, and the layers left split into
+  p - k stages of at least their mean; the optimizer span is at least the largest update already
+  fixed and the mean of the rest.  ``StepModel.lower_bound_s`` is the same bound for a whole
+  split, and the simulation never goes below it (``tests/test_step_model.py``);
+* leaves are simulated.  A subtree is dropped only when its bound reaches the best step found,
+  so the answer is the minimum over every split: exact.  Past ``max_leaves`` simulations the
+  search stops and ``StepSearch.gap`` states how far from the optimum the answer can be
+  (best / smallest bound left open - 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..costs.stage import held_activation_bytes, in_flight, stage_costs
+from ..simulate.step_model import StepModel
+from . import partition_min_max
+from .problem import InfeasibleMemoryCap
+
+MAX_LEAVES = 20_000
+
+
+@dataclass(frozen=True)
+class StepSearch:
+    parts: list[int]
+    step_s: float  # the predicted step of ``parts``
+    leaves: int  # splits simulated
+    gap: float  # 0.0: proven optimal; otherwise best / lowest open bound - 1
+    min_max_parts: list[int]
+    min_max_step_s: float
+
+
+def partition_min_step(
+    costs: Sequence,
+    num_stages: int,
+    *,
+    micro_batches: int,
+    model: StepModel | None = None,
+    schedule: str = "1f1b",
+    recompute: bool = False,
+    memory_cap_gib: float | None = None,
+    link_bandwidth: float | None = None,
+    max_leaves: int = MAX_LEAVES,
+) -> StepSearch:
+    """The split of ``costs`` (``LayerCost`` list) into ``num_stages`` stages with the smallest step
+    ``model`` predicts under ``schedule`` (one chunk per rank: 1f1b, gpipe, zb-h1)."""
+    model = model or StepModel()
+    if link_bandwidth:  # the configured link wins over the model's fitted one
+        model = replace(model, p2p_bandwidth=link_bandwidth)
+    m, p, n = micro_batches, num_stages, len(costs)
+    start = partition_min_max(costs, p, memory_cap_gib=memory_cap_gib, micro_batches=m, link_bandwidth=link_bandwidth,
+                              recompute=recompute, schedule=schedule)  # validates, and raises on an infeasible cap
+
+    def step(parts: Sequence[int]) -> float:
+        stages = stage_costs(costs, parts, micro_batches=m, recompute=recompute, schedule=schedule)
+        return model.predict(stages, m, schedule=schedule).step_s
+
+    best_parts, best = list(start), step(start)
+    min_max_step = best
+    prefix = lambda v: np.concatenate(([0.0], np.cumsum(np.asarray(v, dtype=float))))  # noqa: E731
+    F = prefix([c.forward_s for c in costs])
+    B = prefix([c.backward_s + (c.recompute_s if recompute else 0.0) for c in costs])
+    P = prefix([c.param_bytes for c in costs])
+    S = prefix([c.static_bytes for c in costs])
+    A = prefix(held_activation_bytes(costs, recompute=recompute))
+    cap = None if memory_cap_gib is None else memory_cap_gib * 2.0**30
+    inflight = [in_flight(s, p, m, schedule) for s in range(p)]
+    opt = model.optimizer_s
+    all_opt = p * model.optimizer_fixed_s + model.optimizer_s_per_param_byte * P[n]
+
+    def t(i: int, j: int) -> float:  # one micro-batch's forward + backward on layers [i, j)
+        return (model.forward_scale * (F[j] - F[i]) + model.forward_fixed_s
+                + model.backward_scale * (B[j] - B[i]) + model.backward_fixed_s)
+
+    def bound(k: int, i: int, before: float, path: float, opt_max: float) -> float:
+        left = p - k
+        rest = (model.forward_scale * (F[n] - F[i]) + model.backward_scale * (B[n] - B[i])) / left \
+            + model.forward_fixed_s + model.backward_fixed_s
+        span = max(opt_max, opt((P[n] - P[i]) / left))
+        if model.cores:
+            span = max(span, all_opt / model.cores)
+        return max(path, before + m * rest) + span + model.step_fixed_s
+
+    leaves, open_bounds = 0, []
+    parts = [0] * (p + 1)
+    parts[p] = n
+
+    def search(k: int, i: int, before: float, path: float, opt_max: float) -> None:
+        nonlocal best, best_parts, leaves
+        if k == p - 1:  # the last stage takes the rest
+            if cap is not None and S[n] - S[i] + inflight[k] * (A[n] - A[i]) > cap:
+                return
+            if leaves >= max_leaves:
+                open_bounds.append(bound(k, i, before, path, opt_max))
+                return
+            leaves += 1
+            parts[k] = i
+            value = step(parts)
+            if value < best * (1 - 1e-12):
+                best, best_parts = value, list(parts)
+            return
+        for j in range(i + 1, n - (p - k - 1) + 1):
+            if cap is not None and S[j] - S[i] + inflight[k] * (A[j] - A[i]) > cap:
+                break  # longer stages only hold more
+            tk = t(i, j)
+            nb = bound(k + 1, j, before + tk, max(path, before + m * tk), max(opt_max, opt(P[j] - P[i])))
+            if nb >= best:
+                continue
+            parts[k] = i
+            search(k + 1, j, before + tk, max(path, before + m * tk), max(opt_max, opt(P[j] - P[i])))
+
+    if p == 1:
+        return StepSearch([0, n], best, 1, 0.0, best_parts, min_max_step)
+    search(0, 0, 0.0, 0.0, 0.0)
+    lowest_open = min(open_bounds, default=float("inf"))
+    gap = 0.0 if lowest_open >= best else best / lowest_open - 1.0
+    return StepSearch(best_parts, best, leaves, gap, list(start), min_max_step)
+
+
+__all__ = ["InfeasibleMemoryCap", "StepSearch", "partition_min_step"]

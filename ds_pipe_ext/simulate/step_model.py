@@ -1,0 +1,184 @@
+"""The step model: one training step of a partition, from per-layer costs to seconds.
+
+Per-layer costs (profiled or analytic) describe one micro-batch through one layer, alone.
+A step on DeepSpeed's engine costs more, and not only on the slowest stage:
+
+    stage forward  = forward_scale  x (its layers' forward)  + forward_fixed_s   (per instruction:
+    stage backward = backward_scale x (its layers' backward) + backward_fixed_s   the engine's own work)
+      -> the engine's order of compute and p2p (``pipe.schedules.engine_schedule``; any
+         ``simulate.schedules`` name otherwise), with transfers of p2p_latency_s + bytes / p2p_bandwidth
+      -> ranks that share ``cores`` CPU cores slow each other down while they compute together
+      -> + the optimizer step: the stages meet after their last backward, then each updates its own
+         parameters (optimizer_fixed_s + optimizer_s_per_param_byte x its parameter bytes)
+      -> + step_fixed_s (the loss broadcast that ends every step)
+
+Every term is a function of the configuration (which layers a stage holds, micro-batches,
+schedule, recompute, ranks per core), so a model fitted on one or two instrumented runs
+(``instrument.step_fit``) predicts others.  Without a fit (``StepModel()``) it is the
+layer costs alone through the schedule.  Pure Python; DeepSpeed is imported only to read
+its engine's order, and only where the schedule is one the engine runs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
+from pathlib import Path
+
+from .events import ChunkCosts, Link, Network, StepSimulation, simulate
+from .schedules import COMPUTE, Schedule, schedule_for_chunks
+
+CONTENTION_ROUNDS = 6  # fixed-point rounds of the shared-core slowdown (converges in 3-4 on 2-8 ranks)
+
+
+class StepModelError(ValueError):
+    """A step model file or fit that cannot be used; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class StepModel:
+    forward_scale: float = 1.0
+    backward_scale: float = 1.0
+    forward_fixed_s: float = 0.0
+    backward_fixed_s: float = 0.0
+    p2p_latency_s: float = 0.0
+    p2p_bandwidth: float | None = None  # bytes/s; None: transfers take no time
+    optimizer_fixed_s: float = 0.0
+    optimizer_s_per_param_byte: float = 0.0
+    step_fixed_s: float = 0.0
+    cores: float | None = None  # ranks share this many cores (CPU); None: a device per rank
+    calibrated_on: tuple[str, ...] = ()  # the runs it was fitted on
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "calibrated_on" or (v is None and f.name in ("p2p_bandwidth", "cores")):
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or v == float("inf"):
+                raise StepModelError(f"StepModel.{f.name} = {v!r}: must be a finite number >= 0")
+        if self.cores is not None and self.cores <= 0 or self.p2p_bandwidth is not None and self.p2p_bandwidth <= 0:
+            raise StepModelError("StepModel.cores and p2p_bandwidth must be positive (or null)")
+
+    # --- the terms --------------------------------------------------------------------------
+    def stage_forward_s(self, stage) -> float:
+        return self.forward_scale * stage.forward_s + self.forward_fixed_s
+
+    def stage_backward_s(self, stage) -> float:
+        """``stage.backward_s`` includes the replayed forward under activation checkpointing."""
+        return self.backward_scale * stage.backward_s + self.backward_fixed_s
+
+    def optimizer_s(self, param_bytes: float) -> float:
+        return self.optimizer_fixed_s + self.optimizer_s_per_param_byte * param_bytes
+
+    def optimizer_span_s(self, per_rank: Sequence[float]) -> float:
+        """The ranks update together after they meet: the longest, or all of them over the shared cores."""
+        span = max(per_rank, default=0.0)
+        return max(span, sum(per_rank) / self.cores) if self.cores else span
+
+    # --- one step ---------------------------------------------------------------------------
+    def predict(self, stages: Sequence, micro_batches: int, *, schedule: str = "1f1b",
+                engine: bool = True) -> "StepPrediction":
+        """One step of ``stages`` (``costs.stage.StageCost``, one per chunk in pipeline order).
+
+        ``engine``: use DeepSpeed's engine order and its blocking transfers where the schedule is
+        one the engine runs (1f1b, gpipe); the generic schedule (eager transfers) otherwise.
+        """
+        sched = _schedule(schedule, len(stages), micro_batches, engine)
+        costs = ChunkCosts([self.stage_forward_s(st) for st in stages], [self.stage_backward_s(st) for st in stages],
+                           weight_grad_s=[self.backward_scale * st.weight_grad_s for st in stages],
+                           output_bytes=[st.boundary_out_bytes for st in stages])
+        network = Network(Link(self.p2p_latency_s, self.p2p_bandwidth))
+        sim, slowdown = simulate_shared_cores(sched, costs, network, self.cores)
+        params = [0.0] * sched.num_ranks
+        for c, st in enumerate(stages):
+            params[sched.chunk_rank[c]] += st.param_bytes
+        pipeline = max(sim.stage_finish_s)
+        optimizer = self.optimizer_span_s([self.optimizer_s(b) for b in params])
+        return StepPrediction(step_s=pipeline + optimizer + self.step_fixed_s, pipeline_s=pipeline,
+                              optimizer_s=optimizer, simulation=sim, slowdown=slowdown)
+
+    def lower_bound_s(self, stages: Sequence, micro_batches: int) -> float:
+        """A bound no simulation of these stages (one chunk per rank, 1F1B or GPipe) goes below.
+
+        Stage s cannot start before micro-batch 0 has come forward through stages 0..s-1, runs m
+        forwards and m backwards, and its last input gradient then goes back through 0..s-1;
+        then the optimizer.  Shared cores only slow work down, transfers only add."""
+        fwd = [self.stage_forward_s(st) for st in stages]
+        bwd = [self.stage_backward_s(st) for st in stages]
+        best, before = 0.0, 0.0
+        for f, b in zip(fwd, bwd):
+            best = max(best, before + micro_batches * (f + b))
+            before += f + b
+        opt = self.optimizer_span_s([self.optimizer_s(st.param_bytes) for st in stages])
+        return best + opt + self.step_fixed_s
+
+    # --- files ------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {**asdict(self), "calibrated_on": list(self.calibrated_on)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepModel":
+        if not isinstance(d, dict):
+            raise StepModelError(f"a step model must be a JSON object, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        if set(d) - known:
+            raise StepModelError(f"unknown step model fields {sorted(set(d) - known)}; expected {sorted(known)}")
+        return cls(**{**d, "calibrated_on": tuple(d.get("calibrated_on", ()))})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StepModel":
+        p = Path(path)
+        if not p.is_file():
+            raise StepModelError(f"step model {p} does not exist: write one with "
+                                 f"`ds-pipe-ext step-model fit RUN_DIR [RUN_DIR] --out {p}`")
+        try:
+            return cls.from_dict(json.loads(p.read_text()))
+        except json.JSONDecodeError as e:
+            raise StepModelError(f"step model {p} is not valid JSON ({e})") from None
+        except TypeError as e:
+            raise StepModelError(f"step model {p} is malformed ({e})") from None
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    step_s: float
+    pipeline_s: float  # forward + backward of every micro-batch, transfers and bubbles included
+    optimizer_s: float
+    simulation: StepSimulation
+    slowdown: dict  # (rank, Work) -> the shared-core stretch of that item
+
+
+@lru_cache(maxsize=128)
+def _schedule(name: str, num_chunks: int, micro_batches: int, engine: bool) -> Schedule:
+    if engine and name in ("1f1b", "gpipe"):
+        from ..pipe.schedules import engine_schedule  # DeepSpeed's own instruction order
+
+        return engine_schedule(name, num_chunks, micro_batches)
+    return schedule_for_chunks(name, num_chunks, micro_batches)
+
+
+def simulate_shared_cores(schedule: Schedule, costs: ChunkCosts, network: Network,
+                          cores: float | None) -> tuple[StepSimulation, dict]:
+    """The step where ranks share ``cores`` cores: an item that runs while k ranks compute takes
+    max(1, k / cores) times as long (processor sharing), found as a fixed point: simulate, measure
+    each compute item's mean overlap with the others, stretch it, simulate again."""
+    sim = simulate(schedule, costs, network=network)
+    if not cores or schedule.num_ranks <= cores:
+        return sim, {}
+    slowdown: dict = {}
+    for _ in range(CONTENTION_ROUNDS):
+        slots = [s for s in sim.timeline if s.work.kind in COMPUTE and s.end_s > s.start_s]
+        target = {}
+        for s in slots:
+            overlap = sum(max(0.0, min(s.end_s, o.end_s) - max(s.start_s, o.start_s))
+                          for o in slots if o.rank != s.rank)
+            target[(s.rank, s.work)] = max(1.0, (1.0 + overlap / (s.end_s - s.start_s)) / cores)
+        # damped, so that two items do not take turns being slowed
+        slowdown = {k: (slowdown.get(k, 1.0) + v) / 2 for k, v in target.items()}
+        sim = simulate(schedule, costs, network=network, slowdown=slowdown)
+    return sim, slowdown

@@ -1,0 +1,158 @@
+"""The step model (simulate/step_model.py), its fit (instrument/step_fit.py) and the partition that
+minimises it (partition/step_search.py): exact against brute force, fitted terms recovered."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from ds_pipe_ext.costs.stage import stage_costs
+from ds_pipe_ext.costs.types import LayerCost
+from ds_pipe_ext.instrument.rundir import Predicted, Run
+from ds_pipe_ext.instrument.step_fit import fit_step_model, predict_run, run_stages
+from ds_pipe_ext.partition import partition_min_max
+from ds_pipe_ext.partition.step_search import partition_min_step
+from ds_pipe_ext.simulate.step_model import StepModel, StepModelError
+
+
+def random_costs(rng: random.Random, n: int) -> list[LayerCost]:
+    return [LayerCost(f"L{i}", forward_s=rng.uniform(0.01, 1.0), backward_s=rng.uniform(0.02, 2.0),
+                      recompute_s=rng.uniform(0.0, 0.5), param_bytes=rng.choice([0, 1, 10, 100]) * 10**6,
+                      activation_bytes=rng.randint(1, 100) * 10**5, output_bytes=rng.randint(1, 10) * 10**5)
+            for i in range(n)]
+
+
+def random_model(rng: random.Random) -> StepModel:
+    return StepModel(forward_scale=rng.uniform(0.5, 2.0), backward_scale=rng.uniform(0.5, 2.0),
+                     forward_fixed_s=rng.choice([0.0, rng.uniform(0, 0.2)]),
+                     backward_fixed_s=rng.choice([0.0, rng.uniform(0, 0.2)]),
+                     p2p_latency_s=rng.choice([0.0, 0.01]), p2p_bandwidth=rng.choice([None, 1e7, 1e8]),
+                     optimizer_fixed_s=rng.uniform(0, 0.1), optimizer_s_per_param_byte=rng.choice([1e-9, 1e-8, 5e-8]),
+                     step_fixed_s=rng.uniform(0, 0.1), cores=rng.choice([None, None, 2]))
+
+
+def all_splits(n: int, p: int):
+    for inner in itertools.combinations(range(1, n), p - 1):
+        yield [0, *inner, n]
+
+
+def predicted(model, costs, parts, m, schedule, recompute=False) -> float:
+    stages = stage_costs(costs, parts, micro_batches=m, recompute=recompute, schedule=schedule)
+    return model.predict(stages, m, schedule=schedule).step_s
+
+
+def test_partition_min_step_equals_brute_force_on_small_instances():
+    """Up to 10 layers, 2 to 4 stages, random costs with an optimizer time per parameter byte and
+    per-instruction costs: the search's split has the smallest simulated step of every split,
+    and the simulation never goes below the model's lower bound."""
+    rng = random.Random(13)
+    moved = 0
+    for case in range(40):
+        n = rng.randint(2, 10)
+        p = rng.randint(2, min(4, n))
+        m = rng.randint(1, 8)
+        schedule = rng.choice(["1f1b", "1f1b", "gpipe"])
+        recompute = rng.random() < 0.3
+        costs, model = random_costs(rng, n), random_model(rng)
+        found = partition_min_step(costs, p, micro_batches=m, model=model, schedule=schedule, recompute=recompute)
+        steps = {}
+        for parts in all_splits(n, p):
+            steps[tuple(parts)] = predicted(model, costs, parts, m, schedule, recompute)
+            stages = stage_costs(costs, parts, micro_batches=m, recompute=recompute, schedule=schedule)
+            assert model.lower_bound_s(stages, m) <= steps[tuple(parts)] * (1 + 1e-12), (case, parts)
+        best = min(steps.values())
+        assert found.gap == 0.0
+        assert found.step_s == pytest.approx(best, rel=1e-12), (case, found, best)
+        assert steps[tuple(found.parts)] == pytest.approx(best, rel=1e-12)
+        assert found.leaves <= len(steps)
+        moved += found.parts != found.min_max_parts
+    assert moved >= 5  # the predicted step does move the split away from the min-max one
+
+
+def test_memory_cap_is_respected_and_infeasible_caps_report_the_smallest():
+    rng = random.Random(3)
+    costs = random_costs(rng, 8)
+    model = StepModel(optimizer_s_per_param_byte=1e-8)
+    free = partition_min_step(costs, 3, micro_batches=4, model=model)
+    mem = lambda parts: max(s.memory_bytes for s in stage_costs(costs, parts, micro_batches=4))  # noqa: E731
+    cap = 0.9 * mem(free.parts) / 2**30
+    feasible = [parts for parts in all_splits(8, 3) if mem(parts) <= cap * 2**30]
+    assert feasible, "the test needs a cap that binds but admits a split"
+    capped = partition_min_step(costs, 3, micro_batches=4, model=model, memory_cap_gib=cap)
+    assert mem(capped.parts) <= cap * 2**30
+    assert capped.step_s == pytest.approx(min(predicted(model, costs, q, 4, "1f1b") for q in feasible), rel=1e-12)
+    with pytest.raises(ValueError, match="smallest cap"):
+        partition_min_step(costs, 3, micro_batches=4, model=model, memory_cap_gib=1e-6)
+
+
+def test_a_budget_past_which_the_gap_is_stated():
+    rng = random.Random(5)
+    costs = random_costs(rng, 30)
+    found = partition_min_step(costs, 4, micro_batches=8, model=StepModel(optimizer_s_per_param_byte=1e-8),
+                               max_leaves=3)
+    assert found.leaves == 3 and found.gap >= 0.0
+    exact = partition_min_step(costs, 4, micro_batches=8, model=StepModel(optimizer_s_per_param_byte=1e-8))
+    assert exact.gap == 0.0 and exact.step_s <= found.step_s
+    assert found.step_s <= exact.step_s * (1 + found.gap) + 1e-12
+
+
+def test_the_optimizer_step_moves_the_split_of_a_gpt_like_model():
+    """An embedding with many parameters and little compute, blocks, a heavy head: with the
+    optimizer's cost per parameter the split moves blocks off the embedding's stage."""
+    costs = ([LayerCost("emb", 0.01, 0.02, param_bytes=100 * 10**6)]
+             + [LayerCost(f"block{i}", 0.1, 0.2, param_bytes=12 * 10**6) for i in range(8)]
+             + [LayerCost("head", 0.5, 1.0, param_bytes=0)])
+    plain = partition_min_max(costs, 2, micro_batches=4)
+    heavy = partition_min_step(costs, 2, micro_batches=4, model=StepModel(optimizer_s_per_param_byte=2e-7))
+    assert heavy.parts[1] < plain[1]
+    assert heavy.step_s < predicted(StepModel(optimizer_s_per_param_byte=2e-7), costs, plain, 4, "1f1b")
+
+
+def _synthetic_run(model: StepModel, costs, parts, m, name) -> Run:
+    """What an instrumented run of ``model`` would record (no shared cores, 1F1B)."""
+    stages = stage_costs(costs, parts, micro_batches=m)
+    pred = model.predict(stages, m)
+    finish = pred.simulation.stage_finish_s
+    meet = max(finish)
+    ranks = []
+    for s, st in enumerate(stages):
+        ranks.append({
+            "rank": s, "stage": s, "forward_ms_mean": 1e3 * model.stage_forward_s(st),
+            "backward_ms_mean": 1e3 * model.stage_backward_s(st),
+            "optimizer_step_ms_mean": 1e3 * (meet - finish[s] + model.optimizer_s(st.param_bytes)),
+            "reduce_grads_ms_mean": 0.0, "reduce_tied_grads_ms_mean": 0.0,
+            "send_activation_ms_mean": 1e3 * m * st.boundary_out_bytes / model.p2p_bandwidth,
+            "aggregate_loss_ms_mean": 1e3 * model.step_fixed_s, "step_ms_median": 1e3 * pred.step_s,
+        })
+    return Run(Predicted("parts:", list(parts), m, list(costs)), {"ranks": ranks})
+
+
+def test_a_model_fitted_on_two_runs_predicts_a_third_configuration():
+    rng = random.Random(11)
+    costs = random_costs(rng, 9)
+    truth = StepModel(forward_scale=1.3, backward_scale=0.8, forward_fixed_s=0.05, backward_fixed_s=0.02,
+                      p2p_bandwidth=1e8, optimizer_fixed_s=0.0, optimizer_s_per_param_byte=2e-9, step_fixed_s=0.01)
+    a = run_stages(_synthetic_run(truth, costs, [0, 3, 9], 4, "a"), "a")
+    b = run_stages(_synthetic_run(truth, costs, [0, 2, 5, 7, 9], 2, "b"), "b")
+    fitted = fit_step_model([a, b])
+    for field in ("forward_scale", "backward_scale", "forward_fixed_s", "backward_fixed_s", "p2p_bandwidth",
+                  "step_fixed_s"):
+        assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-6), field
+    assert fitted.calibrated_on == ("a", "b")
+    c = run_stages(_synthetic_run(truth, costs, [0, 1, 4, 9], 8, "c"), "c")
+    assert predict_run(fitted, c) == pytest.approx(c.step_s, rel=0.02)
+
+
+def test_step_model_files_round_trip_and_bad_ones_say_what_to_do(tmp_path):
+    model = StepModel(forward_scale=1.2, cores=2, calibrated_on=("x",))
+    model.save(tmp_path / "m.json")
+    assert StepModel.load(tmp_path / "m.json") == model
+    with pytest.raises(StepModelError, match="step-model fit"):
+        StepModel.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text('{"forward_scale": 1, "speed": 2}')
+    with pytest.raises(StepModelError, match="unknown step model fields"):
+        StepModel.load(tmp_path / "bad.json")
+    with pytest.raises(StepModelError, match="finite number"):
+        StepModel(backward_scale=-1)
