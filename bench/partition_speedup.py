@@ -1,72 +1,129 @@
-"""Measured throughput of pipeline partitions on the spine benchmark (CPU, 2 ranks).
+"""Measured throughput of 2-stage splits: `profiled` against every split and DeepSpeed's built-ins.
 
-GPT bench-cpu (V=50257, h=512, 12 blocks, seq 256), micro-batch 4, 4 micro-batches,
-2 pipeline stages on 2 ranks with OMP_NUM_THREADS=1 each.  Runs DeepSpeed's
-`uniform` and `parameters`, our `profiled`, and every possible 2-stage split,
-each as a real `deepspeed --num_gpus 2 train.py` launch, and prints samples/s.
+Two models, 2 pipeline stages on 2 ranks (OMP_NUM_THREADS=1 each), micro-batch 2, 4 micro-batches:
+  bench-cpu         GPT (V=50257, h=512, 12 alike blocks, seq 256): a cheap embedding, a costly head
+  bench-cpu-pruned  the same with one FFN width per block (4096 down to 1024): blocks not alike
 
-    python bench/partition_speedup.py [--steps 4] [--quick]
+Every split [0, k, 14] (k = 1..13) is launched, and `profiled` as its own launch: it profiles its
+layers afresh (no cache) and picks the split with the smallest step predicted by the fitted step
+model `launch_scripts/step_model_cpu.json` (calibrated on bench/prediction_transfer.py's two
+calibration runs; none of these launches calibrated it).  DeepSpeed's `uniform` and `parameters`
+are deterministic splits ([0, 7, 14] on both models, from DeepSpeed's own functions) and are read
+off those splits' launches.  Rounds alternate: round 0 walks the launches forward, round 1 backward,
+the two models interleaved, so the machine's drift does not favour one; each figure is the
+median over rounds, with its spread.
 
-Last line: RESULT profiled_vs_builtin=X profiled_vs_best_split=Y
-(targets: X >= 1.25, Y >= 0.97)
+    python bench/partition_speedup.py [--rounds 2] [--out runs/partition-speedup]
+
+Resumable: a launch whose metrics exist in --out is not run again.
+Last line: RESULT profiled_vs_builtin=X profiled_vs_best_split=Y second_model_profiled_vs_best_split=Z
+(targets: X >= 1.25 on bench-cpu, Y and Z >= 0.98)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ds_pipe_ext.models.config import load_model_config  # noqa: E402
+from ds_pipe_ext.models.gpt import gpt_layer_specs  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
-from ds_pipe_ext.runner import ROOT, launch  # noqa: E402
+from ds_pipe_ext.runner import ROOT, launch, write_config  # noqa: E402
 
-CONFIG = ROOT / "launch_scripts" / "bench_cpu_pipeline.json"
-NUM_LAYERS = 14  # embedding + 12 blocks + head
+MODELS = ["bench-cpu", "bench-cpu-pruned"]
+STEP_MODEL = ROOT / "launch_scripts" / "step_model_cpu.json"
+MICRO_BATCH, MICRO_BATCHES, STEPS = 2, 4, 3
 
 
-def run(method: str, steps: int, workdir: Path) -> dict:
-    out = workdir / method.replace(":", "_").replace(",", "-")
-    out.mkdir(parents=True, exist_ok=True)
+def builtin_parts(model: str) -> dict[str, list[int]]:
+    """What DeepSpeed's uniform and parameters would choose (its own functions, trainable parameters)."""
+    from deepspeed.runtime import utils as ds_utils
+
+    specs = gpt_layer_specs(load_model_config(model))
+    params = [sum(p.numel() for p in spec.build().parameters()) for spec in specs]
+    return {"uniform": [int(b) for b in ds_utils.partition_uniform(len(specs), 2)],
+            "parameters": [int(b) for b in ds_utils.partition_balanced(params, 2)]}
+
+
+def run(model: str, method: str, out: Path) -> dict:
+    d = out / model / method.replace(":", "_").replace(",", "-")
+    done = d / "metrics.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = write_config(d / "ds.json", train_micro_batch_size_per_gpu=MICRO_BATCH,
+                       gradient_accumulation_steps=MICRO_BATCHES,
+                       pipeline={"stages": 2, "partition_method": method, "step_model": str(STEP_MODEL),
+                                 "profile": {"warmup": 2, "repeats": 5, "cache_dir": None, "progress": False}},
+                       train={"model": model, "steps": STEPS, "seed": 1234})
     t0 = time.perf_counter()
-    proc, ranks = launch(2, CONFIG, "--steps", str(steps), "--partition-method", method,
-                         out_dir=out, cwd=workdir, timeout=900)
+    proc, ranks = launch(2, cfg, out_dir=d, cwd=d, timeout=900)
     if proc.returncode != 0 or 0 not in ranks:
-        raise SystemExit(f"{method}: launch failed\n{proc.stderr[-3000:]}")
-    r = ranks[0]
-    print(f"  {method:<14} parts={r['parts']}  {r['samples_per_s']:.3f} samples/s  "
-          f"(step {r['step_s_median']:.2f} s, launch {time.perf_counter() - t0:.0f} s)", flush=True)
+        raise SystemExit(f"{model} {method}: launch failed\n{proc.stderr[-3000:]}")
+    r = {"parts": ranks[0]["parts"], "samples_per_s": ranks[0]["samples_per_s"], "step_s": ranks[0]["step_s_median"]}
+    done.write_text(json.dumps(r))
+    print(f"  {model:<17} {method:<12} parts={r['parts']}  {r['samples_per_s']:.3f} samples/s "
+          f"(launch {time.perf_counter() - t0:.0f} s)", flush=True)
     return r
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=4, help="optimizer steps per run; the first is not timed")
-    ap.add_argument("--quick", action="store_true", help="only the splits 6..12 (the plausible ones)")
-    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="runs/partition-speedup")
     args = ap.parse_args()
+    out = Path(args.out).resolve()
+    n = len(gpt_layer_specs(load_model_config(MODELS[0])))
+    methods = ["profiled"] + [f"parts:0,{k},{n}" for k in range(1, n)]
+    print(f"{len(MODELS)} models x {len(methods)} launches x {args.rounds} rounds, in {out}", flush=True)
+    measured: dict[tuple[str, str], list[dict]] = {}
+    for rnd in range(args.rounds):
+        order = methods if rnd % 2 == 0 else methods[::-1]
+        print(f"round {rnd}", flush=True)
+        for method in order:
+            for model in (MODELS if rnd % 2 == 0 else MODELS[::-1]):
+                measured.setdefault((model, method), []).append(run(model, method, out / f"round{rnd}"))
 
-    workdir = Path(tempfile.mkdtemp(prefix="ds_pipe_ext_bench_"))
-    print(f"bench-cpu, 2 ranks x OMP_NUM_THREADS=1, {args.steps} steps per run, workdir {workdir}", flush=True)
-    results = {m: run(m, args.steps, workdir) for m in ["uniform", "parameters", "profiled"]}
-    splits = range(6, 13) if args.quick else range(1, NUM_LAYERS)
-    for k in splits:
-        results[f"parts:0,{k},14"] = run(f"parts:0,{k},{NUM_LAYERS}", args.steps, workdir)
-
-    builtin = max(results["uniform"]["samples_per_s"], results["parameters"]["samples_per_s"])
-    best_split = max(v["samples_per_s"] for m, v in results.items() if m.startswith("parts:"))
-    ours = results["profiled"]["samples_per_s"]
-    rows = [[m, str(v["parts"]), f"{v['samples_per_s']:.3f}", f"{v['samples_per_s'] / builtin:.3f}",
-             f"{v['samples_per_s'] / best_split:.3f}"] for m, v in results.items()]
-    print()
-    print("\n".join(render_table(["method", "parts", "samples/s", "vs best builtin", "vs best split"], rows)))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(results, indent=2))
-    print(f"RESULT profiled_vs_builtin={ours / builtin:.3f} profiled_vs_best_split={ours / best_split:.3f}")
+    results = {}
+    for model in MODELS:
+        sps = {m: [r["samples_per_s"] for r in measured[(model, m)]] for m in methods}
+        med = {m: statistics.median(v) for m, v in sps.items()}
+        splits = [m for m in methods if m.startswith("parts:")]
+        best = max(splits, key=lambda m: med[m])
+        builtin = builtin_parts(model)
+        as_split = {name: "parts:" + ",".join(map(str, parts)) for name, parts in builtin.items()}
+        best_builtin = max(as_split.values(), key=lambda m: med[m])
+        rows = []
+        for m in methods:
+            names = [k for k, v in as_split.items() if v == m] + (["best split"] if m == best else [])
+            parts = sorted({str(r["parts"]) for r in measured[(model, m)]})
+            rows.append([m + (f" ({', '.join(names)})" if names else ""), " ".join(parts), spread(sps[m]),
+                         f"{med[m] / med[best]:.3f}"])
+        print(f"\n{model}: samples/s, median [min-max] over {args.rounds} rounds")
+        print("\n".join(render_table(["launch", "parts", "samples/s", "vs best split"], rows)))
+        # per round: profiled against the best split and the best built-in of the same round
+        vs_best = [p["samples_per_s"] / b["samples_per_s"] for p, b in zip(measured[(model, "profiled")], measured[(model, best)])]
+        vs_builtin = [p["samples_per_s"] / b["samples_per_s"]
+                      for p, b in zip(measured[(model, "profiled")], measured[(model, best_builtin)])]
+        print(f"profiled / best split {best}: per round {[round(x, 3) for x in vs_best]}; "
+              f"profiled / best built-in {best_builtin}: per round {[round(x, 3) for x in vs_builtin]}")
+        results[model] = {"vs_best": med["profiled"] / med[best], "vs_builtin": med["profiled"] / med[best_builtin],
+                          "rounds_vs_best": vs_best, "rounds_vs_builtin": vs_builtin}
+    (out / "results.json").write_text(json.dumps({f"{k[0]} {k[1]}": v for k, v in measured.items()}, indent=1))
+    a, b = results[MODELS[0]], results[MODELS[1]]
+    print(f"\nsecond model: profiled / best built-in {b['vs_builtin']:.3f}")
+    print(f"RESULT profiled_vs_builtin={a['vs_builtin']:.3f} profiled_vs_best_split={a['vs_best']:.3f} "
+          f"second_model_profiled_vs_best_split={b['vs_best']:.3f}")
 
 
 if __name__ == "__main__":

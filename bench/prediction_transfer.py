@@ -106,7 +106,7 @@ def main() -> None:
             runs[cell] = run_stages(RunDir(run_dir).read(), tag(cell))
 
     calibration = [runs[c] for c in cells if c in CALIBRATION and c in runs]
-    model = fit_step_model(calibration, cores=CORES)
+    model = fit_step_model(calibration, cores=CORES, shared_memory=True)
     print("\nstep model, fitted on " + ", ".join(r.name for r in calibration) + ":")
     print(json.dumps({k: v for k, v in model.to_dict().items() if k != "calibrated_on"}, indent=1))
     model.save(out / "step_model.json")

@@ -6,6 +6,8 @@
     ds-pipe-ext compare --model tiny --world 4 [--global-batch G] [--micro-batch B] [--memory-cap-gib X] [--json]
     ds-pipe-ext estimate --compare --model gpt3-175b --world 64 --tp 8 --device a100-80gb [--json]
     ds-pipe-ext simulate --model gpt3-small --stages 3 --schedule gpipe [--latency-ms L] [--bandwidth-gbs B] [--grid]
+    ds-pipe-ext step-model fit RUN_DIR [RUN_DIR] --out step_model.json [--cores 2 --shared-memory]   (then pipeline.step_model)
+    ds-pipe-ext step-model predict RUN_DIR ... --step-model step_model.json
 """
 
 from __future__ import annotations
@@ -296,6 +298,44 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_step_model(args) -> int:
+    """fit: a step model from instrumented runs; predict: each run's step with a fitted model."""
+    from .instrument.refine import RunDirError, load_run
+    from .instrument.step_fit import fit_step_model, predict_run, run_stages
+    from .partition.report import render_table
+    from .simulate.step_model import StepModel
+
+    try:
+        runs = [run_stages(load_run(d), str(d)) for d in args.run_dirs]
+    except RunDirError as e:
+        raise ValueError(str(e)) from None
+    if args.action == "fit":
+        if not args.out:
+            raise ValueError("step-model fit needs --out FILE: where to write the fitted model")
+        model = fit_step_model(runs, cores=args.cores, shared_memory=args.shared_memory)
+        model.save(args.out)
+    else:
+        if not args.step_model:
+            raise ValueError("step-model predict needs --step-model FILE (from `ds-pipe-ext step-model fit`)")
+        model = StepModel.load(args.step_model)
+    rows = [{"run": r.name, "parts": [0] + [st.stop for st in r.stages], "micro_batches": r.micro_batches,
+             "measured_step_s": r.step_s, "predicted_step_s": predict_run(model, r)} for r in runs]
+    for row in rows:
+        row["error_pct"] = 100.0 * (row["predicted_step_s"] - row["measured_step_s"]) / row["measured_step_s"]
+    if args.json:
+        import json
+
+        emit(json.dumps({"step_model": model.to_dict(), "runs": rows}, indent=1))
+        return 0
+    if args.action == "fit":
+        emit(f"wrote {args.out}: " + ", ".join(f"{k}={v:.4g}" for k, v in model.to_dict().items()
+                                                if isinstance(v, float)))
+    emit("\n".join(render_table(["run", "parts", "m", "measured s", "predicted s", "error %"],
+                                [[r["run"], str(r["parts"]), str(r["micro_batches"]), f"{r['measured_step_s']:.3f}",
+                                  f"{r['predicted_step_s']:.3f}", f"{r['error_pct']:+.1f}"] for r in rows])))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ds-pipe-ext", description="Cost-aware pipeline partitioning for DeepSpeed")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -369,6 +409,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true")
     r.add_argument("--png", default=None, metavar="FILE", help="also write per-stage bar charts to FILE")
     r.set_defaults(func=cmd_report)
+
+    m = sub.add_parser("step-model", help="fit the step model to instrumented runs, or predict runs with one")
+    m.add_argument("action", choices=["fit", "predict"])
+    m.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="instrumented run directories (train.py --instrument)")
+    m.add_argument("--out", default=None, help="fit: the JSON file to write (ds.json: pipeline.step_model)")
+    m.add_argument("--step-model", default=None, help="predict: a fitted model")
+    m.add_argument("--cores", type=float, default=None,
+                   help="CPU: the cores the ranks share (their compute slows when more ranks than cores run)")
+    m.add_argument("--shared-memory", action="store_true",
+                   help="CPU: the ranks' optimizer updates share one memory bandwidth")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_step_model)
 
     from .simulate.command import add_parser as add_simulate
 

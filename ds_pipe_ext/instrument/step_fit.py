@@ -4,15 +4,21 @@ A run directory (``rundir``) holds the layer costs and split a run used and what
 measured.  From one or two runs (different splits, stage counts, micro-batches or
 models are what make the fit transfer) the fit reads:
 
-* stage forward / backward per micro-batch against the stage's layer costs: a least-squares
-  line, scale x layer time + a fixed cost per instruction, over every stage of every run.
+* stage forward / backward per micro-batch against the stage's layer costs: scale x layer time
+  + a fixed cost per instruction + a cost per layer, over every stage of every run, least
+  squares in relative error with no coefficient below zero.
   Where ranks share cores the measured times are first divided by the slowdown the model
   predicts for that run (a fixed point: fit, simulate, divide, fit again);
-* p2p: the fastest activation send seen (sends that waited for their receiver are slower);
-* the optimizer step: the stages meet before it, so the smallest optimizer time over the
-  stages is the update of the stage that arrived last, with nothing to wait for: a line in
-  the parameter bytes over the runs (one run: through the origin);
-* the tail: the smallest loss-broadcast time over the stages.
+* p2p: each run's fastest activation send (the others waited for their receiver): latency +
+  bytes / bandwidth;
+* the optimizer step: each rank updates after its last backward and the step ends with the last
+  update, so the smallest optimizer time over the stages is an update with nothing to wait for
+  (divided by the memory-bandwidth sharing the model predicts for it): a line in the parameter
+  bytes over the runs (one run: through the origin);
+* the tail: the smallest loss-broadcast time over the stages;
+* last, the engine's own cost of a transfer instruction whose partner is ready, which the
+  counters mix with waiting: the p2p latency (at least the fastest send) that brings the
+  calibration runs' predicted steps closest to their measured ones.
 """
 
 from __future__ import annotations
@@ -72,49 +78,95 @@ def run_stages(run: Run, name: str = "") -> RunStages:
     )
 
 
+def _relative_nnls(columns: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+    """Coefficients >= 0 of y ~ sum_k c_k columns[k], least squares in *relative* error, so that a run
+    whose stages take milliseconds counts as much as one whose stages take seconds.  Few columns:
+    every subset is solved and the best one with no negative coefficient is kept."""
+    X, y = np.asarray(columns, float).T, np.asarray(y, float)
+    keep = y > 0
+    X, y = X[keep] / y[keep, None], np.ones(int(keep.sum()))
+    k = X.shape[1]
+    best, best_err = [0.0] * k, float(np.sum(y**2))
+    for mask in range(1, 2**k):
+        cols = [c for c in range(k) if mask >> c & 1]
+        sub = X[:, cols]
+        if np.linalg.matrix_rank(sub) < len(cols):
+            continue
+        coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
+        if np.any(coef < 0):
+            continue
+        err = float(np.sum((sub @ coef - y) ** 2))
+        if err < best_err - 1e-15:
+            best, best_err = [0.0] * k, err
+            for c, v in zip(cols, coef):
+                best[c] = float(v)
+    return best
+
+
 def _line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
-    """Least-squares y = a x + b with a, b >= 0 (a fixed cost below zero means: through the origin)."""
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    if len(set(np.round(x, 12))) >= 2:
-        a, b = np.polyfit(x, y, 1)
-        if a > 0 and b >= 0:
-            return float(a), float(b)
-    if np.dot(x, x) > 0:
-        a = float(np.dot(x, y) / np.dot(x, x))
-        if a > 0:
-            return a, 0.0
-    return 0.0, float(max(np.mean(y), 0.0))
+    """y = a x + b, a, b >= 0, in relative error."""
+    a, b = _relative_nnls([x, [1.0] * len(x)], y)
+    return a, b
 
 
-def fit_step_model(runs: Sequence[RunStages], *, cores: float | None = None) -> StepModel:
+def fit_step_model(runs: Sequence[RunStages], *, cores: float | None = None, shared_memory: bool = False) -> StepModel:
+    """``cores``, ``shared_memory``: the ranks share this many CPU cores and one memory system."""
     if not runs:
         raise StepModelError("fit_step_model needs at least one instrumented run")
-    model = StepModel(cores=cores, calibrated_on=tuple(r.name for r in runs))
+    model = StepModel(cores=cores, shared_memory=shared_memory, calibrated_on=tuple(r.name for r in runs))
     for _ in range(FIT_ROUNDS):
-        xf, yf, xb, yb = [], [], [], []
+        cols_f, cols_b, yf, yb = [[], [], []], [[], [], []], [], []
         for run in runs:
             stretch = _stage_slowdown(model, run)
             for st, f, b, k in zip(run.stages, run.forward_s, run.backward_s, stretch):
-                xf.append(st.forward_s)
+                for cols, t in ((cols_f, st.forward_s), (cols_b, st.backward_s)):
+                    cols[0].append(t)
+                    cols[1].append(1.0)
+                    cols[2].append(st.stop - st.start)
                 yf.append(f / k)
-                xb.append(st.backward_s)
                 yb.append(b / k)
-        fs, ff = _line(xf, yf)
-        bs, bf = _line(xb, yb)
-        model = replace(model, forward_scale=fs, forward_fixed_s=ff, backward_scale=bs, backward_fixed_s=bf)
-    # p2p: the fastest send per byte
-    rates = [st.boundary_out_bytes / t for run in runs for st, t in zip(run.stages, run.send_s)
-             if st.boundary_out_bytes and t > 0]
-    # the optimizer: the last stage to arrive waits for nobody; all ranks update together
-    xo, yo = [], []
-    for run in runs:
-        last = int(np.argmin(run.optimizer_s))
-        params = [st.param_bytes for st in run.stages]
-        xo.append(max(params[last], sum(params) / cores) if cores else params[last])
-        yo.append(run.optimizer_s[last])
-    per_byte, fixed = _line(xo, yo)
-    return replace(model, p2p_bandwidth=max(rates) if rates else None, optimizer_s_per_param_byte=per_byte,
-                   optimizer_fixed_s=fixed, step_fixed_s=float(np.mean([r.tail_s for r in runs])))
+        fs, ff, fl = _relative_nnls(cols_f, yf)
+        bs, bf, bl = _relative_nnls(cols_b, yb)
+        model = replace(model, forward_scale=fs, forward_fixed_s=ff, forward_per_layer_s=fl,
+                        backward_scale=bs, backward_fixed_s=bf, backward_per_layer_s=bl)
+    # p2p: per run, its fastest send (the others waited for their receiver): latency + bytes / bandwidth
+    sends = [min((t, st.boundary_out_bytes) for st, t in zip(run.stages, run.send_s) if st.boundary_out_bytes and t > 0)
+             for run in runs if any(st.boundary_out_bytes and t > 0 for st, t in zip(run.stages, run.send_s))]
+    per_byte, latency = _line([b for _, b in sends], [t for t, _ in sends]) if sends else (0.0, 0.0)
+    model = replace(model, p2p_latency_s=latency, p2p_bandwidth=1.0 / per_byte if per_byte > 0 else None)
+    # the optimizer: each rank updates after its last backward, and the step ends with the last one
+    # (the loss broadcast waits for it), so a rank's measured time is its update plus the wait for the
+    # last; the smallest is an update with no wait.  With shared memory that update may have shared
+    # the bandwidth with another: divide by the stretch the model predicts, and fit again.
+    for _ in range(FIT_ROUNDS):
+        xo, yo = [], []
+        for run in runs:
+            last = int(np.argmin(run.optimizer_s))
+            xo.append(run.stages[last].param_bytes)
+            yo.append(run.optimizer_s[last] / _optimizer_stretch(model, run, last))
+        per_byte, fixed = _line(xo, yo)
+        model = replace(model, optimizer_s_per_param_byte=per_byte, optimizer_fixed_s=fixed)
+    model = replace(model, step_fixed_s=float(np.mean([r.tail_s for r in runs])))
+    # what no counter isolates: the engine's cost of a send or receive instruction whose partner is
+    # ready (the counters mix it with waiting).  It is the one term fitted to the steps themselves:
+    # the latency, at least the fastest send, that brings the calibration runs' steps closest.
+    def misfit(latency: float) -> float:
+        trial = replace(model, p2p_latency_s=latency)
+        return sum(((predict_run(trial, r) - r.step_s) / r.step_s) ** 2 for r in runs)
+
+    grid = [model.p2p_latency_s + x for x in [0.0, *np.geomspace(1e-5, 0.1, 41)]]
+    return replace(model, p2p_latency_s=float(min(grid, key=misfit)))
+
+
+def _optimizer_stretch(model: StepModel, run: RunStages, rank: int) -> float:
+    """How much longer ``rank``'s update takes in ``run`` than alone, as ``model`` predicts it."""
+    alone = model.optimizer_s(run.stages[rank].param_bytes)
+    if not model.shared_memory or alone <= 0:
+        return 1.0
+    pred = model.predict(run.stages, run.micro_batches)
+    starts = pred.simulation.stage_finish_s
+    ends = model.optimizer_finish_s(starts, [model.optimizer_s(st.param_bytes) for st in run.stages])
+    return (ends[rank] - starts[rank]) / alone
 
 
 def _stage_slowdown(model: StepModel, run: RunStages) -> list[float]:

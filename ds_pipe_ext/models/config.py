@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tomllib
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "model_configs"
@@ -26,6 +26,9 @@ class GPTConfig:
     tie_embeddings: bool = False
     layernorm_eps: float = 1e-5
     vocab_pad_to: int = 1  # Megatron's make_vocab_size_divisible_by: embedding/head rows padded to a multiple
+    # one FFN width per block, for models whose blocks differ (width-pruned models such as Minitron
+    # keep a different width in each block); empty: ``ffn`` in every block
+    block_ffn_hidden: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden", "layers", "heads", "seq_len"):
@@ -45,6 +48,12 @@ class GPTConfig:
             raise ModelConfigError(f"model config {self.name!r}: tie_embeddings must be true or false")
         if isinstance(self.vocab_pad_to, bool) or not isinstance(self.vocab_pad_to, int) or self.vocab_pad_to < 1:
             raise ModelConfigError(f"model config {self.name!r}: vocab_pad_to must be a positive integer")
+        widths = self.block_ffn_hidden
+        if not isinstance(widths, (list, tuple)) or (widths and (
+                len(widths) != self.layers or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths))):
+            raise ModelConfigError(f"model config {self.name!r}: block_ffn_hidden = {widths!r}; give one positive "
+                                   f"width per block ({self.layers}), or leave it out")
+        object.__setattr__(self, "block_ffn_hidden", tuple(widths))
         if not isinstance(self.layernorm_eps, (int, float)) or not self.layernorm_eps > 0:
             raise ModelConfigError(f"model config {self.name!r}: layernorm_eps must be > 0")
 
@@ -56,6 +65,12 @@ class GPTConfig:
     @property
     def ffn(self) -> int:
         return self.ffn_hidden or 4 * self.hidden
+
+    def block_config(self, index: int) -> "GPTConfig":
+        """The configuration block ``index`` is built from (its own FFN width where they differ)."""
+        if not self.block_ffn_hidden:
+            return self
+        return replace(self, ffn_hidden=self.block_ffn_hidden[index], block_ffn_hidden=())
 
     @property
     def head_dim(self) -> int:

@@ -209,8 +209,8 @@ def gpt_layer_specs(cfg: GPTConfig, impl: LayerImpl = LOCAL, *, selective_recomp
     The loss is ``lm_loss``, passed to the PipelineModule as ``loss_fn``; it
     always runs on the last stage, so its cost belongs to the last layer.
     """
-    block_args = (cfg, impl, True) if selective_recompute else (cfg, impl)  # the default keeps cache keys stable
-    blocks = [LayerSpec(Block, *block_args) for _ in range(cfg.layers)]
+    extra = (True,) if selective_recompute else ()  # the default keeps cache keys stable
+    blocks = [LayerSpec(Block, cfg.block_config(i), impl, *extra) for i in range(cfg.layers)]
     if not cfg.tie_embeddings:
         return [LayerSpec(EmbeddingPipe, cfg, impl), *blocks, LayerSpec(HeadPipe, cfg, impl)]
     return [

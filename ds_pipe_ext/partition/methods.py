@@ -25,6 +25,7 @@ class PartitionRequest:
     recompute: bool = False
     arg: str = ""  # the text after "name:" for prefix methods
     schedule: str = "1f1b"  # how many micro-batches each stage holds (``costs.stage.in_flight``)
+    step_model: object = None  # simulate.step_model.StepModel: what a step costs beyond the layers (None: nothing)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class PartitionMethod:
 
 
 _REGISTRY: dict[str, PartitionMethod] = {}
+# the schedules whose step the branch and bound's lower bound holds for (one chunk a rank, the whole
+# backward on the path back); the others split by the min-max of forward + backward
+STEP_SEARCH_SCHEDULES = ("1f1b", "gpipe")
 
 
 def register(name: str, help: str, *, cost_source: str | None = None):
@@ -100,6 +104,12 @@ def _min_max(req: PartitionRequest, source: str) -> list[int]:
                                  "drop memory_cap_gib and link_bandwidth_gbs (or use the 1f1b or gpipe schedule)")
         return partition_pairs_min_max([c.time_s(recompute=req.recompute) for c in req.costs(source)],
                                        req.num_stages // 2)
+    if req.schedule in STEP_SEARCH_SCHEDULES:  # the smallest predicted step, from the min-max split
+        from .step_search import partition_min_step
+
+        return partition_min_step(req.costs(source), req.num_stages, micro_batches=req.micro_batches,
+                                  model=req.step_model, schedule=req.schedule, recompute=req.recompute,
+                                  memory_cap_gib=req.memory_cap_gib, link_bandwidth=req.link_bandwidth).parts
     return partition_min_max(
         req.costs(source),
         req.num_stages,
@@ -111,13 +121,13 @@ def _min_max(req: PartitionRequest, source: str) -> list[int]:
     )
 
 
-@register("profiled", "ds_pipe_ext: exact min-max split of measured per-layer costs (cached profile)",
+@register("profiled", "ds_pipe_ext: the split of measured per-layer costs (cached profile) with the smallest predicted step",
           cost_source="profiled")
 def _profiled(req: PartitionRequest) -> list[int]:
     return _min_max(req, "profiled")
 
 
-@register("analytic", "ds_pipe_ext: exact min-max split of analytic per-layer costs (roofline on a device spec)",
+@register("analytic", "ds_pipe_ext: the split of analytic per-layer costs (roofline on a device spec) with the smallest predicted step",
           cost_source="analytic")
 def _analytic(req: PartitionRequest) -> list[int]:
     return _min_max(req, "analytic")
@@ -142,6 +152,7 @@ def decide_offline(
     link_bandwidth: float | None = None,
     recompute: bool = False,
     schedule: str = "1f1b",
+    step_model=None,
 ) -> list[int]:
     """The parts any registered method would choose, without a process group (CLI, benches).
 
@@ -156,7 +167,7 @@ def decide_offline(
         raise PartitionError(f"{num_stages} stages but only {len(costs)} layers: use at most {len(costs)} stages")
     if not spec.deepspeed_builtin:
         request = PartitionRequest(num_stages, len(costs), lambda source: costs, micro_batches,
-                                   memory_cap_gib, link_bandwidth, recompute, arg, schedule)
+                                   memory_cap_gib, link_bandwidth, recompute, arg, schedule, step_model)
         return [int(b) for b in spec.solve(request)]
     import re
 

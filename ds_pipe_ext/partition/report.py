@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..costs.stage import StageCost, imbalance, stage_costs
 from ..simulate.schedule import simulate_stages
+from ..simulate.step_model import StepModel
 
 MIB = 2**20
 
@@ -22,6 +23,7 @@ class PartitionPlan:
     stages: list[StageCost]
     link_bandwidth: float | None = None  # bytes/s between stages; None: p2p not modelled
     schedule: str = "1f1b"
+    step_model: StepModel | None = None  # what a step costs beyond the layers; None: the layers alone
 
     @property
     def imbalance(self) -> float:
@@ -30,7 +32,11 @@ class PartitionPlan:
 
     @property
     def predicted_step_ms(self) -> float:
-        """The event simulator's step for these stages under the schedule (fill, steady state, drain)."""
+        """The event simulator's step for these stages under the schedule (fill, steady state, drain);
+        with a step model, its prediction (engine costs, optimizer step, shared cores)."""
+        if self.step_model is not None:
+            model = replace(self.step_model, p2p_bandwidth=self.link_bandwidth or self.step_model.p2p_bandwidth)
+            return 1e3 * model.predict(self.stages, self.micro_batches, schedule=self.schedule).step_s
         return 1e3 * simulate_stages(self.stages, self.micro_batches, link_bandwidth=self.link_bandwidth,
                                      schedule=self.schedule).step_s
 
@@ -74,7 +80,8 @@ class PartitionPlan:
         lines += render_table(header, rows)
         lines.append(
             f"imbalance (fastest/slowest, higher is better) = {self.imbalance:.3f}   "
-            f"predicted 1F1B step = {self.predicted_step_ms:.1f} ms"
+            f"predicted {self.schedule} step = {self.predicted_step_ms:.1f} ms"
+            + (" (step model)" if self.step_model is not None else "")
         )
         return "\n".join(lines)
 
@@ -115,8 +122,9 @@ def build_plan(
     link_bandwidth: float | None = None,
     recompute: bool = False,
     schedule: str = "1f1b",
+    step_model: StepModel | None = None,
 ) -> PartitionPlan:
     stages = stage_costs(costs, parts, micro_batches=micro_batches, recompute=recompute, link_bandwidth=link_bandwidth,
                          schedule=schedule)
     return PartitionPlan(method=method, parts=list(parts), micro_batches=micro_batches, stages=stages,
-                         link_bandwidth=link_bandwidth, schedule=schedule)
+                         link_bandwidth=link_bandwidth, schedule=schedule, step_model=step_model)

@@ -8,11 +8,10 @@ smallest:
 
 * incumbent: the min-max split (the fast core), so the search starts from a good answer;
 * branch: boundaries left to right, one stage at a time; a stage over the memory cap is cut;
-* bound: for stages 0..k-1 fixed at ``before`` = their forward + backward, stage s >= k cannot
-  finish its m micro-batches before ``before_s + m (f_s + b_s)``, and the layers left split into
-  p - k stages of at least their mean; the optimizer span is at least the largest update already
-  fixed and the mean of the rest.  ``StepModel.lower_bound_s`` is the same bound for a whole
-  split, and the simulation never goes below it (``tests/test_step_model.py``);
+* bound: ``StepModel.lower_bound_s`` (a stage's m forwards and backwards after micro-batch 0's way
+  in, then its update or the drain back to stage 0 and stage 0's update) over the stages fixed so
+  far, and for the layers left, p - k stages of at least their mean.  The simulation never goes
+  below it (``tests/test_step_model.py``);
 * leaves are simulated.  A subtree is dropped only when its bound reaches the best step found,
   so the answer is the minimum over every split: exact.  Past ``max_leaves`` simulations the
   search stops and ``StepSearch.gap`` states how far from the optimum the answer can be
@@ -80,32 +79,43 @@ def partition_min_step(
     cap = None if memory_cap_gib is None else memory_cap_gib * 2.0**30
     inflight = [in_flight(s, p, m, schedule) for s in range(p)]
     opt = model.optimizer_s
-    all_opt = p * model.optimizer_fixed_s + model.optimizer_s_per_param_byte * P[n]
+    per_layer = model.forward_per_layer_s + model.backward_per_layer_s
+
+    def f(i: int, j: int) -> float:  # one micro-batch's forward on layers [i, j)
+        return model.forward_scale * (F[j] - F[i]) + model.forward_fixed_s + model.forward_per_layer_s * (j - i)
 
     def t(i: int, j: int) -> float:  # one micro-batch's forward + backward on layers [i, j)
         return (model.forward_scale * (F[j] - F[i]) + model.forward_fixed_s
-                + model.backward_scale * (B[j] - B[i]) + model.backward_fixed_s)
+                + model.backward_scale * (B[j] - B[i]) + model.backward_fixed_s + per_layer * (j - i))
 
-    def bound(k: int, i: int, before: float, path: float, opt_max: float) -> float:
+    def bound(k: int, i: int, st: tuple) -> float:
+        """Stages 0..k-1 fixed (``st``), layers [i, n) left for stages k..p-1: StepModel.lower_bound_s
+        over the fixed stages, and for the rest their mean (max >= mean: t and opt are affine)."""
+        before, ahead, drained, own, opt0 = st
         left = p - k
-        rest = (model.forward_scale * (F[n] - F[i]) + model.backward_scale * (B[n] - B[i])) / left \
+        rest = (model.forward_scale * (F[n] - F[i]) + model.backward_scale * (B[n] - B[i]) + per_layer * (n - i)) / left \
             + model.forward_fixed_s + model.backward_fixed_s
-        span = max(opt_max, opt((P[n] - P[i]) / left))
-        if model.cores:
-            span = max(span, all_opt / model.cores)
-        return max(path, before + m * rest) + span + model.step_fixed_s
+        rest_opt = opt((P[n] - P[i]) / left)
+        return max(max(drained, before + m * rest) + opt0, own, ahead + m * rest + rest_opt) + model.step_fixed_s
+
+    def extend(k: int, i: int, j: int, st: tuple) -> tuple:
+        """The bound's running terms once stage k takes layers [i, j)."""
+        before, ahead, drained, own, opt0 = st
+        tk, fk, ok = t(i, j), f(i, j), opt(P[j] - P[i])
+        return (before + tk, ahead + fk, max(drained, before + m * tk), max(own, ahead + m * tk + ok),
+                ok if k == 0 else opt0)
 
     leaves, open_bounds = 0, []
     parts = [0] * (p + 1)
     parts[p] = n
 
-    def search(k: int, i: int, before: float, path: float, opt_max: float) -> None:
+    def search(k: int, i: int, st: tuple) -> None:
         nonlocal best, best_parts, leaves
         if k == p - 1:  # the last stage takes the rest
             if cap is not None and S[n] - S[i] + inflight[k] * (A[n] - A[i]) > cap:
                 return
             if leaves >= max_leaves:
-                open_bounds.append(bound(k, i, before, path, opt_max))
+                open_bounds.append(bound(k, i, st))
                 return
             leaves += 1
             parts[k] = i
@@ -116,16 +126,15 @@ def partition_min_step(
         for j in range(i + 1, n - (p - k - 1) + 1):
             if cap is not None and S[j] - S[i] + inflight[k] * (A[j] - A[i]) > cap:
                 break  # longer stages only hold more
-            tk = t(i, j)
-            nb = bound(k + 1, j, before + tk, max(path, before + m * tk), max(opt_max, opt(P[j] - P[i])))
-            if nb >= best:
+            nxt = extend(k, i, j, st)
+            if bound(k + 1, j, nxt) >= best:
                 continue
             parts[k] = i
-            search(k + 1, j, before + tk, max(path, before + m * tk), max(opt_max, opt(P[j] - P[i])))
+            search(k + 1, j, nxt)
 
     if p == 1:
         return StepSearch([0, n], best, 1, 0.0, best_parts, min_max_step)
-    search(0, 0, 0.0, 0.0, 0.0)
+    search(0, 0, (0.0, 0.0, 0.0, 0.0, 0.0))
     lowest_open = min(open_bounds, default=float("inf"))
     gap = 0.0 if lowest_open >= best else best / lowest_open - 1.0
     return StepSearch(best_parts, best, leaves, gap, list(start), min_max_step)

@@ -14,7 +14,8 @@ so the plugin's settings live beside DeepSpeed's own there::
       "link_emulation": null,                           # {"latency_ms": 5, "bandwidth_gbs": 0.25}: a slower link
       "analytic": {"device": "cpu", "dtype": "fp32", "calibrate": false},  # for partition_method "analytic"
       "instrument": {"enabled": false, "run_dir": "runs/latest", "every": 0},
-      "refine_from": null                               # a run directory to learn stage costs from
+      "refine_from": null,                              # a run directory to learn stage costs from
+      "step_model": null                                # a fitted step model (ds-pipe-ext step-model fit)
     }
 
 Every key is typed and checked when ds.json is read, before any process group:
@@ -76,6 +77,9 @@ class PipelineSettings(ConfigModel):
     analytic: AnalyticSettings = AnalyticSettings()
     instrument: InstrumentSettings = InstrumentSettings()
     refine_from: str | None = None  # a run directory: correct layer costs with its measured stage times
+    # a JSON file from `ds-pipe-ext step-model fit`: profiled and analytic then minimise the step it
+    # predicts (engine costs per instruction, optimizer step, shared cores); None: layer costs alone
+    step_model: str | None = None
     # the order DeepSpeed's engine runs: its 1F1B TrainSchedule, GPipe (holds every micro-batch), or
     # its DualPipeV engine (2 chunks a rank; our methods then balance each rank's pair); the
     # partitioner's memory cap counts the micro-batches the chosen one holds

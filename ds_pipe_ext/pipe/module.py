@@ -25,6 +25,7 @@ from ..costs.profiler import profile_layers
 from ..partition import PartitionError
 from ..partition.methods import PartitionRequest, lookup
 from ..partition.report import PartitionPlan, build_plan
+from ..simulate.step_model import StepModel
 from .config import PipelineSettings
 from .decide import DecisionError, decide_and_broadcast
 
@@ -193,6 +194,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
                     cache["costs"] = refine_costs(cache["costs"], settings.refine_from)
             return cache["costs"]
 
+        step_model = StepModel.load(settings.step_model) if settings.step_model and spec.needs_costs else None
         request = PartitionRequest(
             num_stages=self.num_stages,
             num_layers=len(ds_engine.layer_specs(self)),
@@ -203,6 +205,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
             recompute=self._ext_recompute,
             arg=arg,
             schedule=self.schedule_name,
+            step_model=step_model,
         )
         parts = [int(b) for b in spec.solve(request)]
         if "costs" not in cache:
@@ -210,6 +213,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         plan = build_plan(
             method, parts, cache["costs"], micro_batches=self._ext_micro_batches,
             link_bandwidth=bandwidth, recompute=self._ext_recompute, schedule=self.schedule_name,
+            step_model=step_model,
         )
         return parts, plan, cache["costs"]
 

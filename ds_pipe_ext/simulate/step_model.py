@@ -3,14 +3,16 @@
 Per-layer costs (profiled or analytic) describe one micro-batch through one layer, alone.
 A step on DeepSpeed's engine costs more, and not only on the slowest stage:
 
-    stage forward  = forward_scale  x (its layers' forward)  + forward_fixed_s   (per instruction:
-    stage backward = backward_scale x (its layers' backward) + backward_fixed_s   the engine's own work)
+    stage forward  = forward_scale  x (its layers' forward)  + forward_fixed_s  + forward_per_layer_s  x layers
+    stage backward = backward_scale x (its layers' backward) + backward_fixed_s + backward_per_layer_s x layers
+      (fixed: the engine's own work per instruction; per layer: Python's call into each module, hooks)
       -> the engine's order of compute and p2p (``pipe.schedules.engine_schedule``; any
          ``simulate.schedules`` name otherwise), with transfers of p2p_latency_s + bytes / p2p_bandwidth
       -> ranks that share ``cores`` CPU cores slow each other down while they compute together
-      -> + the optimizer step: the stages meet after their last backward, then each updates its own
-         parameters (optimizer_fixed_s + optimizer_s_per_param_byte x its parameter bytes)
-      -> + step_fixed_s (the loss broadcast that ends every step)
+      -> + each rank's optimizer step right after its last backward (optimizer_fixed_s +
+         optimizer_s_per_param_byte x its parameter bytes); on a CPU the ranks' updates share one
+         memory system (``shared_memory``: updates that overlap split its bandwidth)
+      -> + step_fixed_s (the loss broadcast that ends every step: every rank waits for the last)
 
 Every term is a function of the configuration (which layers a stage holds, micro-batches,
 schedule, recompute, ranks per core), so a model fitted on one or two instrumented runs
@@ -43,18 +45,21 @@ class StepModel:
     backward_scale: float = 1.0
     forward_fixed_s: float = 0.0
     backward_fixed_s: float = 0.0
+    forward_per_layer_s: float = 0.0
+    backward_per_layer_s: float = 0.0
     p2p_latency_s: float = 0.0
     p2p_bandwidth: float | None = None  # bytes/s; None: transfers take no time
     optimizer_fixed_s: float = 0.0
     optimizer_s_per_param_byte: float = 0.0
     step_fixed_s: float = 0.0
     cores: float | None = None  # ranks share this many cores (CPU); None: a device per rank
+    shared_memory: bool = False  # CPU: the ranks' optimizer updates (memory-bound) share one memory bandwidth
     calibrated_on: tuple[str, ...] = ()  # the runs it was fitted on
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "calibrated_on" or (v is None and f.name in ("p2p_bandwidth", "cores")):
+            if f.name in ("calibrated_on", "shared_memory") or (v is None and f.name in ("p2p_bandwidth", "cores")):
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or v == float("inf"):
                 raise StepModelError(f"StepModel.{f.name} = {v!r}: must be a finite number >= 0")
@@ -63,19 +68,22 @@ class StepModel:
 
     # --- the terms --------------------------------------------------------------------------
     def stage_forward_s(self, stage) -> float:
-        return self.forward_scale * stage.forward_s + self.forward_fixed_s
+        return self.forward_scale * stage.forward_s + self.forward_fixed_s + self.forward_per_layer_s * _layers(stage)
 
     def stage_backward_s(self, stage) -> float:
         """``stage.backward_s`` includes the replayed forward under activation checkpointing."""
-        return self.backward_scale * stage.backward_s + self.backward_fixed_s
+        return (self.backward_scale * stage.backward_s + self.backward_fixed_s
+                + self.backward_per_layer_s * _layers(stage))
 
     def optimizer_s(self, param_bytes: float) -> float:
         return self.optimizer_fixed_s + self.optimizer_s_per_param_byte * param_bytes
 
-    def optimizer_span_s(self, per_rank: Sequence[float]) -> float:
-        """The ranks update together after they meet: the longest, or all of them over the shared cores."""
-        span = max(per_rank, default=0.0)
-        return max(span, sum(per_rank) / self.cores) if self.cores else span
+    def optimizer_finish_s(self, start_s: Sequence[float], work_s: Sequence[float]) -> list[float]:
+        """When each rank's update ends, started at ``start_s`` (its last backward): at once alone, or
+        with the memory bandwidth split among the updates running together (processor sharing)."""
+        if not self.shared_memory:
+            return [t + w for t, w in zip(start_s, work_s)]
+        return processor_sharing(start_s, work_s)
 
     # --- one step ---------------------------------------------------------------------------
     def predict(self, stages: Sequence, micro_batches: int, *, schedule: str = "1f1b",
@@ -95,24 +103,28 @@ class StepModel:
         for c, st in enumerate(stages):
             params[sched.chunk_rank[c]] += st.param_bytes
         pipeline = max(sim.stage_finish_s)
-        optimizer = self.optimizer_span_s([self.optimizer_s(b) for b in params])
-        return StepPrediction(step_s=pipeline + optimizer + self.step_fixed_s, pipeline_s=pipeline,
-                              optimizer_s=optimizer, simulation=sim, slowdown=slowdown)
+        finish = self.optimizer_finish_s(sim.stage_finish_s, [self.optimizer_s(b) for b in params])
+        step = max(finish)
+        return StepPrediction(step_s=step + self.step_fixed_s, pipeline_s=pipeline, optimizer_s=step - pipeline,
+                              simulation=sim, slowdown=slowdown)
 
     def lower_bound_s(self, stages: Sequence, micro_batches: int) -> float:
         """A bound no simulation of these stages (one chunk per rank, 1F1B or GPipe) goes below.
 
-        Stage s cannot start before micro-batch 0 has come forward through stages 0..s-1, runs m
-        forwards and m backwards, and its last input gradient then goes back through 0..s-1;
-        then the optimizer.  Shared cores only slow work down, transfers only add."""
+        Stage s cannot start before micro-batch 0 has come forward through stages 0..s-1, then runs
+        m forwards and m backwards and its own update; and its last input gradient still goes back
+        through 0..s-1, after which stage 0 updates.  Shared cores and memory only slow work down,
+        transfers only add."""
         fwd = [self.stage_forward_s(st) for st in stages]
         bwd = [self.stage_backward_s(st) for st in stages]
-        best, before = 0.0, 0.0
-        for f, b in zip(fwd, bwd):
-            best = max(best, before + micro_batches * (f + b))
+        opt = [self.optimizer_s(st.param_bytes) for st in stages]
+        drained, own, before, ahead = 0.0, 0.0, 0.0, 0.0
+        for f, b, o in zip(fwd, bwd, opt):
+            drained = max(drained, before + micro_batches * (f + b))
+            own = max(own, ahead + micro_batches * (f + b) + o)
             before += f + b
-        opt = self.optimizer_span_s([self.optimizer_s(st.param_bytes) for st in stages])
-        return best + opt + self.step_fixed_s
+            ahead += f
+        return max(drained + opt[0], own) + self.step_fixed_s
 
     # --- files ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -153,6 +165,10 @@ class StepPrediction:
     slowdown: dict  # (rank, Work) -> the shared-core stretch of that item
 
 
+def _layers(stage) -> int:
+    return stage.stop - stage.start
+
+
 @lru_cache(maxsize=128)
 def _schedule(name: str, num_chunks: int, micro_batches: int, engine: bool) -> Schedule:
     if engine and name in ("1f1b", "gpipe"):
@@ -160,6 +176,38 @@ def _schedule(name: str, num_chunks: int, micro_batches: int, engine: bool) -> S
 
         return engine_schedule(name, num_chunks, micro_batches)
     return schedule_for_chunks(name, num_chunks, micro_batches)
+
+
+def processor_sharing(start_s: Sequence[float], work_s: Sequence[float]) -> list[float]:
+    """Finish times of jobs that arrive at ``start_s`` and share one server equally while they overlap."""
+    n = len(start_s)
+    left = list(work_s)
+    finish = [0.0] * n
+    order = sorted(range(n), key=lambda i: start_s[i])
+    t, running, k = 0.0, [], 0
+    while k < n or running:
+        if not running:
+            t = max(t, start_s[order[k]])
+        while k < n and start_s[order[k]] <= t:
+            running.append(order[k])
+            k += 1
+        rate = 1.0 / len(running)
+        first = min(running, key=lambda i: left[i])
+        done_at = t + left[first] / rate
+        nxt = start_s[order[k]] if k < n else float("inf")
+        if nxt < done_at:  # another job arrives first: share until then
+            for i in running:
+                left[i] -= (nxt - t) * rate
+            t = nxt
+            continue
+        gone = left[first]
+        for i in running:
+            left[i] -= gone
+        t = done_at
+        for i in [i for i in running if i == first or left[i] <= 1e-12 * max(1.0, work_s[i])]:
+            finish[i] = t
+            running.remove(i)
+    return finish
 
 
 def simulate_shared_cores(schedule: Schedule, costs: ChunkCosts, network: Network,
