@@ -33,6 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="record per-rank time and memory into RUN_DIR (pipeline.instrument, or "
                          "the top-level instrument section of a data-parallel run)")
     ap.add_argument("--refine-from", default=None, metavar="RUN_DIR", help="pipeline.refine_from")
+    ap.add_argument("--step-model", default=None, metavar="FILE",
+                    help="pipeline.step_model: a fitted step model (ds-pipe-ext step-model fit) for profiled/analytic")
     ap.add_argument("--init-from", default=None, metavar="FILE",
                     help="start from a single-process model's state dict (torch.save of SequentialGPT)")
     ap.add_argument("--save", default=None, metavar="DIR", help="checkpoints: every train.save_interval steps and at the end")
@@ -45,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_config(args: argparse.Namespace) -> RunConfig:
     """ds.json with the command line's overrides, through the same validation."""
     ds = read_ds_json(args.deepspeed_config)
-    pipeline = {"partition_method": args.partition_method, "refine_from": args.refine_from}
+    pipeline = {"partition_method": args.partition_method, "refine_from": args.refine_from,
+                "step_model": args.step_model}
     instrument = {"enabled": True, "run_dir": args.instrument} if args.instrument else None
     return build_run_config(ds, train={"steps": args.steps, "model": args.model}, pipeline=pipeline,
                             instrument=instrument,

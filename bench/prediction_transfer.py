@@ -10,10 +10,15 @@ predicted before it is measured, with a split the calibration runs did not use w
 (cycling `uniform`, `parameters` and an off-balance `parts:` split).  Every launch profiles its
 layers afresh (no profile cache), so a prediction uses the layer costs measured just before that
 run trained - as `partition_method: profiled` does - and the model's fitted step terms; nothing
-that run measured while training.  The 4-rank runs share the machine's 2 cores: the model's
-`cores` term.
+that run measured while training.  The 4-rank runs share the machine's 2 cores and its memory:
+the model's `cores` and `shared_memory` terms.
 
-    python bench/prediction_transfer.py [--out runs/prediction-transfer] [--analyse-only]
+The machine is noisy (the same configuration's step moves by 10-25% between launches), so the
+grid runs in rounds, round 1 in the reverse order of round 0: a configuration's error is its
+median prediction against its median measurement over the rounds.  The calibration runs are
+round 0's only.
+
+    python bench/prediction_transfer.py [--rounds 2] [--out runs/prediction-transfer] [--analyse-only]
 
 Resumable: a cell whose run directory holds a summary is not launched again.
 Last line: RESULT transfer_median_error_pct=X transfer_worst_error_pct=Y  (targets: X <= 10, Y <= 20)
@@ -69,6 +74,7 @@ def tag(cell) -> str:
 
 
 def run_cell(cell, method: str, out: Path) -> Path:
+    """One instrumented launch of ``cell`` (skipped when ``out`` already holds it)."""
     model, stages, m, ckpt = cell
     run_dir = out / tag(cell) / "run"
     if (run_dir / "summary.json").is_file():
@@ -78,7 +84,7 @@ def run_cell(cell, method: str, out: Path) -> Path:
     cfg = write_config(run_dir.parent / "ds.json", train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=m,
                        pipeline={"stages": stages, "partition_method": method,
                                  "activation_checkpoint_interval": 1 if ckpt else 0,
-                                 "profile": {"warmup": 1, "repeats": 3, "cache_dir": None, "progress": False}},
+                                 "profile": {"warmup": 2, "repeats": 5, "cache_dir": None, "progress": False}},
                        train={"model": model, "steps": steps, "seed": 1234})
     t0 = time.perf_counter()
     proc, _ = launch(stages, cfg, "--instrument", str(run_dir), out_dir=run_dir.parent, cwd=run_dir.parent,
@@ -91,21 +97,25 @@ def run_cell(cell, method: str, out: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="runs/prediction-transfer")
     ap.add_argument("--analyse-only", action="store_true", help="fit and predict from the runs already in --out")
     args = ap.parse_args()
     out = Path(args.out).resolve()
     cells = grid()
-    print(f"{len(cells)} configurations, {CORES} cores, runs in {out}", flush=True)
-    runs = {}
-    for i, cell in enumerate(cells):
-        run_dir = out / tag(cell) / "run"
-        if not args.analyse_only:
-            run_dir = run_cell(cell, split_for(cell, i), out)
-        if (run_dir / "summary.json").is_file():
-            runs[cell] = run_stages(RunDir(run_dir).read(), tag(cell))
+    split = {cell: split_for(cell, i) for i, cell in enumerate(cells)}
+    print(f"{len(cells)} configurations x {args.rounds} rounds, {CORES} cores, runs in {out}", flush=True)
+    runs: dict[tuple, list] = {}
+    for rnd in range(args.rounds):
+        order = cells if rnd == 0 else [c for c in cells[::-1] if c not in CALIBRATION]
+        for cell in order:
+            run_dir = out / f"round{rnd}" / tag(cell) / "run"
+            if not args.analyse_only:
+                run_dir = run_cell(cell, split[cell], out / f"round{rnd}")
+            if (run_dir / "summary.json").is_file():
+                runs.setdefault(cell, []).append(run_stages(RunDir(run_dir).read(), f"round{rnd}/{tag(cell)}"))
 
-    calibration = [runs[c] for c in cells if c in CALIBRATION and c in runs]
+    calibration = [runs[c][0] for c in cells if c in CALIBRATION and c in runs]
     model = fit_step_model(calibration, cores=CORES, shared_memory=True)
     print("\nstep model, fitted on " + ", ".join(r.name for r in calibration) + ":")
     print(json.dumps({k: v for k, v in model.to_dict().items() if k != "calibrated_on"}, indent=1))
@@ -113,17 +123,25 @@ def main() -> None:
     calib_parts = {tuple([0] + [st.stop for st in run.stages]) for run in calibration}
 
     rows, errors = [], []
-    for cell, run in runs.items():
-        parts = [0] + [st.stop for st in run.stages]
-        predicted = predict_run(model, run)
-        err = 100.0 * (predicted - run.step_s) / run.step_s
+    for cell in cells:
+        if cell not in runs:
+            continue
+        launches = runs[cell]
+        measured = [r.step_s for r in launches]
+        predicted = [predict_run(model, r) for r in launches]
+        meas, pred = statistics.median(measured), statistics.median(predicted)
+        err = 100.0 * (pred - meas) / meas
         role = "calibration" if cell in CALIBRATION else "predicted"
         if role == "predicted":
             errors.append(err)
-        rows.append([tag(cell), role, str(parts) + (" (calib split)" if tuple(parts) in calib_parts and role == "predicted" else ""),
-                     f"{run.step_s:.2f}", f"{predicted:.2f}", f"{err:+.1f}"])
+        parts = sorted({str([0] + [st.stop for st in r.stages]) for r in launches})
+        reused = role == "predicted" and any(tuple(json.loads(p)) in calib_parts for p in parts)
+        per_round = " ".join(f"{100 * (p - m) / m:+.0f}" for p, m in zip(predicted, measured))
+        rows.append([tag(cell), role, " ".join(parts) + (" (a calibration split)" if reused else ""),
+                     " ".join(f"{m:.3f}" for m in measured), f"{meas:.3f}", f"{pred:.3f}", f"{err:+.1f}", per_round])
     print()
-    print("\n".join(render_table(["configuration", "role", "parts", "measured s", "predicted s", "error %"], rows)))
+    print("\n".join(render_table(["configuration", "role", "parts", "measured s (rounds)", "median", "predicted",
+                                  "error %", "per round %"], rows)))
     if not errors:
         raise SystemExit("no predicted configuration has been measured yet")
     med = statistics.median(abs(e) for e in errors)

@@ -23,7 +23,7 @@ def test_linear_layer_bytes_are_exact():
     assert c.output_bytes == 4 * 16 * 4
     assert c.param_bytes == c.grad_bytes == (8 * 16 + 16) * 4
     assert c.optimizer_bytes == (8 * 16 + 16) * 8  # Adam: two fp32 states
-    assert c.forward_s > 0 and c.backward_s > 0 and c.recompute_s == c.forward_s
+    assert c.forward_s > 0 and c.backward_s > 0 and c.recompute_s >= 0  # measured under the checkpoint
 
 
 def tiny_inputs(cfg, b=2):

@@ -157,3 +157,53 @@ def test_step_model_files_round_trip_and_bad_ones_say_what_to_do(tmp_path):
         StepModel.load(tmp_path / "bad.json")
     with pytest.raises(StepModelError, match="finite number"):
         StepModel(backward_scale=-1)
+
+
+def test_processor_sharing_splits_the_server_while_jobs_overlap():
+    from ds_pipe_ext.simulate.step_model import processor_sharing
+
+    assert processor_sharing([0.0, 0.0], [1.0, 2.0]) == pytest.approx([2.0, 3.0])
+    assert processor_sharing([0.0, 1.0], [2.0, 1.0]) == pytest.approx([3.0, 3.0])
+    assert processor_sharing([0.0, 5.0], [1.0, 1.0]) == pytest.approx([1.0, 6.0])  # apart: each alone
+    model = StepModel(shared_memory=True)
+    assert model.optimizer_finish_s([0.0, 1.0], [2.0, 1.0]) == pytest.approx([3.0, 3.0])
+    assert StepModel().optimizer_finish_s([0.0, 1.0], [2.0, 1.0]) == pytest.approx([2.0, 2.0])
+
+
+def test_step_model_cli_fits_and_predicts_run_directories(tmp_path, capsys):
+    import json
+
+    from ds_pipe_ext.cli import main
+    from ds_pipe_ext.instrument.rundir import RunDir
+
+    rng = random.Random(2)
+    costs = random_costs(rng, 8)
+    truth = StepModel(forward_scale=1.1, forward_fixed_s=0.01, p2p_bandwidth=1e8, optimizer_s_per_param_byte=1e-9)
+    dirs = []
+    for name, parts, m in (("a", [0, 3, 8], 4), ("b", [0, 2, 4, 6, 8], 2), ("c", [0, 5, 8], 8)):
+        run = _synthetic_run(truth, costs, parts, m, name)
+        rd = RunDir(tmp_path / name)
+        rd.write_predicted(run.predicted)
+        rd.write_summary(run.summary)
+        dirs.append(str(tmp_path / name))
+    out = tmp_path / "model.json"
+    assert main(["step-model", "fit", dirs[0], dirs[1], "--out", str(out)]) == 0
+    assert StepModel.load(out).forward_scale == pytest.approx(1.1, rel=1e-6)
+    capsys.readouterr()
+    assert main(["step-model", "predict", dirs[2], "--step-model", str(out), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["runs"]
+    assert abs(row["error_pct"]) < 2
+    assert main(["step-model", "fit", dirs[0]]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_blocks_of_different_widths_build_and_bad_widths_are_refused():
+    from ds_pipe_ext.models.config import GPTConfig, ModelConfigError, load_model_config
+    from ds_pipe_ext.models.gpt import gpt_layer_specs
+
+    cfg = load_model_config("tiny", block_ffn_hidden=[64, 128, 256, 512])
+    specs = gpt_layer_specs(cfg)
+    widths = [spec.build().mlp.fc.out_features for spec in specs[1:-1]]
+    assert widths == [64, 128, 256, 512]
+    with pytest.raises(ModelConfigError, match="one positive width per block"):
+        GPTConfig(name="x", vocab_size=8, hidden=8, layers=2, heads=2, seq_len=4, block_ffn_hidden=(8,))

@@ -7,6 +7,8 @@ the resulting ``LayerCost`` list.
   produced, so shapes and dtypes are the ones the pipeline will run.
 * Forward and backward are timed separately after warm-up; the median of the
   repeats is kept.  CUDA events on GPU, perf_counter on CPU.
+* ``recompute_s`` is measured too: the layer's forward + backward under the checkpoint
+  function the engine uses, minus the plain ones (the replay and the checkpoint's own work).
 * Saved-activation bytes come from ``torch.autograd.graph.saved_tensors_hooks``:
   the unique storages autograd keeps for backward, parameters excluded.  On GPU
   the allocator peak during forward + backward is recorded too (``peak_bytes``).
@@ -180,6 +182,8 @@ def measure_layer(
             bwd_times.append(tb.elapsed())
 
     peak = torch.cuda.max_memory_allocated(device) - resting if cuda else 0
+    recompute = _checkpoint_overhead(call, loss_fn, labels, x, trainable, grad_out, device, settings,
+                                     plain=statistics.median(fwd_times) + statistics.median(bwd_times))
     for p in trainable:
         p.grad = None
     act_bytes, out = saved_activation_bytes(lambda: forward(_detach_input(x)), params)
@@ -190,7 +194,7 @@ def measure_layer(
         name=name,
         forward_s=fwd,
         backward_s=statistics.median(bwd_times),
-        recompute_s=fwd,  # checkpointing replays the forward once in backward
+        recompute_s=recompute,
         param_bytes=elem(params),
         grad_bytes=elem(trainable),
         optimizer_bytes=n_trainable * settings.optimizer_bytes_per_param,
@@ -199,6 +203,42 @@ def measure_layer(
         peak_bytes=max(int(peak), 0),
     )
     return cost, _detach_input(out)
+
+
+def _checkpoint_function():
+    """What the engine checkpoints with: DeepSpeed's non-reentrant checkpoint (``pipe.module``), else torch's."""
+    try:
+        from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+
+        return non_reentrant_checkpoint
+    except ImportError:  # pragma: no cover - DeepSpeed is a dependency
+        return lambda fn, *args: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
+def _checkpoint_overhead(call, loss_fn, labels, x, trainable, grad_out, device, settings, *, plain: float) -> float:
+    """What activation checkpointing adds to one forward + backward of the layer: the replayed forward
+    and the checkpoint's own bookkeeping, measured as the layer runs under the engine's checkpoint
+    function minus its plain forward + backward (at least one forward: the replay is never free)."""
+    checkpoint = _checkpoint_function()
+    times = []
+    run = lambda *args: call(args[0] if len(args) == 1 else tuple(args))  # noqa: E731 - as the engine calls it
+    for r in range(settings.warmup + settings.repeats):
+        for p in trainable:
+            p.grad = None
+        inp = _detach_input(x)
+        with _Timer(device) as tf:
+            out = checkpoint(run, *(inp if isinstance(inp, tuple) else (inp,)))
+            if loss_fn is not None:
+                out = loss_fn(out, labels)
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        with _Timer(device) as tb:
+            if outs:
+                torch.autograd.backward(outs, grad_out)
+        if r >= settings.warmup:
+            times.append(tf.elapsed() + tb.elapsed())
+    for p in trainable:
+        p.grad = None
+    return max(statistics.median(times) - plain, 0.0)
 
 
 def profile_layers(
@@ -231,6 +271,7 @@ def profile_layers(
         "dtype": str(dtype),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu:{torch.get_num_threads()}threads",
         "versions": library_versions(),
+        "measures": "recompute-v2",  # recompute_s measured under the checkpoint function
         "settings": {"warmup": settings.warmup, "repeats": settings.repeats,
                      "optimizer_bytes_per_param": settings.optimizer_bytes_per_param},
         **(key_fields or {}),

@@ -30,7 +30,7 @@ from ..simulate.step_model import StepModel
 from . import partition_min_max
 from .problem import InfeasibleMemoryCap
 
-MAX_LEAVES = 20_000
+MAX_LEAVES = 2_000  # simulations before the search stops and states its gap (a few seconds at p = 8, m = 32)
 
 
 @dataclass(frozen=True)
@@ -123,12 +123,15 @@ def partition_min_step(
             if value < best * (1 - 1e-12):
                 best, best_parts = value, list(parts)
             return
+        children = []
         for j in range(i + 1, n - (p - k - 1) + 1):
             if cap is not None and S[j] - S[i] + inflight[k] * (A[j] - A[i]) > cap:
                 break  # longer stages only hold more
             nxt = extend(k, i, j, st)
-            if bound(k + 1, j, nxt) >= best:
-                continue
+            children.append((bound(k + 1, j, nxt), j, nxt))
+        for nb, j, nxt in sorted(children):  # most promising first: the best found falls early
+            if nb >= best:
+                break
             parts[k] = i
             search(k + 1, j, nxt)
 
