@@ -24,10 +24,11 @@ def test_partition_json(tmp_path, capsys):
     sim = simulate_1f1b([s["forward_ms"] for s in out["stages"]], [s["backward_ms"] for s in out["stages"]],
                         out["micro_batches"])
     assert out["predicted_step_ms"] == pytest.approx(sim.step_s)
-    # the same cached costs split uniformly: min-max never has a slower bottleneck
+    # the same cached costs split uniformly: profiled minimises the predicted step over every split,
+    # so uniform's is never smaller (its bottleneck can be: the step also holds fill and drain)
     uniform = _partition_json(capsys, tmp_path, "--method", "uniform")
     assert uniform["parts"] == [0, 3, 6]
-    assert max(times) <= max(s["time_ms"] for s in uniform["stages"])
+    assert out["predicted_step_ms"] <= uniform["predicted_step_ms"] * (1 + 1e-9)
 
 
 def test_partition_table_and_errors(tmp_path, capsys):
