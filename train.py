@@ -77,11 +77,13 @@ if __name__ == "__main__":
     from ds_pipe_ext.pipe.decide import DecisionError
     from ds_pipe_ext.train.checkpoint import CheckpointError
 
+    from ds_pipe_ext.train.trainer import exit_process
+
     try:
         summary = main()
-        if summary.get("status") == "oom":
-            sys.exit(3)  # stopped at train.memory_cap_gib: a result, reported in the metrics, but not a success
     except (ConfigError, ModelConfigError, PartitionError, DecisionError, CheckpointError) as e:
         # the same message on every rank, then a clean non-zero exit (no hang, no traceback)
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_process(2)
+    # 3: stopped at train.memory_cap_gib: a result, reported in the metrics, but not a success
+    exit_process(3 if summary.get("status") == "oom" else 0)

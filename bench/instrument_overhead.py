@@ -53,6 +53,9 @@ def worker() -> None:
             out.write_text(json.dumps(times))
 
     train.main(["--deepspeed_config", str(ROOT / "launch_scripts" / "ds_pipeline.json"), "--steps", "0"], on_engine=ab)
+    from ds_pipe_ext.train.trainer import exit_process
+
+    exit_process(0)  # no interpreter teardown under gloo (see exit_process)
 
 
 def main() -> None:

@@ -4,22 +4,23 @@ Two models, 2 pipeline stages on 2 ranks (OMP_NUM_THREADS=1 each), micro-batch 2
   bench-cpu         GPT (V=50257, h=512, 12 alike blocks, seq 256): a cheap embedding, a costly head
   bench-cpu-pruned  the same with one FFN width per block (4096 down to 1024): blocks not alike
 
-Every split [0, k, 14] (k = 1..13) is launched, and `profiled` as its own launch: it profiles its
-layers afresh (no cache) and picks the split with the smallest step predicted by the fitted step
-model `launch_scripts/step_model_cpu.json` (calibrated on bench/prediction_transfer.py's two
-calibration runs; none of these launches calibrated it).  Rounds alternate: round 0 walks the
-launches forward, round 1 backward, the two models interleaved; each figure is the median over
-rounds, with its spread.
+Every split [0, k, 14] (k = 1..13) is measured, and `profiled`: it profiles its layers afresh (no
+cache) and picks the split with the smallest step predicted by the fitted step model
+`launch_scripts/step_model_cpu.json` (calibrated on bench/prediction_transfer.py's two calibration
+runs; none of these measurements calibrated it).  One launch per model and round measures all 14
+methods one after another (bench/splits_in_one_launch.py: each method built afresh, 1 warm-up step
+and 1 timed step), so a split and its neighbours are measured about a minute apart: separate
+launches drifted by up to 2.1x between rounds on this shared machine.  Rounds alternate: round 0
+walks the methods forward, round 1 backward, and so on, the models interleaved; each figure is the
+median over rounds, with its spread.
 
-A method is scored by the split it chose, as that split measured in the same rounds as every
-other split: `profiled` by the split its launches chose, DeepSpeed's `uniform` and `parameters`
-by theirs (from DeepSpeed's own functions).  The `profiled` launches' own samples/s are printed
-but not compared: they ran at a different time than the split they chose, and on this shared
-machine the same split has measured 0.54 and 0.89 samples/s half an hour apart.
+A method is scored by the split it chose, as that split measured beside every other split:
+`profiled` by the split it chose, DeepSpeed's `uniform` and `parameters` by theirs (from DeepSpeed's
+own functions).  The `profiled` build's own samples/s are printed as a check.
 
-    python bench/partition_speedup.py [--rounds 2] [--out runs/partition-speedup]
+    python bench/partition_speedup.py [--rounds 3] [--out runs/partition-speedup-v2]
 
-Resumable: a launch whose metrics exist in --out is not run again.
+Resumable: a round whose metrics exist in --out is not run again.
 Last line: RESULT profiled_vs_builtin=X profiled_vs_best_split=Y second_model_profiled_vs_best_split=Z
 (targets: X >= 1.25 on bench-cpu, Y and Z >= 0.98)
 """
@@ -42,7 +43,7 @@ from ds_pipe_ext.runner import ROOT, launch, write_config  # noqa: E402
 
 MODELS = ["bench-cpu", "bench-cpu-pruned"]
 STEP_MODEL = ROOT / "launch_scripts" / "step_model_cpu.json"
-MICRO_BATCH, MICRO_BATCHES, STEPS = 2, 4, 3
+MICRO_BATCH, MICRO_BATCHES, STEPS = 2, 4, 2  # step 1 of each method is warm-up
 
 
 def builtin_parts(model: str) -> dict[str, list[int]]:
@@ -55,26 +56,26 @@ def builtin_parts(model: str) -> dict[str, list[int]]:
             "parameters": [int(b) for b in ds_utils.partition_balanced(params, 2)]}
 
 
-def run(model: str, method: str, out: Path) -> dict:
-    d = out / model / method.replace(":", "_").replace(",", "-")
-    done = d / "metrics.json"
-    if done.is_file():
-        return json.loads(done.read_text())
-    d.mkdir(parents=True, exist_ok=True)
-    cfg = write_config(d / "ds.json", train_micro_batch_size_per_gpu=MICRO_BATCH,
-                       gradient_accumulation_steps=MICRO_BATCHES,
-                       pipeline={"stages": 2, "partition_method": method, "step_model": str(STEP_MODEL),
-                                 "profile": {"warmup": 2, "repeats": 5, "cache_dir": None, "progress": False}},
-                       train={"model": model, "steps": STEPS, "seed": 1234})
-    t0 = time.perf_counter()
-    proc, ranks = launch(2, cfg, out_dir=d, cwd=d, timeout=900)
-    if proc.returncode != 0 or 0 not in ranks:
-        raise SystemExit(f"{model} {method}: launch failed\n{proc.stderr[-3000:]}")
-    r = {"parts": ranks[0]["parts"], "samples_per_s": ranks[0]["samples_per_s"], "step_s": ranks[0]["step_s_median"]}
-    done.write_text(json.dumps(r))
-    print(f"  {model:<17} {method:<12} parts={r['parts']}  {r['samples_per_s']:.3f} samples/s "
-          f"(launch {time.perf_counter() - t0:.0f} s)", flush=True)
-    return r
+def run_round(model: str, methods: list[str], out: Path) -> dict[str, dict]:
+    """One launch that measures every method in the given order (bench/splits_in_one_launch.py)."""
+    done = out / "metrics.json"
+    if not done.is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        cfg = write_config(out / "ds.json", train_micro_batch_size_per_gpu=MICRO_BATCH,
+                           gradient_accumulation_steps=MICRO_BATCHES,
+                           pipeline={"stages": 2, "step_model": str(STEP_MODEL),
+                                     "profile": {"warmup": 2, "repeats": 5, "cache_dir": None, "progress": False}},
+                           train={"model": model, "steps": STEPS, "seed": 1234})
+        t0 = time.perf_counter()
+        proc, ranks = launch(2, cfg, "--methods", ";".join(methods), out_dir=out, cwd=out, timeout=3600,
+                             script="bench/splits_in_one_launch.py")
+        if proc.returncode != 0 or 0 not in ranks:
+            raise SystemExit(f"{model}: launch failed\n{proc.stderr[-3000:]}")
+        print(f"  {model}: {len(methods)} methods in one launch ({time.perf_counter() - t0:.0f} s)", flush=True)
+    measured = json.loads(done.read_text())["measured"]
+    for r in measured:
+        print(f"    {r['method']:<14} parts={r['parts']}  {r['samples_per_s']:.3f} samples/s", flush=True)
+    return {r["method"]: r for r in measured}
 
 
 def spread(values: list[float]) -> str:
@@ -83,8 +84,8 @@ def spread(values: list[float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", default="runs/partition-speedup")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="runs/partition-speedup-v2")
     args = ap.parse_args()
     out = Path(args.out).resolve()
     n = len(gpt_layer_specs(load_model_config(MODELS[0])))
@@ -94,9 +95,9 @@ def main() -> None:
     for rnd in range(args.rounds):
         order = methods if rnd % 2 == 0 else methods[::-1]
         print(f"round {rnd}", flush=True)
-        for method in order:
-            for model in (MODELS if rnd % 2 == 0 else MODELS[::-1]):
-                measured.setdefault((model, method), []).append(run(model, method, out / f"round{rnd}"))
+        for model in (MODELS if rnd % 2 == 0 else MODELS[::-1]):
+            for method, r in run_round(model, order, out / f"round{rnd}" / model).items():
+                measured.setdefault((model, method), []).append(r)
 
     results = {}
     for model in MODELS:

@@ -90,6 +90,9 @@ def worker() -> None:
         (out / f"b{b}.rank{dist.get_rank()}.json").write_text(json.dumps({"stage": engine.stage_id, "cells": results}))
 
     train.main(["--deepspeed_config", os.environ["NETWORK_CONFIG"], "--steps", "0"], on_engine=grid)
+    from ds_pipe_ext.train.trainer import exit_process
+
+    exit_process(0)  # no interpreter teardown under gloo (see exit_process)
 
 
 def simulate_cell(ranks: list[dict], schedule: str, n: int, b: int) -> float:
