@@ -90,7 +90,7 @@ def main() -> None:
     out = Path(args.out).resolve()
     n = len(gpt_layer_specs(load_model_config(MODELS[0])))
     methods = ["profiled"] + [f"parts:0,{k},{n}" for k in range(1, n)]
-    print(f"{len(MODELS)} models x {len(methods)} launches x {args.rounds} rounds, in {out}", flush=True)
+    print(f"{len(MODELS)} models x {args.rounds} rounds, one launch each measuring {len(methods)} methods, in {out}", flush=True)
     measured: dict[tuple[str, str], list[dict]] = {}
     for rnd in range(args.rounds):
         order = methods if rnd % 2 == 0 else methods[::-1]

@@ -4,7 +4,9 @@ On a shared machine, separate launches drift: one split measured 0.39 and 0.73 s
 hour apart.  Splits measured inside one launch sit a minute apart, and the launch's start-up
 (10-20 s) is paid once.  Each method is built afresh, as its own launch would build it (the
 engine, the optimizer, and for `profiled` a fresh profile and decision), trained for `train.steps`
-steps (step 1 pays for warm-up; the figure is the median of the others), then freed.
+steps (step 1 pays for warm-up; the figure is the median of the others), then freed.  The first
+method is built and trained once more, unrecorded, before the others: a launch's first build is
+slower.
 
     deepspeed --num_gpus 2 bench/splits_in_one_launch.py --deepspeed_config ds.json \\
         --methods "profiled;parts:0,1,14;parts:0,2,14" --metrics-out DIR/metrics.json
@@ -32,11 +34,28 @@ from ds_pipe_ext.train.trainer import Trainer, exit_process, leave_together  # n
 def measure(ds: dict, method: str) -> dict:
     built = build(build_run_config(ds, pipeline={"partition_method": method}))
     summary = Trainer(built).run()
-    built.engine.destroy()  # the engine's hooks and buffers go before the next method is built
-    del built
-    gc.collect()
+    release(built)
     return {"method": method, "parts": summary["parts"], "samples_per_s": summary["samples_per_s"],
-            "step_s": summary["step_s_median"], "steps": summary["steps"]}
+            "step_s": summary["step_s_median"], "steps": summary["steps"], "rss_after_bytes": resident_bytes()}
+
+
+def release(built) -> None:
+    """Free a build before the next one.  On the last stage something outside the garbage
+    collector's view (a reference held in C++) keeps the engine alive, and with it the stage's
+    weights and optimizer states (+1 GiB a build on bench-cpu); emptying the engine, the model and
+    the build lets their tensors go whatever still points at the shells."""
+    engine = built.engine
+    engine.destroy()
+    for obj in (engine.optimizer, engine, built.model, built):
+        if obj is not None and hasattr(obj, "__dict__"):
+            vars(obj).clear()
+    gc.collect()
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (a build that leaks shows here as the methods go on)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def main() -> None:
@@ -48,11 +67,14 @@ def main() -> None:
     args = ap.parse_args()
     ds = read_ds_json(args.deepspeed_config)
     measured = []
-    for method in args.methods.split(";"):
+    methods = args.methods.split(";")
+    measure(ds, methods[0])  # unrecorded: the launch's first build pays for imports, allocator and thread warm-up
+    for method in methods:
         measured.append(measure(ds, method))
         if int(os.environ.get("RANK", 0)) == 0:
             m = measured[-1]
-            print(f"MEASURED {m['method']} parts={m['parts']} {m['samples_per_s']:.4f} samples/s", flush=True)
+            print(f"MEASURED {m['method']} parts={m['parts']} {m['samples_per_s']:.4f} samples/s "
+                  f"rss {m['rss_after_bytes'] / 2**30:.2f} GiB", flush=True)
     rank = int(os.environ.get("RANK", 0))
     out = Path(args.metrics_out)
     result = {"measured": measured, "rank": rank}

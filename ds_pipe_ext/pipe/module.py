@@ -20,6 +20,7 @@ from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
 
 from ..compat import engine as ds_engine
+from ..costs.frozen import freeze_costs
 from ..costs.model import CostModel
 from ..costs.profiler import profile_layers
 from ..partition import PartitionError
@@ -28,6 +29,7 @@ from ..partition.report import PartitionPlan, build_plan
 from ..simulate.step_model import StepModel
 from .config import PipelineSettings
 from .decide import DecisionError, decide_and_broadcast
+from .freeze import frozen_flags
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +155,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         """
         inputs, labels = self._ext_profile_batch
         specs = ds_engine.layer_specs(self)
+        frozen = frozen_flags(specs)
         if source == "analytic":
             costs = self._analytic_costs(inputs)
             if len(costs) != len(specs):
@@ -160,14 +163,15 @@ class PipelineModule(_DeepSpeedPipelineModule):
                     f"the cost model describes {len(costs)} layers but the pipeline has {len(specs)}: "
                     f"its layer_costs must return one LayerCost per layer (or use partition_method 'profiled')"
                 )
-            return costs
+            return freeze_costs(costs, frozen, measured=False) if any(frozen) else costs
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         settings = self._ext_settings.profile
         if len(ds_engine.profiling_peers(self)) > 1:
             # a cache hit on one TP rank but not another would leave the other waiting in a collective
             settings = settings.model_copy(update={"cache_dir": None})
-        return profile_layers(specs, inputs, labels=labels, loss_fn=self.loss_fn, settings=settings, device=device,
-                              key_fields=self._ext_cost_key)
+        costs = profile_layers(specs, inputs, labels=labels, loss_fn=self.loss_fn, settings=settings, device=device,
+                               key_fields=self._ext_cost_key)
+        return freeze_costs(costs, frozen, measured=True) if any(frozen) else costs
 
     def _analytic_costs(self, inputs) -> list:
         from ..costs.hardware import get_device

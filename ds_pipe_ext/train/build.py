@@ -81,6 +81,13 @@ def build_layers(cfg: RunConfig, model_cfg: GPTConfig, dims: ParallelDims):
         topology = topo.initialize(dims, dist.get_world_size())  # megatron's groups, laid out as DeepSpeed's
         impl = megatron_layer_impl(tp=dims.tp, sequence_parallel=dims.sp)
     specs = gpt_layer_specs(model_cfg, impl, selective_recompute=cfg.train.recompute == "selective")
+    if cfg.train.frozen_layers:
+        from ..pipe.freeze import freeze_layers, parse_layer_set
+
+        try:
+            specs = freeze_layers(specs, parse_layer_set(cfg.train.frozen_layers, len(specs)))
+        except ValueError as e:  # the same on every rank: a clean exit, no hang
+            raise ConfigError(f"train.frozen_layers: {e}") from None
     return specs, loss_fn_for(impl), impl, topology
 
 

@@ -42,6 +42,9 @@ class TrainSection(ConfigModel):
     # above it, every rank stops after that step and the run reports "oom" with what it measured
     # (a safe OOM on CPU; `ds-pipe-ext compare` uses it)
     memory_cap_gib: float | None = Field(None, gt=0)
+    # layers whose parameters do not train, as pipeline layer indices ("1-6", "0,3,5-7"; the embedding
+    # is layer 0): no weight gradients, gradients or optimizer states, and the partition follows
+    frozen_layers: str | None = None
 
 
 class TensorParallelSection(ConfigModel):

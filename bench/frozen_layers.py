@@ -1,0 +1,88 @@
+"""Frozen layers: `profiled` against DeepSpeed's `parameters` when the first half of the blocks is frozen.
+
+bench-cpu (GPT, V=50257, h=512, 12 blocks, seq 256) with `train.frozen_layers = "1-6"` (blocks 1-6;
+the embedding, blocks 7-12 and the head train), 2 pipeline stages on 2 ranks (OMP_NUM_THREADS=1
+each), micro-batch 2, 4 micro-batches.  DeepSpeed's `parameters` counts trainable parameters only,
+so the frozen blocks weigh nothing to it; `profiled` profiles the frozen layers afresh (no weight
+gradient, no gradient or optimizer state) and minimises the step the fitted step model
+`launch_scripts/step_model_cpu.json` predicts (calibrated on bench/prediction_transfer.py's two
+calibration runs, none of them frozen: every figure here is a prediction, none a calibration).
+
+Each launch measures the two methods alternately, A B A B (bench/splits_in_one_launch.py: each
+built afresh, 1 warm-up step and 1 timed step), and launches alternate which comes first, so
+every ratio is between two measurements a minute apart.  The figure is the median of those
+pairwise ratios, with their spread.
+
+    python bench/frozen_layers.py [--launches 2] [--pairs 2] [--out runs/frozen-layers]
+
+Last line: RESULT frozen_profiled_vs_parameters=X  (target > 1.05)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds_pipe_ext.runner import ROOT, launch, write_config  # noqa: E402
+
+MODEL, FROZEN = "bench-cpu", "1-6"
+STEP_MODEL = ROOT / "launch_scripts" / "step_model_cpu.json"
+MICRO_BATCH, MICRO_BATCHES, STEPS = 2, 4, 2  # step 1 of each build is warm-up
+
+
+def run_launch(methods: list[str], out: Path) -> list[dict]:
+    done = out / "metrics.json"
+    if not done.is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        cfg = write_config(out / "ds.json", train_micro_batch_size_per_gpu=MICRO_BATCH,
+                           gradient_accumulation_steps=MICRO_BATCHES,
+                           pipeline={"stages": 2, "step_model": str(STEP_MODEL),
+                                     "profile": {"warmup": 2, "repeats": 5, "cache_dir": None, "progress": False}},
+                           train={"model": MODEL, "steps": STEPS, "seed": 1234, "frozen_layers": FROZEN})
+        t0 = time.perf_counter()
+        proc, ranks = launch(2, cfg, "--methods", ";".join(methods), out_dir=out, cwd=out, timeout=3600,
+                             script="bench/splits_in_one_launch.py")
+        if proc.returncode != 0 or 0 not in ranks:
+            raise SystemExit(f"{out.name}: launch failed\n{proc.stderr[-3000:]}")
+        print(f"  {out.name}: {len(methods)} builds in one launch ({time.perf_counter() - t0:.0f} s)", flush=True)
+    measured = json.loads(done.read_text())["measured"]
+    for r in measured:
+        print(f"    {r['method']:<11} parts={r['parts']}  {r['samples_per_s']:.3f} samples/s", flush=True)
+    return measured
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--launches", type=int, default=2)
+    ap.add_argument("--pairs", type=int, default=2, help="profiled/parameters pairs per launch")
+    ap.add_argument("--out", default="runs/frozen-layers")
+    args = ap.parse_args()
+    out = Path(args.out).resolve()
+    ratios, by_method = [], {"profiled": [], "parameters": []}
+    parts = {"profiled": set(), "parameters": set()}
+    for n in range(args.launches):
+        pair = ["profiled", "parameters"] if n % 2 == 0 else ["parameters", "profiled"]
+        measured = run_launch(pair * args.pairs, out / f"launch{n}")
+        for a, b in zip(measured[0::2], measured[1::2]):
+            sps = {a["method"]: a["samples_per_s"], b["method"]: b["samples_per_s"]}
+            ratios.append(sps["profiled"] / sps["parameters"])
+        for r in measured:
+            by_method[r["method"]].append(r["samples_per_s"])
+            parts[r["method"]].add(str(r["parts"]))
+    print(f"\n{MODEL}, frozen layers {FROZEN}, 2 stages, micro-batch {MICRO_BATCH} x {MICRO_BATCHES}")
+    for m, v in by_method.items():
+        print(f"  {m:<11} parts {' '.join(sorted(parts[m]))}  samples/s median {statistics.median(v):.3f} "
+              f"[{min(v):.3f}-{max(v):.3f}] over {len(v)} builds")
+    print(f"  profiled / parameters, pairwise: median {statistics.median(ratios):.3f} "
+          f"[{min(ratios):.3f}-{max(ratios):.3f}] over {len(ratios)} pairs")
+    print(f"RESULT frozen_profiled_vs_parameters={statistics.median(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()
