@@ -251,7 +251,10 @@ def cmd_sweep(args) -> int:
         return 0
     emit(f"{model_cfg.name}: {len(rows)} cells, global batch {global_batch} (M micro-batches of {global_batch}/M), "
          f"K stages on K ranks, {args.steps} steps each (samples/s: median of steps 2..{args.steps}); "
-         f"memory measured by the instrumentation (tensors held), predicted by the partitioner")
+         f"memory measured by the instrumentation (tensors held), predicted by the partitioner; "
+         + (f"times predicted by the step model {args.step_model}" if args.step_model else
+            "times predicted from the per-layer profiles alone (no engine, optimizer or p2p costs: "
+            "pass --step-model FILE from `ds-pipe-ext step-model fit` to include them)"))
     emit(render.render_rows(rows))
     emit(f"wrote {out / 'rows.json'} and {png}")
     return 0
