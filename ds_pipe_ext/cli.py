@@ -9,6 +9,7 @@
     ds-pipe-ext step-model fit RUN_DIR [RUN_DIR] --out step_model.json [--cores 2 --shared-memory]   (then pipeline.step_model)
     ds-pipe-ext step-model predict RUN_DIR ... --step-model step_model.json
     ds-pipe-ext sweep --model tiny --stages 1,2,4 --micro-batches 1,2,4,8 --checkpointing off,on [--out DIR] [--json]
+    ds-pipe-ext plan --model gpt3-175b --gpus 1024 --device a100 --global-batch 1536 [--top 10] [--json] [--emit-ds-config F]
 """
 
 from __future__ import annotations
@@ -495,6 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .simulate.command import add_parser as add_simulate
 
     add_simulate(sub)
+    from .plan.command import add_parser as add_plan
+
+    add_plan(sub)
     return ap
 
 

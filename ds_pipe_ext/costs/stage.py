@@ -45,9 +45,11 @@ def in_flight(stage: int, num_stages: int, micro_batches: int, schedule: str = "
 
 @lru_cache(maxsize=256)
 def _in_flight(schedule: str, num_stages: int, micro_batches: int) -> tuple[int, ...]:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
-    sched = schedule_for_chunks(schedule, num_stages, micro_batches)
+    name, _, v = schedule.partition(":")  # "interleaved:3": v model chunks a rank (default 2)
+    if name not in SCHEDULES or (v and not (name == "interleaved" and v.isdigit() and int(v) >= 2)):
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)} "
+                         f"(interleaved:V for V >= 2 chunks a rank)")
+    sched = schedule_for_chunks(name, num_stages, micro_batches, virtual_stages=int(v) if v else 2)
     only = lambda c: [1.0 if k == c else 0.0 for k in range(num_stages)]  # noqa: E731
     return tuple(int(sched.held_peak(sched.chunk_rank[c], only(c))) for c in range(num_stages))
 

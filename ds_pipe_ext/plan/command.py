@@ -1,0 +1,118 @@
+"""`ds-pipe-ext plan`: the fastest layout of a model on a cluster, from the analytic model alone.
+
+    ds-pipe-ext plan --model gpt3-175b --gpus 1024 --device a100 --global-batch 1536 [--top 10] [--json]
+                     [--gpus-per-node 8] [--intra-node-gbs 300 --inter-node-gbs 25] [--seq S]
+                     [--only "pp=8,tp=8,dp=16,mb=1,recompute=full,sp=on,zero=1,schedule=1f1b"]
+                     [--emit-ds-config ds.json]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from .space import PlanError, enumerate_layouts, parse_only
+
+
+def _emit(text: str) -> None:
+    print(text, file=sys.__stdout__, flush=True)
+
+
+def build_model(args):
+    from ..models.config import load_model_config
+    from .model import Cluster, PlanModel, plan_device
+
+    cfg = load_model_config(args.model)
+    device = plan_device(args.device)
+    per_node = args.gpus_per_node or (args.gpus if device.name == "cpu" else device.gpus_per_node)
+    cluster = Cluster(per_node,
+                      args.intra_node_gbs * 1e9 if args.intra_node_gbs else device.intra_node_bandwidth,
+                      args.inter_node_gbs * 1e9 if args.inter_node_gbs else device.inter_node_bandwidth)
+    seq = args.seq or cfg.seq_len
+    if seq > cfg.seq_len:
+        raise PlanError(f"--seq {seq} exceeds {cfg.name}'s seq_len {cfg.seq_len}")
+    dtype = args.dtype or ("fp32" if device.name == "cpu" else "bf16")
+    global_batch = args.global_batch or args.gpus
+    return cfg, PlanModel(cfg, device, cluster, seq=seq, global_batch=global_batch, dtype=dtype)
+
+
+def cmd_plan(args) -> int:
+    from .render import ds_config, megatron_layout, render_table, rows_json
+    from .search import search
+
+    t0 = time.perf_counter()
+    cfg, model = build_model(args)
+    if args.only:
+        layouts = [parse_only(args.only, gpus=args.gpus, global_batch=model.global_batch)]
+        if layouts[0].tp > 1 and cfg.heads % layouts[0].tp:
+            raise PlanError(f"--only: tp={layouts[0].tp} does not divide {cfg.name}'s {cfg.heads} heads")
+        dropped = {}
+    else:
+        layouts, dropped = enumerate_layouts(cfg, args.gpus, gpus_per_node=model.cluster.gpus_per_node,
+                                             global_batch=model.global_batch)
+    bar = None
+    if not args.json and len(layouts) > 500:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(layouts), desc="plan", unit="layout", file=sys.stderr, mininterval=0.5)
+
+    def progress(i, n):
+        if bar is not None:
+            bar.total = n
+            bar.n = i + 1
+            bar.refresh() if i % 200 == 0 else None
+
+    res = search(model, layouts, top_k=args.top, progress=progress)
+    if bar is not None:
+        bar.n = bar.total
+        bar.close()
+    for reason, n in dropped.items():
+        res.dropped[reason] += n
+    seconds = time.perf_counter() - t0
+    best = res.best_runnable()
+    if args.emit_ds_config:
+        if best is None:
+            raise PlanError("no layout DeepSpeed can run made the plan: nothing to emit")
+        Path(args.emit_ds_config).write_text(json.dumps(ds_config(best, model=args.model, dtype=model.dtype),
+                                                        indent=2) + "\n")
+    if args.json:
+        _emit(rows_json(res))
+        return 0
+    d = model.device
+    _emit(f"{cfg.name} on {args.gpus} x {d.name} ({model.cluster.gpus_per_node} a node; links "
+          f"{model.cluster.intra_node_bandwidth / 1e9:g} / {model.cluster.inter_node_bandwidth / 1e9:g} GB/s inside / "
+          f"between nodes), global batch {model.global_batch}, seq {model.seq}, {model.dtype}; analytic costs "
+          f"(roofline, matrix efficiency {d.matrix_efficiency:.3f}), step from the event simulator")
+    _emit(render_table(res, memory_cap=model.memory_cap))
+    if best is not None:
+        text, why = megatron_layout(best, cfg.layers)
+        _emit(f"best layout DeepSpeed runs: {best.layout.name}, parts {best.parts}")
+        _emit(f"Megatron pipeline_model_parallel_layout: {text!r} ({why})" if text else
+              f"Megatron pipeline_model_parallel_layout: none ({why})")
+        if args.emit_ds_config:
+            _emit(f"wrote {args.emit_ds_config}: deepspeed --num_gpus {best.layout.gpus} train.py "
+                  f"--deepspeed_config {args.emit_ds_config}")
+    _emit(f"planned in {seconds:.2f} s")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="the fastest PP x TP x DP x ZeRO x micro-batch x recompute layout (no launch)")
+    p.add_argument("--model", required=True, help="a name in model_configs/ or a .toml path")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs (or CPU ranks) in the cluster")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="default: the device's (8; cpu: all ranks)")
+    p.add_argument("--device", default="a100", help="a100 | a100-40gb | h100 | h200 | cpu | SPEC.toml")
+    p.add_argument("--intra-node-gbs", type=float, default=None, help="GB/s per GPU inside a node (default: the device's)")
+    p.add_argument("--inter-node-gbs", type=float, default=None, help="GB/s per GPU between nodes (default: the device's)")
+    p.add_argument("--global-batch", type=int, default=None, help="samples per step (default: --gpus)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="default bf16 (cpu: fp32)")
+    p.add_argument("--top", type=int, default=10, help="layouts to show")
+    p.add_argument("--only", default=None, help='evaluate one layout: "pp=8,tp=8,dp=16,mb=1,recompute=full,sp=on,'
+                                                 'zero=1,schedule=1f1b" (interleaved:3, zb-h1: simulated only)')
+    p.add_argument("--json", action="store_true", help="print the layouts as JSON")
+    p.add_argument("--emit-ds-config", default=None, metavar="FILE",
+                   help="write the best layout DeepSpeed runs as a ds.json for train.py")
+    p.set_defaults(func=cmd_plan)

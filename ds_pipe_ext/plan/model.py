@@ -1,0 +1,308 @@
+"""What one layout costs: its exact memory-capped partition, peak memory per rank, step time.
+
+Per-layer costs are the analytic ones (``costs.estimate``: roofline per op, Megatron's TP and SP
+collectives inside the layer), computed once per (tp, sp, micro-batch, recompute) and shared by
+every layout with those four.  Everything is per TP rank.
+
+Memory per rank (mixed precision, bf16 weights and gradients, fp32 master weights and Adam
+moments; DeepSpeed's allocation rules, ``costs.zero``):
+
+    ZeRO-0: 2 (weights) + 6 (bf16 gradient + fp32 copy) + 12 (master, m, v) bytes per parameter
+    ZeRO-1/2: 2 + (4 + 12) / dp          ZeRO-3: (2 + 6 + 12) / dp, plus two gathered layers
+
+plus the activations the schedule holds (``Schedule.held_peak``: per rank, from its order).  The
+cap is ``USABLE_MEMORY`` of the device: CUDA context, NCCL buffers and allocator fragmentation
+take the rest.
+
+The step: the event simulator runs the schedule over the partitioned chunks (p2p on the link
+between neighbouring stages); each rank's optimizer work after its last backward is its
+data-parallel collective (ring formulas over the DP group's link) plus a memory-bound Adam over
+the parameters it owns.  ZeRO-2 reduce-scatters every micro-batch (DeepSpeed's default: no overlap),
+ZeRO-3 gathers the weights forward and backward and reduce-scatters every micro-batch, overlapped
+with that micro-batch's compute (its prefetch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from ..costs import analytic as A
+from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs, layer_ops, shape_for
+from ..costs.hardware import DEVICES, DeviceSpec, get_device, ring_time
+from ..costs.iteration import adam_step_s
+from ..costs.stage import held_activation_bytes, stage_costs
+from ..costs.zero import zero_model_states
+from ..partition.algorithms import InfeasibleMemoryCap, partition_min_max_lists
+from ..simulate.events import ChunkCosts, Link, Network, simulate
+from ..simulate.schedules import schedule_for_chunks
+from .space import PlanError, PlanLayout
+
+USABLE_MEMORY = 0.9  # of the device's memory; the rest: CUDA context, NCCL buffers, fragmentation
+
+# Efficiency factors fitted on published Megatron-LM runs (bench/calibrate_at_scale.py, docs/CALIBRATION.md);
+# every other number is the datasheet's.  H200 has no published rows: it takes H100's fit.
+CALIBRATED = {
+    "a100-80gb": {"matrix_efficiency": 0.662, "comm_efficiency": 1.0},
+    "a100-40gb": {"matrix_efficiency": 0.662, "comm_efficiency": 1.0},
+    "h100-sxm": {"matrix_efficiency": 0.843, "comm_efficiency": 1.0},
+    "h200": {"matrix_efficiency": 0.843, "comm_efficiency": 1.0},
+}
+
+
+def plan_device(name: str) -> DeviceSpec:
+    """A named device with its calibrated efficiencies, "cpu" (measured here), or a SPEC.toml whose keys
+    are ``DeviceSpec``'s fields (a ``base`` key starts from a named device)."""
+    if name.endswith(".toml"):
+        import tomllib
+        from pathlib import Path
+
+        try:
+            data = tomllib.loads(Path(name).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise PlanError(f"--device {name}: cannot read the device spec ({e})") from None
+        base = data.pop("base", None)
+        try:
+            return replace(plan_device(base), **data) if base else DeviceSpec(**data)
+        except TypeError as e:
+            raise PlanError(f"--device {name}: {e}; the keys are DeviceSpec's fields "
+                            f"({', '.join(DeviceSpec.__dataclass_fields__)}) or base = \"a100\"") from None
+    try:
+        device = get_device(name)
+    except A.AnalyticError as e:
+        raise PlanError(f"--device: {e}, or a SPEC.toml") from None
+    return replace(device, **CALIBRATED.get(device.name, {}))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus_per_node: int
+    intra_node_bandwidth: float  # bytes/s per GPU, one direction
+    inter_node_bandwidth: float
+
+    def bandwidth(self, span: int) -> float:
+        """A group whose ranks span ``span`` consecutive GPUs stays inside a node only if they fit."""
+        return self.intra_node_bandwidth if span <= self.gpus_per_node else self.inter_node_bandwidth
+
+
+@dataclass
+class LayoutCost:
+    layout: PlanLayout
+    parts: list[int]
+    step_s: float
+    pipeline_s: float  # the simulated schedule, optimizer work included
+    peak_memory_bytes: float  # the heaviest rank
+    memory: dict  # the heaviest rank's bytes by kind
+    bubble_fraction: float
+    samples_per_s: float = 0.0
+    mfu: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {**self.layout.to_dict(), "parts": self.parts, "step_s": self.step_s,
+                "samples_per_s": self.samples_per_s, "mfu": self.mfu, "peak_memory_bytes": self.peak_memory_bytes,
+                "memory": self.memory, "bubble_fraction": self.bubble_fraction, "pipeline_s": self.pipeline_s}
+
+
+class OutOfMemory(Exception):
+    def __init__(self, needed_bytes: float):
+        self.needed_bytes = needed_bytes  # the least memory a rank of this layout needs
+
+
+def _state_bytes_per_param(zero: int, dp: int, e: int) -> float:
+    """Model-state bytes per parameter on one rank (the partitioner's linear form of ``costs.zero``)."""
+    master = 0 if e == 4 else 4
+    if zero == 0:
+        return e + (e + master) + (8 + master)
+    if zero in (1, 2):
+        return e + (4 + 8 + 4) / dp
+    return (e + e + 4 + 12) / dp
+
+
+class PlanModel:
+    """Costs of layouts of one model on one device and cluster, with per-layer costs cached."""
+
+    def __init__(self, cfg, device: DeviceSpec, cluster: Cluster, *, seq: int, global_batch: int,
+                 dtype: str = "bf16"):
+        self.cfg, self.device, self.cluster = cfg, device, cluster
+        self.seq, self.global_batch, self.dtype = seq, global_batch, dtype
+        self.e = DTYPE_BYTES[dtype]
+        per_node = cluster.gpus_per_node if device.name == "cpu" else 1  # a CPU's ranks share its memory
+        self.memory_cap = device.memory_bytes * USABLE_MEMORY / per_node
+        self.flops_per_step = global_batch * self._model_flops_per_sample()
+
+    def _model_flops_per_sample(self) -> float:
+        """Matrix and attention FLOPs of forward + backward of one sample (no recompute): MFU's numerator."""
+        shp = shape_for(self.cfg, EstimateRequest(micro_batch=1, seq=self.seq, dtype=self.dtype), self.device)
+        return sum(op.fwd_flops + op.bwd_flops for _, _, ops in layer_ops(self.cfg, shp) for op in ops
+                   if op.kind != "vector")
+
+    @lru_cache(maxsize=None)
+    def layer_costs(self, tp: int, sp: bool, micro_batch: int, recompute: str) -> tuple:
+        """Per-layer ``LayerCost`` of one micro-batch on one TP rank; alike blocks computed once."""
+        req = EstimateRequest(micro_batch=micro_batch, seq=self.seq, tp=tp, sp=sp, dtype=self.dtype,
+                              selective_recompute=recompute == "selective")
+        cfg = self.cfg
+        if cfg.block_ffn_hidden or cfg.layers <= 1:
+            return tuple(analytic_layer_costs(cfg, req, self.device))
+        emb, block, head = analytic_layer_costs(replace(cfg, layers=1), req, self.device)
+        return (emb, *([block] * cfg.layers), head)
+
+    @lru_cache(maxsize=None)
+    def totals(self, tp: int, sp: bool, micro_batch: int, recompute: str) -> tuple[float, float, float, float]:
+        """(time of all layers for one micro-batch, parameters, largest layer's parameters, largest
+        layer's static + held activation bytes at 1 byte/param) for the bounds."""
+        costs = self.layer_costs(tp, sp, micro_batch, recompute)
+        full = recompute == "full"
+        params = [c.param_bytes / self.e for c in costs]
+        return (sum(c.time_s(recompute=full) for c in costs), sum(params), max(params),
+                max(held_activation_bytes(costs, recompute=full)))
+
+    # -- collectives and the optimizer, per rank ------------------------------------------------
+    def _dp_bandwidth(self, lay: PlanLayout) -> float:
+        # Megatron's rank order (tp innermost, then dp): a DP group spans tp x dp consecutive GPUs
+        return self.cluster.bandwidth(lay.tp * lay.dp) * self.device.comm_efficiency
+
+    def _p2p_bandwidth(self, lay: PlanLayout) -> float:
+        # neighbouring stages are tp x dp ranks apart: the same node only if both fit in it
+        return self.cluster.bandwidth(2 * lay.tp * lay.dp) * self.device.comm_efficiency
+
+    def update_s(self, lay: PlanLayout, params: float, fwd_s: float = 0.0, bwd_s: float = 0.0) -> float:
+        """A rank's work after its last backward for ``params`` parameters: DP collectives + Adam.
+        ``fwd_s``/``bwd_s``: one micro-batch's compute, which ZeRO-3's prefetch hides collectives under."""
+        dp, m, grads = lay.dp, lay.micro_batches, params * self.e
+        bw = self._dp_bandwidth(lay)
+        if lay.zero == 0:
+            comm = ring_time(grads, "all-reduce", dp, bw)
+        elif lay.zero == 1:  # reduce-scatter once at the boundary, all-gather the updated weights
+            comm = 2 * ring_time(grads, "reduce-scatter", dp, bw)
+        elif lay.zero == 2:  # reduce-scatter every micro-batch, all-gather once
+            comm = (m + 1) * ring_time(grads, "reduce-scatter", dp, bw)
+        else:  # gather forward and backward, reduce-scatter, every micro-batch; prefetch overlaps compute
+            one = ring_time(grads, "all-gather", dp, bw)
+            comm = m * (max(0.0, one - fwd_s) + max(0.0, 2 * one - bwd_s))
+        return comm + adam_step_s(params / (dp if lay.zero >= 1 else 1), self.device)
+
+    # -- bounds --------------------------------------------------------------------------------
+    def lower_bound_s(self, lay: PlanLayout) -> float:
+        """No partition's simulated step is shorter: the ranks' average busy time (m x their share of
+        one micro-batch's work, plus the update of their share of the parameters, which is linear in
+        them).  ZeRO-3's overlapped collectives are left out."""
+        total_s, params, _, _ = self.totals(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
+        share = 1.0 / lay.pp
+        update = self.update_s(lay, params * share, fwd_s=math.inf, bwd_s=math.inf)
+        return lay.micro_batches * total_s * share + update
+
+    def memory_lower_bound(self, lay: PlanLayout) -> float:
+        """No split needs less on its heaviest rank: the model states spread evenly, or the largest layer."""
+        _, params, largest, act = self.totals(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
+        per_param = _state_bytes_per_param(lay.zero, lay.dp, self.e)
+        return max(params * per_param / lay.pp, largest * per_param + act)
+
+    # -- one layout ----------------------------------------------------------------------------
+    def partition(self, lay: PlanLayout) -> list[int]:
+        costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
+        full = lay.recompute == "full"
+        chunks = lay.pp * lay.chunks_per_rank
+        if chunks == 1:
+            return [0, len(costs)]
+        per_param = _state_bytes_per_param(lay.zero, lay.dp, self.e)
+        bw = self._p2p_bandwidth(lay)
+        try:  # a rank holds chunks_per_rank chunks: each gets its share of the cap
+            return partition_min_max_lists(
+                [c.time_s(recompute=full) for c in costs], chunks,
+                static_bytes=[c.param_bytes / self.e * per_param for c in costs],
+                activation_bytes=held_activation_bytes(costs, recompute=full),
+                micro_batches=lay.micro_batches, memory_cap=self.memory_cap / lay.chunks_per_rank,
+                boundary_time=[c.output_bytes / bw for c in costs], schedule=_schedule_name(lay))
+        except InfeasibleMemoryCap as e:
+            raise OutOfMemory(e.min_feasible_cap * lay.chunks_per_rank) from None
+
+    def evaluate(self, lay: PlanLayout, parts: list[int] | None = None) -> LayoutCost:
+        """The layout's partition (the exact memory-capped min-max one unless given), memory and step."""
+        costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
+        full = lay.recompute == "full"
+        parts = parts or self.partition(lay)
+        name = _schedule_name(lay)
+        stages = stage_costs(costs, parts, micro_batches=lay.micro_batches, recompute=full,
+                             schedule=name if lay.pp > 1 else "1f1b")
+        m = lay.micro_batches
+        if lay.pp == 1:
+            st = stages[0]
+            rank_params = [st.param_bytes / self.e]
+            update = self.update_s(lay, rank_params[0], st.forward_s, st.backward_s)
+            pipeline_s, bubble, held = m * (st.forward_s + st.backward_s) + update, 0.0, [st.activation_bytes]
+            chunk_rank = (0,)
+        else:
+            sched = schedule_for_chunks(name.partition(":")[0], len(stages), m,
+                                        virtual_stages=lay.chunks_per_rank if name.startswith("interleaved") else 2)
+            chunk_rank = sched.chunk_rank
+            rank_params = [0.0] * lay.pp
+            for st in stages:
+                rank_params[chunk_rank[st.stage]] += st.param_bytes / self.e
+            sim = simulate(sched, ChunkCosts([s.forward_s for s in stages], [s.backward_s for s in stages],
+                                             weight_grad_s=[s.weight_grad_s for s in stages],
+                                             output_bytes=[s.boundary_out_bytes for s in stages]),
+                           network=Network(Link(0.0, self._p2p_bandwidth(lay))),
+                           optimizer_s=[self.update_s(lay, p) for p in rank_params])
+            pipeline_s, bubble = sim.step_s, sim.bubble_fraction
+            held = [sched.held_peak(r, [s.activation_bytes for s in stages]) for r in range(lay.pp)]
+        memory = []
+        for r in range(lay.pp):
+            states = zero_model_states([int(rank_params[r])], dp=lay.dp, stage=lay.zero, element_bytes=self.e)
+            working = 0.0
+            if lay.zero == 3:  # the layer being computed and the prefetched next one, gathered whole
+                working = 2 * self.totals(lay.tp, lay.sp, lay.micro_batch, lay.recompute)[2] * self.e
+            memory.append({"param_bytes": states.param_bytes, "grad_bytes": states.grad_bytes,
+                           "optimizer_bytes": states.optimizer_bytes, "activation_bytes": held[r] + working})
+        for mem in memory:
+            mem["total_bytes"] = sum(mem.values())
+        heaviest = max(memory, key=lambda mem: mem["total_bytes"])
+        if heaviest["total_bytes"] > self.memory_cap:
+            raise OutOfMemory(heaviest["total_bytes"])
+        out = LayoutCost(lay, list(parts), pipeline_s, pipeline_s, heaviest["total_bytes"], heaviest, bubble)
+        out.samples_per_s = lay.global_batch / out.step_s
+        peak = self.device.matrix_flops[self.dtype] if self.dtype in self.device.matrix_flops else math.nan
+        out.mfu = self.flops_per_step / (out.step_s * lay.gpus * peak)
+        return out
+
+    def step_lower_bound_after_partition(self, lay: PlanLayout, parts: list[int]) -> float:
+        """Tighter than ``lower_bound_s`` once the split is known: the busiest rank's compute and update,
+        and for one chunk a rank, micro-batch 0's way to rank r and the last one's way back before
+        rank 0's update."""
+        if lay.pp == 1:
+            return 0.0
+        costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
+        full = lay.recompute == "full"
+        stages = stage_costs(costs, parts, micro_batches=lay.micro_batches, recompute=full,
+                             schedule=_schedule_name(lay))
+        m = lay.micro_batches
+        per_rank = [0.0] * lay.pp
+        params = [0.0] * lay.pp
+        order = _chunk_ranks(lay, len(stages))
+        for st in stages:
+            per_rank[order[st.stage]] += m * (st.forward_s + st.backward_s)
+            params[order[st.stage]] += st.param_bytes / self.e
+        bound = max(t + self.update_s(lay, p) for t, p in zip(per_rank, params))
+        if lay.chunks_per_rank == 1:
+            first_update = self.update_s(lay, params[0])
+            before = 0.0
+            for st in stages:
+                bound = max(bound, before + m * (st.forward_s + st.backward_s) + first_update)
+                before += st.forward_s + st.backward_s
+        return bound
+
+
+def _schedule_name(lay: PlanLayout) -> str:
+    return lay.schedule if lay.pp > 1 else "1f1b"
+
+
+def _chunk_ranks(lay: PlanLayout, chunks: int) -> tuple[int, ...]:
+    if lay.schedule == "dualpipev":
+        p = lay.pp
+        return tuple(c if c < p else 2 * p - 1 - c for c in range(chunks))
+    return tuple(c % lay.pp for c in range(chunks))
+
+
+__all__ = ["Cluster", "LayoutCost", "OutOfMemory", "PlanModel", "plan_device", "DEVICES", "USABLE_MEMORY"]

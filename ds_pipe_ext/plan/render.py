@@ -1,0 +1,104 @@
+"""The plan as users read it: an aligned table, JSON, Megatron's layout string and a ds.json."""
+
+from __future__ import annotations
+
+import json
+from itertools import groupby
+
+from ..compare.configs import ZERO_SETTINGS
+from .model import LayoutCost
+from .search import PlanResult
+
+GIB = 2**30
+
+
+def _parts(parts: list[int]) -> str:
+    return ",".join(map(str, parts)) if len(parts) <= 12 else f"{','.join(map(str, parts[:5]))},...,{parts[-1]}"
+
+
+def render_table(res: PlanResult, *, memory_cap: float) -> str:
+    head = ["#", "layout", "pp", "tp", "dp", "zero", "mb", "m", "recompute", "sp", "schedule", "parts",
+            "GiB/rank", "step s", "samples/s", "MFU"]
+    rows = []
+    for i, c in enumerate(res.top, 1):
+        lay = c.layout
+        rows.append([str(i), lay.name + ("" if lay.runnable else " (sim)"), str(lay.pp), str(lay.tp), str(lay.dp),
+                     str(lay.zero), str(lay.micro_batch), str(lay.micro_batches), lay.recompute,
+                     "on" if lay.sp else "off", lay.schedule, _parts(c.parts), f"{c.peak_memory_bytes / GIB:.1f}",
+                     f"{c.step_s:.3f}", f"{c.samples_per_s:.2f}", f"{100 * c.mfu:.1f}%"])
+    widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
+    numeric = {0, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15}
+    fmt = lambda r: "  ".join(v.rjust(w) if k in numeric else v.ljust(w)  # noqa: E731
+                              for k, (v, w) in enumerate(zip(r, widths)))
+    lines = [fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)]
+    lines.append(f"{res.candidates} layouts: {res.partitioned} partitioned, {res.simulated} simulated; "
+                 f"memory cap {memory_cap / GIB:.1f} GiB per rank; (sim): a schedule DeepSpeed does not run, "
+                 f"simulated only")
+    for reason, n in sorted(res.dropped.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  dropped {n:6d}: {reason}")
+    return "\n".join(lines)
+
+
+def rows_json(res: PlanResult) -> str:
+    return json.dumps([c.to_dict() for c in res.top], indent=1)
+
+
+def megatron_layout(cost: LayoutCost, num_layers: int) -> tuple[str | None, str]:
+    """Megatron's ``pipeline_model_parallel_layout`` for the split (E: embedding, t: a transformer
+    layer, L: the loss with the output layer), checked with megatron-core's parser; or why not."""
+    lay, parts = cost.layout, cost.parts
+    if lay.pp == 1:
+        return None, "no pipeline: Megatron needs no layout"
+    if lay.schedule == "dualpipev":
+        return None, "DualPipeV places chunks in a V (rank r holds chunks r and 2p-1-r): Megatron's layout cannot say it"
+    stages = []
+    last = parts[-1] - 1
+    for i, j in zip(parts, parts[1:]):
+        blocks = sum(1 for k in range(i, j) if 0 < k < last)
+        stages.append(("E" if i == 0 else "") + (f"t*{blocks}" if blocks > 1 else "t" * blocks)
+                      + ("L" if j - 1 == last else ""))
+    runs = [(s, len(list(g))) for s, g in groupby(stages)]
+    pieces = []
+    for k, (s, n) in enumerate(runs):
+        last_run = k == len(runs) - 1
+        if n == 1:
+            pieces.append(s + ("" if last_run else "|"))
+        else:  # "(s|)*n" ends in a separator: the last run repeats n - 1 times and ends with s itself
+            pieces.append(f"({s}|)*{n - 1}{s}" if last_run else f"({s}|)*{n}")
+    text = "".join(pieces)
+    try:
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+        PipelineParallelLayerLayout(text, lay.pp).validate_layer_layout(num_layers, mtp_num_layers=0)
+    except ImportError:
+        return text, "megatron-core not installed: not checked"
+    except (AssertionError, ValueError) as e:
+        return None, f"megatron-core rejects {text!r}: {e}"
+    return text, "checked with megatron-core's PipelineParallelLayerLayout"
+
+
+def ds_config(cost: LayoutCost, *, model: str, steps: int = 10, dtype: str = "bf16") -> dict:
+    """The ds.json that trains this layout with train.py (its split as ``"parts:..."``)."""
+    lay = cost.layout
+    if not lay.runnable:
+        raise ValueError(f"{lay.name}: DeepSpeed runs no {lay.schedule} schedule; emit a runnable layout")
+    ds: dict = {
+        "train_micro_batch_size_per_gpu": lay.micro_batch,
+        "gradient_accumulation_steps": lay.micro_batches,
+        "steps_per_print": 10**6,
+        "train": {"model": model, "steps": steps, "seed": 1234},
+    }
+    if lay.recompute != "none":  # "full" under a pipeline: DeepSpeed's activation_checkpoint_interval 1
+        ds["train"]["recompute"] = lay.recompute
+    if dtype == "bf16":
+        ds["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        ds["fp16"] = {"enabled": True}
+    if lay.tp > 1:
+        ds["tensor_parallel"] = {"size": lay.tp, "sequence_parallel": lay.sp}
+    if lay.zero:
+        ds["zero_optimization"] = {"stage": lay.zero, **ZERO_SETTINGS}
+    if lay.pp > 1:
+        ds["pipeline"] = {"stages": lay.pp, "partition_method": "parts:" + ",".join(map(str, cost.parts)),
+                          "schedule": lay.schedule}
+    return ds

@@ -1,0 +1,102 @@
+"""The search: every layout, pruned by memory and by a lower bound on its step before it is simulated.
+
+1. Each layout gets two closed-form bounds from per-layer costs alone (no partition): the least
+   memory its heaviest rank can need, and the least step time any split can reach
+   (``PlanModel.lower_bound_s``).  A layout whose memory bound exceeds the cap is out (OOM).
+2. The rest are taken in order of the step bound.  Once K layouts are simulated and the next bound
+   is not below the K-th best step, no later layout can enter the top K: they are "worse", unseen.
+3. A layout that is taken gets its exact memory-capped partition (OOM if none fits), a tighter bound
+   from that split, and only then the event simulation.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .model import LayoutCost, OutOfMemory, PlanModel
+from .space import PlanError, PlanLayout
+
+
+@dataclass
+class PlanResult:
+    top: list[LayoutCost]  # best first
+    dropped: Counter = field(default_factory=Counter)  # reason -> layouts
+    candidates: int = 0
+    simulated: int = 0
+    partitioned: int = 0
+    smallest_oom_need: float | None = None  # the least memory an OOM layout needed
+
+    def best_runnable(self) -> LayoutCost | None:
+        return next((c for c in self.top if c.layout.runnable), None)
+
+
+def search(model: PlanModel, layouts: list[PlanLayout], *, top_k: int = 10, progress=None) -> PlanResult:
+    res = PlanResult(top=[], candidates=len(layouts))
+    oom_need: list[float] = []
+    bounded = []
+    for lay in layouts:
+        need = model.memory_lower_bound(lay)
+        if need > model.memory_cap:
+            res.dropped["OOM (memory bound)"] += 1
+            oom_need.append(need)
+            continue
+        bounded.append((model.lower_bound_s(lay), lay))
+    bounded.sort(key=lambda item: (item[0], item[1].name))
+    steps: list[float] = []  # the top K's steps, ascending
+
+    def kth() -> float:
+        return steps[top_k - 1] if len(steps) >= top_k else float("inf")
+
+    # a runnable layout is always kept beside the top K (the ds.json to emit)
+    runnable_best: LayoutCost | None = None
+    for i, (bound, lay) in enumerate(bounded):
+        if progress is not None:
+            progress(i, len(bounded))
+        if bound >= kth() and (runnable_best is not None or not lay.runnable):
+            if runnable_best is not None:
+                res.dropped["worse (step bound above the top K)"] += len(bounded) - i
+                break
+            res.dropped["worse (step bound above the top K)"] += 1
+            continue
+        try:
+            parts = model.partition(lay)
+        except OutOfMemory as e:
+            res.dropped["OOM (no split fits)"] += 1
+            oom_need.append(e.needed_bytes)
+            continue
+        res.partitioned += 1
+        if model.step_lower_bound_after_partition(lay, parts) >= kth() and (runnable_best is not None
+                                                                            or not lay.runnable):
+            res.dropped["worse (step bound above the top K)"] += 1
+            continue
+        try:
+            cost = model.evaluate(lay, parts)
+        except OutOfMemory as e:
+            res.dropped["OOM (model states or activations above the cap)"] += 1
+            oom_need.append(e.needed_bytes)
+            continue
+        res.simulated += 1
+        if lay.runnable and (runnable_best is None or cost.step_s < runnable_best.step_s):
+            runnable_best = cost
+        pos = bisect.bisect(steps, cost.step_s)
+        steps.insert(pos, cost.step_s)
+        res.top.insert(pos, cost)
+        if len(res.top) > top_k:
+            dropped = res.top.pop()
+            steps.pop()
+            if dropped is not runnable_best:
+                res.dropped["worse (simulated, outside the top K)"] += 1
+    if runnable_best is not None and runnable_best not in res.top:
+        res.top.append(runnable_best)  # shown last: the best layout DeepSpeed runs
+    if not res.top:
+        res.smallest_oom_need = min(oom_need) if oom_need else None
+        gib = 2**30
+        raise PlanError(
+            f"{model.cfg.name} fits in no layout of these GPUs: every one of the {len(layouts)} layouts needs more "
+            f"than the {model.memory_cap / gib:.1f} GiB usable per rank; the smallest need is "
+            f"{res.smallest_oom_need / gib:.1f} GiB per rank. Use more GPUs, a device with more memory, or a "
+            f"smaller global batch / sequence")
+    res.smallest_oom_need = min(oom_need) if oom_need else None
+    return res
