@@ -109,6 +109,34 @@ def test_boundary_comm_and_memory_match_brute_force(d):
 
 
 @settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_dense_programme_equals_the_bisection_on_real_costs(data):
+    """Boundary terms take the O(p n^2) dynamic programme; the probe bisection, forced here, must
+    return the same partition to the bit (both compute the optimum exactly)."""
+    from ds_pipe_ext.partition import algorithms
+
+    n = data.draw(st.integers(2, 60))
+    p = data.draw(st.integers(1, min(n, 12)))
+    floats = st.lists(st.floats(0, 1e3, allow_nan=False), min_size=n, max_size=n)
+    kw = dict(boundary_time=data.draw(floats), static_bytes=data.draw(floats), activation_bytes=data.draw(floats),
+              micro_batches=data.draw(st.integers(1, 8)), schedule=data.draw(st.sampled_from(["1f1b", "gpipe"])))
+    kw["memory_cap"] = data.draw(st.floats(1.0, 1e5))
+    times = data.draw(floats)
+    try:
+        dense = partition_min_max_lists(times, p, **kw)
+    except InfeasibleMemoryCap:
+        dense = None
+    saved, algorithms.DENSE_MAX_LAYERS = algorithms.DENSE_MAX_LAYERS, 0
+    try:
+        bisected = partition_min_max_lists(times, p, **kw)
+    except InfeasibleMemoryCap:
+        bisected = None
+    finally:
+        algorithms.DENSE_MAX_LAYERS = saved
+    assert dense == bisected
+
+
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.floats(0, 1e3, allow_nan=False), min_size=2, max_size=40), st.integers(1, 8))
 def test_real_valued_costs_are_optimal(times, p):
     p = min(p, len(times))

@@ -35,6 +35,16 @@ floats, so the result is the optimum of the objective exactly as
 * with boundary terms stage time is no longer monotone, so a reachability pass
   over (stage, boundary) uses vectorised range-minimum queries (O(p n log n)).
 
+With boundary terms and up to ``DENSE_MAX_LAYERS`` layers, a dynamic programme over
+(stage, start) replaces the bisection: best[s][i] = min over j of max(stage_time(i, j),
+best[s + 1][j]), each stage one vectorised pass over the (n+1) x (n+1) matrix of stage
+times (O(p n^2), no probes).  It computes the same subtractions, so it returns the same
+optimum and the same partition (tested against the bisection and brute force); the
+planner, which partitions thousands of layouts, needs its speed.
+
+Feasibility of a memory cap alone does not depend on time, so it always takes the
+monotone probe, boundary terms or not (the smallest feasible cap bisects it).
+
 Ties.  Among optimal partitions we return the lexicographically smallest
 ``parts``.  That puts the slack in the early stages, which is what 1F1B wants:
 they hold the most in-flight activations.
@@ -50,7 +60,7 @@ import numpy as np
 from .problem import InfeasibleMemoryCap, PartitionError, Problem, make_problem
 
 __all__ = ["InfeasibleMemoryCap", "PartitionError", "Problem", "make_problem", "solve", "partition_min_max_lists",
-           "bottleneck"]
+           "smallest_feasible_cap_lists", "bottleneck"]
 
 
 # --------------------------------------------------------------------------- feasibility probes
@@ -187,7 +197,7 @@ def _probe_general(pb: Problem, bound: float, cap: float | None) -> list[int] | 
 
 
 def _probe(pb: Problem, bound: float, cap: float | None) -> list[int] | None:
-    if pb.boundary is None:
+    if pb.boundary is None or bound == math.inf:  # memory alone is monotone in the interval
         return _probe_monotone(pb, bound, cap)
     return _probe_general(pb, bound, cap)
 
@@ -241,12 +251,49 @@ def _min_feasible_cap(pb: Problem) -> float:
     return cap
 
 
-def solve(pb: Problem) -> list[int]:
-    """Optimal boundaries for a validated problem (see the module docstring)."""
+DENSE_MAX_LAYERS = 512  # the dynamic programme holds (n+1)^2 floats a stage; beyond, bisect
+
+
+def _solve_dense(pb: Problem) -> list[int]:
+    """The optimal, lexicographically smallest partition by dynamic programming (a feasible cap given).
+
+    ``best[s][i]``: the least bottleneck of stages s..p-1 over layers i..n.  A stage's cost
+    matrix ``cost[i, j] = stage_time(i, j)`` (inf unless i < j and the stage fits its cap) is the
+    probes' own subtraction, so the optimum is ``bottleneck`` of the returned partition exactly.
+    """
+    p, n, cap = pb.num_stages, pb.n, pb.memory_cap
+    times = pb.end_key[None, :] - pb.start_key[:, None]
+    times[np.tril_indices(n + 1)] = np.inf  # a stage holds at least one layer
+
+    def cost(s: int, rows=slice(None)) -> np.ndarray:
+        if cap is None:
+            return times[rows]
+        mem = pb.memory_prefix(pb.inflight(s))
+        return np.where(mem[None, :] - mem[rows, None] <= cap, times[rows], np.inf)
+
+    best = [np.empty(0)] * p + [np.full(n + 1, np.inf)]
+    best[p][n] = -np.inf
+    for s in range(p - 1, -1, -1):
+        best[s] = np.maximum(cost(s), best[s + 1][None, :]).min(axis=1)
+    opt = best[0][0]
+    parts = [0]
+    for s in range(p):  # the smallest end at each stage that still reaches the optimum: lexicographic
+        row = cost(s, slice(parts[-1], parts[-1] + 1))[0]
+        parts.append(int(np.argmax((row <= opt) & (best[s + 1] <= opt))))
+    return parts
+
+
+def solve(pb: Problem, *, explain_infeasible: bool = True) -> list[int]:
+    """Optimal boundaries for a validated problem (see the module docstring).
+
+    ``explain_infeasible=False``: an infeasible cap raises without the smallest feasible cap
+    (``min_feasible_cap`` None), which costs up to 64 probes; a search over many layouts asks later."""
     cap = pb.memory_cap
     first = _probe(pb, math.inf, cap)
     if first is None:
-        raise InfeasibleMemoryCap(cap, _min_feasible_cap(pb))
+        raise InfeasibleMemoryCap(cap, _min_feasible_cap(pb) if explain_infeasible else None)
+    if pb.boundary is not None and pb.n <= DENSE_MAX_LAYERS:
+        return _solve_dense(pb)
 
     def probe(bound):
         parts = _probe(pb, bound, cap)
@@ -267,6 +314,15 @@ def partition_min_max_lists(times: Sequence[float], num_stages: int, **options) 
     """Plain-list entry point: returns DeepSpeed ``parts`` (num_stages + 1 boundaries).
 
     ``options`` are ``make_problem``'s: static_bytes, activation_bytes, micro_batches,
-    memory_cap, boundary_time, schedule.
+    memory_cap, boundary_time, schedule; and ``solve``'s explain_infeasible.
     """
-    return solve(make_problem(times, num_stages, **options))
+    explain = options.pop("explain_infeasible", True)
+    return solve(make_problem(times, num_stages, **options), explain_infeasible=explain)
+
+
+def smallest_feasible_cap_lists(times: Sequence[float], num_stages: int, **options) -> float:
+    """The smallest memory cap that admits any split (``make_problem``'s options, no memory_cap)."""
+    pb = make_problem(times, num_stages, **options)
+    if pb.static is None:
+        raise PartitionError("the smallest feasible cap needs per-layer static_bytes and/or activation_bytes")
+    return _min_feasible_cap(pb)

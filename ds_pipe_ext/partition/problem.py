@@ -20,17 +20,19 @@ class PartitionError(ValueError):
 
 
 class InfeasibleMemoryCap(PartitionError):
-    """No partition fits the memory cap; ``min_feasible_cap`` is the smallest that does."""
+    """No partition fits the memory cap; ``min_feasible_cap`` is the smallest that does (None: not
+    computed, ``solve(explain_infeasible=False)``)."""
 
-    def __init__(self, cap: float, min_feasible_cap: float, detail: str = ""):
+    def __init__(self, cap: float, min_feasible_cap: float | None, detail: str = ""):
         self.cap = cap
         self.min_feasible_cap = min_feasible_cap
         gib = 2.0**30
+        least = ("" if min_feasible_cap is None else f": the smallest cap that admits a partition is "
+                 f"{min_feasible_cap / gib:.4f} GiB ({min_feasible_cap:.0f} B)")
         super().__init__(
-            f"memory cap {cap / gib:.4f} GiB ({cap:.0f} B) per stage is infeasible: the smallest cap "
-            f"that admits a partition is {min_feasible_cap / gib:.4f} GiB ({min_feasible_cap:.0f} B). "
-            f"Raise memory_cap_gib to at least that, add stages, or use fewer micro-batches in flight."
-            + (f" {detail}" if detail else "")
+            f"memory cap {cap / gib:.4f} GiB ({cap:.0f} B) per stage is infeasible{least}. "
+            f"Raise memory_cap_gib{' to at least that' if least else ''}, add stages, or use fewer "
+            f"micro-batches in flight." + (f" {detail}" if detail else "")
         )
 
 

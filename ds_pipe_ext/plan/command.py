@@ -34,7 +34,7 @@ def build_model(args):
     if seq > cfg.seq_len:
         raise PlanError(f"--seq {seq} exceeds {cfg.name}'s seq_len {cfg.seq_len}")
     dtype = args.dtype or ("fp32" if device.name == "cpu" else "bf16")
-    global_batch = args.global_batch or args.gpus
+    global_batch = args.gpus if args.global_batch is None else args.global_batch
     return cfg, PlanModel(cfg, device, cluster, seq=seq, global_batch=global_batch, dtype=dtype)
 
 
@@ -64,10 +64,11 @@ def cmd_plan(args) -> int:
             bar.n = i + 1
             bar.refresh() if i % 200 == 0 else None
 
-    res = search(model, layouts, top_k=args.top, progress=progress)
-    if bar is not None:
-        bar.n = bar.total
-        bar.close()
+    try:
+        res = search(model, layouts, top_k=args.top, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
     for reason, n in dropped.items():
         res.dropped[reason] += n
     seconds = time.perf_counter() - t0
@@ -86,14 +87,19 @@ def cmd_plan(args) -> int:
           f"between nodes), global batch {model.global_batch}, seq {model.seq}, {model.dtype}; analytic costs "
           f"(roofline, matrix efficiency {d.matrix_efficiency:.3f}), step from the event simulator")
     _emit(render_table(res, memory_cap=model.memory_cap))
-    if best is not None:
-        text, why = megatron_layout(best, cfg.layers)
-        _emit(f"best layout DeepSpeed runs: {best.layout.name}, parts {best.parts}")
-        _emit(f"Megatron pipeline_model_parallel_layout: {text!r} ({why})" if text else
-              f"Megatron pipeline_model_parallel_layout: none ({why})")
-        if args.emit_ds_config:
-            _emit(f"wrote {args.emit_ds_config}: deepspeed --num_gpus {best.layout.gpus} train.py "
-                  f"--deepspeed_config {args.emit_ds_config}")
+    for label, cost in (("pick", res.top[0]), ("best layout DeepSpeed runs", best)):
+        if cost is None or (label != "pick" and cost is res.top[0]):
+            continue
+        text, why = megatron_layout(cost, cfg.layers)
+        _emit(f"{label}: {cost.layout.name}, parts {cost.parts}")
+        _emit(f"  Megatron pipeline_model_parallel_layout: {text!r} ({why})" if text else
+              f"  Megatron pipeline_model_parallel_layout: none ({why})")
+    if best is None:
+        _emit("no layout DeepSpeed runs (1F1B, GPipe, DualPipeV or no pipeline) fits: the plan has simulated "
+              "alternatives only")
+    elif args.emit_ds_config:
+        _emit(f"wrote {args.emit_ds_config}: deepspeed --num_gpus {best.layout.gpus} train.py "
+              f"--deepspeed_config {args.emit_ds_config}")
     _emit(f"planned in {seconds:.2f} s")
     return 0
 

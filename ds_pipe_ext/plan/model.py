@@ -17,9 +17,10 @@ take the rest.
 The step: the event simulator runs the schedule over the partitioned chunks (p2p on the link
 between neighbouring stages); each rank's optimizer work after its last backward is its
 data-parallel collective (ring formulas over the DP group's link) plus a memory-bound Adam over
-the parameters it owns.  ZeRO-2 reduce-scatters every micro-batch (DeepSpeed's default: no overlap),
-ZeRO-3 gathers the weights forward and backward and reduce-scatters every micro-batch, overlapped
-with that micro-batch's compute (its prefetch).
+the parameters it owns.  ZeRO-2 reduce-scatters every micro-batch, ZeRO-3 gathers the weights
+forward and backward and reduce-scatters every micro-batch.  None of it is hidden under compute:
+the emitted ds.json sets ``overlap_comm`` off (``ZERO_SETTINGS``), and we have no measurement to fit
+how much DeepSpeed's prefetch hides, so ZeRO-2/3 steps are upper bounds where links are slow.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ..costs.hardware import DEVICES, DeviceSpec, get_device, ring_time
 from ..costs.iteration import adam_step_s
 from ..costs.stage import held_activation_bytes, stage_costs
 from ..costs.zero import zero_model_states
-from ..partition.algorithms import InfeasibleMemoryCap, partition_min_max_lists
+from ..partition.algorithms import InfeasibleMemoryCap, partition_min_max_lists, smallest_feasible_cap_lists
 from ..simulate.events import ChunkCosts, Link, Network, simulate
 from ..simulate.schedules import schedule_for_chunks
 from .space import PlanError, PlanLayout
@@ -106,8 +107,8 @@ class LayoutCost:
 
 
 class OutOfMemory(Exception):
-    def __init__(self, needed_bytes: float):
-        self.needed_bytes = needed_bytes  # the least memory a rank of this layout needs
+    def __init__(self, needed_bytes: float | None):
+        self.needed_bytes = needed_bytes  # what the heaviest rank needs (None: not computed; least_memory)
 
 
 def _state_bytes_per_param(zero: int, dp: int, e: int) -> float:
@@ -168,9 +169,10 @@ class PlanModel:
         # neighbouring stages are tp x dp ranks apart: the same node only if both fit in it
         return self.cluster.bandwidth(2 * lay.tp * lay.dp) * self.device.comm_efficiency
 
-    def update_s(self, lay: PlanLayout, params: float, fwd_s: float = 0.0, bwd_s: float = 0.0) -> float:
-        """A rank's work after its last backward for ``params`` parameters: DP collectives + Adam.
-        ``fwd_s``/``bwd_s``: one micro-batch's compute, which ZeRO-3's prefetch hides collectives under."""
+    def update_s(self, lay: PlanLayout, params: float) -> float:
+        """A rank's DP collectives and Adam for ``params`` parameters, counted after its last backward
+        (ZeRO-2/3's per-micro-batch collectives too: with no overlap, where they sit does not change
+        the step of one rank's serial work)."""
         dp, m, grads = lay.dp, lay.micro_batches, params * self.e
         bw = self._dp_bandwidth(lay)
         if lay.zero == 0:
@@ -179,20 +181,26 @@ class PlanModel:
             comm = 2 * ring_time(grads, "reduce-scatter", dp, bw)
         elif lay.zero == 2:  # reduce-scatter every micro-batch, all-gather once
             comm = (m + 1) * ring_time(grads, "reduce-scatter", dp, bw)
-        else:  # gather forward and backward, reduce-scatter, every micro-batch; prefetch overlaps compute
-            one = ring_time(grads, "all-gather", dp, bw)
-            comm = m * (max(0.0, one - fwd_s) + max(0.0, 2 * one - bwd_s))
+        else:  # gather forward and again backward, reduce-scatter, every micro-batch
+            comm = 3 * m * ring_time(grads, "all-gather", dp, bw)
         return comm + adam_step_s(params / (dp if lay.zero >= 1 else 1), self.device)
 
     # -- bounds --------------------------------------------------------------------------------
     def lower_bound_s(self, lay: PlanLayout) -> float:
         """No partition's simulated step is shorter: the ranks' average busy time (m x their share of
         one micro-batch's work, plus the update of their share of the parameters, which is linear in
-        them).  ZeRO-3's overlapped collectives are left out."""
+        them)."""
         total_s, params, _, _ = self.totals(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
         share = 1.0 / lay.pp
-        update = self.update_s(lay, params * share, fwd_s=math.inf, bwd_s=math.inf)
-        return lay.micro_batches * total_s * share + update
+        update = self.update_s(lay, params * share)
+        bound = lay.micro_batches * total_s * share + update
+        if lay.pp > 1 and lay.schedule in ("1f1b", "gpipe"):
+            # and the pipeline's fill and drain: with T_r a stage's F + B and P_r the stages before it,
+            # the step is at least max_r (P_r + m T_r) (``step_lower_bound_after_partition``), whose least
+            # value over all splits of T = sum T_r has every term equal: T / (1 - (1 - 1/m)^p)
+            m = lay.micro_batches
+            bound = max(bound, total_s / (1.0 - (1.0 - 1.0 / m) ** lay.pp))
+        return bound
 
     def memory_lower_bound(self, lay: PlanLayout) -> float:
         """No split needs less on its heaviest rank: the model states spread evenly, or the largest layer."""
@@ -215,11 +223,28 @@ class PlanModel:
                 static_bytes=[c.param_bytes / self.e * per_param for c in costs],
                 activation_bytes=held_activation_bytes(costs, recompute=full),
                 micro_batches=lay.micro_batches, memory_cap=self.memory_cap / lay.chunks_per_rank,
-                boundary_time=[c.output_bytes / bw for c in costs], schedule=_schedule_name(lay))
-        except InfeasibleMemoryCap as e:
-            raise OutOfMemory(e.min_feasible_cap * lay.chunks_per_rank) from None
+                boundary_time=[c.output_bytes / bw for c in costs], schedule=_schedule_name(lay),
+                explain_infeasible=False)
+        except InfeasibleMemoryCap:
+            raise OutOfMemory(None) from None
 
-    def evaluate(self, lay: PlanLayout, parts: list[int] | None = None) -> LayoutCost:
+    def least_memory(self, lay: PlanLayout) -> float:
+        """The least memory the heaviest rank of this layout needs over every split: the partitioner's
+        smallest feasible cap (a chunk's share times the chunks a rank holds), or without a pipeline
+        the one rank's states and activations.  Up to 64 feasibility probes: asked only when nothing fits."""
+        costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
+        chunks = lay.pp * lay.chunks_per_rank
+        if chunks == 1:
+            return self.evaluate(lay, [0, len(costs)], check_memory=False).peak_memory_bytes
+        full = lay.recompute == "full"
+        per_param = _state_bytes_per_param(lay.zero, lay.dp, self.e)
+        return lay.chunks_per_rank * smallest_feasible_cap_lists(
+            [c.time_s(recompute=full) for c in costs], chunks,
+            static_bytes=[c.param_bytes / self.e * per_param for c in costs],
+            activation_bytes=held_activation_bytes(costs, recompute=full),
+            micro_batches=lay.micro_batches, schedule=_schedule_name(lay))
+
+    def evaluate(self, lay: PlanLayout, parts: list[int] | None = None, *, check_memory: bool = True) -> LayoutCost:
         """The layout's partition (the exact memory-capped min-max one unless given), memory and step."""
         costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
         full = lay.recompute == "full"
@@ -231,7 +256,7 @@ class PlanModel:
         if lay.pp == 1:
             st = stages[0]
             rank_params = [st.param_bytes / self.e]
-            update = self.update_s(lay, rank_params[0], st.forward_s, st.backward_s)
+            update = self.update_s(lay, rank_params[0])
             pipeline_s, bubble, held = m * (st.forward_s + st.backward_s) + update, 0.0, [st.activation_bytes]
             chunk_rank = (0,)
         else:
@@ -245,7 +270,7 @@ class PlanModel:
                                              weight_grad_s=[s.weight_grad_s for s in stages],
                                              output_bytes=[s.boundary_out_bytes for s in stages]),
                            network=Network(Link(0.0, self._p2p_bandwidth(lay))),
-                           optimizer_s=[self.update_s(lay, p) for p in rank_params])
+                           optimizer_s=[self.update_s(lay, p) for p in rank_params], timeline=False)
             pipeline_s, bubble = sim.step_s, sim.bubble_fraction
             held = [sched.held_peak(r, [s.activation_bytes for s in stages]) for r in range(lay.pp)]
         memory = []
@@ -259,7 +284,7 @@ class PlanModel:
         for mem in memory:
             mem["total_bytes"] = sum(mem.values())
         heaviest = max(memory, key=lambda mem: mem["total_bytes"])
-        if heaviest["total_bytes"] > self.memory_cap:
+        if check_memory and heaviest["total_bytes"] > self.memory_cap:
             raise OutOfMemory(heaviest["total_bytes"])
         out = LayoutCost(lay, list(parts), pipeline_s, pipeline_s, heaviest["total_bytes"], heaviest, bubble)
         out.samples_per_s = lay.global_batch / out.step_s
@@ -268,9 +293,10 @@ class PlanModel:
         return out
 
     def step_lower_bound_after_partition(self, lay: PlanLayout, parts: list[int]) -> float:
-        """Tighter than ``lower_bound_s`` once the split is known: the busiest rank's compute and update,
-        and for one chunk a rank, micro-batch 0's way to rank r and the last one's way back before
-        rank 0's update."""
+        """Tighter than ``lower_bound_s`` once the split is known: per rank, micro-batch 0's way to its
+        first chunk, then all its compute and its update; under 1F1B and GPipe also the last
+        micro-batch's way back down to rank 0 before rank 0's update.  Valid for every schedule
+        (each term is a chain of work that runs one after another); tested against the simulator."""
         if lay.pp == 1:
             return 0.0
         costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
@@ -280,12 +306,19 @@ class PlanModel:
         m = lay.micro_batches
         per_rank = [0.0] * lay.pp
         params = [0.0] * lay.pp
+        head = [None] * lay.pp  # when micro-batch 0 can first reach the rank: its first chunk's input
         order = _chunk_ranks(lay, len(stages))
+        reach = 0.0
         for st in stages:
-            per_rank[order[st.stage]] += m * (st.forward_s + st.backward_s)
-            params[order[st.stage]] += st.param_bytes / self.e
-        bound = max(t + self.update_s(lay, p) for t, p in zip(per_rank, params))
-        if lay.chunks_per_rank == 1:
+            r = order[st.stage]
+            head[r] = reach if head[r] is None else head[r]
+            reach += st.forward_s
+            per_rank[r] += m * (st.forward_s + st.backward_s)
+            params[r] += st.param_bytes / self.e
+        bound = max(h + t + self.update_s(lay, p) for h, t, p in zip(head, per_rank, params))
+        if lay.schedule in ("1f1b", "gpipe"):  # a rank's last item is B of the last micro-batch, whose
+            # input gradient then runs down every earlier stage before rank 0's update (not so under
+            # ZB-H1, whose deferred W overlap that descent, or with several chunks a rank)
             first_update = self.update_s(lay, params[0])
             before = 0.0
             for st in stages:

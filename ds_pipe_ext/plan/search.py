@@ -7,6 +7,8 @@
    is not below the K-th best step, no later layout can enter the top K: they are "worse", unseen.
 3. A layout that is taken gets its exact memory-capped partition (OOM if none fits), a tighter bound
    from that split, and only then the event simulation.
+4. Only when nothing fits is the least memory any layout needs worked out (exact, per layout, in
+   order of the memory bound, stopping once no later layout can need less): the error's figure.
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ class PlanResult:
 
 def search(model: PlanModel, layouts: list[PlanLayout], *, top_k: int = 10, progress=None) -> PlanResult:
     res = PlanResult(top=[], candidates=len(layouts))
-    oom_need: list[float] = []
+    oom: list[tuple[float, PlanLayout]] = []  # (memory bound, layout) of every layout that did not fit
     bounded = []
     for lay in layouts:
         need = model.memory_lower_bound(lay)
         if need > model.memory_cap:
             res.dropped["OOM (memory bound)"] += 1
-            oom_need.append(need)
+            oom.append((need, lay))
             continue
         bounded.append((model.lower_bound_s(lay), lay))
     bounded.sort(key=lambda item: (item[0], item[1].name))
@@ -62,9 +64,9 @@ def search(model: PlanModel, layouts: list[PlanLayout], *, top_k: int = 10, prog
             continue
         try:
             parts = model.partition(lay)
-        except OutOfMemory as e:
+        except OutOfMemory:
             res.dropped["OOM (no split fits)"] += 1
-            oom_need.append(e.needed_bytes)
+            oom.append((model.memory_lower_bound(lay), lay))
             continue
         res.partitioned += 1
         if model.step_lower_bound_after_partition(lay, parts) >= kth() and (runnable_best is not None
@@ -73,9 +75,9 @@ def search(model: PlanModel, layouts: list[PlanLayout], *, top_k: int = 10, prog
             continue
         try:
             cost = model.evaluate(lay, parts)
-        except OutOfMemory as e:
+        except OutOfMemory:
             res.dropped["OOM (model states or activations above the cap)"] += 1
-            oom_need.append(e.needed_bytes)
+            oom.append((model.memory_lower_bound(lay), lay))
             continue
         res.simulated += 1
         if lay.runnable and (runnable_best is None or cost.step_s < runnable_best.step_s):
@@ -91,12 +93,22 @@ def search(model: PlanModel, layouts: list[PlanLayout], *, top_k: int = 10, prog
     if runnable_best is not None and runnable_best not in res.top:
         res.top.append(runnable_best)  # shown last: the best layout DeepSpeed runs
     if not res.top:
-        res.smallest_oom_need = min(oom_need) if oom_need else None
+        res.smallest_oom_need = least_memory_needed(model, oom)
         gib = 2**30
         raise PlanError(
             f"{model.cfg.name} fits in no layout of these GPUs: every one of the {len(layouts)} layouts needs more "
             f"than the {model.memory_cap / gib:.1f} GiB usable per rank; the smallest need is "
             f"{res.smallest_oom_need / gib:.1f} GiB per rank. Use more GPUs, a device with more memory, or a "
             f"smaller global batch / sequence")
-    res.smallest_oom_need = min(oom_need) if oom_need else None
     return res
+
+
+def least_memory_needed(model: PlanModel, oom: list[tuple[float, PlanLayout]]) -> float:
+    """The least memory any of these layouts needs on its heaviest rank (exact per layout; a layout
+    whose bound is already above the best found is skipped)."""
+    best = float("inf")
+    for bound, lay in sorted(oom, key=lambda item: item[0]):
+        if bound >= best:
+            break
+        best = min(best, model.least_memory(lay))
+    return best

@@ -105,8 +105,9 @@ class StepSimulation:
 
 def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Network(),
              optimizer_s: Sequence[float] | None = None,
-             slowdown: Mapping[tuple[int, Work], float] | None = None) -> StepSimulation:
-    """``slowdown[(rank, work)]`` stretches one compute item (ranks sharing CPU cores: ``step_model``)."""
+             slowdown: Mapping[tuple[int, Work], float] | None = None, timeline: bool = True) -> StepSimulation:
+    """``slowdown[(rank, work)]`` stretches one compute item (ranks sharing CPU cores: ``step_model``).
+    ``timeline=False`` keeps no per-item slots (the planner simulates thousands of items a layout)."""
     p, n = schedule.num_ranks, schedule.num_chunks
     for name in ("forward_s", "backward_s", "weight_grad_s", "output_bytes", "activation_bytes"):
         values = getattr(costs, name)
@@ -120,21 +121,25 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
     done: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, chunk) -> finish time
     arrive: dict[tuple[str, int, int], float] = {}  # (F|G, micro-batch, consumer chunk) -> arrival
     link_free: dict[tuple[int, int], float] = {}
+    links: dict[tuple[int, int], Link] = {}
     clock, pos = [0.0] * p, [0] * p
-    timeline: list[Slot] = []
+    slots: list[Slot] = []
+    record = slots.append
 
     def book(src: int, dst: int, nbytes: float, t: float) -> tuple[float, float]:
         """A transfer ready at t on the directed link (src, dst): (its start, its arrival)."""
-        link = network.link(src, dst)
-        start = max(t, link_free.get((src, dst), 0.0))
-        link_free[(src, dst)] = start + link.busy_s(nbytes)
-        return start, link_free[(src, dst)] + link.latency_s
+        pair = (src, dst)
+        link = links.get(pair) or links.setdefault(pair, network.link(src, dst))
+        start = max(t, link_free.get(pair, 0.0))
+        link_free[pair] = free = start + link.busy_s(nbytes)
+        return start, free + link.latency_s
 
     def send(kind: str, mb: int, src_chunk: int, dst_chunk: int, t: float) -> None:
         src, dst = rank_of[src_chunk], rank_of[dst_chunk]
         arrive[(kind, mb, dst_chunk)] = t if src == dst else book(src, dst, out_bytes[min(src_chunk, dst_chunk)], t)[1]
 
     explicit = schedule.explicit_comm
+    durations = {kind: [costs.duration(Work(kind, 0, c)) for c in range(n)] for kind in COMPUTE}
     stretch = (lambda r, w: slowdown.get((r, w), 1.0)) if slowdown else (lambda r, w: 1.0)  # noqa: E731
     posted: dict[tuple[str, int, int], tuple[int, float]] = {}  # rendezvous key -> (rank, post time)
     waiting = [False] * p  # posted a send or receive whose partner has not
@@ -167,7 +172,8 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
         start, clock[r] = book(src, dst, out_bytes[lo], max(clock[r], t_other))
         clock[other] = clock[r]
         for rank in (r, other):
-            timeline.append(Slot(rank, schedule.orders[rank][pos[rank]], start, clock[rank]))
+            if timeline:
+                record(Slot(rank, schedule.orders[rank][pos[rank]], start, clock[rank]))
             pos[rank] += 1
         return True
 
@@ -187,14 +193,19 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
                 t = ready(w)
                 if t is None:
                     break
-                start = max(clock[r], t)
-                clock[r] = end = start + costs.duration(w) * stretch(r, w)
-                done[(w.kind, w.micro_batch, w.chunk)] = end
-                timeline.append(Slot(r, w, start, end))
-                if not explicit and w.kind == "F" and w.chunk < n - 1:
-                    send("F", w.micro_batch, w.chunk, w.chunk + 1, end)
-                elif not explicit and w.kind in "BI" and w.chunk > 0:
-                    send("G", w.micro_batch, w.chunk, w.chunk - 1, end)
+                kind, i, c = w
+                start = clock[r] if clock[r] > t else t
+                end = start + (durations[kind][c] * stretch(r, w) if slowdown else durations[kind][c])
+                clock[r] = done[w] = end  # a Work is the tuple (kind, micro-batch, chunk)
+                if timeline:
+                    record(Slot(r, w, start, end))
+                if explicit:
+                    pass
+                elif kind == "F":
+                    if c < n - 1:
+                        send("F", i, c, c + 1, end)
+                elif c > 0 and kind != "W":
+                    send("G", i, c, c - 1, end)
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
@@ -203,10 +214,14 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
             raise ValueError(f"schedule {schedule.name!r} deadlocks: each rank waits on another ({stuck})")
     finish = [clock[r] + opt[r] for r in range(p)]
     step = max(finish)
-    busy = [sum(costs.duration(w) * stretch(r, w) for w in schedule.orders[r] if w.kind in COMPUTE) + opt[r]
-            for r in range(p)]
-    held = [schedule.held_peak(r) for r in range(p)]
+    if slowdown:
+        busy = [sum(costs.duration(w) * stretch(r, w) for w in schedule.orders[r] if w.kind in COMPUTE) + opt[r]
+                for r in range(p)]
+    else:  # the same sum, an item kind at a time
+        busy = [sum(k * costs.duration(Work(kind, 0, c)) for (kind, c), k in schedule.work_counts[r].items()
+                    if kind in COMPUTE) + opt[r] for r in range(p)]
+    held = list(schedule.held_peak_counts)
     held_bytes = ([schedule.held_peak(r, costs.activation_bytes) for r in range(p)]
                   if costs.activation_bytes is not None else [])
     return StepSimulation(step, busy, finish, 1.0 - sum(busy) / (p * step) if step > 0 else 0.0, held, held_bytes,
-                          timeline)
+                          slots)

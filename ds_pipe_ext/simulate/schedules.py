@@ -21,15 +21,16 @@ Interleaved and ZB-H1 are simulated only: DeepSpeed has no engine for them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 from itertools import count
+from typing import NamedTuple
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
 SIMULATED_ONLY = ("interleaved", "zb-h1")  # no DeepSpeed engine runs them
 COMPUTE = ("F", "B", "I", "W")
 
 
-@dataclass(frozen=True)
-class Work:
+class Work(NamedTuple):  # a tuple: schedules hold m x chunks of them, built by the thousand in a plan
     # "F", "B" (whole backward), "I" (input gradient), "W" (weight gradient); where a schedule places
     # its transfers itself: "SA"/"RA" send/receive an activation, "SG"/"RG" a gradient
     kind: str
@@ -53,13 +54,29 @@ class Schedule:
     def chunks_per_rank(self) -> int:
         return self.num_chunks // self.num_ranks
 
-    @property
+    @cached_property  # schedules are immutable and cached (``build_schedule``): scan the orders once
     def explicit_comm(self) -> bool:
         return any(w.kind not in COMPUTE for order in self.orders for w in order)
 
-    @property
+    @cached_property
     def splits_backward(self) -> bool:
         return any(w.kind == "W" for order in self.orders for w in order)
+
+    @cached_property
+    def work_counts(self) -> tuple[dict[tuple[str, int], int], ...]:
+        """Per rank, how many items of each (kind, chunk) its order runs (busy time without a replay)."""
+        out = []
+        for order in self.orders:
+            counts: dict[tuple[str, int], int] = {}
+            for w in order:
+                counts[(w.kind, w.chunk)] = counts.get((w.kind, w.chunk), 0) + 1
+            out.append(counts)
+        return tuple(out)
+
+    @cached_property
+    def held_peak_counts(self) -> tuple[float, ...]:
+        """``held_peak(r)`` of every rank, in micro-batch chunks."""
+        return tuple(self.held_peak(r) for r in range(self.num_ranks))
 
     def held_peak(self, rank: int, chunk_weight=None) -> float:
         """Peak of what ``rank`` holds: a micro-batch's activations on a chunk live from its ``F``
@@ -78,6 +95,7 @@ class Schedule:
         return peak
 
 
+@lru_cache(maxsize=512)  # the planner asks for the same few schedules across thousands of layouts
 def build_schedule(name: str, num_ranks: int, micro_batches: int, *, virtual_stages: int = 1) -> Schedule:
     """The ``Schedule`` called ``name`` for ``num_ranks`` ranks and ``micro_batches`` micro-batches."""
     p, m = num_ranks, micro_batches

@@ -1,0 +1,170 @@
+"""The planner: its pruning loses nothing, its output is what users and tools read, bad input is named.
+
+The exhaustive check simulates every layout of a small cluster without any pruning and demands
+the search's top K be exactly that ranking: a bound that is not a bound fails it.
+"""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from ds_pipe_ext.cli import main
+from ds_pipe_ext.models.config import load_model_config
+from ds_pipe_ext.plan.command import build_model
+from ds_pipe_ext.plan.model import OutOfMemory
+from ds_pipe_ext.plan.render import ds_config, megatron_layout
+from ds_pipe_ext.plan.search import search
+from ds_pipe_ext.plan.space import PlanError, PlanLayout, enumerate_layouts, parse_only
+
+GIB = 2**30
+JSON_KEYS = {"pp", "tp", "dp", "zero", "micro_batch", "recompute", "sp", "schedule", "parts", "step_s",
+             "samples_per_s", "mfu", "peak_memory_bytes"}
+
+
+def plan_model(model="gpt3-175b", gpus=1024, device="a100", global_batch=1536, **kw):
+    args = SimpleNamespace(model=model, gpus=gpus, device=device, global_batch=global_batch, gpus_per_node=None,
+                           intra_node_gbs=None, inter_node_gbs=None, seq=None, dtype=None)
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return build_model(args)
+
+
+def test_gpt3_175b_on_1024_a100_top10_fits_in_80gb_and_json_has_the_fields(capfd):
+    assert main(["plan", "--model", "gpt3-175b", "--gpus", "1024", "--device", "a100", "--global-batch", "1536",
+                 "--json"]) == 0
+    rows = json.loads(capfd.readouterr().out)
+    assert len(rows) >= 10
+    steps = [r["step_s"] for r in rows[:10]]
+    assert steps == sorted(steps)
+    for r in rows:
+        assert JSON_KEYS <= r.keys()
+        assert r["pp"] * r["tp"] * r["dp"] == 1024
+        assert r["micro_batch"] * r["micro_batches"] * r["dp"] == 1536
+        assert r["peak_memory_bytes"] <= 0.9 * 80 * GIB  # mixed precision states + activations, 10% kept free
+        assert len(r["parts"]) == r["pp"] * {"dualpipev": 2, "interleaved:2": 2, "interleaved:3": 3}.get(
+            r["schedule"], 1) + 1
+        assert 0.2 < r["mfu"] < 0.75  # a plausible A100 step, not a unit slip
+        assert r["samples_per_s"] == pytest.approx(1536 / r["step_s"])
+    # a layout DeepSpeed runs is always listed (the one --emit-ds-config writes)
+    assert any(r["runnable"] for r in rows)
+
+
+def test_the_search_loses_nothing_against_simulating_every_layout():
+    cfg, model = plan_model("bench-cpu", gpus=8, device="a100", global_batch=64)
+    layouts, _ = enumerate_layouts(cfg, 8, gpus_per_node=8, global_batch=64)
+    everything = []
+    for lay in layouts:
+        try:
+            cost = model.evaluate(lay)
+        except OutOfMemory:
+            continue
+        # both bounds the search prunes with are bounds
+        assert model.lower_bound_s(lay) <= cost.step_s * (1 + 1e-12), lay.name
+        assert model.step_lower_bound_after_partition(lay, cost.parts) <= cost.step_s * (1 + 1e-12), lay.name
+        everything.append(cost)
+    everything.sort(key=lambda c: c.step_s)
+    res = search(model, layouts, top_k=10)
+    assert res.simulated < len(everything)  # it did prune
+    got = [c.step_s for c in res.top[:10]]
+    assert got == pytest.approx([c.step_s for c in everything[:10]], rel=1e-12)
+    assert {c.layout for c in res.top[:10]} <= {c.layout for c in everything if c.step_s <= got[-1]}
+
+
+def test_memory_is_the_cap_of_the_exact_partition():
+    """Recompute and more stages are what let a big model fit: without them nothing does."""
+    cfg, model = plan_model("gpt3-175b", gpus=64, global_batch=64)
+    fits = model.evaluate(PlanLayout(8, 8, 1, 0, 1, 64, "full", True, "1f1b"))
+    assert fits.peak_memory_bytes <= model.memory_cap and fits.parts[0] == 0 and fits.parts[-1] == 98
+    with pytest.raises(OutOfMemory):  # one stage of 8 TP ranks: 22 G parameters a rank, 350 GB of states
+        model.evaluate(PlanLayout(1, 8, 8, 1, 1, 8, "full", True, "none"))
+    with pytest.raises(OutOfMemory):  # nor any split into 2 stages without ZeRO: 11 G parameters x 20 B
+        model.partition(PlanLayout(2, 8, 4, 0, 1, 16, "full", True, "1f1b"))
+    # with ZeRO-1 over the 4 data-parallel ranks the same split fits (2 + 16 / 4 bytes a parameter)
+    assert model.evaluate(PlanLayout(2, 8, 4, 1, 1, 16, "full", True, "1f1b")).peak_memory_bytes <= model.memory_cap
+
+
+def test_megatron_layout_strings_are_checked_by_megatron_core():
+    cfg = load_model_config("gpt3-175b")
+    lay = PlanLayout(8, 8, 16, 1, 1, 96, "none", True, "1f1b")
+    cost = SimpleNamespace(layout=lay, parts=[0, 13, 25, 37, 49, 61, 73, 85, 98])
+    text, why = megatron_layout(cost, cfg.layers)
+    assert text == "Et*12|(t*12|)*6t*12L" and "megatron-core" in why
+    uneven = SimpleNamespace(layout=PlanLayout(2, 1, 1, 0, 1, 4, "none", False, "1f1b"), parts=[0, 3, 6])
+    assert megatron_layout(uneven, 4)[0] == "Et*2|t*2L"
+    # interleaved: chunks in virtual order, chunk c on rank c % p, as Megatron reads the list
+    inter = SimpleNamespace(layout=PlanLayout(2, 1, 1, 0, 1, 4, "none", False, "interleaved:2"), parts=[0, 2, 3, 5, 6])
+    assert megatron_layout(inter, 4)[0] == "Et|t|t*2|L"
+    v = SimpleNamespace(layout=PlanLayout(2, 1, 1, 0, 1, 4, "none", False, "dualpipev"), parts=[0, 2, 3, 5, 6])
+    text, why = megatron_layout(v, 4)
+    assert text is None and "V" in why
+
+
+def test_emitted_ds_config_is_a_pipeline_config_train_py_reads(tmp_path):
+    from ds_pipe_ext.train.config import build_run_config
+
+    cost = SimpleNamespace(layout=PlanLayout(2, 1, 1, 0, 2, 4, "full", False, "1f1b"), parts=[0, 4, 6])
+    ds = ds_config(cost, model="tiny", dtype="fp32")
+    assert ds["pipeline"] == {"stages": 2, "partition_method": "parts:0,4,6", "schedule": "1f1b"}
+    run = build_run_config(json.loads(json.dumps(ds)))
+    assert run.pipelined and run.pipeline.partition_method == "parts:0,4,6" and run.train.recompute == "full"
+    assert (run.micro_batch, run.grad_accum) == (2, 4)
+    with pytest.raises(ValueError, match="simulated|runs no"):
+        ds_config(SimpleNamespace(layout=PlanLayout(2, 1, 1, 0, 2, 4, "none", False, "zb-h1"), parts=[0, 4, 6]),
+                  model="tiny")
+
+
+def test_only_evaluates_one_layout_and_names_bad_keys():
+    lay = parse_only("pp=8,tp=8,dp=16,mb=1,recompute=full,sp=on,zero=1,schedule=interleaved:3", gpus=1024,
+                     global_batch=1536)
+    assert (lay.pp, lay.tp, lay.dp, lay.micro_batches, lay.chunks_per_rank, lay.runnable) == (8, 8, 16, 96, 3, False)
+    with pytest.raises(PlanError, match="pp x tp x dp = 512"):
+        parse_only("pp=8,tp=8,dp=8", gpus=1024, global_batch=1536)
+    with pytest.raises(PlanError, match="KEY=VALUE"):
+        parse_only("stages=8", gpus=8, global_batch=8)
+    with pytest.raises(PlanError, match="ZeRO-0 or 1 under a pipeline"):
+        parse_only("pp=2,dp=4,zero=3", gpus=8, global_batch=8)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--model", "gpt3-175b", "--gpus", "101", "--global-batch", "1536"], "no layout of 101 GPUs"),
+    (["--model", "gpt3-175b", "--gpus", "8", "--global-batch", "8"], r"fits in no layout.*smallest need is \d"),
+    (["--model", "tiny", "--gpus", "2", "--device", "tpu-v9"], "--device"),
+    (["--model", "tiny", "--gpus", "2", "--global-batch", "0"], "--global-batch 0"),
+    (["--model", "tiny", "--gpus", "4", "--global-batch", "3", "--only", "dp=4"], "not a multiple of mb x dp"),
+    (["--model", "tiny", "--gpus", "0"], "--gpus 0"),
+])
+def test_bad_input_names_the_problem(argv, match, capfd):
+    import re
+
+    assert main(["plan", *argv]) == 2
+    err = capfd.readouterr().err
+    assert re.search(match, err), err
+
+
+def test_smallest_need_is_the_least_over_layouts():
+    """The OOM figure is a real minimum: no layout fits in less, the one that needs it fits in it."""
+    cfg, model = plan_model("gpt3-175b", gpus=8, global_batch=8)
+    layouts, _ = enumerate_layouts(cfg, 8, gpus_per_node=8, global_batch=8)
+    with pytest.raises(PlanError) as err:
+        search(model, layouts)
+    need = float(err.value.args[0].split("smallest need is ")[1].split(" GiB")[0]) * GIB
+    least = min(model.least_memory(lay) for lay in layouts)
+    assert need == pytest.approx(least, rel=0.01)
+
+
+@pytest.mark.multiprocess
+def test_emitted_ds_config_trains_with_train_py_on_2_ranks(tmp_path, capfd):
+    from ds_pipe_ext.runner import launch
+
+    ds = tmp_path / "plan.json"
+    assert main(["plan", "--model", "tiny", "--gpus", "2", "--device", "cpu", "--global-batch", "8",
+                 "--only", "pp=2,mb=2,recompute=full", "--emit-ds-config", str(ds)]) == 0
+    out = capfd.readouterr().out
+    emitted = json.loads(ds.read_text())
+    parts = [int(b) for b in emitted["pipeline"]["partition_method"].removeprefix("parts:").split(",")]
+    assert f"parts {parts}" in out and "Megatron pipeline_model_parallel_layout: 'E" in out
+    proc, ranks = launch(2, ds, "--steps", "2", out_dir=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(ranks) == [0, 1] and all(r["parts"] == parts for r in ranks.values())
+    assert (ranks[0]["micro_batch"], ranks[0]["grad_accum"], ranks[0]["recompute"]) == (2, 4, "full")
