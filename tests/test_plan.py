@@ -51,7 +51,7 @@ def test_gpt3_175b_on_1024_a100_top10_fits_in_80gb_and_json_has_the_fields(capfd
 
 
 def test_the_search_loses_nothing_against_simulating_every_layout():
-    cfg, model = plan_model("bench-cpu", gpus=8, device="a100", global_batch=64)
+    cfg, model = plan_model("compare-cpu", gpus=8, device="a100", global_batch=64)
     layouts, _ = enumerate_layouts(cfg, 8, gpus_per_node=8, global_batch=64)
     everything = []
     for lay in layouts:
@@ -133,6 +133,7 @@ def test_only_evaluates_one_layout_and_names_bad_keys():
     (["--model", "tiny", "--gpus", "2", "--global-batch", "0"], "--global-batch 0"),
     (["--model", "tiny", "--gpus", "4", "--global-batch", "3", "--only", "dp=4"], "not a multiple of mb x dp"),
     (["--model", "tiny", "--gpus", "0"], "--gpus 0"),
+    (["--model", "bench-cpu", "--gpus", "2", "--only", "tp=2"], "vocab_pad_to = 256"),
 ])
 def test_bad_input_names_the_problem(argv, match, capfd):
     import re
@@ -140,6 +141,17 @@ def test_bad_input_names_the_problem(argv, match, capfd):
     assert main(["plan", *argv]) == 2
     err = capfd.readouterr().err
     assert re.search(match, err), err
+
+
+def test_tp_must_divide_the_vocabulary_as_train_py_demands():
+    """bench-cpu's 50257 rows split over no TP degree: those layouts are dropped with the fix named."""
+    cfg = load_model_config("bench-cpu")
+    layouts, dropped = enumerate_layouts(cfg, 8, gpus_per_node=8, global_batch=8)
+    assert layouts and all(lay.tp == 1 for lay in layouts)
+    assert any("vocab_pad_to" in reason for reason in dropped)
+    padded, _ = enumerate_layouts(load_model_config("bench-cpu", vocab_pad_to=1024), 8, gpus_per_node=8,
+                                  global_batch=8)
+    assert {lay.tp for lay in padded} == {1, 2, 4, 8}
 
 
 def test_smallest_need_is_the_least_over_layouts():

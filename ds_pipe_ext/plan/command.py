@@ -46,8 +46,12 @@ def cmd_plan(args) -> int:
     cfg, model = build_model(args)
     if args.only:
         layouts = [parse_only(args.only, gpus=args.gpus, global_batch=model.global_batch)]
-        if layouts[0].tp > 1 and cfg.heads % layouts[0].tp:
-            raise PlanError(f"--only: tp={layouts[0].tp} does not divide {cfg.name}'s {cfg.heads} heads")
+        tp = layouts[0].tp
+        if cfg.heads % tp:
+            raise PlanError(f"--only: tp={tp} does not divide {cfg.name}'s {cfg.heads} heads")
+        if cfg.padded_vocab % tp:
+            raise PlanError(f"--only: tp={tp} does not divide {cfg.name}'s vocabulary ({cfg.padded_vocab}); pad it as "
+                            f"Megatron does: vocab_pad_to = {128 * tp} in the model config")
         dropped = {}
     else:
         layouts, dropped = enumerate_layouts(cfg, args.gpus, gpus_per_node=model.cluster.gpus_per_node,

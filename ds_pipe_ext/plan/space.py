@@ -96,6 +96,10 @@ def enumerate_layouts(cfg, gpus: int, *, gpus_per_node: int, global_batch: int,
         if tp > gpus_per_node or cfg.heads % tp:
             dropped["indivisible: TP leaves the node or does not divide the heads"] += 1
             continue
+        if cfg.padded_vocab % tp:  # the embedding and head rows split over TP ranks
+            dropped[f"indivisible: TP does not divide the vocabulary ({cfg.padded_vocab}; pad it as Megatron "
+                    f"does: vocab_pad_to = 128 x tp in the model config)"] += 1
+            continue
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
             if pp > layers:

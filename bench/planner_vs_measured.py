@@ -1,0 +1,199 @@
+"""The planner against real launches: does its pick train fastest, and does it rank layouts right?
+
+bench-cpu (GPT, V=50257, h=512, 12 blocks, seq 256; its vocabulary padded to 50432 rows, a multiple of
+256, as Megatron pads it, so that TP 2 can split the embedding and head), global batch 4, planned and run on **2 CPU
+ranks** (one core each, OMP_NUM_THREADS=1; the machine has 2 cores, so 4 ranks would share them,
+which the planner does not model).  The `cpu` device is measured on the spot (costs.hardware:
+matmul, memory and vector peaks of one thread).
+
+Calibration: ONE run, the data-parallel layout `dp2-z1-mb2`, sets the device's matrix efficiency
+(the one free factor of the roofline: bisected until the predicted step equals that run's measured
+median).  Every other figure is a prediction of a layout that was not used to calibrate.
+
+Grid (every layout measured, in alternating rounds: round r runs the grid forwards when r is even,
+backwards when odd, so each layout's launches sit at different times of the shared machine's
+load): pipeline 2 stages (1F1B; micro-batch 1 and 2; GPipe at 1), TP 2 (micro-batch 1 and 2, SP on
+and off), DP 2 with ZeRO-1/2/3 (micro-batch 1 and 2), plus the planner's pick when it is not
+among them.  Each launch is `train.py` with the ds.json the planner emits for that layout
+(`plan.render.ds_config`), 4 steps, the first a warm-up; its figure is the median of the rest.
+
+    python bench/planner_vs_measured.py [--rounds 2] [--out runs/planner-vs-measured]
+
+Last line: RESULT plan_pick_vs_best_measured=X plan_rank_spearman=Y plan_step_median_error_pct=Z
+(targets X >= 0.95, Y >= 0.8, Z <= 10)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds_pipe_ext.plan.command import build_model  # noqa: E402
+from ds_pipe_ext.plan.model import PlanModel  # noqa: E402
+from ds_pipe_ext.plan.render import ds_config  # noqa: E402
+from ds_pipe_ext.plan.search import search  # noqa: E402
+from ds_pipe_ext.plan.space import PlanLayout, enumerate_layouts  # noqa: E402
+from ds_pipe_ext.runner import launch  # noqa: E402
+
+RANKS, GLOBAL_BATCH, STEPS = 2, 4, 4
+MODEL = ""  # set by main(): OUT/bench-cpu-tp.toml, bench-cpu with vocab_pad_to = 256
+CALIBRATION = "pp1-tp1-dp2-z1-mb2-none"
+GRID = [  # (pp, tp, dp, zero, micro-batch, sp, schedule)
+    (2, 1, 1, 0, 1, False, "1f1b"), (2, 1, 1, 0, 2, False, "1f1b"), (2, 1, 1, 0, 1, False, "gpipe"),
+    (1, 2, 1, 0, 1, False, "none"), (1, 2, 1, 0, 2, False, "none"), (1, 2, 1, 0, 1, True, "none"),
+    (1, 1, 2, 1, 1, False, "none"), (1, 1, 2, 1, 2, False, "none"), (1, 1, 2, 2, 2, False, "none"),
+    (1, 1, 2, 3, 2, False, "none"),
+]
+
+
+def layout(pp, tp, dp, zero, mb, sp, schedule) -> PlanLayout:
+    return PlanLayout(pp, tp, dp, zero, mb, GLOBAL_BATCH // (mb * dp), "none", sp, schedule)
+
+
+def plan_model(efficiency: float | None = None) -> PlanModel:
+    args = SimpleNamespace(model=MODEL, gpus=RANKS, device="cpu", global_batch=GLOBAL_BATCH, gpus_per_node=None,
+                           intra_node_gbs=None, inter_node_gbs=None, seq=None, dtype=None)
+    _, model = build_model(args)
+    if efficiency is not None:
+        model = PlanModel(model.cfg, replace(model.device, matrix_efficiency=efficiency), model.cluster,
+                          seq=model.seq, global_batch=model.global_batch, dtype=model.dtype)
+    return model
+
+
+def calibrate(measured_step_s: float, lay: PlanLayout) -> float:
+    """The matrix efficiency at which the planner's step for ``lay`` equals the measured one."""
+    lo, hi = 1e-3, 1.0
+    if plan_model(hi).evaluate(lay).step_s > measured_step_s:
+        return hi  # already slower than measured at the datasheet peak: keep it
+    for _ in range(40):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if plan_model(mid).evaluate(lay).step_s > measured_step_s else (lo, mid)
+    return hi
+
+
+PARTS: dict[str, list[int]] = {}  # the split each layout was launched with (the prediction uses it)
+
+
+def measure(lay: PlanLayout, model: PlanModel, out: Path) -> float | None:
+    """samples/s of one launch of ``lay`` (None: it failed); reused when ``out`` holds its metrics."""
+    done = out / "result.json"
+    if done.is_file():
+        got = json.loads(done.read_text())
+        PARTS[lay.name] = got["parts"]
+        return got["samples_per_s"]
+    out.mkdir(parents=True, exist_ok=True)
+    cost = model.evaluate(lay)
+    ds = ds_config(cost, model=MODEL, steps=STEPS, dtype="fp32")
+    (out / "ds.json").write_text(json.dumps(ds, indent=1))
+    t0 = time.perf_counter()
+    proc, ranks = launch(RANKS, out / "ds.json", out_dir=out, cwd=out, timeout=1800)
+    if proc.returncode != 0 or 0 not in ranks:
+        print(f"    {lay.name}: launch failed (exit {proc.returncode})\n{proc.stderr[-1500:]}", flush=True)
+        return None
+    sps = ranks[0]["samples_per_s"]
+    PARTS[lay.name] = cost.parts
+    done.write_text(json.dumps({"samples_per_s": sps, "parts": cost.parts, "launch_s": time.perf_counter() - t0}))
+    return sps
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x):
+        order = sorted(range(len(x)), key=x.__getitem__)
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):  # ties share their mean rank
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="runs/planner-vs-measured")
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(1)  # the cpu spec of one rank's thread, as each launched rank runs
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    global MODEL
+    model_file = out / "bench-cpu-tp.toml"
+    model_file.write_text(Path(__file__).resolve().parents[1].joinpath("model_configs", "bench-cpu.toml").read_text()
+                          + "vocab_pad_to = 256   # Megatron's make_vocab_size_divisible_by 128 x TP 2\n")
+    MODEL = str(model_file)
+    base = plan_model()
+    grid = [layout(*g) for g in GRID]
+    measured: dict[str, list[float]] = {lay.name: [] for lay in grid}
+
+    def run_round(r: int, lays: list[PlanLayout]) -> None:
+        for lay in (lays if r % 2 == 0 else lays[::-1]):
+            sps = measure(lay, base, out / f"round{r}" / lay.name)
+            if sps is not None:
+                measured.setdefault(lay.name, []).append(sps)
+                print(f"  round {r} {lay.name:<34} {sps:.3f} samples/s", flush=True)
+
+    for r in range(args.rounds):
+        run_round(r, grid)
+    by_name = {lay.name: lay for lay in grid}
+    calib_sps = statistics.median(measured[CALIBRATION])
+    eff = calibrate(GLOBAL_BATCH / calib_sps, by_name[CALIBRATION])  # no split to fix: one stage
+    model = plan_model(eff)
+    layouts, _ = enumerate_layouts(model.cfg, RANKS, gpus_per_node=RANKS, global_batch=GLOBAL_BATCH)
+    res = search(model, layouts, top_k=10)
+    pick = res.best_runnable()
+    if pick.layout.name not in measured or not measured[pick.layout.name]:
+        by_name[pick.layout.name] = pick.layout
+        for r in range(args.rounds):
+            run_round(r, [pick.layout])
+
+    print(f"\nbench-cpu (vocabulary padded to {model.cfg.padded_vocab}), {RANKS} CPU ranks (1 thread each), global batch {GLOBAL_BATCH}; cpu spec measured here, "
+          f"matrix efficiency calibrated on {CALIBRATION} alone: {eff:.3f}")
+    print(f"{'layout':<36} {'measured samples/s':>24} {'predicted':>9} {'error':>7}  role")
+    rows = []
+    for name, values in measured.items():
+        if not values:
+            print(f"{name:<36} {'failed':>24}")
+            continue
+        lay = by_name[name]
+        pred = model.evaluate(lay, PARTS.get(name))
+        med = statistics.median(values)
+        err = 100 * (pred.samples_per_s - med) / med
+        role = "calibration" if name == CALIBRATION else "predicted"
+        role += ", planner's pick" if name == pick.layout.name else ""
+        rows.append((name, med, pred.samples_per_s, err, role))
+        print(f"{name:<36} {med:>9.3f} [{min(values):.3f}-{max(values):.3f}] {pred.samples_per_s:>9.3f} "
+              f"{err:>+6.1f}%  {role}")
+    predicted_rows = [r for r in rows if not r[4].startswith("calibration")]
+    best = max(rows, key=lambda r: r[1])
+    pick_row = next(r for r in rows if r[0] == pick.layout.name)
+    x = pick_row[1] / best[1]
+    y = spearman([r[2] for r in predicted_rows], [r[1] for r in predicted_rows])
+    z = statistics.median(abs(r[3]) for r in predicted_rows)
+    print(f"pick {pick.layout.name} (predicted {pick.samples_per_s:.3f} samples/s); best measured {best[0]} "
+          f"({best[1]:.3f}); {len(predicted_rows)} predicted layouts, 1 calibration run; rounds {args.rounds}, "
+          f"largest round-to-round spread of one layout "
+          f"{max(max(v) / min(v) for v in measured.values() if v):.2f}x")
+    print(f"RESULT plan_pick_vs_best_measured={x:.3f} plan_rank_spearman={y:.3f} plan_step_median_error_pct={z:.1f}")
+
+
+if __name__ == "__main__":
+    main()
