@@ -159,3 +159,15 @@ def test_only_the_newest_complete_checkpoints_are_kept(tmp_path):
             (d / checkpoint.MANIFEST).write_text("{}")
     checkpoint._prune(tmp_path, keep_last=2, newest=6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step4", "global_step6"]
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 300_001])
+def test_squared_l2_matches_float64(n):
+    from ds_pipe_ext.train.build import squared_l2
+
+    g = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3.0
+    want = float(g.double().pow(2).sum())
+    assert float(squared_l2(g)) == pytest.approx(want, rel=1e-5, abs=1e-12)
+    assert float(squared_l2(g.view(-1, 1) if n else g)) == pytest.approx(want, rel=1e-5, abs=1e-12)  # any shape
+    b = g.bfloat16()
+    assert float(squared_l2(b)) == pytest.approx(float(b.double().pow(2).sum()), rel=1e-5, abs=1e-12)
