@@ -6,9 +6,11 @@ ranks** (one core each, OMP_NUM_THREADS=1; the machine has 2 cores, so 4 ranks w
 which the planner does not model).  The `cpu` device is measured on the spot (costs.hardware:
 matmul, memory and vector peaks of one thread).
 
-Calibration: ONE run, the data-parallel layout `dp2-z1-mb2`, sets the device's matrix efficiency
-(the one free factor of the roofline: bisected until the predicted step equals that run's measured
-median).  Every other figure is a prediction of a layout that was not used to calibrate.
+Calibration: NO launch.  The `cpu` spec is calibrated by micro-benchmarks alone, measured here before
+any launch: one thread's matmul, memory-copy and vector peaks and page-fault rate
+(``costs.hardware.measure_cpu``); gloo's all-reduce, all-gather, reduce-scatter and send between two
+one-thread ranks, and the share of a GEMM's and a copy's speed each rank keeps while both run one
+(``costs.cpu_comm``).  Every launched layout is therefore a prediction.
 
 Grid (every layout measured, in alternating rounds: round r runs the grid forwards when r is even,
 backwards when odd, so each layout's launches sit at different times of the shared machine's
@@ -17,7 +19,7 @@ and off), DP 2 with ZeRO-1/2/3 (micro-batch 1 and 2), plus the planner's pick wh
 among them.  Each launch is `train.py` with the ds.json the planner emits for that layout
 (`plan.render.ds_config`), 4 steps, the first a warm-up; its figure is the median of the rest.
 
-    python bench/planner_vs_measured.py [--rounds 2] [--out runs/planner-vs-measured]
+    python bench/planner_vs_measured.py [--rounds 3] [--out runs/planner-vs-measured-v3]
 
 Last line: RESULT plan_pick_vs_best_measured=X plan_rank_spearman=Y plan_step_median_error_pct=Z
 (targets X >= 0.95, Y >= 0.8, Z <= 10)
@@ -30,7 +32,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,7 +46,6 @@ from ds_pipe_ext.runner import launch  # noqa: E402
 
 RANKS, GLOBAL_BATCH, STEPS = 2, 4, 4
 MODEL = ""  # set by main(): OUT/bench-cpu-tp.toml, bench-cpu with vocab_pad_to = 256
-CALIBRATION = "pp1-tp1-dp2-z1-mb2-none"
 GRID = [  # (pp, tp, dp, zero, micro-batch, sp, schedule)
     (2, 1, 1, 0, 1, False, "1f1b"), (2, 1, 1, 0, 2, False, "1f1b"), (2, 1, 1, 0, 1, False, "gpipe"),
     (1, 2, 1, 0, 1, False, "none"), (1, 2, 1, 0, 2, False, "none"), (1, 2, 1, 0, 1, True, "none"),
@@ -58,25 +58,10 @@ def layout(pp, tp, dp, zero, mb, sp, schedule) -> PlanLayout:
     return PlanLayout(pp, tp, dp, zero, mb, GLOBAL_BATCH // (mb * dp), "none", sp, schedule)
 
 
-def plan_model(efficiency: float | None = None) -> PlanModel:
+def plan_model() -> PlanModel:
     args = SimpleNamespace(model=MODEL, gpus=RANKS, device="cpu", global_batch=GLOBAL_BATCH, gpus_per_node=None,
                            intra_node_gbs=None, inter_node_gbs=None, seq=None, dtype=None)
-    _, model = build_model(args)
-    if efficiency is not None:
-        model = PlanModel(model.cfg, replace(model.device, matrix_efficiency=efficiency), model.cluster,
-                          seq=model.seq, global_batch=model.global_batch, dtype=model.dtype)
-    return model
-
-
-def calibrate(measured_step_s: float, lay: PlanLayout) -> float:
-    """The matrix efficiency at which the planner's step for ``lay`` equals the measured one."""
-    lo, hi = 1e-3, 1.0
-    if plan_model(hi).evaluate(lay).step_s > measured_step_s:
-        return hi  # already slower than measured at the datasheet peak: keep it
-    for _ in range(40):
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if plan_model(mid).evaluate(lay).step_s > measured_step_s else (lo, mid)
-    return hi
+    return build_model(args)[1]
 
 
 PARTS: dict[str, list[int]] = {}  # the split each layout was launched with (the prediction uses it)
@@ -127,8 +112,8 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", default="runs/planner-vs-measured")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="runs/planner-vs-measured-v3")
     args = ap.parse_args()
     import torch
 
@@ -140,58 +125,52 @@ def main() -> None:
     model_file.write_text(Path(__file__).resolve().parents[1].joinpath("model_configs", "bench-cpu.toml").read_text()
                           + "vocab_pad_to = 256   # Megatron's make_vocab_size_divisible_by 128 x TP 2\n")
     MODEL = str(model_file)
-    base = plan_model()
+    model = plan_model()
+    layouts, _ = enumerate_layouts(model.cfg, RANKS, gpus_per_node=RANKS, global_batch=GLOBAL_BATCH)
+    pick = search(model, layouts, top_k=10).best_runnable()  # chosen before anything is launched
     grid = [layout(*g) for g in GRID]
+    if pick.layout.name not in {lay.name for lay in grid}:
+        grid.append(pick.layout)
+    by_name = {lay.name: lay for lay in grid}
     measured: dict[str, list[float]] = {lay.name: [] for lay in grid}
-
-    def run_round(r: int, lays: list[PlanLayout]) -> None:
-        for lay in (lays if r % 2 == 0 else lays[::-1]):
-            sps = measure(lay, base, out / f"round{r}" / lay.name)
+    print(f"planner's pick (before any launch): {pick.layout.name}, predicted {pick.samples_per_s:.3f} samples/s", flush=True)
+    for r in range(args.rounds):
+        for lay in (grid if r % 2 == 0 else grid[::-1]):
+            sps = measure(lay, model, out / f"round{r}" / lay.name)
             if sps is not None:
-                measured.setdefault(lay.name, []).append(sps)
+                measured[lay.name].append(sps)
                 print(f"  round {r} {lay.name:<34} {sps:.3f} samples/s", flush=True)
 
-    for r in range(args.rounds):
-        run_round(r, grid)
-    by_name = {lay.name: lay for lay in grid}
-    calib_sps = statistics.median(measured[CALIBRATION])
-    eff = calibrate(GLOBAL_BATCH / calib_sps, by_name[CALIBRATION])  # no split to fix: one stage
-    model = plan_model(eff)
-    layouts, _ = enumerate_layouts(model.cfg, RANKS, gpus_per_node=RANKS, global_batch=GLOBAL_BATCH)
-    res = search(model, layouts, top_k=10)
-    pick = res.best_runnable()
-    if pick.layout.name not in measured or not measured[pick.layout.name]:
-        by_name[pick.layout.name] = pick.layout
-        for r in range(args.rounds):
-            run_round(r, [pick.layout])
+    gloo = model.device.collectives
+    from ds_pipe_ext.costs.cpu_comm import measure_cpu_ranks
 
-    print(f"\nbench-cpu (vocabulary padded to {model.cfg.padded_vocab}), {RANKS} CPU ranks (1 thread each), global batch {GLOBAL_BATCH}; cpu spec measured here, "
-          f"matrix efficiency calibrated on {CALIBRATION} alone: {eff:.3f}")
+    shared = measure_cpu_ranks(RANKS)["shared"]  # cached: what build_model applied
+    print(f"\nbench-cpu (vocabulary padded to {model.cfg.padded_vocab}), {RANKS} CPU ranks (1 thread each), global batch "
+          f"{GLOBAL_BATCH}; cpu spec from micro-benchmarks only (matmul {model.device.matrix_flops['fp32'] / 1e9:.0f} GFLOP/s, "
+          f"copy {model.device.hbm_bandwidth / 1e9:.1f} GB/s, gloo all-reduce {gloo['all-reduce'][1] / 1e9:.2f} GB/s + "
+          f"{gloo['all-reduce'][0] * 1e3:.2f} ms; GEMM and copy peaks x {shared['matrix']:.2f} and x {shared['memory']:.2f} "
+          f"for the cores the ranks share); no launch calibrated anything")
     print(f"{'layout':<36} {'measured samples/s':>24} {'predicted':>9} {'error':>7}  role")
     rows = []
     for name, values in measured.items():
         if not values:
             print(f"{name:<36} {'failed':>24}")
             continue
-        lay = by_name[name]
-        pred = model.evaluate(lay, PARTS.get(name))
+        pred = model.evaluate(by_name[name], PARTS.get(name))
         med = statistics.median(values)
         err = 100 * (pred.samples_per_s - med) / med
-        role = "calibration" if name == CALIBRATION else "predicted"
-        role += ", planner's pick" if name == pick.layout.name else ""
+        role = "predicted" + (", planner's pick" if name == pick.layout.name else "")
         rows.append((name, med, pred.samples_per_s, err, role))
         print(f"{name:<36} {med:>9.3f} [{min(values):.3f}-{max(values):.3f}] {pred.samples_per_s:>9.3f} "
               f"{err:>+6.1f}%  {role}")
-    predicted_rows = [r for r in rows if not r[4].startswith("calibration")]
     best = max(rows, key=lambda r: r[1])
     pick_row = next(r for r in rows if r[0] == pick.layout.name)
     x = pick_row[1] / best[1]
-    y = spearman([r[2] for r in predicted_rows], [r[1] for r in predicted_rows])
-    z = statistics.median(abs(r[3]) for r in predicted_rows)
+    y = spearman([r[2] for r in rows], [r[1] for r in rows])
+    z = statistics.median(abs(r[3]) for r in rows)
     print(f"pick {pick.layout.name} (predicted {pick.samples_per_s:.3f} samples/s); best measured {best[0]} "
-          f"({best[1]:.3f}); {len(predicted_rows)} predicted layouts, 1 calibration run; rounds {args.rounds}, "
-          f"largest round-to-round spread of one layout "
-          f"{max(max(v) / min(v) for v in measured.values() if v):.2f}x")
+          f"({best[1]:.3f}); {len(rows)} layouts, all predicted, 0 calibration runs; rounds {args.rounds}, "
+          f"largest round-to-round spread of one layout {max(max(v) / min(v) for v in measured.values() if v):.2f}x")
     print(f"RESULT plan_pick_vs_best_measured={x:.3f} plan_rank_spearman={y:.3f} plan_step_median_error_pct={z:.1f}")
 
 

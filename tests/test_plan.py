@@ -5,6 +5,7 @@ the search's top K be exactly that ranking: a bound that is not a bound fails it
 """
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -12,8 +13,9 @@ import pytest
 from ds_pipe_ext.cli import main
 from ds_pipe_ext.models.config import load_model_config
 from ds_pipe_ext.plan.command import build_model
-from ds_pipe_ext.plan.model import OutOfMemory
-from ds_pipe_ext.plan.render import ds_config, megatron_layout
+from ds_pipe_ext.costs.cpu_comm import fit
+from ds_pipe_ext.plan.model import OutOfMemory, PlanModel
+from ds_pipe_ext.plan.render import MegatronLayoutChecker, check_in_process, ds_config, megatron_layout
 from ds_pipe_ext.plan.search import search
 from ds_pipe_ext.plan.space import PlanError, PlanLayout, enumerate_layouts, parse_only
 
@@ -50,8 +52,21 @@ def test_gpt3_175b_on_1024_a100_top10_fits_in_80gb_and_json_has_the_fields(capfd
     assert any(r["runnable"] for r in rows)
 
 
-def test_the_search_loses_nothing_against_simulating_every_layout():
+GLOO_LIKE = {"all-reduce": [2e-4, 2e9], "all-gather": [1.5e-4, 5e8], "reduce-scatter": [2.5e-4, 4e8],
+             "p2p": [4e-5, 4e9]}
+
+
+def with_device(model, **changes):
+    """The same plan on a device with some fields changed (a fresh model: layer costs are cached)."""
+    return PlanModel(model.cfg, replace(model.device, **changes), model.cluster, seq=model.seq,
+                     global_batch=model.global_batch, dtype=model.dtype)
+
+
+@pytest.mark.parametrize("measured_links", [False, True], ids=["ring-formulas", "gloo-like-measured-links"])
+def test_the_search_loses_nothing_against_simulating_every_layout(measured_links):
     cfg, model = plan_model("compare-cpu", gpus=8, device="a100", global_batch=64)
+    if measured_links:  # latencies, slow collectives, p2p latency and Adam's page faults, as on CPU ranks
+        model = with_device(model, collectives=GLOO_LIKE, fresh_page_bandwidth=1.5e9, fresh_alloc_min_bytes=2**20)
     layouts, _ = enumerate_layouts(cfg, 8, gpus_per_node=8, global_batch=64)
     everything = []
     for lay in layouts:
@@ -69,6 +84,67 @@ def test_the_search_loses_nothing_against_simulating_every_layout():
     got = [c.step_s for c in res.top[:10]]
     assert got == pytest.approx([c.step_s for c in everything[:10]], rel=1e-12)
     assert {c.layout for c in res.top[:10]} <= {c.layout for c in everything if c.step_s <= got[-1]}
+
+
+def test_gloo_fit_recovers_latency_and_bus_bandwidth():
+    lat, bw, n = 3e-4, 2e9, 2
+    times = {"all-reduce": {s: lat + 2 * (n - 1) / n * s / bw for s in (2**16, 2**26)},
+             "all-gather": {s: lat + (n - 1) / n * s / (bw / 4) for s in (2**16, 2**26)},
+             "p2p": {s: lat / 10 + s / (2 * bw) for s in (2**16, 2**26)}}
+    got = fit(times, n)
+    assert got["all-reduce"] == pytest.approx([lat, bw])
+    assert got["all-gather"] == pytest.approx([lat, bw / 4])
+    assert got["p2p"] == pytest.approx([lat / 10, 2 * bw])
+
+
+def test_measured_collectives_price_dp_zero_and_tp_communication():
+    """Where the device has measured collectives they replace the ring formula on the link: a ZeRO-1
+    update is DeepSpeed's bucketed all-reduce plus the all-gather of the weights; TP layers pay latency."""
+    cfg, model = plan_model("tiny", gpus=2, device="a100", global_batch=4)
+    gloo = with_device(model, collectives=GLOO_LIKE)
+    lay = PlanLayout(1, 1, 2, 1, 1, 2, "none", False, "none")
+    params = 1e6
+    adam = gloo.update_s(replace(lay, dp=1, zero=0), params / 2)  # no collective, half the parameters: Adam only
+    grads = params * gloo.e
+    want = (2e-4 + grads / 2e9) + (1.5e-4 + 0.5 * grads / 5e8)  # all-reduce (2 (n-1)/n = 1) + all-gather
+    assert gloo.update_s(lay, params) == pytest.approx(want + adam)
+    assert gloo.update_s(lay, params) > model.update_s(lay, params)  # slower than NVLink's ring
+    tp_fast = sum(c.forward_s for c in model.layer_costs(2, False, 1, "none"))
+    tp_gloo = sum(c.forward_s for c in gloo.layer_costs(2, False, 1, "none"))
+    assert tp_gloo > tp_fast + 2e-4 * cfg.layers  # at least one all-reduce's latency per block forward
+    assert model.layer_costs(1, False, 1, "none") == gloo.layer_costs(1, False, 1, "none")  # no TP: no collective
+
+
+def test_cpu_ranks_get_gloo_links_and_a_share_of_the_cores(monkeypatch):
+    """``--device cpu``: the collectives and the shared-core factors measured between ranks (stubbed
+    here: the real measurement spawns ranks) replace the memory copy as link and scale the peaks."""
+    import ds_pipe_ext.costs.cpu_comm as cpu_comm
+    from ds_pipe_ext.costs.hardware import get_device
+    from ds_pipe_ext.plan.command import as_cpu_ranks
+
+    asked = []
+    monkeypatch.setattr(cpu_comm, "measure_cpu_ranks", lambda ranks: asked.append(ranks) or
+                        {"collectives": GLOO_LIKE, "shared": {"matrix": 0.9, "memory": 0.5}})
+    cpu = get_device("cpu")
+    ranks = as_cpu_ranks(cpu, 2)
+    assert asked == [2] and ranks.collectives == GLOO_LIKE and ranks.name == "cpu"
+    assert ranks.matrix_flops["fp32"] == pytest.approx(0.9 * cpu.matrix_flops["fp32"])
+    assert ranks.hbm_bandwidth == pytest.approx(0.5 * cpu.hbm_bandwidth)
+    _, model = plan_model("tiny", gpus=2, device="cpu", global_batch=4)  # through build_model, also stubbed
+    assert model.device.collectives == GLOO_LIKE and model.adam_bytes_per_param == 80.0
+    _, given = plan_model("tiny", gpus=2, device="cpu", global_batch=4, intra_node_gbs=5.0)
+    assert given.device.collectives is None  # links given on the command line are the user's
+
+
+def test_adam_pays_page_faults_for_large_fp32_tensors_only_on_a_cpu():
+    cfg, model = plan_model("tiny", gpus=2, device="a100", global_batch=4)
+    cpu_like = with_device(model, fresh_page_bandwidth=1e9, fresh_alloc_min_bytes=2**20)
+    lay = PlanLayout(1, 1, 2, 0, 1, 2, "none", False, "none")
+    layers = [3e5, 1e5, 1e5, 3e5]  # two over 1 MiB in fp32, two under
+    assert model.adam_fresh_bytes(lay, layers) == ()  # GPUs' caching allocator: none
+    assert cpu_like.adam_fresh_bytes(lay, layers) == (1.2e6, 1.2e6)
+    assert cpu_like.adam_fresh_bytes(replace(lay, zero=1), layers) == (4 * 8e5 / 2,)  # one flat partition a rank
+    assert cpu_like.update_s(lay, 8e5, (1.2e6, 1.2e6)) == pytest.approx(cpu_like.update_s(lay, 8e5) + 2.4e6 / 1e9)
 
 
 def test_memory_is_the_cap_of_the_exact_partition():
@@ -98,6 +174,15 @@ def test_megatron_layout_strings_are_checked_by_megatron_core():
     v = SimpleNamespace(layout=PlanLayout(2, 1, 1, 0, 1, 4, "none", False, "dualpipev"), parts=[0, 2, 3, 5, 6])
     text, why = megatron_layout(v, 4)
     assert text is None and "V" in why
+    # the plan command asks a child interpreter (its megatron import overlaps the search): same verdicts
+    checker = MegatronLayoutChecker()
+    try:
+        assert megatron_layout(cost, cfg.layers, checker) == megatron_layout(cost, cfg.layers)
+        assert checker("Et*2|t*2L", 2, 4) == check_in_process("Et*2|t*2L", 2, 4) == {}
+        bad = checker("Et*3|t*2L", 2, 4)  # 5 blocks for a 4-block model
+        assert "error" in bad and bad == check_in_process("Et*3|t*2L", 2, 4)
+    finally:
+        checker.close()
 
 
 def test_emitted_ds_config_is_a_pipeline_config_train_py_reads(tmp_path):

@@ -41,6 +41,10 @@ class DeviceSpec:
     # reuse memory (0: no such cost).  Measured by ``measure_cpu``.
     fresh_page_bandwidth: float = 0.0  # bytes/s of first touches
     fresh_alloc_min_bytes: float = 32 * 2**20  # glibc's largest dynamic mmap threshold (64-bit)
+    # Measured collectives, {kind: [latency_s, bus bandwidth]} for "all-reduce", "all-gather",
+    # "reduce-scatter" and "p2p"; None: the ring formulas on the link bandwidth.  CPU ranks talk
+    # through gloo at a tenth of a memory copy's speed (``cpu_comm.measure_cpu_ranks``).
+    collectives: dict | None = None
 
     def fresh_alloc_time(self, sizes) -> float:
         """Seconds of page faults for buffers of these sizes (bytes)."""
@@ -58,11 +62,24 @@ class DeviceSpec:
         compute = flops / (peak * self.efficiency(op.kind, op.gemm_dim))
         memory = moved / (self.hbm_bandwidth * self.memory_efficiency)
         comm_bytes = op.comm_bwd_bytes if backward else op.comm_fwd_bytes
-        comm = ring_time(comm_bytes, op.comm_type, tp, self.link_bandwidth(tp) * self.comm_efficiency)
+        kind = op.comm_type
+        if "+" in kind:  # an SP pair: the first collective runs forward, the other backward
+            kind = kind.split("+")[1 if backward else 0]
+        comm = self.collective_time(comm_bytes, kind, tp, self.link_bandwidth(tp) * self.comm_efficiency)
         fresh = self.fresh_alloc_time(op.bwd_allocs if backward else op.fwd_allocs)
         return {"compute_s": compute, "memory_s": memory, "comm_s": comm, "fresh_s": fresh,
                 "time_s": max(compute, memory) + fresh + comm,
                 "intensity": flops / moved if moved else float("inf")}
+
+    def collective_time(self, payload_bytes: float, kind: str, n: int, bandwidth: float) -> float:
+        """One collective over ``n`` ranks: the measured latency and bus bandwidth where this device
+        has them, else the ring formula on ``bandwidth``.  "p2p" is one send of the payload."""
+        if n <= 1 or payload_bytes == 0:
+            return 0.0
+        if self.collectives and kind in self.collectives:
+            latency, busbw = self.collectives[kind]
+            return latency + (payload_bytes / busbw if kind == "p2p" else ring_time(payload_bytes, kind, n, busbw))
+        return payload_bytes / bandwidth if kind == "p2p" else ring_time(payload_bytes, kind, n, bandwidth)
 
     def efficiency(self, kind: str, gemm_dim: float = 0.0) -> float:
         if kind == "matrix" and self.matrix_half_dim > 0 and gemm_dim > 0:

@@ -66,10 +66,11 @@ class IterationTime:
         return flops / (self.step_s * gpus) / 1e12
 
 
-def adam_step_s(params: float, device: DeviceSpec, *, bytes_per_param: float = 30.0) -> float:
-    """A memory-bound Adam step over ``params`` parameters: in mixed precision it reads param, grad,
-    m, v and writes param, m, v and the 16-bit copy (~30 bytes a parameter; 28 in fp32)."""
-    return bytes_per_param * params / (device.hbm_bandwidth * device.memory_efficiency)
+def adam_step_s(params: float, device: DeviceSpec, *, bytes_per_param: float = 30.0, fresh_sizes=()) -> float:
+    """A memory-bound Adam step over ``params`` parameters: in mixed precision a fused one reads param,
+    grad, m, v and writes param, m, v and the 16-bit copy (~30 bytes a parameter; 28 in fp32).
+    ``fresh_sizes``: bytes of temporaries mapped afresh (a CPU's page faults, ``fresh_alloc_time``)."""
+    return bytes_per_param * params / (device.hbm_bandwidth * device.memory_efficiency) + device.fresh_alloc_time(fresh_sizes)
 
 
 def _stage_times(cfg, layout: Layout, device: DeviceSpec, dtype: str) -> tuple[list[float], list[float], list[float]]:

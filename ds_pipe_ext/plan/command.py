@@ -20,12 +20,30 @@ def _emit(text: str) -> None:
     print(text, file=sys.__stdout__, flush=True)
 
 
+def as_cpu_ranks(device, ranks: int):
+    """The cpu spec as each of ``ranks`` ranks sees it: gloo's measured collectives (ten times slower
+    than the memory copy the spec measures), and GEMM and memory peaks scaled by the share of the
+    cores a rank gets while all compute (``costs.cpu_comm``; measured once, cached)."""
+    from dataclasses import replace
+
+    from ..costs.cpu_comm import measure_cpu_ranks
+
+    got = measure_cpu_ranks(ranks)
+    mm, mem = got["shared"]["matrix"], got["shared"]["memory"]
+    return replace(device, collectives=got["collectives"],
+                   matrix_flops={k: v * mm for k, v in device.matrix_flops.items()},
+                   vector_flops={k: v * mm for k, v in device.vector_flops.items()},
+                   hbm_bandwidth=device.hbm_bandwidth * mem)
+
+
 def build_model(args):
     from ..models.config import load_model_config
     from .model import Cluster, PlanModel, plan_device
 
     cfg = load_model_config(args.model)
     device = plan_device(args.device)
+    if device.name == "cpu" and device.collectives is None and not (args.intra_node_gbs or args.inter_node_gbs):
+        device = as_cpu_ranks(device, max(2, min(args.gpus, 8)))
     per_node = args.gpus_per_node or (args.gpus if device.name == "cpu" else device.gpus_per_node)
     cluster = Cluster(per_node,
                       args.intra_node_gbs * 1e9 if args.intra_node_gbs else device.intra_node_bandwidth,
@@ -39,6 +57,17 @@ def build_model(args):
 
 
 def cmd_plan(args) -> int:
+    from .render import MegatronLayoutChecker
+
+    checker = None if args.json else MegatronLayoutChecker()  # its import overlaps the search
+    try:
+        return _plan(args, checker)
+    finally:
+        if checker is not None:
+            checker.close()
+
+
+def _plan(args, checker) -> int:
     from .render import ds_config, megatron_layout, render_table, rows_json
     from .search import search
 
@@ -86,15 +115,20 @@ def cmd_plan(args) -> int:
         _emit(rows_json(res))
         return 0
     d = model.device
-    _emit(f"{cfg.name} on {args.gpus} x {d.name} ({model.cluster.gpus_per_node} a node; links "
-          f"{model.cluster.intra_node_bandwidth / 1e9:g} / {model.cluster.inter_node_bandwidth / 1e9:g} GB/s inside / "
-          f"between nodes), global batch {model.global_batch}, seq {model.seq}, {model.dtype}; analytic costs "
+    if d.collectives:
+        links = "gloo measured: " + ", ".join(f"{kind} {bw / 1e9:.2f} GB/s + {lat * 1e3:.2f} ms"
+                                              for kind, (lat, bw) in d.collectives.items())
+    else:
+        links = (f"links {model.cluster.intra_node_bandwidth / 1e9:g} / {model.cluster.inter_node_bandwidth / 1e9:g} "
+                 f"GB/s inside / between nodes")
+    _emit(f"{cfg.name} on {args.gpus} x {d.name} ({model.cluster.gpus_per_node} a node; {links}), global batch "
+          f"{model.global_batch}, seq {model.seq}, {model.dtype}; analytic costs "
           f"(roofline, matrix efficiency {d.matrix_efficiency:.3f}), step from the event simulator")
     _emit(render_table(res, memory_cap=model.memory_cap))
     for label, cost in (("pick", res.top[0]), ("best layout DeepSpeed runs", best)):
         if cost is None or (label != "pick" and cost is res.top[0]):
             continue
-        text, why = megatron_layout(cost, cfg.layers)
+        text, why = megatron_layout(cost, cfg.layers, checker)
         _emit(f"{label}: {cost.layout.name}, parts {cost.parts}")
         _emit(f"  Megatron pipeline_model_parallel_layout: {text!r} ({why})" if text else
               f"  Megatron pipeline_model_parallel_layout: none ({why})")

@@ -16,11 +16,16 @@ take the rest.
 
 The step: the event simulator runs the schedule over the partitioned chunks (p2p on the link
 between neighbouring stages); each rank's optimizer work after its last backward is its
-data-parallel collective (ring formulas over the DP group's link) plus a memory-bound Adam over
-the parameters it owns.  ZeRO-2 reduce-scatters every micro-batch, ZeRO-3 gathers the weights
+data-parallel collective plus Adam over the parameters it owns.  Collectives are ring formulas
+over the group's link, or, where the device has measured ones (CPU ranks over gloo,
+``costs.cpu_comm``), its measured latency and bandwidth per kind.  As DeepSpeed runs them: ZeRO-1
+all-reduces the gradient buckets at the boundary and all-gathers the updated weights, ZeRO-2 does
+the all-reduce every micro-batch (``use_multi_rank_bucket_allreduce``), ZeRO-3 gathers the weights
 forward and backward and reduce-scatters every micro-batch.  None of it is hidden under compute:
 the emitted ds.json sets ``overlap_comm`` off (``ZERO_SETTINGS``), and we have no measurement to fit
 how much DeepSpeed's prefetch hides, so ZeRO-2/3 steps are upper bounds where links are slow.
+Adam is memory-bound: one fused pass on GPUs (~30 bytes a parameter), torch's unfused AdamW on CPU
+(~80), plus the page faults of its temporaries on a CPU (``adam_fresh_bytes``).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from functools import lru_cache
 
 from ..costs import analytic as A
 from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs, layer_ops, shape_for
-from ..costs.hardware import DEVICES, DeviceSpec, get_device, ring_time
+from ..costs.hardware import DEVICES, DeviceSpec, get_device
 from ..costs.iteration import adam_step_s
 from ..costs.stage import held_activation_bytes, stage_costs
 from ..costs.zero import zero_model_states
@@ -40,6 +45,10 @@ from ..simulate.events import ChunkCosts, Link, Network, simulate
 from ..simulate.schedules import schedule_for_chunks
 from .space import PlanError, PlanLayout
 
+# Adam's memory traffic per parameter: fused (apex, Megatron) reads param, grad, m, v and writes
+# param, m, v and the 16-bit copy (~30 bytes); torch's single-tensor AdamW makes eight elementwise
+# passes over fp32 tensors (decay, two moment updates, sqrt, two scalings, the update): ~80 bytes.
+FUSED_ADAM_BYTES, UNFUSED_ADAM_BYTES = 30.0, 80.0
 USABLE_MEMORY = 0.9  # of the device's memory; the rest: CUDA context, NCCL buffers, fragmentation
 
 # Efficiency factors fitted on published Megatron-LM runs (bench/calibrate_at_scale.py, docs/CALIBRATION.md);
@@ -132,6 +141,8 @@ class PlanModel:
         per_node = cluster.gpus_per_node if device.name == "cpu" else 1  # a CPU's ranks share its memory
         self.memory_cap = device.memory_bytes * USABLE_MEMORY / per_node
         self.flops_per_step = global_batch * self._model_flops_per_sample()
+        # Megatron's GPUs run a fused Adam (one pass); train.py on CPU runs torch's single-tensor AdamW
+        self.adam_bytes_per_param = UNFUSED_ADAM_BYTES if device.name == "cpu" else FUSED_ADAM_BYTES
 
     def _model_flops_per_sample(self) -> float:
         """Matrix and attention FLOPs of forward + backward of one sample (no recompute): MFU's numerator."""
@@ -169,21 +180,46 @@ class PlanModel:
         # neighbouring stages are tp x dp ranks apart: the same node only if both fit in it
         return self.cluster.bandwidth(2 * lay.tp * lay.dp) * self.device.comm_efficiency
 
-    def update_s(self, lay: PlanLayout, params: float) -> float:
+    def _p2p_link(self, lay: PlanLayout) -> Link:
+        measured = (self.device.collectives or {}).get("p2p")
+        if measured:  # CPU ranks: gloo's measured send, not the memory copy
+            return Link(measured[0], measured[1])
+        return Link(0.0, self._p2p_bandwidth(lay))
+
+    def update_s(self, lay: PlanLayout, params: float, fresh_bytes: tuple = ()) -> float:
         """A rank's DP collectives and Adam for ``params`` parameters, counted after its last backward
         (ZeRO-2/3's per-micro-batch collectives too: with no overlap, where they sit does not change
-        the step of one rank's serial work)."""
+        the step of one rank's serial work).  ``fresh_bytes``: the fp32 tensors Adam updates that
+        are large enough to pay first touches on a CPU (``adam_fresh_bytes``); 0 on GPUs."""
         dp, m, grads = lay.dp, lay.micro_batches, params * self.e
         bw = self._dp_bandwidth(lay)
+
+        def coll(kind: str) -> float:
+            return self.device.collective_time(grads, kind, dp, bw)
+
+        # DeepSpeed's ZeRO-1/2 reduce gradients by all-reducing buckets that span every rank's
+        # slice (``use_multi_rank_bucket_allreduce``, on by default), then each keeps its slice
         if lay.zero == 0:
-            comm = ring_time(grads, "all-reduce", dp, bw)
-        elif lay.zero == 1:  # reduce-scatter once at the boundary, all-gather the updated weights
-            comm = 2 * ring_time(grads, "reduce-scatter", dp, bw)
-        elif lay.zero == 2:  # reduce-scatter every micro-batch, all-gather once
-            comm = (m + 1) * ring_time(grads, "reduce-scatter", dp, bw)
+            comm = coll("all-reduce")
+        elif lay.zero == 1:  # at the boundary: all-reduce, then all-gather the updated weights
+            comm = coll("all-reduce") + coll("all-gather")
+        elif lay.zero == 2:  # all-reduce every micro-batch's gradients, all-gather once
+            comm = m * coll("all-reduce") + coll("all-gather")
         else:  # gather forward and again backward, reduce-scatter, every micro-batch
-            comm = 3 * m * ring_time(grads, "all-gather", dp, bw)
-        return comm + adam_step_s(params / (dp if lay.zero >= 1 else 1), self.device)
+            comm = m * (2 * coll("all-gather") + coll("reduce-scatter"))
+        owned = params / (dp if lay.zero >= 1 else 1)
+        return comm + adam_step_s(owned, self.device, bytes_per_param=self.adam_bytes_per_param,
+                                  fresh_sizes=fresh_bytes)
+
+    def adam_fresh_bytes(self, lay: PlanLayout, layer_params: list[float]) -> tuple:
+        """The fp32 tensors whose Adam temporaries are mapped afresh each step on a CPU (glibc: above its
+        mmap threshold): under ZeRO the rank's one flat partition, else each layer over the threshold
+        counted as one tensor (its embedding or head matrix; a block's matrices are each smaller)."""
+        if not self.device.fresh_page_bandwidth:
+            return ()
+        if lay.zero >= 1:
+            return (4.0 * sum(layer_params) / lay.dp,)
+        return tuple(4.0 * p for p in layer_params if 4.0 * p > self.device.fresh_alloc_min_bytes)
 
     # -- bounds --------------------------------------------------------------------------------
     def lower_bound_s(self, lay: PlanLayout) -> float:
@@ -216,14 +252,14 @@ class PlanModel:
         if chunks == 1:
             return [0, len(costs)]
         per_param = _state_bytes_per_param(lay.zero, lay.dp, self.e)
-        bw = self._p2p_bandwidth(lay)
+        link = self._p2p_link(lay)
         try:  # a rank holds chunks_per_rank chunks: each gets its share of the cap
             return partition_min_max_lists(
                 [c.time_s(recompute=full) for c in costs], chunks,
                 static_bytes=[c.param_bytes / self.e * per_param for c in costs],
                 activation_bytes=held_activation_bytes(costs, recompute=full),
                 micro_batches=lay.micro_batches, memory_cap=self.memory_cap / lay.chunks_per_rank,
-                boundary_time=[c.output_bytes / bw for c in costs], schedule=_schedule_name(lay),
+                boundary_time=[link.latency_s + c.output_bytes / link.bandwidth for c in costs], schedule=_schedule_name(lay),
                 explain_infeasible=False)
         except InfeasibleMemoryCap:
             raise OutOfMemory(None) from None
@@ -256,7 +292,7 @@ class PlanModel:
         if lay.pp == 1:
             st = stages[0]
             rank_params = [st.param_bytes / self.e]
-            update = self.update_s(lay, rank_params[0])
+            update = self.update_s(lay, rank_params[0], self.adam_fresh_bytes(lay, [c.param_bytes / self.e for c in costs]))
             pipeline_s, bubble, held = m * (st.forward_s + st.backward_s) + update, 0.0, [st.activation_bytes]
             chunk_rank = (0,)
         else:
@@ -264,13 +300,17 @@ class PlanModel:
                                         virtual_stages=lay.chunks_per_rank if name.startswith("interleaved") else 2)
             chunk_rank = sched.chunk_rank
             rank_params = [0.0] * lay.pp
+            rank_layer_params: list[list[float]] = [[] for _ in range(lay.pp)]
             for st in stages:
                 rank_params[chunk_rank[st.stage]] += st.param_bytes / self.e
+                rank_layer_params[chunk_rank[st.stage]] += [c.param_bytes / self.e
+                                                            for c in costs[parts[st.stage]:parts[st.stage + 1]]]
             sim = simulate(sched, ChunkCosts([s.forward_s for s in stages], [s.backward_s for s in stages],
                                              weight_grad_s=[s.weight_grad_s for s in stages],
                                              output_bytes=[s.boundary_out_bytes for s in stages]),
-                           network=Network(Link(0.0, self._p2p_bandwidth(lay))),
-                           optimizer_s=[self.update_s(lay, p) for p in rank_params], timeline=False)
+                           network=Network(self._p2p_link(lay)),
+                           optimizer_s=[self.update_s(lay, p, self.adam_fresh_bytes(lay, lp))
+                                        for p, lp in zip(rank_params, rank_layer_params)], timeline=False)
             pipeline_s, bubble = sim.step_s, sim.bubble_fraction
             held = [sched.held_peak(r, [s.activation_bytes for s in stages]) for r in range(lay.pp)]
         memory = []
