@@ -126,6 +126,7 @@ def measure_cpu_ranks(world: int = 2, cache_dir: str | None = ".ds_pipe_ext_cach
         path.write_text(json.dumps(got))
     return got
 
+
 if __name__ == "__main__":  # python -m ds_pipe_ext.costs.cpu_comm WORLD OUT.json (measure_cpu_ranks' child)
     import torch.multiprocessing as mp
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 from itertools import groupby
 
 from ..compare.configs import ZERO_SETTINGS
@@ -78,21 +80,13 @@ def megatron_layout(cost: LayoutCost, num_layers: int, checker=None) -> tuple[st
 
 _CHECK = """
 import json, sys
-try:
-    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
-except ImportError as e:
-    PipelineParallelLayerLayout, missing = None, f"megatron-core not importable ({e})"
+try:  # import megatron-core first, while the parent searches; check_in_process then finds it loaded
+    import megatron.core.transformer.pipeline_parallel_layer_layout
+except ImportError:
+    pass  # check_in_process says so
+from ds_pipe_ext.plan.render import check_in_process
 for line in sys.stdin:
-    text, pp, layers = json.loads(line)
-    if PipelineParallelLayerLayout is None:
-        out = {"missing": missing}
-    else:
-        try:
-            PipelineParallelLayerLayout(text, pp).validate_layer_layout(layers, mtp_num_layers=0)
-            out = {}
-        except (AssertionError, ValueError) as e:
-            out = {"error": str(e)}
-    print(json.dumps(out), flush=True)
+    print(json.dumps(check_in_process(*json.loads(line))), flush=True)
 """
 
 
@@ -115,8 +109,10 @@ class MegatronLayoutChecker:
     instead of after the search (the 175B plan stays under 10 s)."""
 
     def __init__(self):
+        root = str(Path(__file__).resolve().parents[2])  # this package, installed or not
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen([sys.executable, "-c", _CHECK], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
+                                     stderr=subprocess.DEVNULL, text=True, env=env)
 
     def __call__(self, text: str, pp: int, num_layers: int) -> dict:
         try:
