@@ -14,6 +14,7 @@ from ds_pipe_ext.cli import main
 from ds_pipe_ext.models.config import load_model_config
 from ds_pipe_ext.plan.command import build_model
 from ds_pipe_ext.costs.cpu_comm import fit
+from ds_pipe_ext.costs.iteration import adam_step_s
 from ds_pipe_ext.plan.model import OutOfMemory, PlanModel
 from ds_pipe_ext.plan.render import MegatronLayoutChecker, check_in_process, ds_config, megatron_layout
 from ds_pipe_ext.plan.search import search
@@ -104,7 +105,8 @@ def test_measured_collectives_price_dp_zero_and_tp_communication():
     gloo = with_device(model, collectives=GLOO_LIKE)
     lay = PlanLayout(1, 1, 2, 1, 1, 2, "none", False, "none")
     params = 1e6
-    adam = gloo.update_s(replace(lay, dp=1, zero=0), params / 2)  # no collective, half the parameters: Adam only
+    # Adam over half the parameters and DeepSpeed's own passes over the gradients: no collective
+    adam = adam_step_s(params / 2, gloo.device, bytes_per_param=gloo.adam_bytes_per_param) + gloo.engine_passes_s(lay, params)
     grads = params * gloo.e
     want = (2e-4 + grads / 2e9) + (1.5e-4 + 0.5 * grads / 5e8)  # all-reduce (2 (n-1)/n = 1) + all-gather
     assert gloo.update_s(lay, params) == pytest.approx(want + adam)
@@ -144,7 +146,53 @@ def test_adam_pays_page_faults_for_large_fp32_tensors_only_on_a_cpu():
     assert model.adam_fresh_bytes(lay, layers) == ()  # GPUs' caching allocator: none
     assert cpu_like.adam_fresh_bytes(lay, layers) == (1.2e6, 1.2e6)
     assert cpu_like.adam_fresh_bytes(replace(lay, zero=1), layers) == (4 * 8e5 / 2,)  # one flat partition a rank
-    assert cpu_like.update_s(lay, 8e5, (1.2e6, 1.2e6)) == pytest.approx(cpu_like.update_s(lay, 8e5) + 2.4e6 / 1e9)
+    assert cpu_like.update_s(lay, 8e5, layers) == pytest.approx(cpu_like.update_s(lay, 8e5) + 2.4e6 / 1e9)
+
+
+def test_one_measured_step_calibrates_the_speed_and_leaves_the_links():
+    """``fit_speed`` finds the factor on compute and memory rates at which the predicted step equals the
+    measured one: given a step predicted at a known speed it returns that speed; collectives keep the
+    measured links, so the step is not simply divided by the factor."""
+    from ds_pipe_ext.plan.model import at_speed, fit_speed
+
+    _, model = plan_model("tiny", gpus=2, device="a100", global_batch=4)
+    gloo = with_device(model, collectives=GLOO_LIKE, fresh_page_bandwidth=1e9, fresh_alloc_min_bytes=2**20)
+    lay = PlanLayout(1, 1, 2, 1, 1, 2, "none", False, "none")
+    slow = PlanModel(gloo.cfg, at_speed(gloo.device, 0.6), gloo.cluster, seq=gloo.seq,
+                     global_batch=gloo.global_batch, dtype=gloo.dtype)
+    assert slow.device.hbm_bandwidth == pytest.approx(0.6 * gloo.device.hbm_bandwidth)
+    assert slow.device.fresh_page_bandwidth == pytest.approx(0.6e9) and slow.device.collectives == GLOO_LIKE
+    measured = slow.evaluate(lay).step_s
+    factor, fitted = fit_speed(gloo, lay, [0, len(gloo.layer_costs(1, False, 1, "none"))], measured)
+    assert factor == pytest.approx(0.6, rel=1e-6)
+    assert fitted.evaluate(lay).step_s == pytest.approx(measured, rel=1e-6)
+    assert measured < gloo.evaluate(lay).step_s / 0.6  # the links did not slow down
+    with pytest.raises(PlanError, match="beyond 16x"):
+        fit_speed(gloo, lay, None, 1e4)
+
+
+def test_deepspeed_passes_over_the_gradients_are_counted_even_with_one_dp_rank():
+    """What DeepSpeed 0.19 does to the gradients besides the collectives and Adam, in bytes of memory
+    traffic (and first touches of new large buffers on a CPU): measured as 0.35 s of a bench-cpu
+    pipeline stage's step on 2 CPU ranks with a DP group of one."""
+    _, model = plan_model("tiny", gpus=2, device="a100", global_batch=4)
+    cpu_like = with_device(model, fresh_page_bandwidth=1e9, fresh_alloc_min_bytes=2**20)
+    e, params = cpu_like.e, 1e6
+    bw = cpu_like.device.hbm_bandwidth * cpu_like.device.memory_efficiency
+    pipe = PlanLayout(2, 1, 1, 0, 1, 4, "none", False, "1f1b")
+    # flatten (r + w), copy back (r + w), the trainer's norm (r); the flat buffer is new every step
+    assert cpu_like.engine_passes_s(pipe, params) == pytest.approx(5 * e * params / bw + e * params / 1e9)
+    assert model.engine_passes_s(pipe, params) == pytest.approx(5 * e * params / bw)  # no page faults on GPUs
+    dp2 = PlanLayout(1, 1, 2, 0, 1, 2, "none", False, "none")  # and the 1/dp scaling (r + w)
+    assert model.engine_passes_s(dp2, params) == pytest.approx(7 * e * params / bw)
+    z1 = replace(dp2, zero=1)
+    layers = [3e5, 7e5]  # each gradient's float64 copy for the norm is over 1 MiB on a rank's half
+    owned = params / 2
+    traffic = (e + 16) * owned + (e + 4) * owned + (4 + e) * owned + 2 * e * params  # norm, flatten, copy, bucket
+    fresh = 8 * 3e5 / 2 + 8 * 7e5 / 2 + 4 * owned
+    assert cpu_like.engine_passes_s(z1, params, layers) == pytest.approx(traffic / bw + fresh / 1e9)
+    z2 = replace(dp2, zero=2, micro_batches=3)  # the bucket copy every micro-batch
+    assert model.engine_passes_s(z2, params) == pytest.approx((traffic + 2 * 2 * e * params) / bw)
 
 
 def test_memory_is_the_cap_of_the_exact_partition():
@@ -219,6 +267,7 @@ def test_only_evaluates_one_layout_and_names_bad_keys():
     (["--model", "tiny", "--gpus", "4", "--global-batch", "3", "--only", "dp=4"], "not a multiple of mb x dp"),
     (["--model", "tiny", "--gpus", "0"], "--gpus 0"),
     (["--model", "bench-cpu", "--gpus", "2", "--only", "tp=2"], "vocab_pad_to = 256"),
+    (["--model", "tiny", "--gpus", "8", "--profile-layers"], "--profile-layers .* --device cpu"),
 ])
 def test_bad_input_names_the_problem(argv, match, capfd):
     import re

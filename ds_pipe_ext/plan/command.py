@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .space import PlanError, enumerate_layouts, parse_only
@@ -24,8 +25,6 @@ def as_cpu_ranks(device, ranks: int):
     """The cpu spec as each of ``ranks`` ranks sees it: gloo's measured collectives (ten times slower
     than the memory copy the spec measures), and GEMM and memory peaks scaled by the share of the
     cores a rank gets while all compute (``costs.cpu_comm``; measured once, cached)."""
-    from dataclasses import replace
-
     from ..costs.cpu_comm import measure_cpu_ranks
 
     got = measure_cpu_ranks(ranks)
@@ -36,12 +35,30 @@ def as_cpu_ranks(device, ranks: int):
                    hbm_bandwidth=device.hbm_bandwidth * mem)
 
 
+def profiled_cpu(cfg, device, seq: int):
+    """The cpu spec with its GEMM efficiency fitted to this model's embedding, one block and head (+ loss)
+    profiled here in one process at micro-batch 1 and 2 (``models.gpt_costs.profile_and_calibrate``,
+    cached): the micro-benchmarks keep their fastest run, while a step runs at the machine's sustained
+    speed on the layers' own shapes.  No launch is involved."""
+    from ..costs.estimate import EstimateRequest
+    from ..models.gpt_costs import profile_and_calibrate
+
+    req = [EstimateRequest(micro_batch=b, seq=seq, dtype="fp32") for b in (1, 2)]
+    fitted = profile_and_calibrate(cfg, req[0], device, also=tuple(req[1:]), warmup=1, repeats=5)
+    return replace(fitted, name="cpu")
+
+
 def build_model(args):
     from ..models.config import load_model_config
     from .model import Cluster, PlanModel, plan_device
 
     cfg = load_model_config(args.model)
     device = plan_device(args.device)
+    if getattr(args, "profile_layers", False):
+        if device.name != "cpu":
+            raise PlanError("--profile-layers fits the cpu spec to layers profiled on this machine: use it with "
+                            "--device cpu (a GPU's spec is calibrated on published runs)")
+        device = profiled_cpu(cfg, device, args.seq or cfg.seq_len)
     if device.name == "cpu" and device.collectives is None and not (args.intra_node_gbs or args.inter_node_gbs):
         device = as_cpu_ranks(device, max(2, min(args.gpus, 8)))
     per_node = args.gpus_per_node or (args.gpus if device.name == "cpu" else device.gpus_per_node)
@@ -148,6 +165,8 @@ def add_parser(sub) -> None:
     p.add_argument("--gpus", type=int, required=True, help="GPUs (or CPU ranks) in the cluster")
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: the device's (8; cpu: all ranks)")
     p.add_argument("--device", default="a100", help="a100 | a100-40gb | h100 | h200 | cpu | SPEC.toml")
+    p.add_argument("--profile-layers", action="store_true",
+                   help="cpu only: fit the spec's GEMM efficiency to this model's layers profiled here (cached)")
     p.add_argument("--intra-node-gbs", type=float, default=None, help="GB/s per GPU inside a node (default: the device's)")
     p.add_argument("--inter-node-gbs", type=float, default=None, help="GB/s per GPU between nodes (default: the device's)")
     p.add_argument("--global-batch", type=int, default=None, help="samples per step (default: --gpus)")

@@ -25,7 +25,9 @@ forward and backward and reduce-scatters every micro-batch.  None of it is hidde
 the emitted ds.json sets ``overlap_comm`` off (``ZERO_SETTINGS``), and we have no measurement to fit
 how much DeepSpeed's prefetch hides, so ZeRO-2/3 steps are upper bounds where links are slow.
 Adam is memory-bound: one fused pass on GPUs (~30 bytes a parameter), torch's unfused AdamW on CPU
-(~80), plus the page faults of its temporaries on a CPU (``adam_fresh_bytes``).
+(~80), plus the page faults of its temporaries on a CPU (``adam_fresh_bytes``).  DeepSpeed's own
+passes over the gradients (flattening for the reduction, ZeRO's float64 norm, the flat partition)
+are counted as memory traffic too (``engine_passes_s``): on CPU ranks they are a tenth of a step.
 """
 
 from __future__ import annotations
@@ -186,11 +188,12 @@ class PlanModel:
             return Link(measured[0], measured[1])
         return Link(0.0, self._p2p_bandwidth(lay))
 
-    def update_s(self, lay: PlanLayout, params: float, fresh_bytes: tuple = ()) -> float:
-        """A rank's DP collectives and Adam for ``params`` parameters, counted after its last backward
+    def update_s(self, lay: PlanLayout, params: float, layer_params: list[float] | tuple = ()) -> float:
+        """A rank's work after its last backward for ``params`` parameters: its DP collectives, DeepSpeed's
+        own passes over the gradients (``engine_passes_s``) and Adam over the parameters it owns
         (ZeRO-2/3's per-micro-batch collectives too: with no overlap, where they sit does not change
-        the step of one rank's serial work).  ``fresh_bytes``: the fp32 tensors Adam updates that
-        are large enough to pay first touches on a CPU (``adam_fresh_bytes``); 0 on GPUs."""
+        the step of one rank's serial work).  ``layer_params``: the rank's layers' parameter counts,
+        for the page faults of the large tensors a CPU maps afresh every step (none on GPUs)."""
         dp, m, grads = lay.dp, lay.micro_batches, params * self.e
         bw = self._dp_bandwidth(lay)
 
@@ -208,8 +211,39 @@ class PlanModel:
         else:  # gather forward and again backward, reduce-scatter, every micro-batch
             comm = m * (2 * coll("all-gather") + coll("reduce-scatter"))
         owned = params / (dp if lay.zero >= 1 else 1)
-        return comm + adam_step_s(owned, self.device, bytes_per_param=self.adam_bytes_per_param,
-                                  fresh_sizes=fresh_bytes)
+        return comm + self.engine_passes_s(lay, params, layer_params) + adam_step_s(
+            owned, self.device, bytes_per_param=self.adam_bytes_per_param,
+            fresh_sizes=self.adam_fresh_bytes(lay, layer_params))
+
+    def engine_passes_s(self, lay: PlanLayout, params: float, layer_params: list[float] | tuple = ()) -> float:
+        """DeepSpeed's own memory passes over a rank's gradients each step, beside the collectives and
+        Adam (read from DeepSpeed 0.19's source; on CPU ranks they are a visible share of the step):
+
+        - ZeRO-0 (``engine.allreduce_gradients`` -> ``buffered_allreduce_fallback``, run even when the
+          DP group is one rank, as in every pipeline here): the gradients are flattened into a new
+          buffer (read + write), scaled by 1/dp when dp > 1 (read + write), all-reduced and copied
+          back (read + write); the trainer then reads them once for the gradient norm.  A CPU pays
+          first touches for the flat buffer (one per 5e8 elements) every step.
+        - ZeRO-1/2/3 (``get_grad_norm_direct``): every owned gradient is converted to float64 for the
+          norm (read e, write 8, read 8), the owned gradients are flattened into a new fp32 partition
+          (read e, write 4) and the updated fp32 partition is copied into the 16-bit one (read 4,
+          write e); ZeRO-1/2 also copy each micro-batch's gradients through the reduction bucket
+          (read + write) when they reduce.  A CPU pays first touches for the float64 copies of
+          large gradients and for the flat partition.
+        """
+        e, dp, m = self.e, lay.dp, lay.micro_batches
+        if lay.zero == 0:
+            traffic = (4 + (2 if dp > 1 else 0) + 1) * e * params
+            bucket = 5e8
+            fresh = [e * min(bucket, params - i * bucket) for i in range(math.ceil(params / bucket))]
+        else:
+            owned = params / dp
+            reductions = {1: 1, 2: m}.get(lay.zero, 0)
+            traffic = (e + 16) * owned + (e + 4) * owned + (4 + e) * owned + reductions * 2 * e * params
+            fresh = [8.0 * p / dp for p in layer_params if 8.0 * p / dp > self.device.fresh_alloc_min_bytes]
+            fresh.append(4.0 * owned)
+        return (traffic / (self.device.hbm_bandwidth * self.device.memory_efficiency)
+                + self.device.fresh_alloc_time(fresh))
 
     def adam_fresh_bytes(self, lay: PlanLayout, layer_params: list[float]) -> tuple:
         """The fp32 tensors whose Adam temporaries are mapped afresh each step on a CPU (glibc: above its
@@ -292,7 +326,7 @@ class PlanModel:
         if lay.pp == 1:
             st = stages[0]
             rank_params = [st.param_bytes / self.e]
-            update = self.update_s(lay, rank_params[0], self.adam_fresh_bytes(lay, [c.param_bytes / self.e for c in costs]))
+            update = self.update_s(lay, rank_params[0], [c.param_bytes / self.e for c in costs])
             pipeline_s, bubble, held = m * (st.forward_s + st.backward_s) + update, 0.0, [st.activation_bytes]
             chunk_rank = (0,)
         else:
@@ -309,7 +343,7 @@ class PlanModel:
                                              weight_grad_s=[s.weight_grad_s for s in stages],
                                              output_bytes=[s.boundary_out_bytes for s in stages]),
                            network=Network(self._p2p_link(lay)),
-                           optimizer_s=[self.update_s(lay, p, self.adam_fresh_bytes(lay, lp))
+                           optimizer_s=[self.update_s(lay, p, lp)
                                         for p, lp in zip(rank_params, rank_layer_params)], timeline=False)
             pipeline_s, bubble = sim.step_s, sim.bubble_fraction
             held = [sched.held_peak(r, [s.activation_bytes for s in stages]) for r in range(lay.pp)]
@@ -378,4 +412,36 @@ def _chunk_ranks(lay: PlanLayout, chunks: int) -> tuple[int, ...]:
     return tuple(c % lay.pp for c in range(chunks))
 
 
-__all__ = ["Cluster", "LayoutCost", "OutOfMemory", "PlanModel", "plan_device", "DEVICES", "USABLE_MEMORY"]
+def at_speed(device: DeviceSpec, factor: float) -> DeviceSpec:
+    """``device`` with its compute and memory rates times ``factor``; its links (measured or given) unchanged."""
+    return replace(device, matrix_flops={k: v * factor for k, v in device.matrix_flops.items()},
+                   vector_flops={k: v * factor for k, v in device.vector_flops.items()},
+                   hbm_bandwidth=device.hbm_bandwidth * factor,
+                   fresh_page_bandwidth=device.fresh_page_bandwidth * factor)
+
+
+def fit_speed(model: PlanModel, lay: PlanLayout, parts: list[int], measured_step_s: float) -> tuple[float, PlanModel]:
+    """The factor on the device's compute and memory rates that makes ``lay``'s predicted step equal one
+    measured step, and the plan model at that speed: one launch calibrates how fast a shared machine
+    runs a training step, against the fastest runs its micro-benchmarks keep.  The predicted step falls
+    as the factor grows (links stay), so bisection on its logarithm finds it."""
+    def at(factor: float) -> PlanModel:
+        return PlanModel(model.cfg, at_speed(model.device, factor), model.cluster, seq=model.seq,
+                         global_batch=model.global_batch, dtype=model.dtype)
+
+    lo, hi = math.log(1 / 16), math.log(16)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if at(math.exp(mid)).evaluate(lay, parts, check_memory=False).step_s > measured_step_s:
+            lo = mid
+        else:
+            hi = mid
+    factor = math.exp((lo + hi) / 2)
+    if not (math.log(1 / 16) + 1e-6 < math.log(factor) < math.log(16) - 1e-6):
+        raise PlanError(f"{lay.name}: a measured step of {measured_step_s:.3f} s is beyond 16x of the predicted "
+                        f"{model.evaluate(lay, parts, check_memory=False).step_s:.3f} s: not a launch of this layout?")
+    return factor, at(factor)
+
+
+__all__ = ["Cluster", "LayoutCost", "OutOfMemory", "PlanModel", "at_speed", "fit_speed", "plan_device", "DEVICES",
+           "USABLE_MEMORY"]
