@@ -27,7 +27,7 @@ and off), DP 2 with ZeRO-1/2/3 (micro-batch 1 and 2), plus the planner's pick wh
 among them.  Each launch is `train.py` with the ds.json the planner emits for that layout
 (`plan.render.ds_config`), 4 steps, the first a warm-up; its figure is the median of the rest.
 
-    python bench/planner_vs_measured.py [--rounds 3] [--out runs/planner-vs-measured-v4]
+    python bench/planner_vs_measured.py [--rounds 3] [--out runs/planner-vs-measured-v5]
 
 Last line: RESULT plan_pick_vs_best_measured=X plan_rank_spearman=Y plan_step_median_error_pct=Z
 (targets X >= 0.95, Y >= 0.8, Z <= 10)
@@ -123,7 +123,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default="runs/planner-vs-measured-v4")
+    ap.add_argument("--out", default="runs/planner-vs-measured-v5")
     args = ap.parse_args()
     import torch
 
