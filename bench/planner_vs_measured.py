@@ -14,7 +14,7 @@ Calibration, in two steps:
    of the model's own embedding, one block and head (+ loss) in one process at micro-batch 1 and 2,
    to which the GEMM efficiency is fitted (``plan --profile-layers``; cached).
 2. ONE launch layout, ``CALIBRATION`` (dp2-z1-mb2, chosen before measuring): its median measured
-   step sets one factor on the spec's compute and memory rates (``plan.model.fit_speed``; links
+   step sets one factor on the spec's compute and memory rates (``plan.speed.fit_speed``; links
    stay as measured).  The micro-benchmarks keep their fastest run, and on this shared machine a
    launch ran 1.3-1.6x slower than they and the layer profile imply (runs/planner-vs-measured-v4).
 Every other layout is a prediction; the calibration layout is left out of the rank correlation and
@@ -46,10 +46,11 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds_pipe_ext.plan.command import build_model  # noqa: E402
-from ds_pipe_ext.plan.model import PlanModel, fit_speed  # noqa: E402
+from ds_pipe_ext.plan.model import PlanModel  # noqa: E402
 from ds_pipe_ext.plan.render import ds_config  # noqa: E402
 from ds_pipe_ext.plan.search import search  # noqa: E402
 from ds_pipe_ext.plan.space import PlanLayout, enumerate_layouts  # noqa: E402
+from ds_pipe_ext.plan.speed import fit_speed  # noqa: E402
 from ds_pipe_ext.runner import launch  # noqa: E402
 
 RANKS, GLOBAL_BATCH, STEPS = 2, 4, 4

@@ -153,7 +153,7 @@ def test_one_measured_step_calibrates_the_speed_and_leaves_the_links():
     """``fit_speed`` finds the factor on compute and memory rates at which the predicted step equals the
     measured one: given a step predicted at a known speed it returns that speed; collectives keep the
     measured links, so the step is not simply divided by the factor."""
-    from ds_pipe_ext.plan.model import at_speed, fit_speed
+    from ds_pipe_ext.plan.speed import at_speed, fit_speed
 
     _, model = plan_model("tiny", gpus=2, device="a100", global_batch=4)
     gloo = with_device(model, collectives=GLOO_LIKE, fresh_page_bandwidth=1e9, fresh_alloc_min_bytes=2**20)
