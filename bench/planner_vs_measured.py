@@ -167,7 +167,7 @@ def main() -> None:
         if name not in done:
             print(f"{name:<36} failed in every round")
     # 2. one launch layout calibrates the machine's sustained speed: its median step, nothing else
-    cal_model, factor = None, None
+    cal_model = None
     if CALIBRATION in done:
         factor, cal_model = fit_speed(model, by_name[CALIBRATION], PARTS[CALIBRATION], GLOBAL_BATCH / done[CALIBRATION])
         print(f"calibration: {CALIBRATION} measured {done[CALIBRATION]:.3f} samples/s -> compute and memory rates x "

@@ -15,7 +15,7 @@ from ds_pipe_ext.models.config import load_model_config
 from ds_pipe_ext.plan.command import build_model
 from ds_pipe_ext.costs.cpu_comm import fit
 from ds_pipe_ext.costs.iteration import adam_step_s
-from ds_pipe_ext.plan.model import OutOfMemory, PlanModel
+from ds_pipe_ext.plan.model import OutOfMemory
 from ds_pipe_ext.plan.render import MegatronLayoutChecker, check_in_process, ds_config, megatron_layout
 from ds_pipe_ext.plan.search import search
 from ds_pipe_ext.plan.space import PlanError, PlanLayout, enumerate_layouts, parse_only
@@ -59,8 +59,7 @@ GLOO_LIKE = {"all-reduce": [2e-4, 2e9], "all-gather": [1.5e-4, 5e8], "reduce-sca
 
 def with_device(model, **changes):
     """The same plan on a device with some fields changed (a fresh model: layer costs are cached)."""
-    return PlanModel(model.cfg, replace(model.device, **changes), model.cluster, seq=model.seq,
-                     global_batch=model.global_batch, dtype=model.dtype)
+    return model.on_device(replace(model.device, **changes))
 
 
 @pytest.mark.parametrize("measured_links", [False, True], ids=["ring-formulas", "gloo-like-measured-links"])
@@ -158,8 +157,7 @@ def test_one_measured_step_calibrates_the_speed_and_leaves_the_links():
     _, model = plan_model("tiny", gpus=2, device="a100", global_batch=4)
     gloo = with_device(model, collectives=GLOO_LIKE, fresh_page_bandwidth=1e9, fresh_alloc_min_bytes=2**20)
     lay = PlanLayout(1, 1, 2, 1, 1, 2, "none", False, "none")
-    slow = PlanModel(gloo.cfg, at_speed(gloo.device, 0.6), gloo.cluster, seq=gloo.seq,
-                     global_batch=gloo.global_batch, dtype=gloo.dtype)
+    slow = gloo.on_device(at_speed(gloo.device, 0.6))
     assert slow.device.hbm_bandwidth == pytest.approx(0.6 * gloo.device.hbm_bandwidth)
     assert slow.device.fresh_page_bandwidth == pytest.approx(0.6e9) and slow.device.collectives == GLOO_LIKE
     measured = slow.evaluate(lay).step_s

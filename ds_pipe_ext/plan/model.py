@@ -146,6 +146,10 @@ class PlanModel:
         # Megatron's GPUs run a fused Adam (one pass); train.py on CPU runs torch's single-tensor AdamW
         self.adam_bytes_per_param = UNFUSED_ADAM_BYTES if device.name == "cpu" else FUSED_ADAM_BYTES
 
+    def on_device(self, device: DeviceSpec) -> "PlanModel":
+        """The same plan on another device (a fresh model: layer costs are cached per model)."""
+        return PlanModel(self.cfg, device, self.cluster, seq=self.seq, global_batch=self.global_batch, dtype=self.dtype)
+
     def _model_flops_per_sample(self) -> float:
         """Matrix and attention FLOPs of forward + backward of one sample (no recompute): MFU's numerator."""
         shp = shape_for(self.cfg, EstimateRequest(micro_batch=1, seq=self.seq, dtype=self.dtype), self.device)

@@ -30,8 +30,7 @@ def fit_speed(model: PlanModel, lay: PlanLayout, parts: list[int], measured_step
     measured step, and the plan model at that speed.  The predicted step falls as the factor grows
     (links stay), so bisection on its logarithm finds it."""
     def at(factor: float) -> PlanModel:
-        return PlanModel(model.cfg, at_speed(model.device, factor), model.cluster, seq=model.seq,
-                         global_batch=model.global_batch, dtype=model.dtype)
+        return model.on_device(at_speed(model.device, factor))
 
     lo, hi = math.log(1 / 16), math.log(16)
     for _ in range(50):
