@@ -18,9 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from ds_pipe_ext.config_model import ConfigError
 from ds_pipe_ext.train.config import RunConfig, build_run_config, read_ds_json
+
+ERROR_GRACE_S = 3.0  # seconds a failing rank waits before exiting: the launcher's poll is 1 s
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,6 +87,9 @@ if __name__ == "__main__":
     except (ConfigError, ModelConfigError, PartitionError, DecisionError, CheckpointError) as e:
         # the same message on every rank, then a clean non-zero exit (no hang, no traceback)
         print(f"error: {e}", file=sys.stderr, flush=True)
+        # DeepSpeed's launcher kills every rank once one exits non-zero (it polls each second): a rank
+        # that reached the same error a moment later would die before saying so.  Stay a little.
+        time.sleep(ERROR_GRACE_S)
         exit_process(2)
     # 3: stopped at train.memory_cap_gib: a result, reported in the metrics, but not a success
     exit_process(3 if summary.get("status") == "oom" else 0)
