@@ -124,6 +124,29 @@ def test_every_schedule_respects_its_dependencies_randomised():
             assert all(a.end_s <= b.start_s + 1e-12 for a, b in zip(mine, mine[1:]))
 
 
+def test_the_compute_only_replay_is_the_replay():
+    """The planner's replay (no timeline) gives exactly the times of the replay that records one, on
+    every schedule, with links shared inside and across nodes (transfers queue in the same order)."""
+    rng = random.Random(1)
+    for trial in range(60):
+        name = rng.choice(SCHEDULES)
+        p, m = rng.randint(1, 6), rng.randint(1, 12)
+        v = rng.randint(2, 3) if name == "interleaved" else 1
+        m = p * rng.randint(1, 3) if name == "interleaved" else max(m, 2 * p) if name == "dualpipev" else m
+        sched = build_schedule(name, p, m, virtual_stages=v)
+        n = sched.num_chunks
+        costs = ChunkCosts([rng.uniform(0.1, 2) for _ in range(n)], [rng.uniform(0.2, 4) for _ in range(n)],
+                           weight_grad_s=[rng.uniform(0.05, 0.2) for _ in range(n)],
+                           output_bytes=[rng.uniform(0, 1e6) for _ in range(n)])
+        net = Network(Link(rng.uniform(0, 0.5), rng.uniform(1e5, 1e7)), Link(1.0, 1e5), ranks_per_node=2)
+        opt = [rng.uniform(0, 1) for _ in range(p)]
+        fast = simulate(sched, costs, network=net, optimizer_s=opt, timeline=False)
+        slow = simulate(sched, costs, network=net, optimizer_s=opt)
+        assert fast.stage_finish_s == slow.stage_finish_s and fast.step_s == slow.step_s, (name, p, m)
+        assert fast.stage_busy_s == slow.stage_busy_s and fast.held_peak == slow.held_peak
+        assert max(s.end_s for s in slow.timeline) + max(opt) >= fast.step_s > 0
+
+
 def test_activations_held_follow_the_schedule():
     p, m = 4, 8
     assert [build_schedule("gpipe", p, m).held_peak(r) for r in range(p)] == [m] * p
@@ -140,6 +163,15 @@ def test_activations_held_follow_the_schedule():
     # bytes: weighted by each chunk's activations
     weights = [10.0, 20.0, 30.0, 40.0]
     assert build_schedule("1f1b", p, m).held_peak(0, weights) == 4 * 10.0
+
+
+def test_each_chunks_held_peak_counted_alone_is_held_peak_with_that_chunk_weighted():
+    for name, p, m, v in [("1f1b", 4, 6, 1), ("zb-h1", 3, 5, 1), ("interleaved", 3, 6, 3), ("dualpipev", 3, 7, 1),
+                          ("gpipe", 2, 3, 1)]:
+        sched = build_schedule(name, p, m, virtual_stages=v)
+        n = sched.num_chunks
+        alone = [sched.held_peak(sched.chunk_rank[c], [float(k == c) for k in range(n)]) for c in range(n)]
+        assert list(sched.chunk_held_peak_counts) == alone, name
 
 
 def test_balanced_pipeline_makespan():

@@ -49,9 +49,8 @@ def _in_flight(schedule: str, num_stages: int, micro_batches: int) -> tuple[int,
     if name not in SCHEDULES or (v and not (name == "interleaved" and v.isdigit() and int(v) >= 2)):
         raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)} "
                          f"(interleaved:V for V >= 2 chunks a rank)")
-    sched = schedule_for_chunks(name, num_stages, micro_batches, virtual_stages=int(v) if v else 2)
-    only = lambda c: [1.0 if k == c else 0.0 for k in range(num_stages)]  # noqa: E731
-    return tuple(int(sched.held_peak(sched.chunk_rank[c], only(c))) for c in range(num_stages))
+    return schedule_for_chunks(name, num_stages, micro_batches,
+                               virtual_stages=int(v) if v else 2).chunk_held_peak_counts
 
 
 def held_activation_bytes(costs: Sequence, *, recompute: bool = False) -> list[float]:

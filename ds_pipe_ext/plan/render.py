@@ -79,7 +79,7 @@ def megatron_layout(cost: LayoutCost, num_layers: int, checker=None) -> tuple[st
 
 
 _CHECK = """
-import json, sys
+import json, os, sys
 try:  # import megatron-core first, while the parent searches; check_in_process then finds it loaded
     import megatron.core.transformer.pipeline_parallel_layer_layout
 except ImportError:
@@ -87,6 +87,7 @@ except ImportError:
 from ds_pipe_ext.plan.render import check_in_process
 for line in sys.stdin:
     print(json.dumps(check_in_process(*json.loads(line))), flush=True)
+os._exit(0)  # no interpreter teardown: with torch and megatron loaded it takes seconds the parent waits for
 """
 
 

@@ -140,6 +140,9 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
 
     explicit = schedule.explicit_comm
     durations = {kind: [costs.duration(Work(kind, 0, c)) for c in range(n)] for kind in COMPUTE}
+    if not (explicit or slowdown or timeline):
+        clock = _replay_compute_only(schedule, durations, out_bytes, network)
+        return _summary(schedule, costs, clock, opt, slowdown, [])
     stretch = (lambda r, w: slowdown.get((r, w), 1.0)) if slowdown else (lambda r, w: 1.0)  # noqa: E731
     posted: dict[tuple[str, int, int], tuple[int, float]] = {}  # rendezvous key -> (rank, post time)
     waiting = [False] * p  # posted a send or receive whose partner has not
@@ -212,11 +215,18 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
         if not progressed:
             stuck = {r: schedule.orders[r][pos[r]] for r in range(p) if pos[r] < len(schedule.orders[r])}
             raise ValueError(f"schedule {schedule.name!r} deadlocks: each rank waits on another ({stuck})")
+    return _summary(schedule, costs, clock, opt, slowdown, slots)
+
+
+def _summary(schedule: Schedule, costs: ChunkCosts, clock: list[float], opt: list[float],
+             slowdown: Mapping | None, slots: list[Slot]) -> StepSimulation:
+    """The step from each rank's last item's end: its update, busy time, bubble and what it held."""
+    p = schedule.num_ranks
     finish = [clock[r] + opt[r] for r in range(p)]
     step = max(finish)
     if slowdown:
-        busy = [sum(costs.duration(w) * stretch(r, w) for w in schedule.orders[r] if w.kind in COMPUTE) + opt[r]
-                for r in range(p)]
+        busy = [sum(costs.duration(w) * slowdown.get((r, w), 1.0) for w in schedule.orders[r] if w.kind in COMPUTE)
+                + opt[r] for r in range(p)]
     else:  # the same sum, an item kind at a time
         busy = [sum(k * costs.duration(Work(kind, 0, c)) for (kind, c), k in schedule.work_counts[r].items()
                     if kind in COMPUTE) + opt[r] for r in range(p)]
@@ -225,3 +235,86 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
                   if costs.activation_bytes is not None else [])
     return StepSimulation(step, busy, finish, 1.0 - sum(busy) / (p * step) if step > 0 else 0.0, held, held_bytes,
                           slots)
+
+
+def _replay_compute_only(schedule: Schedule, durations: dict, out_bytes: Sequence[float],
+                         network: Network) -> list[float]:
+    """``simulate``'s replay for a schedule of compute items only, with no slowdown and no timeline: the
+    same sweep in the same order (so transfers queue on a link in the same order and every time is
+    the same), on flat lists indexed by micro-batch x chunks + chunk instead of dicts of tuples - the
+    planner replays tens of thousands of items a layout.  ``test_the_compute_only_replay_is_the_replay``
+    holds the two equal."""
+    p, n, m = schedule.num_ranks, schedule.num_chunks, schedule.micro_batches
+    rank_of = schedule.chunk_rank
+    # boundary c -> c + 1: (link index, busy seconds, latency) forward and backward, or None within a rank
+    link_ids: dict[tuple[int, int], int] = {}
+    fwd, bwd = [None] * n, [None] * n
+    for c in range(n - 1):
+        a, b = rank_of[c], rank_of[c + 1]
+        if a == b:
+            continue
+        for src, dst, table in ((a, b, fwd), (b, a, bwd)):
+            link = network.link(src, dst)
+            table[c] = (link_ids.setdefault((src, dst), len(link_ids)), link.busy_s(out_bytes[c]), link.latency_s)
+    link_free = [0.0] * len(link_ids)
+    size = m * n
+    done_f = [None] * size  # when F of (micro-batch, chunk) ended
+    done_i = [None] * size  # when its I (or whole B) ended
+    arrive_f = [None] * size  # when the input of (micro-batch, chunk) arrived
+    arrive_g = [None] * size  # when the gradient of its output arrived
+    dur = [durations[k] for k in COMPUTE]
+    orders = schedule.compute_items
+    clock, pos = [0.0] * p, [0] * p
+    last = n - 1
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            order, k, t_r = orders[r], pos[r], clock[r]
+            length = len(order)
+            while k < length:
+                kind, j, c = order[k]
+                if kind == 0:  # F: needs its input
+                    t = 0.0 if c == 0 else arrive_f[j]
+                elif kind == 3:  # W: needs its own I
+                    t = done_i[j]
+                else:  # B or I: needs its own F and the gradient of its output
+                    t = done_f[j]
+                    if t is not None and c != last:
+                        g = arrive_g[j]
+                        t = None if g is None else (g if g > t else t)
+                if t is None:
+                    break
+                end = (t_r if t_r > t else t) + dur[kind][c]
+                t_r = end
+                if kind == 0:
+                    done_f[j] = end
+                    if c != last:
+                        hop = fwd[c]
+                        if hop is None:
+                            arrive_f[j + 1] = end
+                        else:
+                            lid, busy, latency = hop
+                            free = link_free[lid]
+                            link_free[lid] = free = (end if end > free else free) + busy
+                            arrive_f[j + 1] = free + latency
+                elif kind != 3:
+                    done_i[j] = end
+                    if c:
+                        hop = bwd[c - 1]
+                        if hop is None:
+                            arrive_g[j - 1] = end
+                        else:
+                            lid, busy, latency = hop
+                            free = link_free[lid]
+                            link_free[lid] = free = (end if end > free else free) + busy
+                            arrive_g[j - 1] = free + latency
+                k += 1
+            if k != pos[r]:
+                remaining -= k - pos[r]
+                pos[r], clock[r] = k, t_r
+                progressed = True
+        if not progressed:
+            stuck = {r: schedule.orders[r][pos[r]] for r in range(p) if pos[r] < len(orders[r])}
+            raise ValueError(f"schedule {schedule.name!r} deadlocks: each rank waits on another ({stuck})")
+    return clock

@@ -63,6 +63,14 @@ class Schedule:
         return any(w.kind == "W" for order in self.orders for w in order)
 
     @cached_property
+    def compute_items(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        """Per rank, each item as (its kind's index in ``COMPUTE``, micro-batch x chunks + chunk, chunk):
+        the event simulator's fast replay indexes flat lists with these."""
+        code, n = {k: i for i, k in enumerate(COMPUTE)}, self.num_chunks
+        return tuple(tuple((code[w.kind], w.micro_batch * n + w.chunk, w.chunk) for w in order)
+                     for order in self.orders)
+
+    @cached_property
     def work_counts(self) -> tuple[dict[tuple[str, int], int], ...]:
         """Per rank, how many items of each (kind, chunk) its order runs (busy time without a replay)."""
         out = []
@@ -77,6 +85,21 @@ class Schedule:
     def held_peak_counts(self) -> tuple[float, ...]:
         """``held_peak(r)`` of every rank, in micro-batch chunks."""
         return tuple(self.held_peak(r) for r in range(self.num_ranks))
+
+    @cached_property
+    def chunk_held_peak_counts(self) -> tuple[int, ...]:
+        """Per chunk, the most of its micro-batches held at once (each chunk counted alone: what
+        ``held_peak`` gives with that chunk's weight 1 and the others' 0), in one pass per rank."""
+        last = "W" if self.splits_backward else "B"
+        held, peak = [0] * self.num_chunks, [0] * self.num_chunks
+        for order in self.orders:
+            for w in order:
+                if w.kind == "F":
+                    held[w.chunk] += 1
+                    peak[w.chunk] = max(peak[w.chunk], held[w.chunk])
+                elif w.kind == last:
+                    held[w.chunk] -= 1
+        return tuple(peak)
 
     def held_peak(self, rank: int, chunk_weight=None) -> float:
         """Peak of what ``rank`` holds: a micro-batch's activations on a chunk live from its ``F``
