@@ -14,20 +14,26 @@ Calibration, in two steps:
    of the model's own embedding, one block and head (+ loss) in one process at micro-batch 1 and 2,
    to which the GEMM efficiency is fitted (``plan --profile-layers``; cached).
 2. ONE launch layout, ``CALIBRATION`` (dp2-z1-mb2, chosen before measuring): its median measured
-   step sets one factor on the spec's compute and memory rates (``plan.speed.fit_speed``; links
-   stay as measured).  The micro-benchmarks keep their fastest run, and on this shared machine a
-   launch ran 1.3-1.6x slower than they and the layer profile imply (runs/planner-vs-measured-v4).
+   step sets one factor on the spec's compute, memory and gloo rates (``plan.speed.fit_speed``: gloo
+   over loopback is the same cores' work, so a loaded machine slows it alike).  The micro-benchmarks
+   keep their fastest run, and on this shared machine a launch ran 1.3-1.6x slower than they and the
+   layer profile imply (runs/planner-vs-measured-v4).  v5 scaled compute and memory only: the
+   collective-heavy layouts then looked fast, and the ranking fell from 0.845 to 0.709.
 Every other layout is a prediction; the calibration layout is left out of the rank correlation and
 the error, and the figures without step 2 are printed as well.
 
-Grid (every layout measured, in alternating rounds: round r runs the grid forwards when r is even,
-backwards when odd, so each layout's launches sit at different times of the shared machine's
-load): pipeline 2 stages (1F1B; micro-batch 1 and 2; GPipe at 1), TP 2 (micro-batch 1 and 2, SP on
-and off), DP 2 with ZeRO-1/2/3 (micro-batch 1 and 2), plus the planner's pick when it is not
-among them.  Each launch is `train.py` with the ds.json the planner emits for that layout
-(`plan.render.ds_config`), 4 steps, the first a warm-up; its figure is the median of the rest.
+Measurement (the machine is shared and drifts: in v4 and v5 two rounds of the same grid ranked the
+layouts alike only at Spearman 0.39-0.82): the calibration layout is also the *reference*, launched
+first in each round and again after every ``PER_REFERENCE`` layouts (A B C A D E A ...).  A launch's
+figure is its samples/s over the mean of the reference launches just before and after it; a
+layout's measured samples/s is the median of those ratios over the rounds times the reference's
+median.  Rounds alternate direction (forwards when r is even, backwards when odd).  Grid: pipeline
+2 stages (1F1B; micro-batch 1 and 2; GPipe at 1), TP 2 (micro-batch 1 and 2, SP on and off), DP 2
+with ZeRO-1/2/3 (micro-batch 1 and 2), plus the planner's pick when it is not among them.  Each
+launch is `train.py` with the ds.json the planner emits for that layout (`plan.render.ds_config`),
+4 steps, the first a warm-up; its figure is the median of the rest.
 
-    python bench/planner_vs_measured.py [--rounds 3] [--out runs/planner-vs-measured-v5]
+    python bench/planner_vs_measured.py [--rounds 3] [--out runs/planner-vs-measured-v6]
 
 Last line: RESULT plan_pick_vs_best_measured=X plan_rank_spearman=Y plan_step_median_error_pct=Z
 (targets X >= 0.95, Y >= 0.8, Z <= 10)
@@ -63,6 +69,7 @@ GRID = [  # (pp, tp, dp, zero, micro-batch, sp, schedule)
 ]
 # the one layout whose measured step calibrates the machine's speed (chosen before any launch)
 CALIBRATION = "pp1-tp1-dp2-z1-mb2-none"
+PER_REFERENCE = 2  # layouts launched between two launches of the reference (the calibration layout)
 
 
 def layout(pp, tp, dp, zero, mb, sp, schedule) -> PlanLayout:
@@ -124,7 +131,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default="runs/planner-vs-measured-v5")
+    ap.add_argument("--out", default="runs/planner-vs-measured-v6")
     args = ap.parse_args()
     import torch
 
@@ -145,12 +152,36 @@ def main() -> None:
     by_name = {lay.name: lay for lay in grid}
     measured: dict[str, list[float]] = {lay.name: [] for lay in grid}
     print(f"planner's pick (before any launch): {pick.layout.name}, predicted {pick.samples_per_s:.3f} samples/s", flush=True)
+    # each round: the reference, then two layouts, the reference again, ... (A B C A D E A ...), forwards in
+    # even rounds and backwards in odd ones; a launch's figure is its samples/s over the mean of the
+    # reference launches just before and after it, so the machine's drift between launches cancels
+    ref = by_name[CALIBRATION]
+    others = [lay for lay in grid if lay.name != CALIBRATION]
+    raw: dict[str, list[float]] = {lay.name: [] for lay in grid}
+    ratios: dict[str, list[float]] = {lay.name: [] for lay in others}
     for r in range(args.rounds):
-        for lay in (grid if r % 2 == 0 else grid[::-1]):
-            sps = measure(lay, model, out / f"round{r}" / lay.name)
+        ordered = others if r % 2 == 0 else others[::-1]
+        sequence = [ref]
+        for k in range(0, len(ordered), PER_REFERENCE):
+            sequence += ordered[k:k + PER_REFERENCE] + [ref]
+        got = []
+        for pos, lay in enumerate(sequence):
+            sps = measure(lay, model, out / f"round{r}" / f"{pos:02d}-{lay.name}")
+            got.append(sps)
             if sps is not None:
-                measured[lay.name].append(sps)
-                print(f"  round {r} {lay.name:<34} {sps:.3f} samples/s", flush=True)
+                raw[lay.name].append(sps)
+                print(f"  round {r} {pos:2d} {lay.name:<34} {sps:.3f} samples/s", flush=True)
+        refs = [i for i, lay in enumerate(sequence) if lay is ref and got[i] is not None]
+        for i, (lay, sps) in enumerate(zip(sequence, got)):
+            if lay is ref or sps is None:
+                continue
+            around = [got[j] for j in (max((j for j in refs if j < i), default=None),
+                                       min((j for j in refs if j > i), default=None)) if j is not None]
+            if around:
+                ratios[lay.name].append(sps / statistics.mean(around))
+    ref_median = statistics.median(raw[CALIBRATION]) if raw[CALIBRATION] else None
+    measured = {name: [ratio * ref_median for ratio in v] for name, v in ratios.items()} if ref_median else {}
+    measured[CALIBRATION] = raw[CALIBRATION]
 
     gloo = model.device.collectives
     from ds_pipe_ext.costs.cpu_comm import measure_cpu_ranks
@@ -163,16 +194,19 @@ def main() -> None:
           f"for the cores the ranks share) and the model's layers profiled in one process (GEMM efficiency "
           f"{model.device.matrix_efficiency:.3f}, halved at size {model.device.matrix_half_dim:g})")
     done = {name: statistics.median(v) for name, v in measured.items() if v}
-    for name in measured:
+    for name in raw:
         if name not in done:
             print(f"{name:<36} failed in every round")
     # 2. one launch layout calibrates the machine's sustained speed: its median step, nothing else
     cal_model = None
     if CALIBRATION in done:
         factor, cal_model = fit_speed(model, by_name[CALIBRATION], PARTS[CALIBRATION], GLOBAL_BATCH / done[CALIBRATION])
-        print(f"calibration: {CALIBRATION} measured {done[CALIBRATION]:.3f} samples/s -> compute and memory rates x "
-              f"{factor:.3f} (links as measured); every other layout is a prediction")
-    print(f"{'layout':<36} {'measured samples/s':>24} {'0 launches':>17} {'1 launch':>17}  role")
+        print(f"calibration: {CALIBRATION} measured {done[CALIBRATION]:.3f} samples/s (median of its "
+              f"{len(raw[CALIBRATION])} reference launches) -> compute, memory and gloo rates x {factor:.3f} (gloo over "
+              f"loopback is the same cores' work); every other layout is a prediction")
+    print("measured: the median over rounds of a launch's samples/s over its neighbouring reference launches, times the "
+          "reference's median; raw: the median of the launches themselves")
+    print(f"{'layout':<36} {'measured samples/s':>24} {'raw':>6} {'0 launches':>17} {'1 launch':>17}  role")
     rows = []
     for name, med in done.items():
         values = measured[name]
@@ -181,7 +215,8 @@ def main() -> None:
         role = "calibration" if name == CALIBRATION else "predicted"
         role += ", planner's pick" if name == pick.layout.name else ""
         rows.append((name, med, pred0, pred1, role))
-        print(f"{name:<36} {med:>9.3f} [{min(values):.3f}-{max(values):.3f}] {pred0:>9.3f} {100 * (pred0 - med) / med:>+6.1f}% "
+        print(f"{name:<36} {med:>9.3f} [{min(values):.3f}-{max(values):.3f}] "
+              f"{statistics.median(raw[name]):>6.3f} {pred0:>9.3f} {100 * (pred0 - med) / med:>+6.1f}% "
               f"{pred1:>9.3f} {100 * (pred1 - med) / med:>+6.1f}%  {role}")
     best = max(rows, key=lambda r: r[1])
     pick_row = next(r for r in rows if r[0] == pick.layout.name)
@@ -189,7 +224,8 @@ def main() -> None:
     predicted = [r for r in rows if r[0] != CALIBRATION]
 
     def scores(col: int) -> tuple[float, float]:
-        return (spearman([r[col] for r in predicted], [r[1] for r in predicted]),
+        # layouts the model cannot tell apart (2-stage GPipe and 1F1B) stay tied: rank 9 significant digits
+        return (spearman([float(f"{r[col]:.9g}") for r in predicted], [r[1] for r in predicted]),
                 statistics.median(abs(100 * (r[col] - r[1]) / r[1]) for r in predicted))
 
     y0, z0 = scores(2)
@@ -200,8 +236,8 @@ def main() -> None:
               f"{' (the same)' if repick.layout.name == pick.layout.name else ''}")
     print(f"pick {pick.layout.name} (made before any launch, predicted {pick.samples_per_s:.3f} samples/s); best measured "
           f"{best[0]} ({best[1]:.3f}); {len(predicted)} layouts predicted, 1 calibration layout ({CALIBRATION}); rounds "
-          f"{args.rounds}, largest round-to-round spread of one layout "
-          f"{max(max(v) / min(v) for v in measured.values() if v):.2f}x")
+          f"{args.rounds}, largest round-to-round spread of one layout: raw {max(max(v) / min(v) for v in raw.values() if v):.2f}x, "
+          f"over the reference {max(max(v) / min(v) for v in measured.values() if v):.2f}x")
     print(f"without the calibration launch (micro-benchmarks and the layer profile only): spearman {y0:.3f}, "
           f"median |error| {z0:.1f}%")
     print(f"RESULT plan_pick_vs_best_measured={x:.3f} plan_rank_spearman={y:.3f} plan_step_median_error_pct={z:.1f}")

@@ -3,6 +3,7 @@
 import pytest
 
 from ds_pipe_ext.costs import analytic as A
+from ds_pipe_ext.costs.hardware import DEVICES
 
 # GPT-3 175B shapes (Korthikanti et al. 2022, Table 3): a=96, h=12288, s=2048, 16-bit
 G3 = dict(b=1, s=2048, h=12288, a=96, f=4 * 12288, V=51200, e=2, m=1)
@@ -43,6 +44,15 @@ def test_tp_divides_matrix_work_and_adds_the_megatron_collectives():
     # SP replaces each all-reduce by an all-gather + reduce-scatter pair: the same ring bytes,
     # issued twice as collectives of half the cost each
     assert sp.comm_fwd_bytes == 2 * two.comm_fwd_bytes
+    # and backward gathers the column-parallel inputs again for the weight gradients (megatron-core
+    # keeps the shard only): per half block all-gather + reduce-scatter entering, all-gather leaving
+    assert sp.comm_bwd_bytes == 3 * two.comm_bwd_bytes
+    dev = DEVICES["a100-80gb"]
+    qkv = next(o for o in A.transformer_block(A.Shape(**{**G3, "t": 2, "sp": True})) if o.comm_type.count(",") == 1)
+    payload = shp.sbh * shp.e
+    expected = sum(dev.collective_time(payload, k, 2, dev.intra_node_bandwidth * dev.comm_efficiency)
+                   for k in ("all-gather", "reduce-scatter"))
+    assert dev.op_time(qkv, dtype="bf16", tp=2, backward=True)["comm_s"] == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(

@@ -169,6 +169,26 @@ def test_one_measured_step_calibrates_the_speed_and_leaves_the_links():
         fit_speed(gloo, lay, None, 1e4)
 
 
+def test_on_cpu_ranks_the_calibration_scales_gloos_links_with_the_cores():
+    """Gloo over loopback is work of the same cores: on a 'cpu' device with measured collectives the
+    fitted factor scales them too, so every layout's step scales alike and the ranking stays."""
+    from ds_pipe_ext.plan.speed import at_speed, fit_speed, links_are_cpu_work
+
+    _, model = plan_model("tiny", gpus=2, device="a100", global_batch=4)
+    cpu = with_device(model, name="cpu", collectives=GLOO_LIKE, fresh_page_bandwidth=1e9, fresh_alloc_min_bytes=2**20)
+    assert links_are_cpu_work(cpu.device) and not links_are_cpu_work(model.device)
+    slow = at_speed(cpu.device, 0.5, links=True)
+    assert slow.collectives["all-gather"] == pytest.approx([1.5e-4 / 0.5, 5e8 * 0.5])
+    lays = [PlanLayout(1, 1, 2, 1, 1, 2, "none", False, "none"), PlanLayout(2, 1, 1, 0, 1, 4, "none", False, "1f1b")]
+    parts = {lay.name: cpu.evaluate(lay).parts for lay in lays}
+    measured = 1.25 * cpu.evaluate(lays[0], parts[lays[0].name]).step_s
+    factor, fitted = fit_speed(cpu, lays[0], parts[lays[0].name], measured)
+    assert factor == pytest.approx(0.8, rel=1e-6)
+    for lay in lays:  # every step / 0.8, collectives, p2p and page faults included
+        assert fitted.evaluate(lay, parts[lay.name]).step_s == pytest.approx(
+            cpu.evaluate(lay, parts[lay.name]).step_s / 0.8, rel=1e-6)
+
+
 def test_deepspeed_passes_over_the_gradients_are_counted_even_with_one_dp_rank():
     """What DeepSpeed 0.19 does to the gradients besides the collectives and Adam, in bytes of memory
     traffic (and first touches of new large buffers on a CPU): measured as 0.35 s of a bench-cpu

@@ -84,7 +84,9 @@ class OpCost:
     weight_bytes: float = 0.0
     comm_fwd_bytes: float = 0.0  # per rank, payload of the collective
     comm_bwd_bytes: float = 0.0
-    comm_type: str = ""  # all-reduce | all-gather | reduce-scatter | all-gather+reduce-scatter
+    # all-reduce | all-gather | reduce-scatter, or FWD+BWD where the two directions differ (SP); a
+    # direction may issue several collectives, "a,b", each of an equal share of its bytes
+    comm_type: str = ""
     recompute: bool = False  # dropped from saved activations under selective recompute
     gemm_dim: float = 0.0  # a GEMM's smallest dimension on this rank (kernels fill the device less when small)
     # sizes of the large buffers the op allocates (outputs forward; input and weight gradients backward):
@@ -201,13 +203,15 @@ def residual_add(name: str, shp: Shape) -> OpCost:
 
 
 def _tp_entry_comm(op: OpCost, shp: Shape) -> OpCost:
-    """Entering a TP region: SP all-gathers the input (fwd) and reduce-scatters its grad (bwd);
-    plain TP all-reduces the input gradient in backward (Megatron's f operator)."""
+    """Entering a TP region: SP all-gathers the input (fwd); backward gathers it again for the weight
+    gradient (megatron-core's ColumnParallelLinear keeps only its shard) and reduce-scatters the input
+    gradient.  Plain TP all-reduces the input gradient in backward (Megatron's f operator)."""
     if shp.t == 1:
         return op
     payload = shp.sbh * shp.e
     if shp.sp:
-        return replace(op, comm_fwd_bytes=payload, comm_bwd_bytes=payload, comm_type="all-gather+reduce-scatter")
+        return replace(op, comm_fwd_bytes=payload, comm_bwd_bytes=2 * payload,
+                       comm_type="all-gather+all-gather,reduce-scatter")
     return replace(op, comm_bwd_bytes=payload, comm_type="all-reduce")
 
 

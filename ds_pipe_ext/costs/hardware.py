@@ -62,10 +62,12 @@ class DeviceSpec:
         compute = flops / (peak * self.efficiency(op.kind, op.gemm_dim))
         memory = moved / (self.hbm_bandwidth * self.memory_efficiency)
         comm_bytes = op.comm_bwd_bytes if backward else op.comm_fwd_bytes
-        kind = op.comm_type
-        if "+" in kind:  # an SP pair: the first collective runs forward, the other backward
-            kind = kind.split("+")[1 if backward else 0]
-        comm = self.collective_time(comm_bytes, kind, tp, self.link_bandwidth(tp) * self.comm_efficiency)
+        kinds = op.comm_type
+        if "+" in kinds:  # under SP: the forward's collectives, then the backward's
+            kinds = kinds.split("+")[1 if backward else 0]
+        kinds = kinds.split(",")
+        bandwidth = self.link_bandwidth(tp) * self.comm_efficiency
+        comm = sum(self.collective_time(comm_bytes / len(kinds), kind, tp, bandwidth) for kind in kinds)
         fresh = self.fresh_alloc_time(op.bwd_allocs if backward else op.fwd_allocs)
         return {"compute_s": compute, "memory_s": memory, "comm_s": comm, "fresh_s": fresh,
                 "time_s": max(compute, memory) + fresh + comm,
@@ -97,11 +99,9 @@ def ring_time(payload_bytes: float, comm_type: str, n: int, bandwidth: float) ->
     all-reduce 2(n-1)/n * bytes, all-gather and reduce-scatter (n-1)/n * bytes each."""
     if n <= 1 or payload_bytes == 0:
         return 0.0
-    steps = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0,
-             "all-gather+reduce-scatter": 1.0, "reduce-scatter+all-gather": 1.0}
+    steps = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0}
     if comm_type not in steps:
         raise AnalyticError(f"unknown collective {comm_type!r}")
-    # a fwd/bwd record of an SP pair holds one of the two collectives per direction
     return steps[comm_type] * (n - 1) / n * payload_bytes / bandwidth
 
 

@@ -2,9 +2,15 @@
 
 A shared machine runs a training step slower than the fastest runs its micro-benchmarks keep (on
 the 2-core CPU machine, launches ran 1.3-1.6x slower than the spec and a one-process layer profile
-implied).  ``fit_speed`` finds the one factor on the device's compute and memory rates that makes a
-layout's predicted step equal a measured one; links stay as measured or given.  The layout it is
-fitted on is then a calibration run, and every other layout the model predicts is a prediction.
+implied).  ``fit_speed`` finds the one factor on the device's rates that makes a layout's predicted
+step equal a measured one.  The layout it is fitted on is then a calibration run, and every other
+layout the model predicts is a prediction.
+
+Which rates the factor scales: compute and memory always.  Links only where they are the same
+cores' work: CPU ranks talk gloo over loopback TCP, copies through the kernel on the cores that also
+compute, so a loaded machine slows them alike (scaling compute alone made the layouts heavy in
+collectives look relatively fast: runs/planner-vs-measured-v5 ranked worse after the calibration
+than before it).  A GPU's NVLink or network does not slow with its SMs: there the links stay.
 """
 
 from __future__ import annotations
@@ -17,20 +23,36 @@ from .model import PlanModel
 from .space import PlanError, PlanLayout
 
 
-def at_speed(device: DeviceSpec, factor: float) -> DeviceSpec:
-    """``device`` with its compute and memory rates times ``factor``; its links (measured or given) unchanged."""
-    return replace(device, matrix_flops={k: v * factor for k, v in device.matrix_flops.items()},
-                   vector_flops={k: v * factor for k, v in device.vector_flops.items()},
-                   hbm_bandwidth=device.hbm_bandwidth * factor,
-                   fresh_page_bandwidth=device.fresh_page_bandwidth * factor)
+def links_are_cpu_work(device: DeviceSpec) -> bool:
+    """CPU ranks whose collectives were measured here (gloo over loopback): their links are CPU work."""
+    return device.name == "cpu" and device.collectives is not None
 
 
-def fit_speed(model: PlanModel, lay: PlanLayout, parts: list[int], measured_step_s: float) -> tuple[float, PlanModel]:
-    """The factor on the device's compute and memory rates that makes ``lay``'s predicted step equal one
-    measured step, and the plan model at that speed.  The predicted step falls as the factor grows
-    (links stay), so bisection on its logarithm finds it."""
+def at_speed(device: DeviceSpec, factor: float, *, links: bool = False) -> DeviceSpec:
+    """``device`` with its compute and memory rates times ``factor``; with ``links`` its measured
+    collectives' bandwidths too (latencies divided by it) and its link bandwidths."""
+    out = replace(device, matrix_flops={k: v * factor for k, v in device.matrix_flops.items()},
+                  vector_flops={k: v * factor for k, v in device.vector_flops.items()},
+                  hbm_bandwidth=device.hbm_bandwidth * factor,
+                  fresh_page_bandwidth=device.fresh_page_bandwidth * factor)
+    if links:
+        out = replace(out, intra_node_bandwidth=device.intra_node_bandwidth * factor,
+                      inter_node_bandwidth=device.inter_node_bandwidth * factor,
+                      collectives={k: [lat / factor, bw * factor] for k, (lat, bw) in (device.collectives or {}).items()}
+                      or device.collectives)
+    return out
+
+
+def fit_speed(model: PlanModel, lay: PlanLayout, parts: list[int], measured_step_s: float, *,
+              links: bool | None = None) -> tuple[float, PlanModel]:
+    """The factor on the device's rates that makes ``lay``'s predicted step equal one measured step,
+    and the plan model at that speed.  ``links`` None: scale the links where they are CPU work
+    (``links_are_cpu_work``).  The predicted step falls as the factor grows, so bisection on its
+    logarithm finds it."""
+    scale_links = links_are_cpu_work(model.device) if links is None else links
+
     def at(factor: float) -> PlanModel:
-        return model.on_device(at_speed(model.device, factor))
+        return model.on_device(at_speed(model.device, factor, links=scale_links))
 
     lo, hi = math.log(1 / 16), math.log(16)
     for _ in range(50):
@@ -46,4 +68,4 @@ def fit_speed(model: PlanModel, lay: PlanLayout, parts: list[int], measured_step
     return factor, at(factor)
 
 
-__all__ = ["at_speed", "fit_speed"]
+__all__ = ["at_speed", "fit_speed", "links_are_cpu_work"]
