@@ -1,6 +1,7 @@
 """Measured throughput of 2-stage splits: `profiled` against every split and DeepSpeed's built-ins.
 
-Two models, 2 pipeline stages on 2 ranks (OMP_NUM_THREADS=1 each), micro-batch 2, 4 micro-batches:
+Two models, 2 pipeline stages on 2 ranks (OMP_NUM_THREADS=1 each), micro-batch 2 (``--micro-batch``),
+4 micro-batches:
   bench-cpu         GPT (V=50257, h=512, 12 alike blocks, seq 256): a cheap embedding, a costly head
   bench-cpu-pruned  the same with one FFN width per block (4096 down to 1024): blocks not alike
 
@@ -18,7 +19,10 @@ A method is scored by the split it chose, as that split measured beside every ot
 `profiled` by the split it chose, DeepSpeed's `uniform` and `parameters` by theirs (from DeepSpeed's
 own functions).  The `profiled` build's own samples/s are printed as a check.
 
-    python bench/partition_speedup.py [--rounds 3] [--out runs/partition-speedup-v2]
+    python bench/partition_speedup.py [--rounds 3] [--micro-batch 2] [--out runs/partition-speedup-v2]
+
+At micro-batch 2 a step's fixed costs (engine, optimizer, p2p) are a large share, and the best
+split measured only 1.13x DeepSpeed's built-in one (v2); v3 runs micro-batch 4.
 
 Resumable: a round whose metrics exist in --out is not run again.
 Last line: RESULT profiled_vs_builtin=X profiled_vs_best_split=Y second_model_profiled_vs_best_split=Z
@@ -43,7 +47,7 @@ from ds_pipe_ext.runner import ROOT, launch, write_config  # noqa: E402
 
 MODELS = ["bench-cpu", "bench-cpu-pruned"]
 STEP_MODEL = ROOT / "launch_scripts" / "step_model_cpu.json"
-MICRO_BATCH, MICRO_BATCHES, STEPS = 2, 4, 2  # step 1 of each method is warm-up
+MICRO_BATCHES, STEPS = 4, 2  # step 1 of each method is warm-up
 
 
 def builtin_parts(model: str) -> dict[str, list[int]]:
@@ -56,12 +60,12 @@ def builtin_parts(model: str) -> dict[str, list[int]]:
             "parameters": [int(b) for b in ds_utils.partition_balanced(params, 2)]}
 
 
-def run_round(model: str, methods: list[str], out: Path) -> dict[str, dict]:
+def run_round(model: str, methods: list[str], out: Path, micro_batch: int) -> dict[str, dict]:
     """One launch that measures every method in the given order (bench/splits_in_one_launch.py)."""
     done = out / "metrics.json"
     if not done.is_file():
         out.mkdir(parents=True, exist_ok=True)
-        cfg = write_config(out / "ds.json", train_micro_batch_size_per_gpu=MICRO_BATCH,
+        cfg = write_config(out / "ds.json", train_micro_batch_size_per_gpu=micro_batch,
                            gradient_accumulation_steps=MICRO_BATCHES,
                            pipeline={"stages": 2, "step_model": str(STEP_MODEL),
                                      "profile": {"warmup": 2, "repeats": 5, "cache_dir": None, "progress": False}},
@@ -85,18 +89,20 @@ def spread(values: list[float]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--out", default="runs/partition-speedup-v2")
     args = ap.parse_args()
     out = Path(args.out).resolve()
     n = len(gpt_layer_specs(load_model_config(MODELS[0])))
     methods = ["profiled"] + [f"parts:0,{k},{n}" for k in range(1, n)]
-    print(f"{len(MODELS)} models x {args.rounds} rounds, one launch each measuring {len(methods)} methods, in {out}", flush=True)
+    print(f"{len(MODELS)} models x {args.rounds} rounds, one launch each measuring {len(methods)} methods at micro-batch "
+          f"{args.micro_batch} x {MICRO_BATCHES}, in {out}", flush=True)
     measured: dict[tuple[str, str], list[dict]] = {}
     for rnd in range(args.rounds):
         order = methods if rnd % 2 == 0 else methods[::-1]
         print(f"round {rnd}", flush=True)
         for model in (MODELS if rnd % 2 == 0 else MODELS[::-1]):
-            for method, r in run_round(model, order, out / f"round{rnd}" / model).items():
+            for method, r in run_round(model, order, out / f"round{rnd}" / model, args.micro_batch).items():
                 measured.setdefault((model, method), []).append(r)
 
     results = {}
