@@ -58,8 +58,8 @@ USABLE_MEMORY = 0.9  # of the device's memory; the rest: CUDA context, NCCL buff
 CALIBRATED = {
     "a100-80gb": {"matrix_efficiency": 0.662, "comm_efficiency": 1.0},
     "a100-40gb": {"matrix_efficiency": 0.662, "comm_efficiency": 1.0},
-    "h100-sxm": {"matrix_efficiency": 0.843, "comm_efficiency": 1.0},
-    "h200": {"matrix_efficiency": 0.843, "comm_efficiency": 1.0},
+    "h100-sxm": {"matrix_efficiency": 0.889, "comm_efficiency": 1.0},
+    "h200": {"matrix_efficiency": 0.889, "comm_efficiency": 1.0},
 }
 
 
