@@ -150,7 +150,6 @@ def main() -> None:
     if pick.layout.name not in {lay.name for lay in grid}:
         grid.append(pick.layout)
     by_name = {lay.name: lay for lay in grid}
-    measured: dict[str, list[float]] = {lay.name: [] for lay in grid}
     print(f"planner's pick (before any launch): {pick.layout.name}, predicted {pick.samples_per_s:.3f} samples/s", flush=True)
     # each round: the reference, then two layouts, the reference again, ... (A B C A D E A ...), forwards in
     # even rounds and backwards in odd ones; a launch's figure is its samples/s over the mean of the
@@ -175,8 +174,7 @@ def main() -> None:
         for i, (lay, sps) in enumerate(zip(sequence, got)):
             if lay is ref or sps is None:
                 continue
-            around = [got[j] for j in (max((j for j in refs if j < i), default=None),
-                                       min((j for j in refs if j > i), default=None)) if j is not None]
+            around = [got[j] for j in [j for j in refs if j < i][-1:] + [j for j in refs if j > i][:1]]
             if around:
                 ratios[lay.name].append(sps / statistics.mean(around))
     ref_median = statistics.median(raw[CALIBRATION]) if raw[CALIBRATION] else None
