@@ -9,8 +9,8 @@ models are what make the fit transfer) the fit reads:
   squares in relative error with no coefficient below zero.
   Where ranks share cores the measured times are first divided by the slowdown the model
   predicts for that run (a fixed point: fit, simulate, divide, fit again);
-* p2p: each run's fastest activation send (the others waited for their receiver), divided by the
-  ranks per core where ranks share cores: latency + bytes / bandwidth of one rank per core;
+* p2p: each run's fastest activation send (the others waited for their receiver): latency +
+  bytes / bandwidth;
 * the optimizer step: each rank updates after its last backward and the step ends with the last
   update, so the smallest optimizer time over the stages is an update with nothing to wait for
   (divided by the memory-bandwidth sharing the model predicts for it): a line in the parameter
@@ -130,9 +130,7 @@ def fit_step_model(runs: Sequence[RunStages], *, cores: float | None = None, sha
         model = replace(model, forward_scale=fs, forward_fixed_s=ff, forward_per_layer_s=fl,
                         backward_scale=bs, backward_fixed_s=bf, backward_per_layer_s=bl)
     # p2p: per run, its fastest send (the others waited for their receiver): latency + bytes / bandwidth
-    # (a run with more ranks than cores measured it stretched by the ranks per core: ``StepModel.link``)
-    sends = [min((t / model.oversubscription(len(run.stages)), st.boundary_out_bytes)
-                 for st, t in zip(run.stages, run.send_s) if st.boundary_out_bytes and t > 0)
+    sends = [min((t, st.boundary_out_bytes) for st, t in zip(run.stages, run.send_s) if st.boundary_out_bytes and t > 0)
              for run in runs if any(st.boundary_out_bytes and t > 0 for st, t in zip(run.stages, run.send_s))]
     per_byte, latency = _line([b for _, b in sends], [t for t, _ in sends]) if sends else (0.0, 0.0)
     model = replace(model, p2p_latency_s=latency, p2p_bandwidth=1.0 / per_byte if per_byte > 0 else None)

@@ -8,7 +8,6 @@ A step on DeepSpeed's engine costs more, and not only on the slowest stage:
       (fixed: the engine's own work per instruction; per layer: Python's call into each module, hooks)
       -> the engine's order of compute and p2p (``pipe.schedules.engine_schedule``; any
          ``simulate.schedules`` name otherwise), with transfers of p2p_latency_s + bytes / p2p_bandwidth
-         (both stretched by ranks / cores where more ranks than cores share a CPU: ``link``)
       -> ranks that share ``cores`` CPU cores slow each other down while they compute together
       -> + each rank's optimizer step right after its last backward (optimizer_fixed_s +
          optimizer_s_per_param_byte x its parameter bytes); on a CPU the ranks' updates share one
@@ -76,19 +75,6 @@ class StepModel:
         return (self.backward_scale * stage.backward_s + self.backward_fixed_s
                 + self.backward_per_layer_s * _layers(stage))
 
-    def oversubscription(self, ranks: int) -> float:
-        """How many ranks share each core (at least 1): ``ranks / cores`` on a CPU with more ranks."""
-        return max(1.0, ranks / self.cores) if self.cores else 1.0
-
-    def link(self, ranks: int) -> Link:
-        """A p2p transfer in a run of ``ranks`` ranks.  The fitted latency and bandwidth are those
-        of one rank per core.  Where more ranks than cores share a CPU, gloo's loopback copy and the
-        receiving rank's wake-up wait for a core like compute does, so both stretch by the ranks per
-        core (fitted on 4 ranks over 2 cores and applied unstretched to 2, the latency over-predicted
-        tiny 2-stage steps by 20-25%)."""
-        k = self.oversubscription(ranks)
-        return Link(self.p2p_latency_s * k, self.p2p_bandwidth / k if self.p2p_bandwidth else None)
-
     def optimizer_s(self, param_bytes: float) -> float:
         return self.optimizer_fixed_s + self.optimizer_s_per_param_byte * param_bytes
 
@@ -111,7 +97,7 @@ class StepModel:
         costs = ChunkCosts([self.stage_forward_s(st) for st in stages], [self.stage_backward_s(st) for st in stages],
                            weight_grad_s=[self.backward_scale * st.weight_grad_s for st in stages],
                            output_bytes=[st.boundary_out_bytes for st in stages])
-        network = Network(self.link(sched.num_ranks))
+        network = Network(Link(self.p2p_latency_s, self.p2p_bandwidth))
         sim, slowdown = simulate_shared_cores(sched, costs, network, self.cores)
         params = [0.0] * sched.num_ranks
         for c, st in enumerate(stages):
