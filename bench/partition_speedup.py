@@ -16,13 +16,15 @@ each built afresh, 1 warm-up step, then timed steps), so the methods it compares
    rounds alternating the order (forward, backward, ...); each split's median and spread over the
    rounds.  This is the whole curve, and it says which splits contend for the top.
 2. **Playoff**: `profiled`, DeepSpeed's built-in splits, the screen's three best splits and the
-   splits `profiled` chose in the screen, measured in turn for ``--cycles`` cycles in one
-   launch (A B C .., then B C .. A, ...).  The splits near the top differ by 1-3%, and on this shared
-   machine one build's figure moves by 5-10% from minute to minute, more between launches: so the
-   scores are ratios *within a cycle* (profiled's build against the best split's build measured
-   beside it), medians over the cycles.  The best split is the contender with the highest playoff
-   median; a split outside the screen's top three could only beat it by being under-measured by more
-   than the screen's spread, which the screen table shows.
+   splits `profiled` chose in the screen, measured in turn for ``--cycles`` cycles in one launch
+   (A B C .., then B C .. A, ...), each build trained ``--playoff-steps`` steps (the median of all but
+   the first).  The splits near the top differ by 1-3%; one timed step of a build moved by 5-10% on
+   this machine (v5's first playoff, 2 steps a build: per-cycle ratios 0.70-1.21), five timed steps
+   by about 1% ([0,11,14] built three times in one launch: 0.862, 0.881, 0.879 samples/s).  Scores
+   are ratios *within a cycle* (profiled's build against the best split's build beside it), medians
+   over the cycles.  The best split is the contender with the highest playoff median; a split
+   outside the screen's top three could only beat it by being under-measured by more than the
+   screen's spread, which the screen table shows.
 
 Scores: `profiled` by its own builds (a fresh profile and decision each, as a user's launch would),
 DeepSpeed's `uniform` and `parameters` by the splits their own functions choose.
@@ -57,7 +59,7 @@ from ds_pipe_ext.runner import ROOT, launch, write_config  # noqa: E402
 
 MODELS = ["bench-cpu", "bench-cpu-pruned"]
 STEP_MODEL = ROOT / "launch_scripts" / "step_model_cpu.json"
-STEPS = 2  # per build: step 1 is warm-up, step 2 is timed
+SCREEN_STEPS = 2  # per build: step 1 is warm-up, step 2 is timed
 SCREEN_TOP = 3  # the screen's best splits that go on to the playoff
 
 
@@ -75,7 +77,7 @@ def split_method(parts) -> str:
     return "parts:" + ",".join(str(int(b)) for b in parts)
 
 
-def run_launch(model: str, methods: list[str], out: Path, args) -> list[dict]:
+def run_launch(model: str, methods: list[str], out: Path, args, steps: int) -> list[dict]:
     """One launch measuring ``methods`` in this order (a method may repeat); the records in order."""
     done = out / "metrics.json"
     if not done.is_file():
@@ -84,7 +86,7 @@ def run_launch(model: str, methods: list[str], out: Path, args) -> list[dict]:
                            gradient_accumulation_steps=args.micro_batches,
                            pipeline={"stages": 2, "step_model": str(STEP_MODEL),
                                      "profile": {"warmup": 2, "repeats": 5, "cache_dir": None, "progress": False}},
-                           train={"model": model, "steps": STEPS, "seed": 1234})
+                           train={"model": model, "steps": steps, "seed": 1234})
         t0 = time.perf_counter()
         proc, ranks = launch(2, cfg, "--methods", ";".join(methods), out_dir=out, cwd=out, timeout=3600,
                              script="bench/splits_in_one_launch.py")
@@ -112,7 +114,7 @@ def playoff(model: str, contenders: list[str], args, out: Path) -> list[dict[str
     """``--cycles`` cycles of every contender in one launch, each cycle rotated by one: per cycle, method -> record."""
     order = [m for c in range(args.cycles) for m in contenders[c % len(contenders):] + contenders[:c % len(contenders)]]
     print(f"playoff: {model}, {len(contenders)} contenders x {args.cycles} cycles", flush=True)
-    records = run_launch(model, order, out / "playoff" / model, args)
+    records = run_launch(model, order, out / "playoff" / model, args, args.playoff_steps)
     n = len(contenders)
     return [{r["method"]: r for r in records[c * n:(c + 1) * n]} for c in range(args.cycles)]
 
@@ -155,7 +157,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="screen rounds (every split once a round)")
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (gradient accumulation)")
-    ap.add_argument("--cycles", type=int, default=3, help="playoff cycles (every contender once a cycle)")
+    ap.add_argument("--cycles", type=int, default=2, help="playoff cycles (every contender once a cycle)")
+    ap.add_argument("--playoff-steps", type=int, default=6,
+                    help="steps per playoff build: 1 warm-up, the median of the others (one timed step moves by 5-10%%)")
     ap.add_argument("--out", default="runs/partition-speedup-v5")
     args = ap.parse_args()
     out = Path(args.out).resolve()
@@ -168,7 +172,7 @@ def main() -> None:
         order = methods if rnd % 2 == 0 else methods[::-1]
         for model in (MODELS if rnd % 2 == 0 else MODELS[::-1]):
             print(f"screen round {rnd}: {model}", flush=True)
-            for r in run_launch(model, order, out / f"round{rnd}" / model, args):
+            for r in run_launch(model, order, out / f"round{rnd}" / model, args, SCREEN_STEPS):
                 screened[model].setdefault(r["method"], []).append(r)
     results = {}
     for model in MODELS:
