@@ -97,6 +97,7 @@ def cmd_estimate_compare(args) -> int:
     from .hardware import get_device
     from ..models.config import load_model_config
     from ..compat.zero import deepspeed_estimate_bytes
+    from ..partition import partition_min_max
     from ..partition.methods import decide_offline
     from ..partition.report import render_table
 
@@ -116,9 +117,10 @@ def cmd_estimate_compare(args) -> int:
         if c.kind == "pipeline":
             if len(costs) < c.pp:
                 continue  # more stages than layers
-            # "profiled" needs the device: the analytic min-max split stands in for it here
-            parts = decide_offline("analytic" if c.method == "profiled" else c.method, costs, c.pp,
-                                   micro_batches=c.grad_accum)
+            # "profiled" needs the device: the analytic min-max split stands in for it here (a memory
+            # table: not the step search, which takes seconds per layout on a 96-block model)
+            parts = (partition_min_max(costs, c.pp, micro_batches=c.grad_accum) if c.method == "profiled"
+                     else decide_offline(c.method, costs, c.pp, micro_batches=c.grad_accum))
         stages = predicted_ranks(c, shape, acts, parts=parts, element_bytes=DTYPE_BYTES[args.dtype])
         if c.offload:  # optimizer states and parameter partitions live in CPU memory
             for st in stages:
