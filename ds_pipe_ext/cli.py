@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from pathlib import Path
 
 from pydantic import Field
 
@@ -45,6 +46,17 @@ def emit(*args, **kwargs) -> None:
 
 def check_shape(args) -> ShapeArgs:
     return parse_section(ShapeArgs, {k: getattr(args, k) for k in ShapeArgs.model_fields if hasattr(args, k)}, "")
+
+
+def launch_model(args) -> str:
+    """``--model`` of a command that launches train.py: a .toml path made absolute (each launch runs in
+    its own directory), else a name in model_configs/."""
+    return str(Path(args.model).resolve()) if Path(args.model).suffix else args.model
+
+
+def check_launch_steps(args) -> None:
+    if args.steps < 2:
+        raise ValueError(f"--steps {args.steps}: use at least 2 (the first step pays for warm-up and is not timed)")
 
 
 def build_parser() -> argparse.ArgumentParser:

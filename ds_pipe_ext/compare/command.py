@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from ..cli import check_shape, emit
+from ..cli import check_launch_steps, check_shape, emit, launch_model
 
 
 def comparison_configs_for(args, micro_batch: int):
@@ -31,11 +31,10 @@ def cmd_compare(args) -> int:
     from ..models.config import load_model_config
 
     check_shape(args)
-    model = str(Path(args.model).resolve()) if Path(args.model).suffix else args.model
+    model = launch_model(args)
     model_cfg = load_model_config(model)
     configs = comparison_configs_for(args, args.micro_batch)
-    if args.steps < 2:
-        raise ValueError(f"--steps {args.steps}: use at least 2 (the first step pays for warm-up and is not timed)")
+    check_launch_steps(args)
     out = Path(args.out or f"runs/compare-{model_cfg.name}-w{args.world}")
     cpu_only = not torch.cuda.is_available()
     comparison = Comparison(out, model=model, model_cfg=model_cfg, shape=model_shape(model_cfg), steps=args.steps,

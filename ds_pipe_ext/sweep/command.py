@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from ..cli import emit
+from ..cli import check_launch_steps, emit, launch_model
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -27,14 +27,13 @@ def cmd_sweep(args) -> int:
     from . import render
     from .run import Sweep, run_sweep, sweep_cells
 
-    model = str(Path(args.model).resolve()) if Path(args.model).suffix else args.model
+    model = launch_model(args)
     model_cfg = load_model_config(model)
     flags = {"off": False, "on": True}
     ckpt = [flags.get(x.strip()) for x in args.checkpointing.split(",")]
     if None in ckpt:
         raise ValueError(f"--checkpointing {args.checkpointing!r}: write off, on or off,on")
-    if args.steps < 2:
-        raise ValueError(f"--steps {args.steps}: use at least 2 (the first step pays for warm-up and is not timed)")
+    check_launch_steps(args)
     stages, ms = _int_list(args.stages, "--stages"), _int_list(args.micro_batches, "--micro-batches")
     global_batch = args.global_batch or max(ms)
     cells = sweep_cells(stages, ms, ckpt, global_batch=global_batch, num_layers=len(gpt_layer_specs(model_cfg)))
