@@ -125,8 +125,8 @@ def score(model: str, screened: dict[str, list[dict]], cycles: list[dict[str, di
     # the screen: the whole curve
     best_screen = max((m for m in screened if m.startswith("parts:")), key=lambda m: statistics.median(sps(screened[m])))
     top = statistics.median(sps(screened[best_screen]))
-    rows = [[m + "".join(f" ({k})" for k, v in builtin.items() if v == m),
-             " ".join(sorted({str(r["parts"]) for r in recs})), spread(sps(recs)),
+    label = lambda m: m + "".join(f" ({k})" for k, v in builtin.items() if v == m)  # noqa: E731 - uniform, parameters
+    rows = [[label(m), " ".join(sorted({str(r["parts"]) for r in recs})), spread(sps(recs)),
              f"{statistics.median(sps(recs)) / top:.3f}"] for m, recs in screened.items()]
     print(f"\n{model}, screen: samples/s, median [min-max] over {rounds} rounds (one build each)")
     print("\n".join(render_table(["method", "parts", "samples/s", "vs best split"], rows)))
@@ -140,7 +140,7 @@ def score(model: str, screened: dict[str, list[dict]], cycles: list[dict[str, di
     best_builtin = max(set(builtin.values()), key=med.get)
     ratio = lambda a, b: [c[a]["samples_per_s"] / c[b]["samples_per_s"] for c in cycles]  # noqa: E731
     vs_best, vs_builtin = ratio("profiled", best), ratio("profiled", best_builtin)
-    rows = [[m + "".join(f" ({k})" for k, v in builtin.items() if v == m) + (" (best split)" if m == best else ""),
+    rows = [[label(m) + (" (best split)" if m == best else ""),
              " ".join(sorted({str(c[m]["parts"]) for c in cycles})), spread([c[m]["samples_per_s"] for c in cycles]),
              spread(ratio("profiled", m)) if m != "profiled" else "-"] for m in contenders]
     print(f"\n{model}, playoff: samples/s, median [min-max] over {len(cycles)} cycles in one launch")
