@@ -90,6 +90,7 @@ class StageCost:
     inflight: int
     boundary_in_bytes: int  # the activation received from the previous stage (0 for the first)
     boundary_out_bytes: int  # the activation sent to the next stage (0 for the last)
+    recomputed_layers: int = 0  # layers whose forward backward_s replays (activation checkpointing)
 
     @property
     def time_s(self) -> float:
@@ -146,5 +147,6 @@ def stage_costs(
             activation_bytes=sum(held[i:j]),
             inflight=in_flight(s, p, micro_batches, schedule),
             boundary_in_bytes=b_in, boundary_out_bytes=b_out,
+            recomputed_layers=sum(1 for c in layers if c.recompute_s > 0) if recompute else 0,
         ))
     return out

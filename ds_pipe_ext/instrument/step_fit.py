@@ -16,9 +16,12 @@ models are what make the fit transfer) the fit reads:
   (divided by the memory-bandwidth sharing the model predicts for it): a line in the parameter
   bytes over the runs (one run: through the origin);
 * the tail: the smallest loss-broadcast time over the stages;
-* last, the engine's own cost of a transfer instruction whose partner is ready, which the
-  counters mix with waiting: the p2p latency (at least the fastest send) that brings the
-  calibration runs' predicted steps closest to their measured ones.
+* last, what the counters mix with waiting, fitted to the calibration runs' steps: where ranks
+  share cores, the wake-up of a rank that slept at a rendezvous while the cores were taken;
+  otherwise the engine's cost of a transfer instruction whose partner is ready (a latency of at
+  least the fastest send).
+* activation checkpointing: a cost per replayed layer beyond what the profiler saw it replay
+  (what ``non_reentrant_checkpoint`` costs the engine), fitted only where a run checkpointed.
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ def fit_step_model(runs: Sequence[RunStages], *, cores: float | None = None, sha
         raise StepModelError("fit_step_model needs at least one instrumented run")
     model = StepModel(cores=cores, shared_memory=shared_memory, calibrated_on=tuple(r.name for r in runs))
     for _ in range(FIT_ROUNDS):
-        cols_f, cols_b, yf, yb = [[], [], []], [[], [], []], [], []
+        cols_f, cols_b, yf, yb = [[], [], []], [[], [], [], []], [], []
         for run in runs:
             stretch = _stage_slowdown(model, run)
             for st, f, b, k in zip(run.stages, run.forward_s, run.backward_s, stretch):
@@ -123,12 +126,13 @@ def fit_step_model(runs: Sequence[RunStages], *, cores: float | None = None, sha
                     cols[0].append(t)
                     cols[1].append(1.0)
                     cols[2].append(st.stop - st.start)
+                cols_b[3].append(st.recomputed_layers)  # all 0 (no term) unless a run checkpointed
                 yf.append(f / k)
                 yb.append(b / k)
         fs, ff, fl = _relative_nnls(cols_f, yf)
-        bs, bf, bl = _relative_nnls(cols_b, yb)
+        bs, bf, bl, br = _relative_nnls(cols_b, yb)
         model = replace(model, forward_scale=fs, forward_fixed_s=ff, forward_per_layer_s=fl,
-                        backward_scale=bs, backward_fixed_s=bf, backward_per_layer_s=bl)
+                        backward_scale=bs, backward_fixed_s=bf, backward_per_layer_s=bl, recompute_per_layer_s=br)
     # p2p: per run, its fastest send (the others waited for their receiver): latency + bytes / bandwidth
     sends = [min((t, st.boundary_out_bytes) for st, t in zip(run.stages, run.send_s) if st.boundary_out_bytes and t > 0)
              for run in runs if any(st.boundary_out_bytes and t > 0 for st, t in zip(run.stages, run.send_s))]
@@ -147,15 +151,22 @@ def fit_step_model(runs: Sequence[RunStages], *, cores: float | None = None, sha
         per_byte, fixed = _line(xo, yo)
         model = replace(model, optimizer_s_per_param_byte=per_byte, optimizer_fixed_s=fixed)
     model = replace(model, step_fixed_s=float(np.mean([r.tail_s for r in runs])))
-    # what no counter isolates: the engine's cost of a send or receive instruction whose partner is
-    # ready (the counters mix it with waiting).  It is the one term fitted to the steps themselves:
-    # the latency, at least the fastest send, that brings the calibration runs' steps closest.
-    def misfit(latency: float) -> float:
-        trial = replace(model, p2p_latency_s=latency)
+    # what no counter isolates (the counters mix it with waiting), the one term fitted to the steps
+    # themselves, the value that brings the calibration runs' steps closest:
+    # * where ranks share cores (more ranks than ``cores`` in a calibration run): the wake-up of a rank
+    #   that slept in a send or receive while the other ranks hold the cores (p2p_wake_s); the latency
+    #   stays the fastest sends' line.  A latency fitted instead piles up along every rendezvous of the
+    #   critical path, busy cores or not: v4 of bench/prediction_transfer.py over-predicted an m = 8
+    #   run whose light stages left a core free by 54%.
+    # * otherwise: the engine's cost of a send or receive instruction whose partner is ready, as a
+    #   latency of at least the fastest send.
+    def misfit(trial: StepModel) -> float:
         return sum(((predict_run(trial, r) - r.step_s) / r.step_s) ** 2 for r in runs)
 
-    grid = [model.p2p_latency_s + x for x in [0.0, *np.geomspace(1e-5, 0.1, 41)]]
-    return replace(model, p2p_latency_s=float(min(grid, key=misfit)))
+    steps = [0.0, *np.geomspace(1e-5, 0.1, 41)]
+    if cores and any(r.ranks > cores for r in runs):
+        return min((replace(model, p2p_wake_s=float(w)) for w in steps), key=misfit)
+    return min((replace(model, p2p_latency_s=float(model.p2p_latency_s + x)) for x in steps), key=misfit)
 
 
 def _optimizer_stretch(model: StepModel, run: RunStages, rank: int) -> float:

@@ -74,6 +74,7 @@ def partition_min_step(
     F = prefix([c.forward_s for c in costs])
     B = prefix([c.backward_s + (c.recompute_s if recompute else 0.0) for c in costs])
     P = prefix([c.param_bytes for c in costs])
+    R = model.recompute_per_layer_s * prefix([1.0 if recompute and c.recompute_s > 0 else 0.0 for c in costs])
     S = prefix([c.static_bytes for c in costs])
     A = prefix(held_activation_bytes(costs, recompute=recompute))
     cap = None if memory_cap_gib is None else memory_cap_gib * 2.0**30
@@ -86,14 +87,15 @@ def partition_min_step(
 
     def t(i: int, j: int) -> float:  # one micro-batch's forward + backward on layers [i, j)
         return (model.forward_scale * (F[j] - F[i]) + model.forward_fixed_s
-                + model.backward_scale * (B[j] - B[i]) + model.backward_fixed_s + per_layer * (j - i))
+                + model.backward_scale * (B[j] - B[i]) + model.backward_fixed_s + per_layer * (j - i) + R[j] - R[i])
 
     def bound(k: int, i: int, st: tuple) -> float:
         """Stages 0..k-1 fixed (``st``), layers [i, n) left for stages k..p-1: StepModel.lower_bound_s
         over the fixed stages, and for the rest their mean (max >= mean: t and opt are affine)."""
         before, ahead, drained, own, opt0 = st
         left = p - k
-        rest = (model.forward_scale * (F[n] - F[i]) + model.backward_scale * (B[n] - B[i]) + per_layer * (n - i)) / left \
+        rest = (model.forward_scale * (F[n] - F[i]) + model.backward_scale * (B[n] - B[i]) + per_layer * (n - i)
+                + R[n] - R[i]) / left \
             + model.forward_fixed_s + model.backward_fixed_s
         rest_opt = opt((P[n] - P[i]) / left)
         return max(max(drained, before + m * rest) + opt0, own, ahead + m * rest + rest_opt) + model.step_fixed_s

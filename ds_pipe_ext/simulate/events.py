@@ -16,7 +16,8 @@ Rules:
   engine, ``pipe.engine_schedule``): send and receive items (``SA``/``RA`` activations,
   ``SG``/``RG`` gradients) that block both ranks until the other side has posted - a
   rendezvous, as gloo and NCCL sends are - and then for the link's time.  Compute items
-  then wait only for the items before them on their rank.
+  then wait only for the items before them on their rank.  ``wake_s[key]`` delays the rank that
+  posted first (it slept, and needs a core back: ranks sharing CPU cores, ``step_model``).
 * After its last item a rank runs its optimizer step (and gradient reduction); the step
   ends when the last rank has.
 """
@@ -101,12 +102,15 @@ class StepSimulation:
     held_peak: list[float] = field(default_factory=list)  # per rank: micro-batch chunks held at the peak
     held_peak_bytes: list[float] = field(default_factory=list)  # the same in bytes, where known
     timeline: list[Slot] = field(default_factory=list)
+    rendezvous: list[tuple] = field(default_factory=list)  # (key, rank that waited, its partner, completion time)
 
 
 def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Network(),
              optimizer_s: Sequence[float] | None = None,
-             slowdown: Mapping[tuple[int, Work], float] | None = None, timeline: bool = True) -> StepSimulation:
-    """``slowdown[(rank, work)]`` stretches one compute item (ranks sharing CPU cores: ``step_model``).
+             slowdown: Mapping[tuple[int, Work], float] | None = None,
+             wake_s: Mapping[tuple, float] | None = None, timeline: bool = True) -> StepSimulation:
+    """``slowdown[(rank, work)]`` stretches one compute item, ``wake_s[key]`` delays the rank that waited at
+    one rendezvous (ranks sharing CPU cores: ``step_model``).
     ``timeline=False`` keeps no per-item slots (the planner simulates thousands of items a layout)."""
     p, n = schedule.num_ranks, schedule.num_chunks
     for name in ("forward_s", "backward_s", "weight_grad_s", "output_bytes", "activation_bytes"):
@@ -146,6 +150,8 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
     stretch = (lambda r, w: slowdown.get((r, w), 1.0)) if slowdown else (lambda r, w: 1.0)  # noqa: E731
     posted: dict[tuple[str, int, int], tuple[int, float]] = {}  # rendezvous key -> (rank, post time)
     waiting = [False] * p  # posted a send or receive whose partner has not
+    met: list[tuple] = []  # (key, rank that waited, its partner, completion time)
+    wake = wake_s or {}
 
     def ready(w: Work) -> float | None:
         i, c = w.micro_batch, w.chunk
@@ -173,7 +179,8 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
         lo = key[2]
         src, dst = (rank_of[lo], rank_of[lo + 1]) if key[0] == "A" else (rank_of[lo + 1], rank_of[lo])
         start, clock[r] = book(src, dst, out_bytes[lo], max(clock[r], t_other))
-        clock[other] = clock[r]
+        clock[other] = clock[r] + wake.get(key, 0.0)
+        met.append((key, other, r, clock[r]))
         for rank in (r, other):
             if timeline:
                 record(Slot(rank, schedule.orders[rank][pos[rank]], start, clock[rank]))
@@ -215,11 +222,11 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
         if not progressed:
             stuck = {r: schedule.orders[r][pos[r]] for r in range(p) if pos[r] < len(schedule.orders[r])}
             raise ValueError(f"schedule {schedule.name!r} deadlocks: each rank waits on another ({stuck})")
-    return _summary(schedule, costs, clock, opt, slowdown, slots)
+    return _summary(schedule, costs, clock, opt, slowdown, slots, met)
 
 
 def _summary(schedule: Schedule, costs: ChunkCosts, clock: list[float], opt: list[float],
-             slowdown: Mapping | None, slots: list[Slot]) -> StepSimulation:
+             slowdown: Mapping | None, slots: list[Slot], met: list[tuple] = ()) -> StepSimulation:
     """The step from each rank's last item's end: its update, busy time, bubble and what it held."""
     p = schedule.num_ranks
     finish = [clock[r] + opt[r] for r in range(p)]
@@ -234,7 +241,7 @@ def _summary(schedule: Schedule, costs: ChunkCosts, clock: list[float], opt: lis
     held_bytes = ([schedule.held_peak(r, costs.activation_bytes) for r in range(p)]
                   if costs.activation_bytes is not None else [])
     return StepSimulation(step, busy, finish, 1.0 - sum(busy) / (p * step) if step > 0 else 0.0, held, held_bytes,
-                          slots)
+                          slots, list(met))
 
 
 def _replay_compute_only(schedule: Schedule, durations: dict, out_bytes: Sequence[float],

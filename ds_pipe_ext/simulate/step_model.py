@@ -5,10 +5,14 @@ A step on DeepSpeed's engine costs more, and not only on the slowest stage:
 
     stage forward  = forward_scale  x (its layers' forward)  + forward_fixed_s  + forward_per_layer_s  x layers
     stage backward = backward_scale x (its layers' backward) + backward_fixed_s + backward_per_layer_s x layers
-      (fixed: the engine's own work per instruction; per layer: Python's call into each module, hooks)
+                     + recompute_per_layer_s x layers it replays (under activation checkpointing)
+      (fixed: the engine's own work per instruction; per layer: Python's call into each module, hooks,
+       and what a checkpointed layer costs the engine beyond what the profiler saw it replay)
       -> the engine's order of compute and p2p (``pipe.schedules.engine_schedule``; any
          ``simulate.schedules`` name otherwise), with transfers of p2p_latency_s + bytes / p2p_bandwidth
-      -> ranks that share ``cores`` CPU cores slow each other down while they compute together
+      -> ranks that share ``cores`` CPU cores slow each other down while they compute together,
+         and a rank that slept in a send or receive waits p2p_wake_s for a core when its partner
+         arrives while the other ranks hold every core (the OS scheduler's wake-up)
       -> + each rank's optimizer step right after its last backward (optimizer_fixed_s +
          optimizer_s_per_param_byte x its parameter bytes); on a CPU the ranks' updates share one
          memory system (``shared_memory``: updates that overlap split its bandwidth)
@@ -47,8 +51,10 @@ class StepModel:
     backward_fixed_s: float = 0.0
     forward_per_layer_s: float = 0.0
     backward_per_layer_s: float = 0.0
+    recompute_per_layer_s: float = 0.0
     p2p_latency_s: float = 0.0
     p2p_bandwidth: float | None = None  # bytes/s; None: transfers take no time
+    p2p_wake_s: float = 0.0  # shared cores: a rank woken from a send/recv while every core is taken waits this
     optimizer_fixed_s: float = 0.0
     optimizer_s_per_param_byte: float = 0.0
     step_fixed_s: float = 0.0
@@ -73,7 +79,8 @@ class StepModel:
     def stage_backward_s(self, stage) -> float:
         """``stage.backward_s`` includes the replayed forward under activation checkpointing."""
         return (self.backward_scale * stage.backward_s + self.backward_fixed_s
-                + self.backward_per_layer_s * _layers(stage))
+                + self.backward_per_layer_s * _layers(stage)
+                + self.recompute_per_layer_s * getattr(stage, "recomputed_layers", 0))
 
     def optimizer_s(self, param_bytes: float) -> float:
         return self.optimizer_fixed_s + self.optimizer_s_per_param_byte * param_bytes
@@ -98,7 +105,7 @@ class StepModel:
                            weight_grad_s=[self.backward_scale * st.weight_grad_s for st in stages],
                            output_bytes=[st.boundary_out_bytes for st in stages])
         network = Network(Link(self.p2p_latency_s, self.p2p_bandwidth))
-        sim, slowdown = simulate_shared_cores(sched, costs, network, self.cores)
+        sim, slowdown = simulate_shared_cores(sched, costs, network, self.cores, wake_s=self.p2p_wake_s)
         params = [0.0] * sched.num_ranks
         for c, st in enumerate(stages):
             params[sched.chunk_rank[c]] += st.param_bytes
@@ -211,14 +218,17 @@ def processor_sharing(start_s: Sequence[float], work_s: Sequence[float]) -> list
 
 
 def simulate_shared_cores(schedule: Schedule, costs: ChunkCosts, network: Network,
-                          cores: float | None) -> tuple[StepSimulation, dict]:
+                          cores: float | None, *, wake_s: float = 0.0) -> tuple[StepSimulation, dict]:
     """The step where ranks share ``cores`` cores: an item that runs while k ranks compute takes
-    max(1, k / cores) times as long (processor sharing), found as a fixed point: simulate, measure
-    each compute item's mean overlap with the others, stretch it, simulate again."""
+    max(1, k / cores) times as long (processor sharing), and a rank that slept at a rendezvous waits
+    ``wake_s`` for a core when, besides its partner, enough other ranks compute to fill the cores.
+    Found as a fixed point: simulate, measure each compute item's mean overlap with the others and
+    who computes at each rendezvous, stretch and delay, simulate again."""
     sim = simulate(schedule, costs, network=network)
     if not cores or schedule.num_ranks <= cores:
         return sim, {}
     slowdown: dict = {}
+    wake: dict = {}
     for _ in range(CONTENTION_ROUNDS):
         slots = [s for s in sim.timeline if s.work.kind in COMPUTE and s.end_s > s.start_s]
         target = {}
@@ -228,5 +238,9 @@ def simulate_shared_cores(schedule: Schedule, costs: ChunkCosts, network: Networ
             target[(s.rank, s.work)] = max(1.0, (1.0 + overlap / (s.end_s - s.start_s)) / cores)
         # damped, so that two items do not take turns being slowed
         slowdown = {k: (slowdown.get(k, 1.0) + v) / 2 for k, v in target.items()}
-        sim = simulate(schedule, costs, network=network, slowdown=slowdown)
+        if wake_s:
+            for key, waiter, partner, t in sim.rendezvous:
+                busy = 1 + sum(1 for s in slots if s.rank not in (waiter, partner) and s.start_s <= t < s.end_s)
+                wake[key] = (wake.get(key, 0.0) + (wake_s if busy >= cores else 0.0)) / 2
+        sim = simulate(schedule, costs, network=network, slowdown=slowdown, wake_s=wake)
     return sim, slowdown
