@@ -30,7 +30,8 @@ def random_model(rng: random.Random) -> StepModel:
                      backward_fixed_s=rng.choice([0.0, rng.uniform(0, 0.2)]),
                      p2p_latency_s=rng.choice([0.0, 0.01]), p2p_bandwidth=rng.choice([None, 1e7, 1e8]),
                      optimizer_fixed_s=rng.uniform(0, 0.1), optimizer_s_per_param_byte=rng.choice([1e-9, 1e-8, 5e-8]),
-                     step_fixed_s=rng.uniform(0, 0.1), cores=rng.choice([None, None, 2]))
+                     step_fixed_s=rng.uniform(0, 0.1), cores=rng.choice([None, None, 2]),
+                     recompute_per_layer_s=rng.choice([0.0, rng.uniform(0, 0.1)]), p2p_wake_s=rng.choice([0.0, 0.02]))
 
 
 def all_splits(n: int, p: int):
@@ -110,9 +111,9 @@ def test_the_optimizer_step_moves_the_split_of_a_gpt_like_model():
     assert heavy.step_s < predicted(StepModel(optimizer_s_per_param_byte=2e-7), costs, plain, 4, "1f1b")
 
 
-def _synthetic_run(model: StepModel, costs, parts, m, name) -> Run:
+def _synthetic_run(model: StepModel, costs, parts, m, name, recompute=False) -> Run:
     """What an instrumented run of ``model`` would record (no shared cores, 1F1B)."""
-    stages = stage_costs(costs, parts, micro_batches=m)
+    stages = stage_costs(costs, parts, micro_batches=m, recompute=recompute)
     pred = model.predict(stages, m)
     finish = pred.simulation.stage_finish_s
     # each rank updates after its last backward; the loss broadcast then waits for the last update
@@ -127,7 +128,7 @@ def _synthetic_run(model: StepModel, costs, parts, m, name) -> Run:
             "send_activation_ms_mean": 1e3 * m * st.boundary_out_bytes / model.p2p_bandwidth,
             "aggregate_loss_ms_mean": 1e3 * model.step_fixed_s, "step_ms_median": 1e3 * pred.step_s,
         })
-    return Run(Predicted("parts:", list(parts), m, list(costs)), {"ranks": ranks})
+    return Run(Predicted("parts:", list(parts), m, list(costs), recompute=recompute), {"ranks": ranks})
 
 
 def test_a_model_fitted_on_two_runs_predicts_a_third_configuration():
@@ -144,6 +145,53 @@ def test_a_model_fitted_on_two_runs_predicts_a_third_configuration():
     assert fitted.calibrated_on == ("a", "b")
     c = run_stages(_synthetic_run(truth, costs, [0, 1, 4, 9], 8, "c"), "c")
     assert predict_run(fitted, c) == pytest.approx(c.step_s, rel=0.02)
+
+
+def test_a_replayed_layer_repeats_the_engines_per_layer_work_and_more_is_fitted_where_a_run_checkpoints():
+    rng = random.Random(12)
+    costs = random_costs(rng, 9)
+    truth = StepModel(forward_scale=1.1, backward_scale=0.9, forward_fixed_s=0.04, backward_fixed_s=0.03,
+                      forward_per_layer_s=0.02, recompute_per_layer_s=0.05, p2p_bandwidth=1e8,
+                      optimizer_s_per_param_byte=2e-9)
+    plain = run_stages(_synthetic_run(truth, costs, [0, 4, 9], 4, "plain"), "plain")
+    ckpt = run_stages(_synthetic_run(truth, costs, [0, 2, 6, 9], 2, "ckpt", recompute=True), "ckpt")
+    assert ckpt.stages[1].recomputed_layers == 4 and plain.stages[1].recomputed_layers == 0
+    fitted = fit_step_model([plain, ckpt])
+    assert fitted.recompute_per_layer_s == pytest.approx(0.05, rel=1e-6)
+    assert fitted.forward_per_layer_s == pytest.approx(0.02, rel=1e-6)
+    # a replayed layer costs the engine its per-layer forward work again, beyond the profiled replay
+    st = ckpt.stages[1]
+    assert truth.stage_backward_s(st) == pytest.approx(
+        0.9 * st.backward_s + 0.03 + (0.02 + 0.05) * st.recomputed_layers, rel=1e-12)
+    assert fitted.backward_fixed_s == pytest.approx(0.03, rel=1e-6)
+    assert fit_step_model([plain]).recompute_per_layer_s == 0.0  # nothing checkpointed: no term
+    other = run_stages(_synthetic_run(truth, costs, [0, 5, 9], 8, "other", recompute=True), "other")
+    assert predict_run(fitted, other) == pytest.approx(other.step_s, rel=0.02)
+
+
+def test_a_rank_woken_while_the_cores_are_taken_waits_for_one():
+    """The rank that posted first at a rendezvous (it slept) is delayed by its wake-up; its partner is not.
+    On shared cores the delay applies only where the other ranks compute on every core."""
+    from ds_pipe_ext.pipe.schedules import engine_schedule
+    from ds_pipe_ext.simulate.events import ChunkCosts, simulate
+
+    sched = engine_schedule("1f1b", 2, 1)
+    costs = ChunkCosts([1.0, 1.0], [2.0, 2.0])
+    key = ("A", 0, 0)  # micro-batch 0's activation, stage 0 -> 1: stage 1 posts its receive at once
+    sim = simulate(sched, costs, wake_s={key: 0.5})
+    assert sim.rendezvous[0][:2] == (key, 1)  # stage 1 waited
+    ra = next(s for s in sim.timeline if s.rank == 1 and s.work.kind == "RA")
+    sa = next(s for s in sim.timeline if s.rank == 0 and s.work.kind == "SA")
+    assert (sa.end_s, ra.end_s) == pytest.approx((1.0, 1.5))
+    assert sim.step_s == pytest.approx(simulate(sched, costs).step_s + 0.5)
+
+    costs4 = [LayerCost(f"L{i}", 1.0, 2.0, output_bytes=10) for i in range(4)]
+    stages = stage_costs(costs4, [0, 1, 2, 3, 4], micro_batches=4)
+    base = StepModel(cores=2)
+    woken = StepModel(cores=2, p2p_wake_s=0.1)
+    assert woken.predict(stages, 4).step_s > base.predict(stages, 4).step_s  # 4 ranks on 2 cores
+    no_sharing = StepModel(cores=4, p2p_wake_s=0.1)  # a core each: never waits for one
+    assert no_sharing.predict(stages, 4).step_s == pytest.approx(StepModel(cores=4).predict(stages, 4).step_s)
 
 
 def test_step_model_files_round_trip_and_bad_ones_say_what_to_do(tmp_path):

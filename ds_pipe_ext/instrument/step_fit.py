@@ -20,8 +20,8 @@ models are what make the fit transfer) the fit reads:
   share cores, the wake-up of a rank that slept at a rendezvous while the cores were taken;
   otherwise the engine's cost of a transfer instruction whose partner is ready (a latency of at
   least the fastest send).
-* activation checkpointing: a cost per replayed layer beyond what the profiler saw it replay
-  (what ``non_reentrant_checkpoint`` costs the engine), fitted only where a run checkpointed.
+* activation checkpointing: a replayed layer repeats the engine's per-layer forward work (fitted
+  on the forward); any cost beyond that is fitted only where a calibration run checkpointed.
 """
 
 from __future__ import annotations
@@ -130,6 +130,8 @@ def fit_step_model(runs: Sequence[RunStages], *, cores: float | None = None, sha
                 yf.append(f / k)
                 yb.append(b / k)
         fs, ff, fl = _relative_nnls(cols_f, yf)
+        # a replayed layer repeats the engine's per-layer forward work (StepModel.stage_backward_s)
+        yb = [y - fl * r for y, r in zip(yb, cols_b[3])]
         bs, bf, bl, br = _relative_nnls(cols_b, yb)
         model = replace(model, forward_scale=fs, forward_fixed_s=ff, forward_per_layer_s=fl,
                         backward_scale=bs, backward_fixed_s=bf, backward_per_layer_s=bl, recompute_per_layer_s=br)

@@ -74,7 +74,8 @@ def partition_min_step(
     F = prefix([c.forward_s for c in costs])
     B = prefix([c.backward_s + (c.recompute_s if recompute else 0.0) for c in costs])
     P = prefix([c.param_bytes for c in costs])
-    R = model.recompute_per_layer_s * prefix([1.0 if recompute and c.recompute_s > 0 else 0.0 for c in costs])
+    R = (model.forward_per_layer_s + model.recompute_per_layer_s) * prefix(  # per replayed layer
+        [1.0 if recompute and c.recompute_s > 0 else 0.0 for c in costs])
     S = prefix([c.static_bytes for c in costs])
     A = prefix(held_activation_bytes(costs, recompute=recompute))
     cap = None if memory_cap_gib is None else memory_cap_gib * 2.0**30

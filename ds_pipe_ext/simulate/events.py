@@ -178,9 +178,12 @@ def simulate(schedule: Schedule, costs: ChunkCosts, *, network: Network = Networ
         waiting[other] = False
         lo = key[2]
         src, dst = (rank_of[lo], rank_of[lo + 1]) if key[0] == "A" else (rank_of[lo + 1], rank_of[lo])
+        # the side that posted earlier in time slept until the other came (ties: the one posted first here)
+        slept, came = (other, r) if t_other <= clock[r] else (r, other)
         start, clock[r] = book(src, dst, out_bytes[lo], max(clock[r], t_other))
-        clock[other] = clock[r] + wake.get(key, 0.0)
-        met.append((key, other, r, clock[r]))
+        clock[other] = clock[r]
+        clock[slept] += wake.get(key, 0.0)
+        met.append((key, slept, came, clock[came]))
         for rank in (r, other):
             if timeline:
                 record(Slot(rank, schedule.orders[rank][pos[rank]], start, clock[rank]))

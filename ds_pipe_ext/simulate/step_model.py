@@ -5,9 +5,12 @@ A step on DeepSpeed's engine costs more, and not only on the slowest stage:
 
     stage forward  = forward_scale  x (its layers' forward)  + forward_fixed_s  + forward_per_layer_s  x layers
     stage backward = backward_scale x (its layers' backward) + backward_fixed_s + backward_per_layer_s x layers
-                     + recompute_per_layer_s x layers it replays (under activation checkpointing)
+                     + (forward_per_layer_s + recompute_per_layer_s) x layers it replays
       (fixed: the engine's own work per instruction; per layer: Python's call into each module, hooks,
-       and what a checkpointed layer costs the engine beyond what the profiler saw it replay)
+       and DeepSpeed's reseeding of every layer (``seed_layers``).  Under activation checkpointing the
+       engine replays its per-layer forward work too, which the profiler, calling the bare layer under
+       the checkpoint function, does not see; recompute_per_layer_s is any further cost, fitted only
+       when a calibration run checkpoints)
       -> the engine's order of compute and p2p (``pipe.schedules.engine_schedule``; any
          ``simulate.schedules`` name otherwise), with transfers of p2p_latency_s + bytes / p2p_bandwidth
       -> ranks that share ``cores`` CPU cores slow each other down while they compute together,
@@ -80,7 +83,7 @@ class StepModel:
         """``stage.backward_s`` includes the replayed forward under activation checkpointing."""
         return (self.backward_scale * stage.backward_s + self.backward_fixed_s
                 + self.backward_per_layer_s * _layers(stage)
-                + self.recompute_per_layer_s * getattr(stage, "recomputed_layers", 0))
+                + (self.forward_per_layer_s + self.recompute_per_layer_s) * getattr(stage, "recomputed_layers", 0))
 
     def optimizer_s(self, param_bytes: float) -> float:
         return self.optimizer_fixed_s + self.optimizer_s_per_param_byte * param_bytes
