@@ -64,6 +64,12 @@ def held_activation_bytes(costs: Sequence, *, recompute: bool = False) -> list[f
     return [0.0] + [float(c.output_bytes) for c in costs[:-1]]
 
 
+def replayed(cost, *, recompute: bool) -> bool:
+    """Whether backward replays this layer's forward: under activation checkpointing, a layer that
+    has a replay cost (``StageCost.recomputed_layers``, the step model's cost per replayed layer)."""
+    return recompute and cost.recompute_s > 0
+
+
 def imbalance(times: Sequence[float]) -> float:
     """Fastest / slowest stage time: 1.0 is a perfect balance, higher is better."""
     if len(times) < 2 or max(times) <= 0:
@@ -147,6 +153,6 @@ def stage_costs(
             activation_bytes=sum(held[i:j]),
             inflight=in_flight(s, p, micro_batches, schedule),
             boundary_in_bytes=b_in, boundary_out_bytes=b_out,
-            recomputed_layers=sum(1 for c in layers if c.recompute_s > 0) if recompute else 0,
+            recomputed_layers=sum(replayed(c, recompute=recompute) for c in layers),
         ))
     return out

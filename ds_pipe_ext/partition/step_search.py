@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..costs.stage import held_activation_bytes, in_flight, stage_costs
+from ..costs.stage import held_activation_bytes, in_flight, replayed, stage_costs
 from ..simulate.step_model import StepModel
 from . import partition_min_max
 from .problem import InfeasibleMemoryCap
@@ -75,7 +75,7 @@ def partition_min_step(
     B = prefix([c.backward_s + (c.recompute_s if recompute else 0.0) for c in costs])
     P = prefix([c.param_bytes for c in costs])
     R = (model.forward_per_layer_s + model.recompute_per_layer_s) * prefix(  # per replayed layer
-        [1.0 if recompute and c.recompute_s > 0 else 0.0 for c in costs])
+        [float(replayed(c, recompute=recompute)) for c in costs])
     S = prefix([c.static_bytes for c in costs])
     A = prefix(held_activation_bytes(costs, recompute=recompute))
     cap = None if memory_cap_gib is None else memory_cap_gib * 2.0**30

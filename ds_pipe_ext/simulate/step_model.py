@@ -83,7 +83,7 @@ class StepModel:
         """``stage.backward_s`` includes the replayed forward under activation checkpointing."""
         return (self.backward_scale * stage.backward_s + self.backward_fixed_s
                 + self.backward_per_layer_s * _layers(stage)
-                + (self.forward_per_layer_s + self.recompute_per_layer_s) * getattr(stage, "recomputed_layers", 0))
+                + (self.forward_per_layer_s + self.recompute_per_layer_s) * stage.recomputed_layers)
 
     def optimizer_s(self, param_bytes: float) -> float:
         return self.optimizer_fixed_s + self.optimizer_s_per_param_byte * param_bytes
