@@ -24,7 +24,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from ds_pipe_ext import PipelineModule
-from ds_pipe_ext.compat.cpu_shims import skip_deepspeed_shm_op
+from ds_pipe_ext.compat.cpu_shims import skip_deepspeed_shm_op, steady_host_allocator
 from ds_pipe_ext.compat.engine import coordinates, local_layer_range
 from ds_pipe_ext.pipe.sequential import SequentialLayers
 
@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     args = ap.parse_args()
 
+    steady_host_allocator()  # CPU only: steady malloc thresholds, so steps time alike
     skip_deepspeed_shm_op()  # CPU only: no C++ JIT build at start-up
     deepspeed.init_distributed()
     world = torch.distributed.get_world_size()

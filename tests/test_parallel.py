@@ -75,3 +75,43 @@ def test_vocabulary_padding_makes_tp_possible():
     padded = GPTConfig.from_dict({**cfg.to_dict(), "vocab_pad_to": 128}, name="padded")
     assert padded.padded_vocab == 50304
     ParallelDims(tp=2).check_model(padded)
+
+
+MALLOC_PROBE = """
+import ctypes, sys
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype, libc.malloc.restype, libc.malloc.argtypes = MallInfo2, ctypes.c_void_p, [ctypes.c_size_t]
+if sys.argv[1] == "fixed":
+    from ds_pipe_ext.compat.cpu_shims import steady_host_allocator
+    print("fixed", steady_host_allocator())
+before = libc.mallinfo2().hblks
+block = libc.malloc(8 << 20)  # 8 MiB: above glibc's initial mmap threshold
+print("mmapped", libc.mallinfo2().hblks - before)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the malloc shim is CPU-only")
+def test_the_malloc_shim_serves_large_blocks_from_the_heap_and_can_be_declined(tmp_path):
+    """Fresh processes: glibc mmaps an 8 MiB block; after steady_host_allocator() it comes from the heap.
+    DS_PIPE_EXT_GLIBC_MALLOC=default leaves glibc as it is."""
+    import ctypes
+    import os
+    import subprocess
+    import sys
+
+    try:
+        ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        pytest.skip("not glibc >= 2.33")
+
+    def probe(mode, **env):
+        out = subprocess.run([sys.executable, "-c", MALLOC_PROBE, mode], capture_output=True, text=True, check=True,
+                             env={**os.environ, **env}).stdout
+        return out.split()
+
+    assert probe("glibc") == ["mmapped", "1"]
+    assert probe("fixed") == ["fixed", "True", "mmapped", "0"]
+    assert probe("fixed", DS_PIPE_EXT_GLIBC_MALLOC="default") == ["fixed", "False", "mmapped", "1"]

@@ -44,6 +44,10 @@ data-parallel run), in ``compat.comm``:
 DeepSpeed ``comm/torch.py``, in ``compat.cpu_shims``:
     ``build_shm_op``     the JIT build of the shared-memory op, skipped on CPU
 
+glibc's malloc, in ``compat.cpu_shims`` (CPU only):
+    ``mallopt`` M_MMAP_THRESHOLD and M_TRIM_THRESHOLD, fixed so that a step's page faults do not
+    depend on what the process allocated before (``DS_PIPE_EXT_GLIBC_MALLOC=default`` opts out)
+
 megatron-core, in ``compat.cpu_shims`` (CPU only):
     the module-level name ``torch`` of ``tensor_parallel.mappings``, ``tensor_parallel.layers``
     and ``utils``, whose ``torch.cuda.current_device()`` must name the CPU

@@ -1,4 +1,5 @@
-"""CPU shims for megatron-core's tensor/sequence-parallel layers and DeepSpeed's start-up.  Active only without CUDA.
+"""CPU shims for megatron-core's tensor/sequence-parallel layers, DeepSpeed's start-up and glibc's
+malloc.  Active only without CUDA.
 
 megatron-core 0.16 allocates sequence-parallel all-gather buffers (and a few others)
 with ``device=torch.cuda.current_device()``, which fails on a CPU-only torch.  Rather
@@ -78,3 +79,33 @@ def skip_deepspeed_shm_op() -> bool:
     ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
     ds_torch_comm.build_shm_op = lambda: None
     return True
+
+
+# glibc's malloc hands each allocation above its mmap threshold (128 KiB at start) fresh pages from
+# the kernel and gives them back on free, and it moves that threshold and trims its heap as the
+# process frees memory: how much of a step is page faults depends on what the process allocated
+# before.  A bench-cpu stage (activations of 0.5-50 MB) measured 4.10-4.18 s per step with glibc's
+# defaults and 3.55-3.67 s with fixed thresholds, and builds of one split in one launch varied by
+# 3-12% (bench/partition_speedup.py v5, v6).  Fixed thresholds make a CPU step the same whatever ran
+# before it (the profile, another build), at the price of a heap that never shrinks (peak RSS stays).
+MALLOC_MMAP_THRESHOLD = 1 << 30  # bytes: allocations below this come from the heap, reused
+MALLOC_TRIM_THRESHOLD = (1 << 31) - 1  # bytes: never give freed heap back (a C int's largest)
+KEEP_GLIBC_MALLOC_ENV = "DS_PIPE_EXT_GLIBC_MALLOC"  # "default": leave glibc's dynamic thresholds
+
+
+def steady_host_allocator() -> bool:
+    """Without CUDA, on glibc: fix malloc's mmap and trim thresholds (``mallopt``), as setting
+    ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` before start would.  Returns whether it did;
+    ``DS_PIPE_EXT_GLIBC_MALLOC=default`` keeps glibc's own behaviour.  Idempotent."""
+    import ctypes
+    import os
+
+    if torch.cuda.is_available() or os.environ.get(KEEP_GLIBC_MALLOC_ENV) == "default":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to fix
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    return bool(mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD))

@@ -61,10 +61,11 @@ def parallel_dims(cfg: RunConfig, model_cfg: GPTConfig, world: int) -> ParallelD
 def init_process_group() -> None:
     import deepspeed
 
-    from ..compat.cpu_shims import skip_deepspeed_shm_op
+    from ..compat.cpu_shims import skip_deepspeed_shm_op, steady_host_allocator
 
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    steady_host_allocator()  # CPU only: a step's page faults must not depend on what ran before it
     skip_deepspeed_shm_op()  # CPU only: no C++ JIT build (and no stale build locks) at start-up
     deepspeed.init_distributed()
 
