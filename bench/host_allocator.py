@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps per build (the first is warm-up)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "host-allocator")
     args = ap.parse_args()
+    args.out = args.out.resolve()  # the launches run inside their own directories
 
     launches: dict[str, list[list[dict]]] = {s: [] for s in SETTINGS}
     for p in range(args.pairs):
