@@ -1,6 +1,6 @@
 """Measured throughput of 2-stage splits: `profiled` against every split and DeepSpeed's built-ins.
 
-Two models, 2 pipeline stages on 2 ranks (OMP_NUM_THREADS=1 each), micro-batch 1 x 8 micro-batches
+Two models, 2 pipeline stages on 2 ranks (OMP_NUM_THREADS=1 each), micro-batch 1 x 16 micro-batches
 (``--micro-batch``, ``--micro-batches``):
   bench-cpu         GPT (V=50257, h=512, 12 alike blocks, seq 256): a cheap embedding, a costly head
   bench-cpu-pruned  the same with one FFN width per block (4096 down to 1024): blocks not alike
@@ -29,12 +29,14 @@ each built afresh, 1 warm-up step, then timed steps), so the methods it compares
 Scores: `profiled` by its own builds (a fresh profile and decision each, as a user's launch would),
 DeepSpeed's `uniform` and `parameters` by the splits their own functions choose.
 
-    python bench/partition_speedup.py [--rounds 2] [--micro-batch 1] [--micro-batches 8] [--out runs/partition-speedup-v5]
+    python bench/partition_speedup.py [--rounds 2] [--micro-batch 1] [--micro-batches 16] [--out runs/partition-speedup-v7]
 
 At few micro-batches per step a 2-stage pipeline's fill and drain are a large share of the step
 whatever the split, and a step's fixed costs (engine, optimizer, p2p) weigh more at small micro-
 batches: v2 (micro-batch 2 x 4) measured the best split only 1.13x DeepSpeed's built-in one.  At 8
-micro-batches the balanced split's bubble is 1/9 of the step instead of 1/5.
+micro-batches the balanced split's bubble is 1/9 of the step instead of 1/5, and v5/v6 measured the
+best split 1.16-1.25x the built-in one; at 16 (the default since v7) it is 1/17, and a step twice as
+long lets 3 timed steps a playoff build (``--playoff-steps 4``) time as long as 6 did at 8.
 
 Resumable: a launch whose metrics exist in --out is not run again.
 Last line: RESULT profiled_vs_builtin=X profiled_vs_best_split=Y second_model_profiled_vs_best_split=Z
@@ -156,11 +158,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="screen rounds (every split once a round)")
     ap.add_argument("--micro-batch", type=int, default=1)
-    ap.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (gradient accumulation)")
+    ap.add_argument("--micro-batches", type=int, default=16, help="micro-batches per step (gradient accumulation)")
     ap.add_argument("--cycles", type=int, default=2, help="playoff cycles (every contender once a cycle)")
-    ap.add_argument("--playoff-steps", type=int, default=6,
+    ap.add_argument("--playoff-steps", type=int, default=4,
                     help="steps per playoff build: 1 warm-up, the median of the others (one timed step moves by 5-10%%)")
-    ap.add_argument("--out", default="runs/partition-speedup-v5")
+    ap.add_argument("--out", default="runs/partition-speedup-v7")
     args = ap.parse_args()
     out = Path(args.out).resolve()
     n = len(gpt_layer_specs(load_model_config(MODELS[0])))
