@@ -85,9 +85,9 @@ def skip_deepspeed_shm_op() -> bool:
 # the kernel and gives them back on free, and it moves that threshold and trims its heap as the
 # process frees memory: how much of a step is page faults depends on what the process allocated
 # before.  A bench-cpu stage (activations of 0.5-50 MB) measured 4.10-4.18 s per step with glibc's
-# defaults and 3.55-3.67 s with fixed thresholds, and builds of one split in one launch varied by
-# 3-12% (bench/partition_speedup.py v5, v6).  Fixed thresholds make a CPU step the same whatever ran
-# before it (the profile, another build), at the price of a heap that never shrinks (peak RSS stays).
+# defaults and 3.55-3.67 s with fixed thresholds; 2-rank launches trained 1.20-1.23x faster
+# (bench/host_allocator.py).  Fixed thresholds keep freed memory for reuse whatever ran before (the
+# profile, another build), at the price of a heap that never shrinks (peak RSS stays).
 MALLOC_MMAP_THRESHOLD = 1 << 30  # bytes: allocations below this come from the heap, reused
 MALLOC_TRIM_THRESHOLD = (1 << 31) - 1  # bytes: never give freed heap back (a C int's largest)
 KEEP_GLIBC_MALLOC_ENV = "DS_PIPE_EXT_GLIBC_MALLOC"  # "default": leave glibc's dynamic thresholds
