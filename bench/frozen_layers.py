@@ -21,15 +21,13 @@ Last line: RESULT frozen_profiled_vs_parameters=X  (target > 1.05)
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds_pipe_ext.runner import ROOT, launch, write_config  # noqa: E402
+from ds_pipe_ext.runner import ROOT, measure_in_one_launch  # noqa: E402
 
 MODEL, FROZEN = "bench-cpu", "1-6"
 STEP_MODEL = ROOT / "launch_scripts" / "step_model_cpu.json"
@@ -37,21 +35,9 @@ MICRO_BATCH, MICRO_BATCHES, STEPS = 2, 4, 2  # step 1 of each build is warm-up
 
 
 def run_launch(methods: list[str], out: Path) -> list[dict]:
-    done = out / "metrics.json"
-    if not done.is_file():
-        out.mkdir(parents=True, exist_ok=True)
-        cfg = write_config(out / "ds.json", train_micro_batch_size_per_gpu=MICRO_BATCH,
-                           gradient_accumulation_steps=MICRO_BATCHES,
-                           pipeline={"stages": 2, "step_model": str(STEP_MODEL),
-                                     "profile": {"warmup": 2, "repeats": 5, "cache_dir": None, "progress": False}},
-                           train={"model": MODEL, "steps": STEPS, "seed": 1234, "frozen_layers": FROZEN})
-        t0 = time.perf_counter()
-        proc, ranks = launch(2, cfg, "--methods", ";".join(methods), out_dir=out, cwd=out, timeout=3600,
-                             script="bench/splits_in_one_launch.py")
-        if proc.returncode != 0 or 0 not in ranks:
-            raise SystemExit(f"{out.name}: launch failed\n{proc.stderr[-3000:]}")
-        print(f"  {out.name}: {len(methods)} builds in one launch ({time.perf_counter() - t0:.0f} s)", flush=True)
-    measured = json.loads(done.read_text())["measured"]
+    measured = measure_in_one_launch(out, methods, micro_batch=MICRO_BATCH, micro_batches=MICRO_BATCHES,
+                                     step_model=STEP_MODEL,
+                                     train={"model": MODEL, "steps": STEPS, "seed": 1234, "frozen_layers": FROZEN})
     for r in measured:
         print(f"    {r['method']:<11} parts={r['parts']}  {r['samples_per_s']:.3f} samples/s", flush=True)
     return measured

@@ -21,16 +21,14 @@ Last line: RESULT fixed_vs_glibc=X glibc_build_spread=Y fixed_build_spread=Z
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
-from ds_pipe_ext.runner import ROOT, launch, write_config  # noqa: E402
+from ds_pipe_ext.runner import ROOT, measure_in_one_launch  # noqa: E402
 
 METHODS = ["profiled", "parts:0,11,14", "parts:0,11,14", "parts:0,11,14"]
 SETTINGS = {"glibc": {"DS_PIPE_EXT_GLIBC_MALLOC": "default"}, "fixed": {}}
@@ -38,20 +36,8 @@ STEP_MODEL = ROOT / "launch_scripts" / "step_model_cpu.json"
 
 
 def one_launch(setting: str, out: Path, args) -> list[dict]:
-    done = out / "metrics.json"
-    if not done.is_file():  # resumable
-        out.mkdir(parents=True, exist_ok=True)
-        cfg = write_config(out / "ds.json", train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=8,
-                           pipeline={"stages": 2, "step_model": str(STEP_MODEL),
-                                     "profile": {"warmup": 2, "repeats": 5, "cache_dir": None, "progress": False}},
-                           train={"model": "bench-cpu", "steps": args.steps, "seed": 1234})
-        t0 = time.perf_counter()
-        proc, ranks = launch(2, cfg, "--methods", ";".join(METHODS), out_dir=out, cwd=out, timeout=3600,
-                             script="bench/splits_in_one_launch.py", env=SETTINGS[setting])
-        if proc.returncode != 0 or 0 not in ranks:
-            raise SystemExit(f"{setting}: launch failed\n{proc.stderr[-3000:]}")
-        print(f"  {out.name}: {time.perf_counter() - t0:.0f} s", flush=True)
-    return json.loads(done.read_text())["measured"]
+    return measure_in_one_launch(out, METHODS, train={"model": "bench-cpu", "steps": args.steps, "seed": 1234},
+                                 micro_batch=1, micro_batches=8, step_model=STEP_MODEL, env=SETTINGS[setting])
 
 
 def main() -> None:

@@ -49,7 +49,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ds_pipe_ext.models.config import load_model_config  # noqa: E402
 from ds_pipe_ext.models.gpt import gpt_layer_specs  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
-from ds_pipe_ext.runner import ROOT, launch, write_config  # noqa: E402
+from ds_pipe_ext.runner import ROOT, measure_in_one_launch  # noqa: E402
 
 MODELS = ["bench-cpu", "bench-cpu-pruned"]
 STEP_MODEL = ROOT / "launch_scripts" / "step_model_cpu.json"
@@ -81,21 +80,9 @@ def split_method(parts) -> str:
 
 def run_launch(model: str, methods: list[str], out: Path, args, steps: int) -> list[dict]:
     """One launch measuring ``methods`` in this order (a method may repeat); the records in order."""
-    done = out / "metrics.json"
-    if not done.is_file():
-        out.mkdir(parents=True, exist_ok=True)
-        cfg = write_config(out / "ds.json", train_micro_batch_size_per_gpu=args.micro_batch,
-                           gradient_accumulation_steps=args.micro_batches,
-                           pipeline={"stages": 2, "step_model": str(STEP_MODEL),
-                                     "profile": {"warmup": 2, "repeats": 5, "cache_dir": None, "progress": False}},
-                           train={"model": model, "steps": steps, "seed": 1234})
-        t0 = time.perf_counter()
-        proc, ranks = launch(2, cfg, "--methods", ";".join(methods), out_dir=out, cwd=out, timeout=3600,
-                             script="bench/splits_in_one_launch.py")
-        if proc.returncode != 0 or 0 not in ranks:
-            raise SystemExit(f"{model}: launch failed\n{proc.stderr[-3000:]}")
-        print(f"  {model}: {len(methods)} builds in one launch ({time.perf_counter() - t0:.0f} s)", flush=True)
-    measured = json.loads(done.read_text())["measured"]
+    measured = measure_in_one_launch(out, methods, train={"model": model, "steps": steps, "seed": 1234},
+                                     micro_batch=args.micro_batch, micro_batches=args.micro_batches,
+                                     step_model=STEP_MODEL, label=model)
     for r in measured:
         print(f"    {r['method']:<14} parts={r['parts']}  {r['samples_per_s']:.3f} samples/s", flush=True)
     return measured

@@ -56,3 +56,32 @@ def launch(num_ranks: int, config: Path | None, *args: str, out_dir: Path, cwd: 
         d = json.loads(f.read_text())
         ranks[d["rank"]] = d
     return proc, ranks
+
+
+def measure_in_one_launch(out_dir: Path, methods: list[str], *, train: dict, micro_batch: int, micro_batches: int,
+                          step_model: Path, label: str | None = None, env: dict | None = None) -> list[dict]:
+    """Measure partition ``methods`` one after another in one 2-rank launch of bench/splits_in_one_launch.py
+    (2 stages, a fresh profile per `profiled` build, ``step_model`` for its decision); its records in order.
+
+    Resumable: a launch whose metrics.json exists in ``out_dir`` is read, not run again.  ``train`` is
+    the ds.json ``train`` section (model, steps, seed, ...); ``env`` goes to the ranks' environment.
+    """
+    out_dir = Path(out_dir)
+    done = out_dir / "metrics.json"
+    label = label or out_dir.name
+    if not done.is_file():
+        import time
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        cfg = write_config(out_dir / "ds.json", train_micro_batch_size_per_gpu=micro_batch,
+                           gradient_accumulation_steps=micro_batches,
+                           pipeline={"stages": 2, "step_model": str(step_model),
+                                     "profile": {"warmup": 2, "repeats": 5, "cache_dir": None, "progress": False}},
+                           train=train)
+        t0 = time.perf_counter()
+        proc, ranks = launch(2, cfg, "--methods", ";".join(methods), out_dir=out_dir, cwd=out_dir, timeout=3600,
+                             script="bench/splits_in_one_launch.py", env=env)
+        if proc.returncode != 0 or 0 not in ranks:
+            raise SystemExit(f"{label}: launch failed\n{proc.stderr[-3000:]}")
+        print(f"  {label}: {len(methods)} builds in one launch ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return json.loads(done.read_text())["measured"]

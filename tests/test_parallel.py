@@ -94,7 +94,7 @@ print("mmapped", libc.mallinfo2().hblks - before)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the malloc shim is CPU-only")
-def test_the_malloc_shim_serves_large_blocks_from_the_heap_and_can_be_declined(tmp_path):
+def test_the_malloc_shim_serves_large_blocks_from_the_heap_and_can_be_declined():
     """Fresh processes: glibc mmaps an 8 MiB block; after steady_host_allocator() it comes from the heap.
     DS_PIPE_EXT_GLIBC_MALLOC=default leaves glibc as it is."""
     import ctypes
