@@ -16,20 +16,24 @@ each built afresh, 1 warm-up step, then timed steps), so the methods it compares
    rounds alternating the order (forward, backward, ...); each split's median and spread over the
    rounds.  This is the whole curve, and it says which splits contend for the top.
 2. **Playoff**: `profiled`, DeepSpeed's built-in splits, the screen's three best splits and the
-   splits `profiled` chose in the screen, measured in turn for ``--cycles`` cycles in one launch
-   (A B C .., then B C .. A, ...), each build trained ``--playoff-steps`` steps (the median of all but
+   splits `profiled` chose in the screen, measured in turn for ``--cycles`` cycles, one launch a
+   cycle (A B C .., then B C .. A, ...), each build trained ``--playoff-steps`` steps (the median of all but
    the first).  The splits near the top differ by 1-3%; one timed step of a build moved by 5-10% on
    this machine (v5's first playoff, 2 steps a build: per-cycle ratios 0.70-1.21), five timed steps
    by about 1% ([0,11,14] built three times in one launch: 0.862, 0.881, 0.879 samples/s).  Scores
    are ratios *within a cycle* (profiled's build against the best split's build beside it), medians
-   over the cycles.  The best split is the contender with the highest playoff median; a split
-   outside the screen's top three could only beat it by being under-measured by more than the
-   screen's spread, which the screen table shows.
+   over the cycles.  v7's two cycles left bench-cpu's `profiled` / best split (the same split, built
+   by both) at 0.947 and 1.007 per cycle: a build of one split moves by a few percent in a playoff
+   launch, so the default is 6 cycles, whose median one such build cannot move alone; since v9 each
+   cycle is its own launch (see ``playoff``).  The best
+   split is the contender with the highest playoff median; a split outside the screen's top three
+   could only beat it by being under-measured by more than the screen's spread, which the screen
+   table shows.  Each record keeps its step times (``step_s_each``, step 1 the warm-up).
 
 Scores: `profiled` by its own builds (a fresh profile and decision each, as a user's launch would),
 DeepSpeed's `uniform` and `parameters` by the splits their own functions choose.
 
-    python bench/partition_speedup.py [--rounds 2] [--micro-batch 1] [--micro-batches 16] [--out runs/partition-speedup-v7]
+    python bench/partition_speedup.py [--rounds 2] [--cycles 6] [--micro-batch 1] [--micro-batches 16] [--out runs/partition-speedup-v9]
 
 At few micro-batches per step a 2-stage pipeline's fill and drain are a large share of the step
 whatever the split, and a step's fixed costs (engine, optimizer, p2p) weigh more at small micro-
@@ -100,12 +104,22 @@ def playoff_contenders(screened: dict[str, list[dict]], builtin: dict[str, str])
 
 
 def playoff(model: str, contenders: list[str], args, out: Path) -> list[dict[str, dict]]:
-    """``--cycles`` cycles of every contender in one launch, each cycle rotated by one: per cycle, method -> record."""
-    order = [m for c in range(args.cycles) for m in contenders[c % len(contenders):] + contenders[:c % len(contenders)]]
-    print(f"playoff: {model}, {len(contenders)} contenders x {args.cycles} cycles", flush=True)
-    records = run_launch(model, order, out / "playoff" / model, args, args.playoff_steps)
-    n = len(contenders)
-    return [{r["method"]: r for r in records[c * n:(c + 1) * n]} for c in range(args.cycles)]
+    """``--cycles`` cycles of every contender, one launch a cycle, each cycle rotated by one: per cycle, method -> record.
+
+    One launch a cycle, not one for all: v8's single playoff launch (30-36 builds) slowed as it went,
+    by up to 22% from its first cycle to its last, unevenly across splits (the balanced ones most),
+    and a fresh launch right after measured the first cycle's figures again.  A launch's builds
+    leave process state behind (5 process groups, 15 gloo threads and 23 sockets a build, and the
+    last stage's heap grows), so a cycle's builds share a young process instead."""
+    orders = [contenders[c % len(contenders):] + contenders[:c % len(contenders)] for c in range(args.cycles)]
+    if (out / "playoff" / model / "metrics.json").is_file():  # v7, v8: every cycle in one launch, read back
+        records = run_launch(model, [m for order in orders for m in order], out / "playoff" / model, args,
+                             args.playoff_steps)
+        n = len(contenders)
+        return [{r["method"]: r for r in records[c * n:(c + 1) * n]} for c in range(args.cycles)]
+    print(f"playoff: {model}, {len(contenders)} contenders x {args.cycles} cycles, one launch a cycle", flush=True)
+    return [{r["method"]: r for r in run_launch(model, order, out / "playoff" / model / f"cycle{c}", args,
+                                                 args.playoff_steps)} for c, order in enumerate(orders)]
 
 
 def score(model: str, screened: dict[str, list[dict]], cycles: list[dict[str, dict]], builtin: dict[str, str],
@@ -132,7 +146,7 @@ def score(model: str, screened: dict[str, list[dict]], cycles: list[dict[str, di
     rows = [[label(m) + (" (best split)" if m == best else ""),
              " ".join(sorted({str(c[m]["parts"]) for c in cycles})), spread([c[m]["samples_per_s"] for c in cycles]),
              spread(ratio("profiled", m)) if m != "profiled" else "-"] for m in contenders]
-    print(f"\n{model}, playoff: samples/s, median [min-max] over {len(cycles)} cycles in one launch")
+    print(f"\n{model}, playoff: samples/s, median [min-max] over {len(cycles)} cycles")
     print("\n".join(render_table(["method", "parts", "samples/s", "profiled / it, per cycle"], rows)))
     print(f"profiled / best split {best}: {spread(vs_best)}; / best built-in {best_builtin}: {spread(vs_builtin)}; "
           f"best split / best built-in: {spread(ratio(best, best_builtin))}")
@@ -146,10 +160,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="screen rounds (every split once a round)")
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--micro-batches", type=int, default=16, help="micro-batches per step (gradient accumulation)")
-    ap.add_argument("--cycles", type=int, default=2, help="playoff cycles (every contender once a cycle)")
+    ap.add_argument("--cycles", type=int, default=6, help="playoff cycles (every contender once a cycle)")
     ap.add_argument("--playoff-steps", type=int, default=4,
                     help="steps per playoff build: 1 warm-up, the median of the others (one timed step moves by 5-10%%)")
-    ap.add_argument("--out", default="runs/partition-speedup-v7")
+    ap.add_argument("--out", default="runs/partition-speedup-v9")
     args = ap.parse_args()
     out = Path(args.out).resolve()
     n = len(gpt_layer_specs(load_model_config(MODELS[0])))

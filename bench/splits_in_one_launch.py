@@ -11,7 +11,7 @@ slower.
     deepspeed --num_gpus 2 bench/splits_in_one_launch.py --deepspeed_config ds.json \\
         --methods "profiled;parts:0,1,14;parts:0,2,14" --metrics-out DIR/metrics.json
 
-Rank 0 writes --metrics-out: {"measured": [{"method", "parts", "samples_per_s", "step_s"}, ...]}
+Rank 0 writes --metrics-out: {"measured": [{"method", "parts", "samples_per_s", "step_s", "step_s_each"}, ...]}
 in the order measured; every rank writes NAME.rankR.json (what bench/ and the runner read).
 """
 
@@ -36,7 +36,7 @@ def measure(ds: dict, method: str) -> dict:
     summary = Trainer(built).run()
     release(built)
     return {"method": method, "parts": summary["parts"], "samples_per_s": summary["samples_per_s"],
-            "step_s": summary["step_s_median"], "steps": summary["steps"], "rss_after_bytes": resident_bytes()}
+            "step_s": summary["step_s_median"], "step_s_each": summary["step_s_each"], "steps": summary["steps"], "rss_after_bytes": resident_bytes()}
 
 
 def release(built) -> None:

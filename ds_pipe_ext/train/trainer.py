@@ -153,7 +153,7 @@ def summarize(built: Built, losses: list[float], step_times: list[float]) -> dic
         "stage_id": coordinates(built.model).stage if pipelined else 0,
         "local_layers": list(local_layer_range(built.model)) if pipelined else None,
         "start_step": built.start_step, "steps": len(losses), "losses": losses,
-        "step_s_median": statistics.median(timed), "samples_per_s": global_batch / statistics.median(timed),
+        "step_s_median": statistics.median(timed), "step_s_each": list(step_times), "samples_per_s": global_batch / statistics.median(timed),
         "global_batch": global_batch, "grad_norms": built.grad_norms,
         "tensor_parallel": dims.tp, "sequence_parallel": dims.sp, "recompute": cfg.train.recompute,
         "data": cfg.train.data or "synthetic",
