@@ -18,16 +18,17 @@ each built afresh, 1 warm-up step, then timed steps), so the methods it compares
 2. **Playoff**: `profiled`, DeepSpeed's built-in splits, the screen's three best splits and the
    splits `profiled` chose in the screen, measured in turn for ``--cycles`` cycles, one launch a
    cycle (A B C .., then B C .. A, ...), each build trained ``--playoff-steps`` steps (the median
-   of all but the first).  The splits near the top differ by 1-3%; one timed step of a build moved by 5-10% on
-   this machine (v5's first playoff, 2 steps a build: per-cycle ratios 0.70-1.21), five timed steps
-   by about 1% ([0,11,14] built three times in one launch: 0.862, 0.881, 0.879 samples/s).  Scores
-   are ratios *within a cycle* (profiled's build against the best split's build beside it), medians
-   over the cycles.  v7's two cycles left bench-cpu's `profiled` / best split (the same split, built
-   by both) at 0.947 and 1.007 per cycle: a build of one split moves by a few percent in a playoff
-   launch, so the default is 6 cycles, whose median one such build cannot move alone; since v9 each
-   cycle is its own launch (see ``playoff``).  The best split is the contender with the highest
-   playoff median; a split outside the screen's top three could only beat it by being
-   under-measured by more than the screen's spread, which the screen table shows.  Each record keeps its step times (``step_s_each``, step 1 the warm-up).
+   of all but the first).  The splits near the top differ by 1-3%; one timed step of a build moved
+   by 5-10% on this machine (v5's first playoff, 2 steps a build: per-cycle ratios 0.70-1.21), five
+   timed steps by about 1% ([0,11,14] built three times in one launch: 0.862, 0.881, 0.879
+   samples/s).  Scores are ratios *within a cycle* (profiled's build against the best split's build
+   beside it), medians over the cycles.  v7's two cycles left bench-cpu's `profiled` / best split
+   (the same split, built by both) at 0.947 and 1.007 per cycle: a build of one split moves by a
+   few percent in a playoff launch, so the default is 6 cycles, whose median one such build cannot
+   move alone; since v9 each cycle is its own launch (see ``playoff``).  The best split is the
+   contender with the highest playoff median; a split outside the screen's top three could only
+   beat it by being under-measured by more than the screen's spread, which the screen table shows.
+   Each record keeps its step times (``step_s_each``, step 1 the warm-up).
 
 Scores: `profiled` by its own builds (a fresh profile and decision each, as a user's launch would),
 DeepSpeed's `uniform` and `parameters` by the splits their own functions choose.
@@ -103,7 +104,7 @@ def playoff_contenders(screened: dict[str, list[dict]], builtin: dict[str, str])
 
 
 def playoff(model: str, contenders: list[str], args, out: Path) -> list[dict[str, dict]]:
-    """``--cycles`` cycles of every contender, one launch a cycle, each cycle rotated by one: per cycle, method -> record.
+    """``--cycles`` cycles of every contender, one launch a cycle, each rotated by one: per cycle, method -> record.
 
     One launch a cycle, not one for all: v8's single playoff launch (30-36 builds) slowed as it went,
     by up to 22% from its first cycle to its last, unevenly across splits (the balanced ones most),

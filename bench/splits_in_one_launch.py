@@ -36,7 +36,8 @@ def measure(ds: dict, method: str) -> dict:
     summary = Trainer(built).run()
     release(built)
     return {"method": method, "parts": summary["parts"], "samples_per_s": summary["samples_per_s"],
-            "step_s": summary["step_s_median"], "step_s_each": summary["step_s_each"], "steps": summary["steps"], "rss_after_bytes": resident_bytes()}
+            "step_s": summary["step_s_median"], "step_s_each": summary["step_s_each"], "steps": summary["steps"],
+            "rss_after_bytes": resident_bytes()}
 
 
 def release(built) -> None:

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: train.py, launch_scripts/
@@ -70,8 +71,6 @@ def measure_in_one_launch(out_dir: Path, methods: list[str], *, train: dict, mic
     done = out_dir / "metrics.json"
     label = label or out_dir.name
     if not done.is_file():
-        import time
-
         out_dir.mkdir(parents=True, exist_ok=True)
         cfg = write_config(out_dir / "ds.json", train_micro_batch_size_per_gpu=micro_batch,
                            gradient_accumulation_steps=micro_batches,
