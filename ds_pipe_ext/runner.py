@@ -64,19 +64,23 @@ def measure_in_one_launch(out_dir: Path, methods: list[str], *, train: dict, mic
     """Measure partition ``methods`` one after another in one 2-rank launch of bench/splits_in_one_launch.py
     (2 stages, a fresh profile per `profiled` build, ``step_model`` for its decision); its records in order.
 
-    Resumable: a launch whose metrics.json exists in ``out_dir`` is read, not run again.  ``train`` is
-    the ds.json ``train`` section (model, steps, seed, ...); ``env`` goes to the ranks' environment.
+    Resumable: a launch whose metrics.json exists in ``out_dir`` is read, not run again, provided it
+    measured the same methods with the same micro-batching and ``train`` section (else SystemExit:
+    a stale directory never passes for this run).  ``train`` is the ds.json ``train`` section (model,
+    steps, seed, ...); ``env`` goes to the ranks' environment.
     """
     out_dir = Path(out_dir)
     done = out_dir / "metrics.json"
     label = label or out_dir.name
-    if not done.is_file():
+    wanted = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": micro_batches,
+              "train": train}
+    if done.is_file():
+        check_resumed(out_dir, label, methods, wanted)
+    else:
         out_dir.mkdir(parents=True, exist_ok=True)
-        cfg = write_config(out_dir / "ds.json", train_micro_batch_size_per_gpu=micro_batch,
-                           gradient_accumulation_steps=micro_batches,
+        cfg = write_config(out_dir / "ds.json", **wanted,
                            pipeline={"stages": 2, "step_model": str(step_model),
-                                     "profile": {"warmup": 2, "repeats": 5, "cache_dir": None, "progress": False}},
-                           train=train)
+                                     "profile": {"warmup": 2, "repeats": 5, "cache_dir": None, "progress": False}})
         t0 = time.perf_counter()
         proc, ranks = launch(2, cfg, "--methods", ";".join(methods), out_dir=out_dir, cwd=out_dir, timeout=3600,
                              script="bench/splits_in_one_launch.py", env=env)
@@ -84,3 +88,21 @@ def measure_in_one_launch(out_dir: Path, methods: list[str], *, train: dict, mic
             raise SystemExit(f"{label}: launch failed\n{proc.stderr[-3000:]}")
         print(f"  {label}: {len(methods)} builds in one launch ({time.perf_counter() - t0:.0f} s)", flush=True)
     return json.loads(done.read_text())["measured"]
+
+
+def check_resumed(out_dir: Path, label: str, methods: list[str], wanted: dict) -> None:
+    """Refuse a stored launch that measured something else than this call asks for."""
+    stored = json.loads((out_dir / "metrics.json").read_text())["measured"]
+    stored_methods = [m["method"] for m in stored]
+    problems = [] if stored_methods == list(methods) else [f"methods {stored_methods} (asked {list(methods)})"]
+    config = out_dir / "ds.json"
+    if config.is_file():
+        cfg = json.loads(config.read_text())
+        for key, value in wanted.items():  # a dict section was merged into the base config's: compare its keys
+            have = ({k: cfg.get(key, {}).get(k) for k in value} if isinstance(value, dict)
+                    else cfg.get(key))
+            if have != value:
+                problems.append(f"{key} {have!r} (asked {value!r})")
+    if problems:
+        raise SystemExit(f"{label}: {out_dir} holds a launch that measured {'; '.join(problems)}; "
+                         "remove the directory or choose another --out")
