@@ -122,7 +122,7 @@ class OutOfMemory(Exception):
         self.needed_bytes = needed_bytes  # what the heaviest rank needs (None: not computed; least_memory)
 
 
-def _state_bytes_per_param(zero: int, dp: int, e: int) -> float:
+def state_bytes_per_param(zero: int, dp: int, e: int) -> float:
     """Model-state bytes per parameter on one rank (the partitioner's linear form of ``costs.zero``)."""
     master = 0 if e == 4 else 4
     if zero == 0:
@@ -259,29 +259,6 @@ class PlanModel:
             return (4.0 * sum(layer_params) / lay.dp,)
         return tuple(4.0 * p for p in layer_params if 4.0 * p > self.device.fresh_alloc_min_bytes)
 
-    # -- bounds --------------------------------------------------------------------------------
-    def lower_bound_s(self, lay: PlanLayout) -> float:
-        """No partition's simulated step is shorter: the ranks' average busy time (m x their share of
-        one micro-batch's work, plus the update of their share of the parameters, which is linear in
-        them)."""
-        total_s, params, _, _ = self.totals(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
-        share = 1.0 / lay.pp
-        update = self.update_s(lay, params * share)
-        bound = lay.micro_batches * total_s * share + update
-        if lay.pp > 1 and lay.schedule in ("1f1b", "gpipe"):
-            # and the pipeline's fill and drain: with T_r a stage's F + B and P_r the stages before it,
-            # the step is at least max_r (P_r + m T_r) (``step_lower_bound_after_partition``), whose least
-            # value over all splits of T = sum T_r has every term equal: T / (1 - (1 - 1/m)^p)
-            m = lay.micro_batches
-            bound = max(bound, total_s / (1.0 - (1.0 - 1.0 / m) ** lay.pp))
-        return bound
-
-    def memory_lower_bound(self, lay: PlanLayout) -> float:
-        """No split needs less on its heaviest rank: the model states spread evenly, or the largest layer."""
-        _, params, largest, act = self.totals(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
-        per_param = _state_bytes_per_param(lay.zero, lay.dp, self.e)
-        return max(params * per_param / lay.pp, largest * per_param + act)
-
     # -- one layout ----------------------------------------------------------------------------
     def partition(self, lay: PlanLayout) -> list[int]:
         costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
@@ -289,7 +266,7 @@ class PlanModel:
         chunks = lay.pp * lay.chunks_per_rank
         if chunks == 1:
             return [0, len(costs)]
-        per_param = _state_bytes_per_param(lay.zero, lay.dp, self.e)
+        per_param = state_bytes_per_param(lay.zero, lay.dp, self.e)
         link = self._p2p_link(lay)
         try:  # a rank holds chunks_per_rank chunks: each gets its share of the cap
             return partition_min_max_lists(
@@ -297,7 +274,7 @@ class PlanModel:
                 static_bytes=[c.param_bytes / self.e * per_param for c in costs],
                 activation_bytes=held_activation_bytes(costs, recompute=full),
                 micro_batches=lay.micro_batches, memory_cap=self.memory_cap / lay.chunks_per_rank,
-                boundary_time=[link.latency_s + c.output_bytes / link.bandwidth for c in costs], schedule=_schedule_name(lay),
+                boundary_time=[link.latency_s + c.output_bytes / link.bandwidth for c in costs], schedule=schedule_name(lay),
                 explain_infeasible=False)
         except InfeasibleMemoryCap:
             raise OutOfMemory(None) from None
@@ -311,19 +288,19 @@ class PlanModel:
         if chunks == 1:
             return self.evaluate(lay, [0, len(costs)], check_memory=False).peak_memory_bytes
         full = lay.recompute == "full"
-        per_param = _state_bytes_per_param(lay.zero, lay.dp, self.e)
+        per_param = state_bytes_per_param(lay.zero, lay.dp, self.e)
         return lay.chunks_per_rank * smallest_feasible_cap_lists(
             [c.time_s(recompute=full) for c in costs], chunks,
             static_bytes=[c.param_bytes / self.e * per_param for c in costs],
             activation_bytes=held_activation_bytes(costs, recompute=full),
-            micro_batches=lay.micro_batches, schedule=_schedule_name(lay))
+            micro_batches=lay.micro_batches, schedule=schedule_name(lay))
 
     def evaluate(self, lay: PlanLayout, parts: list[int] | None = None, *, check_memory: bool = True) -> LayoutCost:
         """The layout's partition (the exact memory-capped min-max one unless given), memory and step."""
         costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
         full = lay.recompute == "full"
         parts = parts or self.partition(lay)
-        name = _schedule_name(lay)
+        name = schedule_name(lay)
         stages = stage_costs(costs, parts, micro_batches=lay.micro_batches, recompute=full,
                              schedule=name if lay.pp > 1 else "1f1b")
         m = lay.micro_batches
@@ -370,50 +347,9 @@ class PlanModel:
         out.mfu = self.flops_per_step / (out.step_s * lay.gpus * peak)
         return out
 
-    def step_lower_bound_after_partition(self, lay: PlanLayout, parts: list[int]) -> float:
-        """Tighter than ``lower_bound_s`` once the split is known: per rank, micro-batch 0's way to its
-        first chunk, then all its compute and its update; under 1F1B and GPipe also the last
-        micro-batch's way back down to rank 0 before rank 0's update.  Valid for every schedule
-        (each term is a chain of work that runs one after another); tested against the simulator."""
-        if lay.pp == 1:
-            return 0.0
-        costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
-        full = lay.recompute == "full"
-        stages = stage_costs(costs, parts, micro_batches=lay.micro_batches, recompute=full,
-                             schedule=_schedule_name(lay))
-        m = lay.micro_batches
-        per_rank = [0.0] * lay.pp
-        params = [0.0] * lay.pp
-        head = [None] * lay.pp  # when micro-batch 0 can first reach the rank: its first chunk's input
-        order = _chunk_ranks(lay, len(stages))
-        reach = 0.0
-        for st in stages:
-            r = order[st.stage]
-            head[r] = reach if head[r] is None else head[r]
-            reach += st.forward_s
-            per_rank[r] += m * (st.forward_s + st.backward_s)
-            params[r] += st.param_bytes / self.e
-        bound = max(h + t + self.update_s(lay, p) for h, t, p in zip(head, per_rank, params))
-        if lay.schedule in ("1f1b", "gpipe"):  # a rank's last item is B of the last micro-batch, whose
-            # input gradient then runs down every earlier stage before rank 0's update (not so under
-            # ZB-H1, whose deferred W overlap that descent, or with several chunks a rank)
-            first_update = self.update_s(lay, params[0])
-            before = 0.0
-            for st in stages:
-                bound = max(bound, before + m * (st.forward_s + st.backward_s) + first_update)
-                before += st.forward_s + st.backward_s
-        return bound
 
-
-def _schedule_name(lay: PlanLayout) -> str:
+def schedule_name(lay: PlanLayout) -> str:
     return lay.schedule if lay.pp > 1 else "1f1b"
-
-
-def _chunk_ranks(lay: PlanLayout, chunks: int) -> tuple[int, ...]:
-    if lay.schedule == "dualpipev":
-        p = lay.pp
-        return tuple(c if c < p else 2 * p - 1 - c for c in range(chunks))
-    return tuple(c % lay.pp for c in range(chunks))
 
 
 __all__ = ["Cluster", "LayoutCost", "OutOfMemory", "PlanModel", "plan_device", "DEVICES", "USABLE_MEMORY"]

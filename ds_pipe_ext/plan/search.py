@@ -2,7 +2,7 @@
 
 1. Each layout gets two closed-form bounds from per-layer costs alone (no partition): the least
    memory its heaviest rank can need, and the least step time any split can reach
-   (``PlanModel.lower_bound_s``).  A layout whose memory bound exceeds the cap is out (OOM).
+   (``bounds.step_lower_bound``).  A layout whose memory bound exceeds the cap is out (OOM).
 2. The rest are taken in order of the step bound.  Once K layouts are simulated and the next bound
    is not below the K-th best step, no later layout can enter the top K: they are "worse", unseen.
 3. A layout that is taken gets its exact memory-capped partition (OOM if none fits), a tighter bound
@@ -17,6 +17,7 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .bounds import memory_lower_bound, step_lower_bound, step_lower_bound_after_partition
 from .model import LayoutCost, OutOfMemory, PlanModel
 from .space import PlanError, PlanLayout
 
@@ -39,12 +40,12 @@ def search(model: PlanModel, layouts: list[PlanLayout], *, top_k: int = 10, prog
     oom: list[tuple[float, PlanLayout]] = []  # (memory bound, layout) of every layout that did not fit
     bounded = []
     for lay in layouts:
-        need = model.memory_lower_bound(lay)
+        need = memory_lower_bound(model, lay)
         if need > model.memory_cap:
             res.dropped["OOM (memory bound)"] += 1
             oom.append((need, lay))
             continue
-        bounded.append((model.lower_bound_s(lay), lay))
+        bounded.append((step_lower_bound(model, lay), lay))
     bounded.sort(key=lambda item: (item[0], item[1].name))
     steps: list[float] = []  # the top K's steps, ascending
 
@@ -66,10 +67,10 @@ def search(model: PlanModel, layouts: list[PlanLayout], *, top_k: int = 10, prog
             parts = model.partition(lay)
         except OutOfMemory:
             res.dropped["OOM (no split fits)"] += 1
-            oom.append((model.memory_lower_bound(lay), lay))
+            oom.append((memory_lower_bound(model, lay), lay))
             continue
         res.partitioned += 1
-        if model.step_lower_bound_after_partition(lay, parts) >= kth() and (runnable_best is not None
+        if step_lower_bound_after_partition(model, lay, parts) >= kth() and (runnable_best is not None
                                                                             or not lay.runnable):
             res.dropped["worse (step bound above the top K)"] += 1
             continue
@@ -77,7 +78,7 @@ def search(model: PlanModel, layouts: list[PlanLayout], *, top_k: int = 10, prog
             cost = model.evaluate(lay, parts)
         except OutOfMemory:
             res.dropped["OOM (model states or activations above the cap)"] += 1
-            oom.append((model.memory_lower_bound(lay), lay))
+            oom.append((memory_lower_bound(model, lay), lay))
             continue
         res.simulated += 1
         if lay.runnable and (runnable_best is None or cost.step_s < runnable_best.step_s):
