@@ -45,16 +45,16 @@ def predicted(model, costs, parts, m, schedule, recompute=False) -> float:
 
 
 def test_partition_min_step_equals_brute_force_on_small_instances():
-    """Up to 10 layers, 2 to 4 stages, random costs with an optimizer time per parameter byte and
-    per-instruction costs: the search's split has the smallest simulated step of every split,
-    and the simulation never goes below the model's lower bound."""
+    """Up to 10 layers, 2 to 4 stages, 1F1B, GPipe and ZB-H1, random costs with an optimizer time
+    per parameter byte and per-instruction costs: the search's split has the smallest simulated
+    step of every split, and the simulation never goes below the model's lower bound."""
     rng = random.Random(13)
     moved = 0
     for case in range(40):
         n = rng.randint(2, 10)
         p = rng.randint(2, min(4, n))
         m = rng.randint(1, 8)
-        schedule = rng.choice(["1f1b", "1f1b", "gpipe"])
+        schedule = rng.choice(["1f1b", "1f1b", "gpipe", "zb-h1"])
         recompute = rng.random() < 0.3
         costs, model = random_costs(rng, n), random_model(rng)
         found = partition_min_step(costs, p, micro_batches=m, model=model, schedule=schedule, recompute=recompute)
@@ -62,7 +62,8 @@ def test_partition_min_step_equals_brute_force_on_small_instances():
         for parts in all_splits(n, p):
             steps[tuple(parts)] = predicted(model, costs, parts, m, schedule, recompute)
             stages = stage_costs(costs, parts, micro_batches=m, recompute=recompute, schedule=schedule)
-            assert model.lower_bound_s(stages, m) <= steps[tuple(parts)] * (1 + 1e-12), (case, parts)
+            if schedule != "zb-h1":  # StepModel.lower_bound_s is 1F1B's and GPipe's
+                assert model.lower_bound_s(stages, m) <= steps[tuple(parts)] * (1 + 1e-12), (case, parts)
         best = min(steps.values())
         assert found.gap == 0.0
         assert found.step_s == pytest.approx(best, rel=1e-12), (case, found, best)
