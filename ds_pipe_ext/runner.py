@@ -75,25 +75,24 @@ def measure_in_one_launch(out_dir: Path, methods: list[str], *, train: dict, mic
     wanted = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": micro_batches,
               "train": train}
     if done.is_file():
-        check_resumed(out_dir, label, methods, wanted)
-    else:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        cfg = write_config(out_dir / "ds.json", **wanted,
-                           pipeline={"stages": 2, "step_model": str(step_model),
-                                     "profile": {"warmup": 2, "repeats": 5, "cache_dir": None, "progress": False}})
-        t0 = time.perf_counter()
-        proc, ranks = launch(2, cfg, "--methods", ";".join(methods), out_dir=out_dir, cwd=out_dir, timeout=3600,
-                             script="bench/splits_in_one_launch.py", env=env)
-        if proc.returncode != 0 or 0 not in ranks:
-            raise SystemExit(f"{label}: launch failed\n{proc.stderr[-3000:]}")
-        print(f"  {label}: {len(methods)} builds in one launch ({time.perf_counter() - t0:.0f} s)", flush=True)
+        measured = json.loads(done.read_text())["measured"]
+        check_resumed(out_dir, label, [r["method"] for r in measured], methods, wanted)
+        return measured
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = write_config(out_dir / "ds.json", **wanted,
+                       pipeline={"stages": 2, "step_model": str(step_model),
+                                 "profile": {"warmup": 2, "repeats": 5, "cache_dir": None, "progress": False}})
+    t0 = time.perf_counter()
+    proc, ranks = launch(2, cfg, "--methods", ";".join(methods), out_dir=out_dir, cwd=out_dir, timeout=3600,
+                         script="bench/splits_in_one_launch.py", env=env)
+    if proc.returncode != 0 or 0 not in ranks:
+        raise SystemExit(f"{label}: launch failed\n{proc.stderr[-3000:]}")
+    print(f"  {label}: {len(methods)} builds in one launch ({time.perf_counter() - t0:.0f} s)", flush=True)
     return json.loads(done.read_text())["measured"]
 
 
-def check_resumed(out_dir: Path, label: str, methods: list[str], wanted: dict) -> None:
+def check_resumed(out_dir: Path, label: str, stored_methods: list[str], methods: list[str], wanted: dict) -> None:
     """Refuse a stored launch that measured something else than this call asks for."""
-    stored = json.loads((out_dir / "metrics.json").read_text())["measured"]
-    stored_methods = [m["method"] for m in stored]
     problems = [] if stored_methods == list(methods) else [f"methods {stored_methods} (asked {list(methods)})"]
     config = out_dir / "ds.json"
     if config.is_file():
