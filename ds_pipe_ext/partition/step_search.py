@@ -10,8 +10,9 @@ smallest:
 * branch: boundaries left to right, one stage at a time; a stage over the memory cap is cut;
 * bound: ``StepModel.lower_bound_s`` (a stage's m forwards and backwards after micro-batch 0's way
   in, then its update or the drain back to stage 0 and stage 0's update) over the stages fixed so
-  far, and for the layers left, p - k stages of at least their mean.  The simulation never goes
-  below it (``tests/test_step_model.py``);
+  far, and for the layers left its least value over every real split of their time
+  (``least_drain_s``; their mean for the update).  Under ZB-H1 the drain term is left out.  The
+  simulation never goes below it (``tests/test_step_model.py``);
 * leaves whose own bound (the whole split's) is below the best found are simulated.  A subtree is
   dropped only when its bound reaches the best step found, so the answer is the minimum over
   every split: exact.  Past ``max_leaves`` simulations the search expands nothing more (every
@@ -30,7 +31,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..costs.stage import held_activation_bytes, in_flight, replayed, stage_costs
-from ..simulate.step_model import StepModel
+from ..simulate.step_model import DRAINING_SCHEDULES, StepModel, least_drain_s
 from . import partition_min_max
 from .problem import InfeasibleMemoryCap
 
@@ -88,9 +89,9 @@ def partition_min_step(
     cap = None if memory_cap_gib is None else memory_cap_gib * 2.0**30
     inflight = [in_flight(s, p, m, schedule) for s in range(p)]
     opt = model.optimizer_s
-    # the last input gradient's way down to stage 0 ends the step under 1F1B and GPipe; under ZB-H1
-    # the deferred weight gradients overlap it, so that term is left out of the bound there
-    drains = schedule in ("1f1b", "gpipe")
+    drains = schedule in DRAINING_SCHEDULES
+    # the rest's least drain per second of its time, by stages left (1..p; a bound always has one left)
+    drain_per_total = [0.0] + [least_drain_s(1.0, m, left) for left in range(1, p + 1)] if drains else []
     per_layer = model.forward_per_layer_s + model.backward_per_layer_s
 
     def f(i: int, j: int) -> float:  # one micro-batch's forward on layers [i, j)
@@ -102,18 +103,16 @@ def partition_min_step(
 
     def bound(k: int, i: int, st: tuple) -> float:
         """Stages 0..k-1 fixed (``st``), layers [i, n) left for stages k..p-1: StepModel.lower_bound_s
-        over the fixed stages, and for the rest its least value over every real split of their time.
-        The rest's stage times t_r sum to T whatever the split (t is affine in the layers), so
-        max_r (before + t_k + ... + t_{r-1} + m t_r) is least when every term is equal: t_{r+1} =
-        (1 - 1/m) t_r, which makes it before + T / (1 - (1 - 1/m)^left) (>= before + m T / left);
-        the update term takes the mean (max >= mean: opt is affine)."""
+        over the fixed stages, and for the rest its least value over every real split of their time:
+        the rest's stage times sum to ``total`` whatever the split (t is affine in the layers), so
+        their drain is at least ``least_drain_s``; the update term takes the mean (max >= mean: opt
+        is affine)."""
         before, ahead, drained, own, opt0 = st
         left = p - k
         total = (model.forward_scale * (F[n] - F[i]) + model.backward_scale * (B[n] - B[i]) + per_layer * (n - i)
                  + R[n] - R[i]) + left * (model.forward_fixed_s + model.backward_fixed_s)
         rest_opt = opt((P[n] - P[i]) / left)
-        drain_rest = before + total / (1.0 - (1.0 - 1.0 / m) ** left)
-        drain = max(drained, drain_rest) + opt0 if drains else 0.0
+        drain = max(drained, before + total * drain_per_total[left]) + opt0 if drains else 0.0
         return max(drain, own, ahead + m * total / left + rest_opt) + model.step_fixed_s
 
     def extend(k: int, i: int, j: int, st: tuple) -> tuple:

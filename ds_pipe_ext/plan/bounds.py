@@ -8,6 +8,7 @@ layout).  The first two need only per-layer costs; the third knows the split.
 from __future__ import annotations
 
 from ..costs.stage import stage_costs
+from ..simulate.step_model import DRAINING_SCHEDULES, least_drain_s
 from .model import PlanModel, schedule_name, state_bytes_per_param
 from .space import PlanLayout
 
@@ -19,12 +20,11 @@ def step_lower_bound(model: PlanModel, lay: PlanLayout) -> float:
     total_s, params, _, _ = model.totals(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
     share = 1.0 / lay.pp
     bound = lay.micro_batches * total_s * share + model.update_s(lay, params * share)
-    if lay.pp > 1 and lay.schedule in ("1f1b", "gpipe"):
+    if lay.pp > 1 and lay.schedule in DRAINING_SCHEDULES:
         # and the pipeline's fill and drain: with T_r a stage's F + B and P_r the stages before it,
-        # the step is at least max_r (P_r + m T_r) (``step_lower_bound_after_partition``), whose least
-        # value over all splits of T = sum T_r has every term equal: T / (1 - (1 - 1/m)^p)
-        m = lay.micro_batches
-        bound = max(bound, total_s / (1.0 - (1.0 - 1.0 / m) ** lay.pp))
+        # the step is at least max_r (P_r + m T_r) (``step_lower_bound_after_partition``), at least
+        # its least value over every split of T = sum T_r
+        bound = max(bound, least_drain_s(total_s, lay.micro_batches, lay.pp))
     return bound
 
 
@@ -58,7 +58,7 @@ def step_lower_bound_after_partition(model: PlanModel, lay: PlanLayout, parts: l
         per_rank[r] += m * (st.forward_s + st.backward_s)
         params[r] += st.param_bytes / model.e
     bound = max(h + t + model.update_s(lay, p) for h, t, p in zip(head, per_rank, params))
-    if lay.schedule in ("1f1b", "gpipe"):  # a rank's last item is B of the last micro-batch, whose
+    if lay.schedule in DRAINING_SCHEDULES:  # a rank's last item is B of the last micro-batch, whose
         # input gradient then runs down every earlier stage before rank 0's update (not so under
         # ZB-H1, whose deferred W overlap that descent, or with several chunks a rank)
         first_update = model.update_s(lay, params[0])

@@ -40,6 +40,9 @@ from .events import ChunkCosts, Link, Network, StepSimulation, simulate
 from .schedules import COMPUTE, Schedule, schedule_for_chunks
 
 CONTENTION_ROUNDS = 6  # fixed-point rounds of the shared-core slowdown (converges in 3-4 on 2-8 ranks)
+# schedules whose step ends with the last input gradient's way down to stage 0 (under ZB-H1 the
+# deferred weight gradients overlap it): the drain term of the lower bounds holds only for these
+DRAINING_SCHEDULES = ("1f1b", "gpipe")
 
 
 class StepModelError(ValueError):
@@ -173,6 +176,13 @@ class StepPrediction:
     optimizer_s: float
     simulation: StepSimulation
     slowdown: dict  # (rank, Work) -> the shared-core stretch of that item
+
+
+def least_drain_s(total_s: float, micro_batches: int, stages: int) -> float:
+    """The least value of max_r (T_0 + ... + T_{r-1} + m T_r), the drain term of ``lower_bound_s``,
+    over every real split of ``total_s`` = sum T_r into ``stages`` stages.  It is least when every
+    term is equal: T_{r+1} = (1 - 1/m) T_r, which makes it T / (1 - (1 - 1/m)^stages) (>= m T / stages)."""
+    return total_s / (1.0 - (1.0 - 1.0 / micro_batches) ** stages)
 
 
 def _layers(stage) -> int:
