@@ -148,21 +148,28 @@ def test_analytic_activations_match_what_autograd_saves_on_cpu(dropout, b):
         assert got["activation_bytes"] == pytest.approx(want.activation_bytes, rel=0.03), got["name"]
 
 
-def test_stage_memory_zero_division_and_inflight():
+def test_stage_memory_follows_deepspeeds_zero_rules_and_inflight():
     from ds_pipe_ext.costs.estimate import stage_memory
     from ds_pipe_ext.costs.types import LayerCost
 
+    # bf16: 50 parameters a layer (100 bytes), two layers a stage, dp 4
     costs = [LayerCost(f"l{i}", 1.0, 2.0, param_bytes=100, grad_bytes=100, optimizer_bytes=800,
                        activation_bytes=10, output_bytes=4) for i in range(4)]
     parts = [0, 2, 4]
-    z = {k: stage_memory(costs, parts, micro_batches=8, dp=4, zero=k) for k in (0, 1, 2, 3)}
-    assert [z[0][0][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")] == [200, 200, 1600]
-    assert [z[1][0][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")] == [200, 200, 400]
-    assert [z[2][0][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")] == [200, 50, 400]
-    assert [z[3][0][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")] == [50, 50, 400]
+    z = {k: stage_memory(costs, parts, micro_batches=8, dp=4, zero=k, element_bytes=2) for k in (0, 1, 2, 3)}
+    kinds = ("param_bytes", "grad_bytes", "optimizer_bytes")
+    # ZeRO-0: 2 + (2 + 4 fp32 copy) + (8 + 4 master) bytes a parameter, 100 parameters
+    assert [z[0][0][k] for k in kinds] == [200, 600, 1200]
+    # ZeRO-1/2: 100 padded to 104 (a multiple of 2 dp), all of it in bf16; a 26-element partition of
+    # fp32 gradient and master + moments
+    assert [z[1][0][k] for k in kinds] == [208, 104, 312]
+    assert [z[2][0][k] for k in kinds] == [208, 104, 312]
+    # ZeRO-3: each tensor padded to a multiple of dp: 13 + 13 elements; bf16 + fp32 gradient partitions
+    assert [z[3][0][k] for k in kinds] == [52, 156, 312]
     # 1F1B: stage 0 holds 2 micro-batches, stage 1 one; full recompute keeps only layer inputs
     assert [r["activation_bytes"] for r in z[0]] == [2 * 20, 1 * 20]
-    full = stage_memory(costs, parts, micro_batches=8, full_recompute=True)
+    assert z[1][0]["total_bytes"] == 208 + 104 + 312 + 40
+    full = stage_memory(costs, parts, micro_batches=8, full_recompute=True, element_bytes=2)
     assert [r["activation_bytes"] for r in full] == [2 * (0 + 4), 1 * (4 + 4)]
 
 

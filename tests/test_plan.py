@@ -19,7 +19,13 @@ from ds_pipe_ext.costs.iteration import adam_step_s
 from ds_pipe_ext.plan.model import OutOfMemory
 from ds_pipe_ext.plan.render import MegatronLayoutChecker, check_in_process, ds_config, megatron_layout
 from ds_pipe_ext.plan.search import search
-from ds_pipe_ext.plan.space import PlanError, PlanLayout, enumerate_layouts, parse_only
+from ds_pipe_ext.layout import Layout
+from ds_pipe_ext.plan.space import PlanError, enumerate_layouts, parse_only
+
+
+def _layout(pp, tp, dp, zero, mb, m, recompute, sp, schedule) -> Layout:
+    return Layout(pp=pp, tp=tp, dp=dp, zero=zero, micro_batch=mb, micro_batches=m, recompute=recompute, sp=sp,
+                  schedule=schedule)
 
 GIB = 2**30
 JSON_KEYS = {"pp", "tp", "dp", "zero", "micro_batch", "recompute", "sp", "schedule", "parts", "step_s",
@@ -103,7 +109,7 @@ def test_measured_collectives_price_dp_zero_and_tp_communication():
     update is DeepSpeed's bucketed all-reduce plus the all-gather of the weights; TP layers pay latency."""
     cfg, model = plan_model("tiny", gpus=2, device="a100", global_batch=4)
     gloo = with_device(model, collectives=GLOO_LIKE)
-    lay = PlanLayout(1, 1, 2, 1, 1, 2, "none", False, "none")
+    lay = _layout(1, 1, 2, 1, 1, 2, "none", False, "none")
     params = 1e6
     # Adam over half the parameters and DeepSpeed's own passes over the gradients: no collective
     adam = adam_step_s(params / 2, gloo.device, bytes_per_param=gloo.adam_bytes_per_param) + gloo.engine_passes_s(lay, params)
@@ -141,7 +147,7 @@ def test_cpu_ranks_get_gloo_links_and_a_share_of_the_cores(monkeypatch):
 def test_adam_pays_page_faults_for_large_fp32_tensors_only_on_a_cpu():
     cfg, model = plan_model("tiny", gpus=2, device="a100", global_batch=4)
     cpu_like = with_device(model, fresh_page_bandwidth=1e9, fresh_alloc_min_bytes=2**20)
-    lay = PlanLayout(1, 1, 2, 0, 1, 2, "none", False, "none")
+    lay = _layout(1, 1, 2, 0, 1, 2, "none", False, "none")
     layers = [3e5, 1e5, 1e5, 3e5]  # two over 1 MiB in fp32, two under
     assert model.adam_fresh_bytes(lay, layers) == ()  # GPUs' caching allocator: none
     assert cpu_like.adam_fresh_bytes(lay, layers) == (1.2e6, 1.2e6)
@@ -157,7 +163,7 @@ def test_one_measured_step_calibrates_the_speed_and_leaves_the_links():
 
     _, model = plan_model("tiny", gpus=2, device="a100", global_batch=4)
     gloo = with_device(model, collectives=GLOO_LIKE, fresh_page_bandwidth=1e9, fresh_alloc_min_bytes=2**20)
-    lay = PlanLayout(1, 1, 2, 1, 1, 2, "none", False, "none")
+    lay = _layout(1, 1, 2, 1, 1, 2, "none", False, "none")
     slow = gloo.on_device(at_speed(gloo.device, 0.6))
     assert slow.device.hbm_bandwidth == pytest.approx(0.6 * gloo.device.hbm_bandwidth)
     assert slow.device.fresh_page_bandwidth == pytest.approx(0.6e9) and slow.device.collectives == GLOO_LIKE
@@ -180,7 +186,7 @@ def test_on_cpu_ranks_the_calibration_scales_gloos_links_with_the_cores():
     assert links_are_cpu_work(cpu.device) and not links_are_cpu_work(model.device)
     slow = at_speed(cpu.device, 0.5, links=True)
     assert slow.collectives["all-gather"] == pytest.approx([1.5e-4 / 0.5, 5e8 * 0.5])
-    lays = [PlanLayout(1, 1, 2, 1, 1, 2, "none", False, "none"), PlanLayout(2, 1, 1, 0, 1, 4, "none", False, "1f1b")]
+    lays = [_layout(1, 1, 2, 1, 1, 2, "none", False, "none"), _layout(2, 1, 1, 0, 1, 4, "none", False, "1f1b")]
     parts = {lay.name: cpu.evaluate(lay).parts for lay in lays}
     measured = 1.25 * cpu.evaluate(lays[0], parts[lays[0].name]).step_s
     factor, fitted = fit_speed(cpu, lays[0], parts[lays[0].name], measured)
@@ -198,11 +204,11 @@ def test_deepspeed_passes_over_the_gradients_are_counted_even_with_one_dp_rank()
     cpu_like = with_device(model, fresh_page_bandwidth=1e9, fresh_alloc_min_bytes=2**20)
     e, params = cpu_like.e, 1e6
     bw = cpu_like.device.hbm_bandwidth * cpu_like.device.memory_efficiency
-    pipe = PlanLayout(2, 1, 1, 0, 1, 4, "none", False, "1f1b")
+    pipe = _layout(2, 1, 1, 0, 1, 4, "none", False, "1f1b")
     # flatten (r + w), copy back (r + w), the trainer's norm (r); the flat buffer is new every step
     assert cpu_like.engine_passes_s(pipe, params) == pytest.approx(5 * e * params / bw + e * params / 1e9)
     assert model.engine_passes_s(pipe, params) == pytest.approx(5 * e * params / bw)  # no page faults on GPUs
-    dp2 = PlanLayout(1, 1, 2, 0, 1, 2, "none", False, "none")  # and the 1/dp scaling (r + w)
+    dp2 = _layout(1, 1, 2, 0, 1, 2, "none", False, "none")  # and the 1/dp scaling (r + w)
     assert model.engine_passes_s(dp2, params) == pytest.approx(7 * e * params / bw)
     z1 = replace(dp2, zero=1)
     layers = [3e5, 7e5]  # each gradient's float64 copy for the norm is over 1 MiB on a rank's half
@@ -217,28 +223,28 @@ def test_deepspeed_passes_over_the_gradients_are_counted_even_with_one_dp_rank()
 def test_memory_is_the_cap_of_the_exact_partition():
     """Recompute and more stages are what let a big model fit: without them nothing does."""
     cfg, model = plan_model("gpt3-175b", gpus=64, global_batch=64)
-    fits = model.evaluate(PlanLayout(8, 8, 1, 0, 1, 64, "full", True, "1f1b"))
+    fits = model.evaluate(_layout(8, 8, 1, 0, 1, 64, "full", True, "1f1b"))
     assert fits.peak_memory_bytes <= model.memory_cap and fits.parts[0] == 0 and fits.parts[-1] == 98
     with pytest.raises(OutOfMemory):  # one stage of 8 TP ranks: 22 G parameters a rank, 350 GB of states
-        model.evaluate(PlanLayout(1, 8, 8, 1, 1, 8, "full", True, "none"))
+        model.evaluate(_layout(1, 8, 8, 1, 1, 8, "full", True, "none"))
     with pytest.raises(OutOfMemory):  # nor any split into 2 stages without ZeRO: 11 G parameters x 20 B
-        model.partition(PlanLayout(2, 8, 4, 0, 1, 16, "full", True, "1f1b"))
+        model.partition(_layout(2, 8, 4, 0, 1, 16, "full", True, "1f1b"))
     # with ZeRO-1 over the 4 data-parallel ranks the same split fits (2 + 16 / 4 bytes a parameter)
-    assert model.evaluate(PlanLayout(2, 8, 4, 1, 1, 16, "full", True, "1f1b")).peak_memory_bytes <= model.memory_cap
+    assert model.evaluate(_layout(2, 8, 4, 1, 1, 16, "full", True, "1f1b")).peak_memory_bytes <= model.memory_cap
 
 
 def test_megatron_layout_strings_are_checked_by_megatron_core():
     cfg = load_model_config("gpt3-175b")
-    lay = PlanLayout(8, 8, 16, 1, 1, 96, "none", True, "1f1b")
+    lay = _layout(8, 8, 16, 1, 1, 96, "none", True, "1f1b")
     cost = SimpleNamespace(layout=lay, parts=[0, 13, 25, 37, 49, 61, 73, 85, 98])
     text, why = megatron_layout(cost, cfg.layers)
     assert text == "Et*12|(t*12|)*6t*12L" and "megatron-core" in why
-    uneven = SimpleNamespace(layout=PlanLayout(2, 1, 1, 0, 1, 4, "none", False, "1f1b"), parts=[0, 3, 6])
+    uneven = SimpleNamespace(layout=_layout(2, 1, 1, 0, 1, 4, "none", False, "1f1b"), parts=[0, 3, 6])
     assert megatron_layout(uneven, 4)[0] == "Et*2|t*2L"
     # interleaved: chunks in virtual order, chunk c on rank c % p, as Megatron reads the list
-    inter = SimpleNamespace(layout=PlanLayout(2, 1, 1, 0, 1, 4, "none", False, "interleaved:2"), parts=[0, 2, 3, 5, 6])
+    inter = SimpleNamespace(layout=_layout(2, 1, 1, 0, 1, 4, "none", False, "interleaved:2"), parts=[0, 2, 3, 5, 6])
     assert megatron_layout(inter, 4)[0] == "Et|t|t*2|L"
-    v = SimpleNamespace(layout=PlanLayout(2, 1, 1, 0, 1, 4, "none", False, "dualpipev"), parts=[0, 2, 3, 5, 6])
+    v = SimpleNamespace(layout=_layout(2, 1, 1, 0, 1, 4, "none", False, "dualpipev"), parts=[0, 2, 3, 5, 6])
     text, why = megatron_layout(v, 4)
     assert text is None and "V" in why
     # the plan command asks a child interpreter (its megatron import overlaps the search): same verdicts
@@ -255,14 +261,14 @@ def test_megatron_layout_strings_are_checked_by_megatron_core():
 def test_emitted_ds_config_is_a_pipeline_config_train_py_reads(tmp_path):
     from ds_pipe_ext.train.config import build_run_config
 
-    cost = SimpleNamespace(layout=PlanLayout(2, 1, 1, 0, 2, 4, "full", False, "1f1b"), parts=[0, 4, 6])
+    cost = SimpleNamespace(layout=_layout(2, 1, 1, 0, 2, 4, "full", False, "1f1b"), parts=[0, 4, 6])
     ds = ds_config(cost, model="tiny", dtype="fp32")
     assert ds["pipeline"] == {"stages": 2, "partition_method": "parts:0,4,6", "schedule": "1f1b"}
     run = build_run_config(json.loads(json.dumps(ds)))
     assert run.pipelined and run.pipeline.partition_method == "parts:0,4,6" and run.train.recompute == "full"
     assert (run.micro_batch, run.grad_accum) == (2, 4)
     with pytest.raises(ValueError, match="simulated|runs no"):
-        ds_config(SimpleNamespace(layout=PlanLayout(2, 1, 1, 0, 2, 4, "none", False, "zb-h1"), parts=[0, 4, 6]),
+        ds_config(SimpleNamespace(layout=_layout(2, 1, 1, 0, 2, 4, "none", False, "zb-h1"), parts=[0, 4, 6]),
                   model="tiny")
 
 

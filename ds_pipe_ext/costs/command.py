@@ -44,7 +44,7 @@ def cmd_estimate(args) -> int:
         raise ValueError(str(e)) from None
     stages = None
     if args.stages:
-        from .estimate import analytic_layer_costs, stage_memory
+        from .estimate import DTYPE_BYTES, analytic_layer_costs, stage_memory
         from ..partition import partition_min_max
 
         costs = analytic_layer_costs(cfg, req, device)
@@ -52,7 +52,8 @@ def cmd_estimate(args) -> int:
         parts = partition_min_max(costs, args.stages, micro_batches=m, recompute=args.full_recompute)
         stages = {"parts": parts, "micro_batches": m, "dp": args.dp, "zero": args.zero,
                   "stages": stage_memory(costs, parts, micro_batches=m, dp=args.dp, zero=args.zero,
-                                         full_recompute=args.full_recompute)}
+                                         full_recompute=args.full_recompute,
+                                         element_bytes=DTYPE_BYTES[req.dtype])}
     if args.json:
         emit(json.dumps({"model": cfg.name, "device": device.name, "request": req.__dict__,
                           "layers": layers, "block_ops": block, "pipeline": stages}, indent=1))

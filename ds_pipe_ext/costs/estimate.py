@@ -8,6 +8,7 @@ from . import analytic as A
 from .hardware import DeviceSpec
 from .stage import stage_costs
 from .types import LayerCost
+from .zero import stage_model_states
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -98,12 +99,13 @@ def analytic_layer_costs(cfg, req: EstimateRequest, device: DeviceSpec) -> list[
 
 
 def stage_memory(costs: list[LayerCost], parts: list[int], *, micro_batches: int, dp: int = 1, zero: int = 0,
-                 full_recompute: bool = False) -> list[dict]:
-    """Bytes per rank of each pipeline stage: model states (ZeRO divides them over DP) + activations.
+                 full_recompute: bool = False, element_bytes: int = 2) -> list[dict]:
+    """Bytes per rank of each pipeline stage: model states + activations.
 
-    ZeRO-1 divides the optimizer states by dp, ZeRO-2 also the gradients, ZeRO-3 also the
-    parameters (Rajbhandari et al. 2020).  Activations: the stage model's in-flight count
-    times what its layers hold per micro-batch (``costs.stage``).
+    Model states by DeepSpeed's ZeRO allocation rules (``costs.zero``, the rule every other memory
+    figure uses; each layer's parameters counted as one tensor, ``element_bytes`` each: 2 for bf16
+    with fp32 masters).  Activations: the stage model's in-flight count times what its layers hold
+    per micro-batch (``costs.stage``).
     """
     if zero not in (0, 1, 2, 3):
         raise A.AnalyticError(f"ZeRO stage {zero!r}: use 0, 1, 2 or 3")
@@ -111,11 +113,9 @@ def stage_memory(costs: list[LayerCost], parts: list[int], *, micro_batches: int
         raise A.AnalyticError(f"dp = {dp}: the data-parallel degree must be >= 1")
     rows = []
     for st in stage_costs(costs, parts, micro_batches=micro_batches, recompute=full_recompute):
-        optim = st.optimizer_bytes / (dp if zero >= 1 else 1)
-        grads = st.grad_bytes / (dp if zero >= 2 else 1)
-        params = st.param_bytes / (dp if zero >= 3 else 1)
+        states = stage_model_states([c.param_bytes // element_bytes for c in costs[st.start:st.stop]], dp=dp,
+                                    stage=zero, element_bytes=element_bytes)
         act = st.activation_peak_bytes
-        rows.append({"stage": st.stage, "layers": [st.start, st.stop], "param_bytes": params, "grad_bytes": grads,
-                     "optimizer_bytes": optim, "inflight": st.inflight, "activation_bytes": act,
-                     "total_bytes": params + grads + optim + act})
+        rows.append({"stage": st.stage, "layers": [st.start, st.stop], **states.to_dict(),
+                     "inflight": st.inflight, "activation_bytes": act, "total_bytes": states.total_bytes + act})
     return rows

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
-from ..simulate.schedules import SCHEDULES, schedule_for_chunks
+from ..simulate.schedules import parse_schedule
 
 
 def in_flight(stage: int, num_stages: int, micro_batches: int, schedule: str = "1f1b") -> int:
@@ -40,17 +39,7 @@ def in_flight(stage: int, num_stages: int, micro_batches: int, schedule: str = "
     v = 2, DualPipeV) the stages are the chunks: ``num_stages`` = v x ranks, and the count is
     per chunk; the rank holds its chunks' together.
     """
-    return _in_flight(schedule, num_stages, micro_batches)[stage]
-
-
-@lru_cache(maxsize=256)
-def _in_flight(schedule: str, num_stages: int, micro_batches: int) -> tuple[int, ...]:
-    name, _, v = schedule.partition(":")  # "interleaved:3": v model chunks a rank (default 2)
-    if name not in SCHEDULES or (v and not (name == "interleaved" and v.isdigit() and int(v) >= 2)):
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)} "
-                         f"(interleaved:V for V >= 2 chunks a rank)")
-    return schedule_for_chunks(name, num_stages, micro_batches,
-                               virtual_stages=int(v) if v else 2).chunk_held_peak_counts
+    return parse_schedule(schedule).in_flight(num_stages, micro_batches)[stage]
 
 
 def held_activation_bytes(costs: Sequence, *, recompute: bool = False) -> list[float]:

@@ -95,3 +95,29 @@ def zero_model_states(param_numels: list[int], *, dp: int, stage: int, element_b
     part = sum(_ceil_div(k, dp) for k in param_numels)
     persistent = sum(k for k in param_numels if k <= persistence_threshold)
     return ModelStates(param_bytes=e * (part + persistent), grad_bytes=e * part + 4 * part, optimizer_bytes=12 * part)
+
+
+def state_bytes_per_param(stage: int, dp: int, element_bytes: int = 4) -> float:
+    """``zero_model_states`` of the heaviest rank as bytes per parameter: the additive form the
+    partitioner's per-layer memory cap needs (a stage's bytes are the sum of its layers').  Equal to
+    the rule wherever its two non-linear terms vanish: a parameter count with no padding (a multiple
+    of 2 dp, or of dp per tensor under ZeRO-3) and, in fp32 under ZeRO-1/2, no rank's partition
+    lying inside one tensor (tests/test_zero.py checks the equality on such counts)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage {stage!r}: use 0, 1, 2 or 3")
+    if dp < 1:
+        raise ValueError(f"dp = {dp}: the data-parallel degree must be >= 1")
+    e = element_bytes
+    master = 0 if e == 4 else 4
+    if stage == 0:
+        return e + (e + master) + (8 + master)
+    if stage in (1, 2):
+        return e + (4 + 12) / dp
+    return (e + e + 4 + 12) / dp
+
+
+def stage_model_states(layer_params: list[int], *, dp: int, stage: int, element_bytes: int = 4) -> ModelStates:
+    """A pipeline stage's (or a whole data-parallel model's) states from its layers' parameter counts,
+    each layer counted as one tensor: the analytic side's view, which knows layers, not tensors."""
+    return zero_model_states([int(n) for n in layer_params if n], dp=dp, stage=stage, element_bytes=element_bytes)
+

@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..costs.stage import held_activation_bytes, in_flight, replayed, stage_costs
-from ..simulate.step_model import DRAINING_SCHEDULES, StepModel, least_drain_s
+from ..simulate.schedules import parse_schedule
+from ..simulate.step_model import StepModel, least_drain_s
 from . import partition_min_max
 from .problem import InfeasibleMemoryCap
 
@@ -89,7 +90,7 @@ def partition_min_step(
     cap = None if memory_cap_gib is None else memory_cap_gib * 2.0**30
     inflight = [in_flight(s, p, m, schedule) for s in range(p)]
     opt = model.optimizer_s
-    drains = schedule in DRAINING_SCHEDULES
+    drains = parse_schedule(schedule).drains
     # the rest's least drain per second of its time, by stages left (1..p; a bound always has one left)
     drain_per_total = [0.0] + [least_drain_s(1.0, m, left) for left in range(1, p + 1)] if drains else []
     per_layer = model.forward_per_layer_s + model.backward_per_layer_s

@@ -2,7 +2,7 @@
 
 Read top-down:
 
-- ``space``: the layouts (``PlanLayout``) a cluster of N GPUs admits, and why the others are not
+- ``space``: the layouts (``layout.Layout``) a cluster of N GPUs admits, and why the others are not
   layouts at all (indivisible); ``--only`` strings.
 - ``model``: what one layout costs: per-layer analytic costs (cached per TP, SP, micro-batch and
   recompute), the exact memory-capped partition, the peak memory per rank, the step time from the

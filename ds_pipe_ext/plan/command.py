@@ -153,7 +153,7 @@ def _plan(args, checker) -> int:
         _emit("no layout DeepSpeed runs (1F1B, GPipe, DualPipeV or no pipeline) fits: the plan has simulated "
               "alternatives only")
     elif args.emit_ds_config:
-        _emit(f"wrote {args.emit_ds_config}: deepspeed --num_gpus {best.layout.gpus} train.py "
+        _emit(f"wrote {args.emit_ds_config}: deepspeed --num_gpus {best.layout.world_size} train.py "
               f"--deepspeed_config {args.emit_ds_config}")
     _emit(f"planned in {seconds:.2f} s")
     return 0

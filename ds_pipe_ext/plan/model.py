@@ -41,11 +41,11 @@ from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs,
 from ..costs.hardware import DEVICES, DeviceSpec, get_device
 from ..costs.iteration import adam_step_s
 from ..costs.stage import held_activation_bytes, stage_costs
-from ..costs.zero import zero_model_states
+from ..costs.zero import state_bytes_per_param, zero_model_states
+from ..layout import Layout
 from ..partition.algorithms import InfeasibleMemoryCap, partition_min_max_lists, smallest_feasible_cap_lists
 from ..simulate.events import ChunkCosts, Link, Network, simulate
-from ..simulate.schedules import schedule_for_chunks
-from .space import PlanError, PlanLayout
+from .space import PlanError
 
 # Adam's memory traffic per parameter: fused (apex, Megatron) reads param, grad, m, v and writes
 # param, m, v and the 16-bit copy (~30 bytes); torch's single-tensor AdamW makes eight elementwise
@@ -100,7 +100,7 @@ class Cluster:
 
 @dataclass
 class LayoutCost:
-    layout: PlanLayout
+    layout: Layout
     parts: list[int]
     step_s: float
     pipeline_s: float  # the simulated schedule, optimizer work included
@@ -120,16 +120,6 @@ class LayoutCost:
 class OutOfMemory(Exception):
     def __init__(self, needed_bytes: float | None):
         self.needed_bytes = needed_bytes  # what the heaviest rank needs (None: not computed; least_memory)
-
-
-def state_bytes_per_param(zero: int, dp: int, e: int) -> float:
-    """Model-state bytes per parameter on one rank (the partitioner's linear form of ``costs.zero``)."""
-    master = 0 if e == 4 else 4
-    if zero == 0:
-        return e + (e + master) + (8 + master)
-    if zero in (1, 2):
-        return e + (4 + 8 + 4) / dp
-    return (e + e + 4 + 12) / dp
 
 
 class PlanModel:
@@ -178,21 +168,21 @@ class PlanModel:
                 max(held_activation_bytes(costs, recompute=full)))
 
     # -- collectives and the optimizer, per rank ------------------------------------------------
-    def _dp_bandwidth(self, lay: PlanLayout) -> float:
+    def _dp_bandwidth(self, lay: Layout) -> float:
         # Megatron's rank order (tp innermost, then dp): a DP group spans tp x dp consecutive GPUs
         return self.cluster.bandwidth(lay.tp * lay.dp) * self.device.comm_efficiency
 
-    def _p2p_bandwidth(self, lay: PlanLayout) -> float:
+    def _p2p_bandwidth(self, lay: Layout) -> float:
         # neighbouring stages are tp x dp ranks apart: the same node only if both fit in it
         return self.cluster.bandwidth(2 * lay.tp * lay.dp) * self.device.comm_efficiency
 
-    def _p2p_link(self, lay: PlanLayout) -> Link:
+    def _p2p_link(self, lay: Layout) -> Link:
         measured = (self.device.collectives or {}).get("p2p")
         if measured:  # CPU ranks: gloo's measured send, not the memory copy
             return Link(measured[0], measured[1])
         return Link(0.0, self._p2p_bandwidth(lay))
 
-    def update_s(self, lay: PlanLayout, params: float, layer_params: list[float] | tuple = ()) -> float:
+    def update_s(self, lay: Layout, params: float, layer_params: list[float] | tuple = ()) -> float:
         """A rank's work after its last backward for ``params`` parameters: its DP collectives, DeepSpeed's
         own passes over the gradients (``engine_passes_s``) and Adam over the parameters it owns
         (ZeRO-2/3's per-micro-batch collectives too: with no overlap, where they sit does not change
@@ -219,7 +209,7 @@ class PlanModel:
             owned, self.device, bytes_per_param=self.adam_bytes_per_param,
             fresh_sizes=self.adam_fresh_bytes(lay, layer_params))
 
-    def engine_passes_s(self, lay: PlanLayout, params: float, layer_params: list[float] | tuple = ()) -> float:
+    def engine_passes_s(self, lay: Layout, params: float, layer_params: list[float] | tuple = ()) -> float:
         """DeepSpeed's own memory passes over a rank's gradients each step, beside the collectives and
         Adam (read from DeepSpeed 0.19's source; on CPU ranks they are a visible share of the step):
 
@@ -249,7 +239,7 @@ class PlanModel:
         return (traffic / (self.device.hbm_bandwidth * self.device.memory_efficiency)
                 + self.device.fresh_alloc_time(fresh))
 
-    def adam_fresh_bytes(self, lay: PlanLayout, layer_params: list[float]) -> tuple:
+    def adam_fresh_bytes(self, lay: Layout, layer_params: list[float]) -> tuple:
         """The fp32 tensors whose Adam temporaries are mapped afresh each step on a CPU (glibc: above its
         mmap threshold): under ZeRO the rank's one flat partition, else each layer over the threshold
         counted as one tensor (its embedding or head matrix; a block's matrices are each smaller)."""
@@ -260,10 +250,10 @@ class PlanModel:
         return tuple(4.0 * p for p in layer_params if 4.0 * p > self.device.fresh_alloc_min_bytes)
 
     # -- one layout ----------------------------------------------------------------------------
-    def partition(self, lay: PlanLayout) -> list[int]:
+    def partition(self, lay: Layout) -> list[int]:
         costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
         full = lay.recompute == "full"
-        chunks = lay.pp * lay.chunks_per_rank
+        chunks = lay.num_chunks
         if chunks == 1:
             return [0, len(costs)]
         per_param = state_bytes_per_param(lay.zero, lay.dp, self.e)
@@ -274,17 +264,17 @@ class PlanModel:
                 static_bytes=[c.param_bytes / self.e * per_param for c in costs],
                 activation_bytes=held_activation_bytes(costs, recompute=full),
                 micro_batches=lay.micro_batches, memory_cap=self.memory_cap / lay.chunks_per_rank,
-                boundary_time=[link.latency_s + c.output_bytes / link.bandwidth for c in costs], schedule=schedule_name(lay),
+                boundary_time=[link.latency_s + c.output_bytes / link.bandwidth for c in costs], schedule=lay.schedule_spec.name,
                 explain_infeasible=False)
         except InfeasibleMemoryCap:
             raise OutOfMemory(None) from None
 
-    def least_memory(self, lay: PlanLayout) -> float:
+    def least_memory(self, lay: Layout) -> float:
         """The least memory the heaviest rank of this layout needs over every split: the partitioner's
         smallest feasible cap (a chunk's share times the chunks a rank holds), or without a pipeline
         the one rank's states and activations.  Up to 64 feasibility probes: asked only when nothing fits."""
         costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
-        chunks = lay.pp * lay.chunks_per_rank
+        chunks = lay.num_chunks
         if chunks == 1:
             return self.evaluate(lay, [0, len(costs)], check_memory=False).peak_memory_bytes
         full = lay.recompute == "full"
@@ -293,16 +283,15 @@ class PlanModel:
             [c.time_s(recompute=full) for c in costs], chunks,
             static_bytes=[c.param_bytes / self.e * per_param for c in costs],
             activation_bytes=held_activation_bytes(costs, recompute=full),
-            micro_batches=lay.micro_batches, schedule=schedule_name(lay))
+            micro_batches=lay.micro_batches, schedule=lay.schedule_spec.name)
 
-    def evaluate(self, lay: PlanLayout, parts: list[int] | None = None, *, check_memory: bool = True) -> LayoutCost:
+    def evaluate(self, lay: Layout, parts: list[int] | None = None, *, check_memory: bool = True) -> LayoutCost:
         """The layout's partition (the exact memory-capped min-max one unless given), memory and step."""
         costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
         full = lay.recompute == "full"
         parts = parts or self.partition(lay)
-        name = schedule_name(lay)
         stages = stage_costs(costs, parts, micro_batches=lay.micro_batches, recompute=full,
-                             schedule=name if lay.pp > 1 else "1f1b")
+                             schedule=lay.schedule_spec.name)
         m = lay.micro_batches
         if lay.pp == 1:
             st = stages[0]
@@ -311,8 +300,7 @@ class PlanModel:
             pipeline_s, bubble, held = m * (st.forward_s + st.backward_s) + update, 0.0, [st.activation_bytes]
             chunk_rank = (0,)
         else:
-            sched = schedule_for_chunks(name.partition(":")[0], len(stages), m,
-                                        virtual_stages=lay.chunks_per_rank if name.startswith("interleaved") else 2)
+            sched = lay.schedule_spec.for_chunks(len(stages), m)
             chunk_rank = sched.chunk_rank
             rank_params = [0.0] * lay.pp
             rank_layer_params: list[list[float]] = [[] for _ in range(lay.pp)]
@@ -344,12 +332,8 @@ class PlanModel:
         out = LayoutCost(lay, list(parts), pipeline_s, pipeline_s, heaviest["total_bytes"], heaviest, bubble)
         out.samples_per_s = lay.global_batch / out.step_s
         peak = self.device.matrix_flops[self.dtype] if self.dtype in self.device.matrix_flops else math.nan
-        out.mfu = self.flops_per_step / (out.step_s * lay.gpus * peak)
+        out.mfu = self.flops_per_step / (out.step_s * lay.world_size * peak)
         return out
-
-
-def schedule_name(lay: PlanLayout) -> str:
-    return lay.schedule if lay.pp > 1 else "1f1b"
 
 
 __all__ = ["Cluster", "LayoutCost", "OutOfMemory", "PlanModel", "plan_device", "DEVICES", "USABLE_MEMORY"]

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from itertools import groupby
 
-from ..compare.configs import ZERO_SETTINGS
 from .model import LayoutCost
 from .search import PlanResult
 
@@ -138,23 +137,7 @@ def ds_config(cost: LayoutCost, *, model: str, steps: int = 10, dtype: str = "bf
     lay = cost.layout
     if not lay.runnable:
         raise ValueError(f"{lay.name}: DeepSpeed runs no {lay.schedule} schedule; emit a runnable layout")
-    ds: dict = {
-        "train_micro_batch_size_per_gpu": lay.micro_batch,
-        "gradient_accumulation_steps": lay.micro_batches,
-        "steps_per_print": 10**6,
-        "train": {"model": model, "steps": steps, "seed": 1234},
-    }
-    if lay.recompute != "none":  # "full" under a pipeline: DeepSpeed's activation_checkpoint_interval 1
-        ds["train"]["recompute"] = lay.recompute
-    if dtype == "bf16":
-        ds["bf16"] = {"enabled": True}
-    elif dtype == "fp16":
-        ds["fp16"] = {"enabled": True}
-    if lay.tp > 1:
-        ds["tensor_parallel"] = {"size": lay.tp, "sequence_parallel": lay.sp}
-    if lay.zero:
-        ds["zero_optimization"] = {"stage": lay.zero, **ZERO_SETTINGS}
-    if lay.pp > 1:
-        ds["pipeline"] = {"stages": lay.pp, "partition_method": "parts:" + ",".join(map(str, cost.parts)),
-                          "schedule": lay.schedule}
-    return ds
+    precision = {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}.get(dtype, {})
+    return lay.ds_config(train={"model": model, "steps": steps, "seed": 1234}, steps_per_print=10**6, **precision,
+                         pipeline={"partition_method": "parts:" + ",".join(map(str, cost.parts))}
+                         if lay.pipelined else None)

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from .bounds import memory_lower_bound, step_lower_bound, step_lower_bound_after_partition
 from .model import LayoutCost, OutOfMemory, PlanModel
-from .space import PlanError, PlanLayout
+from ..layout import Layout
+from .space import PlanError
 
 
 @dataclass
@@ -35,9 +36,9 @@ class PlanResult:
         return next((c for c in self.top if c.layout.runnable), None)
 
 
-def search(model: PlanModel, layouts: list[PlanLayout], *, top_k: int = 10, progress=None) -> PlanResult:
+def search(model: PlanModel, layouts: list[Layout], *, top_k: int = 10, progress=None) -> PlanResult:
     res = PlanResult(top=[], candidates=len(layouts))
-    oom: list[tuple[float, PlanLayout]] = []  # (memory bound, layout) of every layout that did not fit
+    oom: list[tuple[float, Layout]] = []  # (memory bound, layout) of every layout that did not fit
     bounded = []
     for lay in layouts:
         need = memory_lower_bound(model, lay)
@@ -104,7 +105,7 @@ def search(model: PlanModel, layouts: list[PlanLayout], *, top_k: int = 10, prog
     return res
 
 
-def least_memory_needed(model: PlanModel, oom: list[tuple[float, PlanLayout]]) -> float:
+def least_memory_needed(model: PlanModel, oom: list[tuple[float, Layout]]) -> float:
     """The least memory any of these layouts needs on its heaviest rank (exact per layout; a layout
     whose bound is already above the best found is skipped)."""
     best = float("inf")

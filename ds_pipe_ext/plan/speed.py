@@ -20,7 +20,8 @@ from dataclasses import replace
 
 from ..costs.hardware import DeviceSpec
 from .model import PlanModel
-from .space import PlanError, PlanLayout
+from ..layout import Layout
+from .space import PlanError
 
 
 def links_are_cpu_work(device: DeviceSpec) -> bool:
@@ -43,7 +44,7 @@ def at_speed(device: DeviceSpec, factor: float, *, links: bool = False) -> Devic
     return out
 
 
-def fit_speed(model: PlanModel, lay: PlanLayout, parts: list[int], measured_step_s: float, *,
+def fit_speed(model: PlanModel, lay: Layout, parts: list[int], measured_step_s: float, *,
               links: bool | None = None) -> tuple[float, PlanModel]:
     """The factor on the device's rates that makes ``lay``'s predicted step equal one measured step,
     and the plan model at that speed.  ``links`` None: scale the links where they are CPU work

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from .events import ChunkCosts, Link, Network, StepSimulation, simulate
 from .render import text_timeline, write_gantt
-from .schedules import SCHEDULES, SIMULATED_ONLY, chunks_per_rank, schedule_for_chunks
+from .schedules import SCHEDULES, SIMULATED_ONLY, parse_schedule
 
 # seed 004's four settings (delay, Gb/s) in GB/s: default ~0.1 ms / 10 Gb/s, 1 ms / 5, 5 ms / 2, 10 ms / 1
 SEED_NETWORKS = ((0.1, 1.25), (1.0, 0.625), (5.0, 0.25), (10.0, 0.125))
@@ -88,8 +88,10 @@ class StepModel:
              bandwidth_gbs: float | None) -> SimulatedStep:
         args = self.args
         network = network_for(latency_ms, bandwidth_gbs, args.ranks_per_node)
-        chunks = args.stages * chunks_per_rank(schedule, args.virtual_stages)
-        sched = schedule_for_chunks(schedule, chunks, micro_batches, virtual_stages=args.virtual_stages)
+        # a bare "interleaved" takes --virtual-stages chunks a rank; "interleaved:V" says it itself
+        spec = parse_schedule(f"interleaved:{args.virtual_stages}" if schedule == "interleaved" else schedule)
+        chunks = args.stages * spec.chunks_per_rank
+        sched = spec.for_chunks(chunks, micro_batches)
         if self.run is not None:
             costs, optimizer, parts = self._run_chunks(chunks)
         else:
@@ -98,9 +100,9 @@ class StepModel:
 
             layers = self.layer_costs(micro_batch)
             method = args.method or args.costs
-            parts = decide_offline(method, layers, chunks, micro_batches=micro_batches, schedule=schedule,
+            parts = decide_offline(method, layers, chunks, micro_batches=micro_batches, schedule=spec.name,
                                    link_bandwidth=bandwidth_gbs * 1e9 if bandwidth_gbs else None)
-            st = stage_costs(layers, parts, micro_batches=micro_batches, schedule=schedule)
+            st = stage_costs(layers, parts, micro_batches=micro_batches, schedule=spec.name)
             costs = ChunkCosts([s.forward_s for s in st], [s.backward_s for s in st],
                                weight_grad_s=[s.weight_grad_s for s in st],
                                output_bytes=[s.boundary_out_bytes for s in st],

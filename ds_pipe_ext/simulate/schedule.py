@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .events import ChunkCosts, Link, Network, StepSimulation, simulate
-from .schedules import build_schedule, schedule_for_chunks
+from .schedules import build_schedule, parse_schedule
 
 
 def simulate_1f1b(
@@ -50,14 +50,13 @@ def simulate_stages(
     link_latency_s: float = 0.0,
     optimizer_s: Sequence[float] | None = None,
     schedule: str = "1f1b",
-    virtual_stages: int = 2,
 ) -> StepSimulation:
     """One step of ``StageCost`` records (``costs.stage.stage_costs``): each boundary carries the
     stage's ``boundary_out_bytes`` forward and their gradient back over one link.  Under
-    interleaved and DualPipeV the stages are the model chunks (v, or 2, per rank)."""
+    interleaved (``interleaved:V``) and DualPipeV the stages are the model chunks (V, or 2, per rank)."""
     costs = ChunkCosts([st.forward_s for st in stages], [st.backward_s for st in stages],
                        weight_grad_s=[st.weight_grad_s for st in stages],
                        output_bytes=[st.boundary_out_bytes for st in stages],
                        activation_bytes=[st.activation_bytes for st in stages])
-    return simulate(schedule_for_chunks(schedule, len(stages), micro_batches, virtual_stages=virtual_stages), costs,
+    return simulate(parse_schedule(schedule).for_chunks(len(stages), micro_batches), costs,
                     network=Network(Link(link_latency_s, link_bandwidth)), optimizer_s=optimizer_s)

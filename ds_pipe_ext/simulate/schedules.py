@@ -145,19 +145,78 @@ def build_schedule(name: str, num_ranks: int, micro_batches: int, *, virtual_sta
     return Schedule(name, p, m, tuple(range(p)), tuple(order(r, p, m) for r in range(p)))
 
 
-def chunks_per_rank(name: str, virtual_stages: int = 2) -> int:
-    """How many model chunks each rank runs: 2 under DualPipeV, v under interleaved, else 1."""
-    return {"dualpipev": 2, "interleaved": virtual_stages}.get(name, 1)
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A schedule by name, apart from the ranks and micro-batches it runs: the one reading of a
+    schedule name (``parse_schedule``).  It answers which rank runs each chunk, how many chunks a
+    rank holds and how many micro-batches each chunk holds, as DeepSpeed's ``TrainSchedule``
+    answers ``num_pipe_buffers`` beside ``steps``."""
+
+    kind: str  # one of SCHEDULES
+    virtual_stages: int = 1  # interleaved: model chunks per rank (v >= 2); 1 for every other kind
+
+    @property
+    def name(self) -> str:
+        """The canonical spelling, which ``parse_schedule`` reads back: ``interleaved:3``, ``1f1b``."""
+        return f"{self.kind}:{self.virtual_stages}" if self.kind == "interleaved" else self.kind
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks a rank runs: 2 under DualPipeV, v under interleaved, else 1."""
+        return {"dualpipev": 2, "interleaved": self.virtual_stages}.get(self.kind, 1)
+
+    @property
+    def simulated_only(self) -> bool:
+        """No DeepSpeed engine runs it (ranked and simulated, never emitted as a ds.json)."""
+        return self.kind in SIMULATED_ONLY
+
+    @property
+    def drains(self) -> bool:
+        """Whether the last micro-batch's whole backward runs down every stage before rank 0's update
+        (one chunk a rank, no weight gradient deferred): the step search's drain bound holds."""
+        return self.kind in ("1f1b", "gpipe")
+
+    def chunk_rank(self, num_ranks: int) -> tuple[int, ...]:
+        """The rank that runs each chunk, in pipeline order: round robin, or V-shaped under DualPipeV."""
+        p = num_ranks
+        if self.kind == "dualpipev":
+            return tuple(c if c < p else 2 * p - 1 - c for c in range(2 * p))
+        return tuple(c % p for c in range(self.chunks_per_rank * p))
+
+    def for_ranks(self, num_ranks: int, micro_batches: int) -> Schedule:
+        return build_schedule(self.kind, num_ranks, micro_batches, virtual_stages=self.virtual_stages)
+
+    def for_chunks(self, num_chunks: int, micro_batches: int) -> Schedule:
+        """The schedule over ``num_chunks`` model chunks (pipeline stages, in the partitioner's sense)."""
+        if num_chunks % self.chunks_per_rank:
+            raise ValueError(f"the {self.name} schedule runs {self.chunks_per_rank} stages per rank: "
+                             f"num_stages={num_chunks} is not a multiple of {self.chunks_per_rank}")
+        return self.for_ranks(num_chunks // self.chunks_per_rank, micro_batches)
+
+    def in_flight(self, num_chunks: int, micro_batches: int) -> tuple[int, ...]:
+        """Per chunk, the most micro-batches whose activations it holds at once, read off the order."""
+        return self.for_chunks(num_chunks, micro_batches).chunk_held_peak_counts
 
 
-def schedule_for_chunks(name: str, num_chunks: int, micro_batches: int, *, virtual_stages: int = 2) -> Schedule:
-    """The schedule over ``num_chunks`` model chunks (pipeline stages, in the partitioner's sense)."""
-    per_rank = chunks_per_rank(name, virtual_stages)
-    if num_chunks % per_rank:
-        raise ValueError(f"the {name} schedule runs {per_rank} stages per rank: num_stages={num_chunks} "
-                         f"is not a multiple of {per_rank}")
-    return build_schedule(name, num_chunks // per_rank, micro_batches,
-                          virtual_stages=virtual_stages if name == "interleaved" else 1)
+@lru_cache(maxsize=64)
+def _parse(text: str) -> ScheduleSpec:
+    kind, sep, v = text.strip().lower().partition(":")
+    if kind in SCHEDULES and not sep:
+        return ScheduleSpec(kind, 2 if kind == "interleaved" else 1)
+    if kind == "interleaved" and v.isdigit() and int(v) >= 2:
+        return ScheduleSpec(kind, int(v))
+    raise ValueError(f"unknown pipeline schedule {text!r}; known: {', '.join(SCHEDULES)} "
+                     f"(interleaved:V for V >= 2 model chunks a rank; interleaved alone is V = 2)")
+
+
+def parse_schedule(schedule: "str | ScheduleSpec") -> ScheduleSpec:
+    """The one parser of schedule names: ``1f1b``, ``gpipe``, ``zb-h1``, ``dualpipev``, ``interleaved``
+    (2 chunks a rank) or ``interleaved:V``.  A ``ValueError`` lists the names it knows."""
+    if isinstance(schedule, ScheduleSpec):
+        return schedule
+    if not isinstance(schedule, str):
+        raise ValueError(f"a pipeline schedule is a name such as '1f1b', got {schedule!r}")
+    return _parse(schedule)
 
 
 def _gpipe(rank: int, p: int, m: int) -> tuple[Work, ...]:

@@ -37,12 +37,9 @@ from functools import lru_cache
 from pathlib import Path
 
 from .events import ChunkCosts, Link, Network, StepSimulation, simulate
-from .schedules import COMPUTE, Schedule, schedule_for_chunks
+from .schedules import COMPUTE, Schedule, parse_schedule
 
 CONTENTION_ROUNDS = 6  # fixed-point rounds of the shared-core slowdown (converges in 3-4 on 2-8 ranks)
-# schedules whose step ends with the last input gradient's way down to stage 0 (under ZB-H1 the
-# deferred weight gradients overlap it): the drain term of the lower bounds holds only for these
-DRAINING_SCHEDULES = ("1f1b", "gpipe")
 
 
 class StepModelError(ValueError):
@@ -195,7 +192,7 @@ def _schedule(name: str, num_chunks: int, micro_batches: int, engine: bool) -> S
         from ..pipe.schedules import engine_schedule  # DeepSpeed's own instruction order
 
         return engine_schedule(name, num_chunks, micro_batches)
-    return schedule_for_chunks(name, num_chunks, micro_batches)
+    return parse_schedule(name).for_chunks(num_chunks, micro_batches)
 
 
 def processor_sharing(start_s: Sequence[float], work_s: Sequence[float]) -> list[float]:

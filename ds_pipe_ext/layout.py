@@ -1,0 +1,279 @@
+"""One layout of a training run: how the model is split over ranks and how a step runs.
+
+``Layout`` is the one record of a layout (torchtitan's ``ParallelDims`` is the example): the
+topology, the planner, ``compare``, ``sweep``, the at-scale prediction and checkpoints all read
+it.  It validates itself when built, before any process group exists; ``check(model)`` owns every
+rule that depends on the model (what tensor parallelism must divide, how many layers the
+pipeline needs).  It reads from and writes to ds.json (``from_ds_config`` / ``ds_config``, the one
+writer of the sections a layout decides) and prints as Megatron-LM arguments.
+
+    pp x tp x dp ranks        pipeline stages x tensor-parallel shards x data-parallel replicas
+    sp                        Megatron's sequence parallelism inside the TP group
+    zero                      DeepSpeed's ZeRO stage (Megatron's distributed optimizer is ZeRO-1)
+    micro_batch, micro_batches  samples per micro-batch; micro-batches per step and DP rank
+    recompute                 none | selective (attention core) | full (every layer's forward)
+    schedule                  a pipeline schedule name (``simulate.schedules.parse_schedule``), or
+                              "none": no pipeline engine (data parallel; pp is 1).  Left out: 1f1b
+                              with pp > 1, none with pp 1 (a one-stage pipeline is asked for by name)
+    ep                        expert-parallel degree (1: no experts yet)
+    offload                   ZeRO-3's states in CPU memory (data parallel only)
+    overlap_comm              gradient reduction overlapped with the backward (DeepSpeed's
+                              ``overlap_comm``, Megatron's ``--overlap-grad-reduce``)
+    runtime                   deepspeed (its engines and rules) | megatron (Megatron-LM's runtime)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from .simulate.schedules import ScheduleSpec, parse_schedule
+
+RECOMPUTE = ("none", "selective", "full")
+RUNTIMES = ("deepspeed", "megatron")
+NO_PIPELINE = "none"
+
+# DeepSpeed's memory-relevant ZeRO settings, written into every ZeRO config so that the cost model
+# predicts what DeepSpeed really allocates.  Bucket sizes: DeepSpeed's defaults (5e8 elements) are
+# sized for GPUs; these keep the buffers small beside a model on CPU.  Persistence threshold 0:
+# DeepSpeed's default (1e5 elements) would keep every parameter of a small model whole on every
+# rank under ZeRO-3, which is not ZeRO-3.  ``overlap_comm`` is the layout's own field.
+ZERO_SETTINGS = {
+    "reduce_bucket_size": 5e6,
+    "allgather_bucket_size": 5e6,
+    "stage3_prefetch_bucket_size": 5e6,
+    "stage3_param_persistence_threshold": 0,
+    "contiguous_gradients": True,
+}
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run; the message names the setting to change."""
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LayoutError(f"{name} = {value!r}: a positive integer is required")
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    tp: int = 1
+    dp: int = 1
+    sp: bool = False
+    zero: int = 0
+    micro_batch: int = 1
+    micro_batches: int = 1
+    recompute: str = "none"
+    schedule: str | None = None  # None: 1f1b with pp > 1, no pipeline with pp 1
+    ep: int = 1
+    offload: bool = False
+    overlap_comm: bool = False
+    runtime: str = "deepspeed"
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "tp", "dp", "micro_batch", "micro_batches", "ep"):
+            _positive(name, getattr(self, name))
+        for name in ("sp", "offload", "overlap_comm"):
+            if not isinstance(getattr(self, name), bool):
+                raise LayoutError(f"{name} = {getattr(self, name)!r}: true or false")
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            raise LayoutError(f"zero = {self.zero!r}: the ZeRO stage is 0, 1, 2 or 3")
+        if self.recompute not in RECOMPUTE:
+            raise LayoutError(f"recompute = {self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
+        if self.runtime not in RUNTIMES:
+            raise LayoutError(f"runtime = {self.runtime!r}: use one of {', '.join(RUNTIMES)}")
+        if self.sp and self.tp == 1:
+            raise LayoutError("sequence parallelism needs tensor parallelism: set tp > 1 or turn sp off")
+        if self.ep != 1:
+            raise LayoutError(f"ep = {self.ep}: expert parallelism needs a Mixture-of-Experts model; use ep = 1")
+        if self.schedule is None:
+            object.__setattr__(self, "schedule", "1f1b" if self.pp > 1 else NO_PIPELINE)
+        if self.schedule == NO_PIPELINE:
+            if self.pp != 1:
+                raise LayoutError(f"pp = {self.pp} needs a pipeline schedule (1f1b, gpipe, ...), not 'none'")
+        else:
+            try:
+                spec = parse_schedule(self.schedule)
+            except ValueError as e:
+                raise LayoutError(f"schedule: {e}; or 'none' for no pipeline") from None
+            object.__setattr__(self, "schedule", spec.name)  # one spelling: "interleaved" -> "interleaved:2"
+            self._check_schedule(spec)
+        if self.pipelined and self.zero > 1 and self.runtime == "deepspeed":
+            raise LayoutError(f"DeepSpeed runs ZeRO-0 or 1 under a pipeline, not ZeRO-{self.zero}: use zero <= 1, "
+                              f"or no pipeline (schedule 'none')")
+        if self.offload and (self.zero != 3 or self.pipelined):
+            raise LayoutError("offload moves ZeRO-3's states to CPU memory: it needs zero = 3 and no pipeline")
+
+    def _check_schedule(self, spec: ScheduleSpec) -> None:
+        p, m = self.pp, self.micro_batches
+        if p == 1:
+            return
+        if spec.kind == "interleaved" and m % p:
+            raise LayoutError(f"interleaved 1F1B needs micro-batches a multiple of the stages (Megatron's rule): "
+                              f"micro_batches {m}, pp {p}")
+        if spec.kind == "dualpipev" and m < 2 * p:
+            raise LayoutError(f"DualPipeV needs at least 2 x stages micro-batches (DeepSpeed's rule): "
+                              f"micro_batches {m}, pp {p}")
+
+    # -- what follows from the fields --------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.micro_batches * self.dp
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether a pipeline engine runs it (a one-stage pipeline included)."""
+        return self.schedule != NO_PIPELINE
+
+    @property
+    def schedule_spec(self) -> ScheduleSpec:
+        """The schedule's answers (chunks per rank, chunk to rank, micro-batches held); without a
+        pipeline, a one-stage 1F1B's (one micro-batch held at a time)."""
+        return parse_schedule(self.schedule if self.pipelined else "1f1b")
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.schedule_spec.chunks_per_rank
+
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks the layers are split into: the partitioner's stages."""
+        return self.pp * self.chunks_per_rank
+
+    @property
+    def runnable(self) -> bool:
+        """DeepSpeed runs it as is (train.py); otherwise a simulated alternative."""
+        return not self.pipelined or not self.schedule_spec.simulated_only
+
+    @property
+    def name(self) -> str:
+        return (f"pp{self.pp}-tp{self.tp}-dp{self.dp}-z{self.zero}-mb{self.micro_batch}-{self.recompute}"
+                + ("-sp" if self.sp else "") + (f"-{self.schedule}" if self.pp > 1 else "")
+                + ("-offload" if self.offload else ""))
+
+    def replace(self, **changes) -> "Layout":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "runnable": self.runnable}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Layout":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def from_world(cls, world_size: int, *, pp: int = 1, tp: int = 1, **rest) -> "Layout":
+        """The layout of ``world_size`` ranks: data parallelism takes what pp x tp leaves."""
+        _positive("pp", pp)
+        _positive("tp", tp)
+        if world_size % (pp * tp):
+            raise LayoutError(f"world size {world_size} is not pipeline ({pp}) x tensor ({tp}) x data parallel: "
+                              f"pp * tp must divide the number of processes")
+        return cls(pp=pp, tp=tp, dp=world_size // (pp * tp), **rest)
+
+    # -- the model's rules -------------------------------------------------------------------
+    def check(self, model) -> None:
+        """Every rule the model sets: TP divides the heads, key/value heads, hidden, ffn and
+        (padded) vocabulary; SP divides the sequence; every chunk gets a layer.  ``model`` is a
+        config with ``name``, ``heads``, ``hidden``, ``ffn``, ``padded_vocab``, ``seq_len`` and
+        ``num_pipeline_layers`` (``kv_heads`` where attention groups its keys and values)."""
+        name = getattr(model, "name", "the model")
+        t = self.tp
+        kv = getattr(model, "kv_heads", None)
+        for what, n in (("attention heads", model.heads), ("key/value heads", kv), ("hidden", model.hidden),
+                        ("ffn hidden", model.ffn)):
+            if n is not None and n % t:
+                raise LayoutError(f"tensor parallel degree {t} does not divide the {what} ({n}) of model "
+                                  f"{name!r}; choose tp dividing it")
+        if model.padded_vocab % t:
+            raise LayoutError(f"tensor parallel degree {t} does not divide the vocabulary ({model.padded_vocab}) "
+                              f"of model {name!r}; pad it as Megatron does: vocab_pad_to = {128 * t}")
+        if self.sp and model.seq_len % t:
+            raise LayoutError(f"sequence parallelism splits the sequence ({model.seq_len}) {t} ways; "
+                              f"choose tp dividing seq_len")
+        layers = model.num_pipeline_layers
+        if self.num_chunks > layers:
+            what = f"{self.pp} stages" + (f" x {self.chunks_per_rank} chunks" if self.chunks_per_rank > 1 else "")
+            raise LayoutError(f"{what} but model {name!r} has only {layers} pipeline layers: use at most "
+                              f"{layers // self.chunks_per_rank} stages")
+
+    # -- ds.json -----------------------------------------------------------------------------
+    @classmethod
+    def from_ds_config(cls, ds: dict, world_size: int) -> "Layout":
+        """The layout a ds.json runs on ``world_size`` ranks.  An activation checkpoint interval
+        without ``train.recompute`` reads as full recompute (every checkpointed layer's forward is
+        replayed)."""
+        if not isinstance(ds, dict):
+            raise LayoutError(f"a ds.json is a JSON object, got {type(ds).__name__}")
+
+        def section(key: str) -> dict:
+            value = ds.get(key) or {}
+            if not isinstance(value, dict):
+                raise LayoutError(f'"{key}" must be an object (a JSON dict), got {value!r}')
+            return value
+
+        pipe, tp_section, zero = section("pipeline"), section("tensor_parallel"), section("zero_optimization")
+        recompute = section("train").get("recompute", "none")
+        if recompute == "none" and pipe.get("activation_checkpoint_interval", 0):
+            recompute = "full"
+        offload = (section("zero_optimization").get("offload_optimizer") or {}).get("device") == "cpu"
+        stages = pipe.get("stages", 1) if "pipeline" in ds else 1
+        if stages == "auto":
+            raise LayoutError('pipeline.stages = "auto" is resolved from the world size when training; '
+                              'give a number of stages')
+        return cls.from_world(
+            world_size, pp=stages, tp=tp_section.get("size", 1), sp=bool(tp_section.get("sequence_parallel", False)),
+            zero=int(zero.get("stage", 0)), micro_batch=int(ds.get("train_micro_batch_size_per_gpu", 1)),
+            micro_batches=int(ds.get("gradient_accumulation_steps", 1)), recompute=recompute,
+            schedule=pipe.get("schedule", "1f1b") if "pipeline" in ds else NO_PIPELINE,
+            offload=offload, overlap_comm=bool(zero.get("overlap_comm", False)))
+
+    def ds_config(self, *, train: dict | None = None, pipeline: dict | None = None, **top) -> dict:
+        """The ds.json that runs this layout (the one writer): the sections a layout decides, with
+        ``train`` and ``pipeline`` keys of the caller's merged in, and other top-level keys as given."""
+        if self.runtime != "deepspeed" or not self.runnable:
+            raise LayoutError(f"{self.name}: DeepSpeed runs no {self.schedule} schedule ({self.runtime} runtime); "
+                              f"write a ds.json for a runnable layout")
+        ds: dict = {"train_micro_batch_size_per_gpu": self.micro_batch,
+                    "gradient_accumulation_steps": self.micro_batches, **top}
+        train = dict(train or {})
+        if self.recompute != "none":  # "full" under a pipeline: DeepSpeed's activation_checkpoint_interval 1
+            train["recompute"] = self.recompute
+        if train:
+            ds["train"] = train
+        if self.tp > 1:
+            ds["tensor_parallel"] = {"size": self.tp, "sequence_parallel": self.sp}
+        if self.zero:
+            ds["zero_optimization"] = {"stage": self.zero, **ZERO_SETTINGS, "overlap_comm": self.overlap_comm}
+            if self.offload:
+                ds["zero_optimization"].update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
+        if self.pipelined:
+            ds["pipeline"] = {"stages": self.pp, "schedule": self.schedule, **(pipeline or {})}
+        elif pipeline:
+            raise LayoutError(f"pipeline settings {sorted(pipeline)} for a layout without a pipeline")
+        return ds
+
+    # -- Megatron-LM -------------------------------------------------------------------------
+    def megatron_args(self) -> list[str]:
+        """The same layout as Megatron-LM's ``pretrain_gpt.py`` arguments."""
+        args = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
+                "--micro-batch-size", str(self.micro_batch), "--global-batch-size", str(self.global_batch)]
+        if self.sp:
+            args.append("--sequence-parallel")
+        if self.pp > 1 and self.schedule_spec.kind == "interleaved":
+            args += ["--num-virtual-stages-per-pipeline-rank", str(self.chunks_per_rank)]
+        if self.recompute == "selective":
+            args += ["--recompute-granularity", "selective"]
+        elif self.recompute == "full":
+            args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        if self.zero >= 1:
+            args.append("--use-distributed-optimizer")
+        if self.overlap_comm:
+            args.append("--overlap-grad-reduce")
+        return args

@@ -1,0 +1,167 @@
+"""The one layout record, the one schedule parser and the one ZeRO rule: literal in, literal out."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from ds_pipe_ext.costs.zero import state_bytes_per_param, zero_model_states
+from ds_pipe_ext.layout import Layout, LayoutError
+from ds_pipe_ext.simulate.schedules import ScheduleSpec, parse_schedule
+
+GPT = SimpleNamespace(name="toy", heads=12, hidden=768, ffn=3072, padded_vocab=50304, seq_len=1024,
+                      num_pipeline_layers=14)
+
+
+def test_schedule_names_parse_once_to_one_spelling():
+    assert parse_schedule("1f1b") == ScheduleSpec("1f1b", 1)
+    assert parse_schedule("interleaved") == parse_schedule("interleaved:2") == ScheduleSpec("interleaved", 2)
+    assert parse_schedule(" GPipe ").name == "gpipe"
+    spec = parse_schedule("interleaved:3")
+    assert (spec.name, spec.chunks_per_rank, spec.chunk_rank(2), spec.simulated_only) == \
+        ("interleaved:3", 3, (0, 1, 0, 1, 0, 1), True)
+    v = parse_schedule("dualpipev")
+    assert (v.chunks_per_rank, v.chunk_rank(3), v.simulated_only, v.drains) == (2, (0, 1, 2, 2, 1, 0), False, False)
+    assert parse_schedule("zb-h1").drains is False and parse_schedule("gpipe").drains is True
+    # activations held, read off the order: 1F1B's stage s holds min(p - s, m); GPipe all m
+    assert parse_schedule("1f1b").in_flight(4, 8) == (4, 3, 2, 1)
+    assert parse_schedule("gpipe").in_flight(4, 3) == (3, 3, 3, 3)
+    for bad in ("interleaved:1", "interleaved:x", "pipedream", "1f1b:2"):
+        with pytest.raises(ValueError, match="known: gpipe, 1f1b, interleaved, zb-h1, dualpipev"):
+            parse_schedule(bad)
+
+
+def test_layout_derives_world_batch_and_chunks():
+    lay = Layout(pp=4, tp=2, dp=3, micro_batch=2, micro_batches=8, schedule="interleaved")
+    assert (lay.world_size, lay.global_batch, lay.schedule, lay.num_chunks, lay.runnable) == \
+        (24, 48, "interleaved:2", 8, False)
+    assert Layout.from_world(8, pp=2, tp=2) == Layout(pp=2, tp=2, dp=2)
+    assert Layout().schedule == "none" and Layout(pp=2).schedule == "1f1b"
+    dp = Layout(dp=4, zero=3, offload=True)
+    assert (dp.pipelined, dp.runnable, dp.num_chunks, dp.name) == (False, True, 1, "pp1-tp1-dp4-z3-mb1-none-offload")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"pp": 0}, r"pp = 0: a positive integer"),
+    ({"tp": True}, r"tp = True: a positive integer"),
+    ({"sp": True}, "sequence parallelism needs tensor parallelism"),
+    ({"zero": 4}, "ZeRO stage is 0, 1, 2 or 3"),
+    ({"pp": 2, "dp": 2, "zero": 2}, "ZeRO-0 or 1 under a pipeline, not ZeRO-2"),
+    ({"recompute": "some"}, "recompute = 'some': use one of none, selective, full"),
+    ({"schedule": "pipedream"}, "unknown pipeline schedule 'pipedream'"),
+    ({"pp": 2, "schedule": "none"}, "pp = 2 needs a pipeline schedule"),
+    ({"pp": 4, "micro_batches": 6, "schedule": "interleaved:2"}, "multiple of the stages"),
+    ({"pp": 4, "micro_batches": 7, "schedule": "dualpipev"}, "at least 2 x stages"),
+    ({"zero": 1, "offload": True}, "offload moves ZeRO-3's states"),
+    ({"zero": 3, "offload": True, "schedule": "1f1b"}, "ZeRO-0 or 1 under a pipeline"),
+    ({"ep": 2}, "expert parallelism needs a Mixture-of-Experts model"),
+    ({"runtime": "jax"}, "runtime = 'jax'"),
+])
+def test_a_layout_that_cannot_run_is_refused_when_built(kwargs, match):
+    with pytest.raises(LayoutError, match=match):
+        Layout(**kwargs)
+
+
+def test_megatron_runtime_keeps_zero_beyond_one_under_a_pipeline():
+    assert Layout(pp=2, dp=2, zero=3, runtime="megatron").zero == 3
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"tp": 5}, r"tensor parallel degree 5 does not divide the attention heads \(12\)"),
+    ({"tp": 8}, r"does not divide the attention heads"),
+    ({"tp": 4, "sp": True}, None),
+    ({"pp": 15}, "15 stages but model 'toy' has only 14 pipeline layers: use at most 14 stages"),
+    ({"pp": 8, "micro_batches": 8, "schedule": "interleaved:2"}, r"8 stages x 2 chunks .* at most 7 stages"),
+])
+def test_check_owns_every_rule_the_model_sets(kwargs, match):
+    lay = Layout(**kwargs)
+    if match is None:
+        lay.check(GPT)
+        return
+    with pytest.raises(LayoutError, match=match):
+        lay.check(GPT)
+
+
+def test_check_names_vocabulary_padding_and_key_value_heads():
+    odd_vocab = SimpleNamespace(**{**vars(GPT), "padded_vocab": 50257})
+    with pytest.raises(LayoutError, match="vocab_pad_to = 256"):
+        Layout(tp=2).check(odd_vocab)
+    grouped = SimpleNamespace(**{**vars(GPT), "kv_heads": 2})
+    with pytest.raises(LayoutError, match=r"does not divide the key/value heads \(2\)"):
+        Layout(tp=4).check(grouped)
+    with pytest.raises(LayoutError, match=r"splits the sequence \(1020\) 8 ways"):
+        Layout(tp=8, sp=True).check(SimpleNamespace(**{**vars(GPT), "seq_len": 1020, "heads": 16, "hidden": 1024}))
+
+
+@pytest.mark.parametrize("lay", [
+    Layout(pp=2, tp=2, dp=1, sp=True, micro_batch=2, micro_batches=4, recompute="full", schedule="gpipe"),
+    Layout(pp=2, dp=2, zero=1, micro_batches=8, schedule="dualpipev"),
+    Layout(pp=1, dp=1, micro_batches=2, schedule="1f1b"),  # a one-stage pipeline is a pipeline
+    Layout(dp=4, zero=3, schedule="none", offload=True, overlap_comm=True),
+    Layout(tp=2, dp=2, zero=2, recompute="selective", schedule="none"),
+])
+def test_ds_json_round_trips_through_the_layout(lay):
+    ds = lay.ds_config(train={"model": "tiny", "steps": 3}, pipeline={"partition_method": "profiled"}
+                       if lay.pipelined else None, steps_per_print=10**6)
+    again = json.loads(json.dumps(ds))
+    assert Layout.from_ds_config(again, lay.world_size) == lay
+    assert Layout.from_ds_config(again, lay.world_size).ds_config(
+        train={"model": "tiny", "steps": 3}, pipeline={"partition_method": "profiled"} if lay.pipelined else None,
+        steps_per_print=10**6) == ds
+
+
+def test_the_writer_writes_literal_sections():
+    ds = Layout(pp=2, tp=2, dp=2, sp=True, zero=1, micro_batch=2, micro_batches=4, recompute="full").ds_config(
+        train={"model": "tiny"}, pipeline={"partition_method": "parts:0,3,6"})
+    assert ds == {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+        "train": {"model": "tiny", "recompute": "full"},
+        "tensor_parallel": {"size": 2, "sequence_parallel": True},
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6,
+                              "stage3_prefetch_bucket_size": 5e6, "stage3_param_persistence_threshold": 0,
+                              "contiguous_gradients": True, "overlap_comm": False},
+        "pipeline": {"stages": 2, "schedule": "1f1b", "partition_method": "parts:0,3,6"},
+    }
+    with pytest.raises(LayoutError, match="DeepSpeed runs no zb-h1"):
+        Layout(pp=2, schedule="zb-h1").ds_config()
+    with pytest.raises(LayoutError, match="without a pipeline"):
+        Layout(schedule="none").ds_config(pipeline={"stages": 2})
+
+
+def test_reading_a_ds_json_an_interval_means_full_recompute_and_bad_sections_are_named():
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+          "pipeline": {"stages": 4, "activation_checkpoint_interval": 1}}
+    assert Layout.from_ds_config(ds, 8) == Layout(pp=4, dp=2, micro_batches=4, recompute="full")
+    assert Layout.from_ds_config({"zero_optimization": {"stage": 3}}, 4) == Layout(dp=4, zero=3, schedule="none")
+    with pytest.raises(LayoutError, match="world size 6 is not pipeline"):
+        Layout.from_ds_config({"pipeline": {"stages": 4}}, 6)
+    with pytest.raises(LayoutError, match='"tensor_parallel" must be an object'):
+        Layout.from_ds_config({"tensor_parallel": 2}, 2)
+
+
+def test_megatron_arguments():
+    lay = Layout(pp=8, tp=8, dp=16, sp=True, zero=1, micro_batch=1, micro_batches=96, recompute="selective",
+                 schedule="interleaved:3", runtime="megatron")
+    assert lay.megatron_args() == [
+        "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "8", "--micro-batch-size", "1",
+        "--global-batch-size", "1536", "--sequence-parallel", "--num-virtual-stages-per-pipeline-rank", "3",
+        "--recompute-granularity", "selective", "--use-distributed-optimizer"]
+    assert Layout(recompute="full", dp=2, micro_batches=2).megatron_args()[-6:] == [
+        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+
+
+@pytest.mark.parametrize("element_bytes", [4, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("dp", [1, 2, 8])
+def test_the_linear_form_is_the_zero_rule_where_nothing_pads(stage, dp, element_bytes):
+    # dp + 1 tensors of 2 dp elements: no padding (ZeRO-3 pads each tensor to a multiple of dp, ZeRO-1/2
+    # the whole to 2 dp), and a ZeRO-1/2 partition (2 dp + 2 elements) never lies inside one tensor
+    numels = [2 * dp] * (dp + 1)
+    rule = zero_model_states(numels, dp=dp, stage=stage, element_bytes=element_bytes).total_bytes
+    assert rule == state_bytes_per_param(stage, dp, element_bytes) * sum(numels)
+
+
+def test_the_linear_form_by_hand():
+    # bf16 with fp32 masters: 2 + 6 + 12 (ZeRO-0), 2 + 16/dp (1, 2), 20/dp (3)
+    assert [state_bytes_per_param(z, 8, 2) for z in (0, 1, 2, 3)] == [20, 4, 4, 2.5]
+    assert [state_bytes_per_param(z, 2, 4) for z in (0, 1, 3)] == [16, 12, 12]
