@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers  # noqa: E402
 from ds_pipe_ext.costs.hardware import DEVICES  # noqa: E402
-from ds_pipe_ext.costs.iteration import ClusterSpec, Layout, predict_iteration  # noqa: E402
+from ds_pipe_ext.costs.iteration import ClusterSpec, predict_iteration  # noqa: E402
+from ds_pipe_ext.layout import Layout  # noqa: E402
 from ds_pipe_ext.models.config import GPTConfig  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
 
@@ -46,7 +47,7 @@ SOURCES = {
         file="megatron_2021_table1.csv", device="a100-80gb", vocab=51200, seq=2048, dropout=0.1, dtype="fp16",
         cluster=ClusterSpec(8, 300e9, 25e9),
         layout=lambda r: dict(micro_batch=int(r["micro_batch"]), interleave=int(r["interleave_chunks"]),
-                              recompute="full", sp=False, dp_overlap=False, distributed_optimizer=False),
+                              recompute="full", sp=False, overlap_comm=False, zero=0),
         # the paper counts the recomputed forward: F = 96 B s l h^2 (1 + s/6h + V/16lh)
         flops=lambda B, s, L, h, V: 96.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)),
         assumptions=["micro-batch and interleaving from Megatron-LM's sc21/run_table_1.sh (given in the table)",
@@ -58,7 +59,7 @@ SOURCES = {
         file="megatron_core_h100.csv", device="h100-sxm", vocab=131072, seq=4096, dropout=0.0, dtype="bf16",
         cluster=ClusterSpec(8, 450e9, 50e9),
         layout=lambda r: dict(micro_batch=1, interleave=1, recompute="selective", sp=int(r["tp"]) > 1,
-                              dp_overlap=True, distributed_optimizer=True),
+                              overlap_comm=True, zero=1),  # ZeRO-1: Megatron's distributed optimizer
         # model FLOPs without recompute (Megatron-LM's num_floating_point_operations; MFU = this / 989 TFLOP/s)
         flops=lambda B, s, L, h, V: 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)),
         assumptions=["micro-batch 1 (not stated)", "selective recompute, sequence parallelism whenever TP > 1 "
@@ -70,6 +71,14 @@ SOURCES = {
 }
 
 
+def megatron_layout(tp: int, pp: int, dp: int, global_batch: int, *, micro_batch: int, interleave: int,
+                    **rest) -> Layout:
+    """A published row's layout as Megatron-LM ran it (interleave: virtual stages a rank)."""
+    schedule = f"interleaved:{interleave}" if interleave > 1 else None
+    return Layout(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, micro_batches=global_batch // (micro_batch * dp),
+                  schedule=schedule, runtime="megatron", **rest)
+
+
 def load_rows(name: str) -> list[dict]:
     src = SOURCES[name]
     rows = []
@@ -77,8 +86,8 @@ def load_rows(name: str) -> list[dict]:
         for r in csv.DictReader(f):
             cfg = GPTConfig(name=f"{r['params_b']}B", vocab_size=src["vocab"], hidden=int(r["hidden"]),
                             layers=int(r["layers"]), heads=int(r["heads"]), seq_len=src["seq"], dropout=src["dropout"])
-            layout = Layout(tp=int(r["tp"]), pp=int(r["pp"]), dp=int(r["dp"]), global_batch=int(r["global_batch"]),
-                            **src["layout"](r))
+            layout = megatron_layout(int(r["tp"]), int(r["pp"]), int(r["dp"]), int(r["global_batch"]),
+                                     **src["layout"](r))
             flops = src["flops"](layout.global_batch, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size)
             rows.append({"cfg": cfg, "layout": layout, "flops": flops, "published": float(r["tflops_per_gpu"])})
     return rows
@@ -88,7 +97,7 @@ def predict(rows: list[dict], name: str, x: np.ndarray) -> np.ndarray:
     src = SOURCES[name]
     device = replace(DEVICES[src["device"]], **dict(zip(FITTED, map(float, x))))
     return np.array([predict_iteration(r["cfg"], r["layout"], device, src["cluster"], dtype=src["dtype"])
-                     .tflops_per_gpu(r["flops"], r["layout"].gpus) for r in rows])
+                     .tflops_per_gpu(r["flops"], r["layout"].world_size) for r in rows])
 
 
 def fit(rows: list[dict], name: str) -> np.ndarray:
@@ -107,7 +116,7 @@ def calibrate(name: str) -> dict:
     for r, f, held_out in zip(rows, fitted, loo):
         lay = r["layout"]
         table.append({"model": r["cfg"].name, "layout": f"tp{lay.tp} pp{lay.pp} dp{lay.dp} b{lay.micro_batch} "
-                      f"B{lay.global_batch}" + (f" v{lay.interleave}" if lay.interleave > 1 else ""),
+                      f"B{lay.global_batch}" + (f" v{lay.chunks_per_rank}" if lay.chunks_per_rank > 1 else ""),
                       "published": r["published"], "fitted": float(f), "fit_error_pct": 100 * (f / r["published"] - 1),
                       "loo": held_out, "loo_error_pct": 100 * (held_out / r["published"] - 1)})
     return {"name": name, "params": dict(zip(FITTED, map(float, x))), "rows": table,

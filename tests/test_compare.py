@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_pipe_ext.compare.configs import ZERO_SETTINGS, CompareError, comparison_configs, ds_config
+from ds_pipe_ext.compare.configs import CompareError, comparison_configs, ds_config
+from ds_pipe_ext.layout import ZERO_SETTINGS
 from ds_pipe_ext.compare.predict import model_shape
 from ds_pipe_ext.compare.run import Comparison, LaunchResult, search_max_micro_batch
 from ds_pipe_ext.costs.zero import zero_model_states
@@ -23,8 +24,8 @@ def test_configs_share_one_global_batch():
         "pipe-profiled-pp4-dp1-z0", "pipe-uniform-pp4-dp1-z0",
         "pipe-profiled-pp2-dp2-z0", "pipe-uniform-pp2-dp2-z0", "pipe-profiled-pp2-dp2-z1", "pipe-uniform-pp2-dp2-z1",
         "zero1", "zero2", "zero3", "zero3-offload"]
-    assert {c.global_batch for c in configs} == {32}
-    assert [c.grad_accum for c in configs[:2]] == [8, 8] and configs[-2].grad_accum == 2
+    assert {c.layout.global_batch for c in configs} == {32}
+    assert [c.layout.micro_batches for c in configs[:2]] == [8, 8] and configs[-2].layout.micro_batches == 2
     assert [c.name for c in comparison_configs(4, global_batch=32, micro_batch=4, patterns=["pipe-*-z1", "zero3"])] \
         == ["pipe-profiled-pp2-dp2-z1", "pipe-uniform-pp2-dp2-z1", "zero3"]
     with pytest.raises(CompareError, match="multiple of 16"):
@@ -32,9 +33,10 @@ def test_configs_share_one_global_batch():
     with pytest.raises(CompareError, match="match no configuration"):
         comparison_configs(2, global_batch=16, micro_batch=4, patterns=["zero4"])
     ds = ds_config(configs[-2], model="tiny", steps=2, memory_cap_gib=1.0)
-    assert ds["zero_optimization"] == {"stage": 3, **ZERO_SETTINGS} and "pipeline" not in ds
+    assert ds["zero_optimization"] == {"stage": 3, **ZERO_SETTINGS, "overlap_comm": False} and "pipeline" not in ds
     assert ds["train"]["memory_cap_gib"] == 1.0
-    assert ds_config(configs[0], model="tiny", steps=2)["pipeline"] == {"stages": 4, "partition_method": "profiled"}
+    assert ds_config(configs[0], model="tiny", steps=2)["pipeline"] == {"stages": 4, "schedule": "1f1b",
+                                                                         "partition_method": "profiled"}
 
 
 def test_zero_allocation_rules():

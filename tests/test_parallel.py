@@ -3,12 +3,13 @@ import torch
 
 from ds_pipe_ext.models.config import GPTConfig, load_model_config
 from ds_pipe_ext.compat import cpu_shims
-from ds_pipe_ext.parallel.topology import ParallelDims, TopologyError, check_agreement, deepspeed_groups
+from ds_pipe_ext.layout import Layout, LayoutError
+from ds_pipe_ext.parallel.topology import check_agreement, deepspeed_groups
 
 
 @pytest.mark.parametrize("pp, tp, dp", [(1, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2), (4, 2, 1), (3, 2, 2)])
 def test_deepspeed_and_megatron_agree_on_every_group(pp, tp, dp):
-    dims = ParallelDims(pp=pp, tp=tp, dp=dp)
+    dims = Layout(pp=pp, tp=tp, dp=dp)
     check_agreement(dims)
     groups = deepspeed_groups(dims)
     assert sorted(r for g in groups["tp"] for r in g) == list(range(dims.world_size))
@@ -19,12 +20,12 @@ def test_deepspeed_and_megatron_agree_on_every_group(pp, tp, dp):
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: ParallelDims.from_world(6, pp=4, tp=1), "not pipeline"),
-        (lambda: ParallelDims.from_world(4, pp=2, tp=3), "not pipeline"),
-        (lambda: ParallelDims(pp=2, tp=1, sp=True), "sequence parallelism needs tensor parallelism"),
-        (lambda: ParallelDims(pp=0), "positive integers"),
-        (lambda: ParallelDims(tp=3).check_model(load_model_config("tiny")), "does not divide the attention heads"),
-        (lambda: ParallelDims(tp=2, sp=True).check_model(
+        (lambda: Layout.from_world(6, pp=4, tp=1), "not pipeline"),
+        (lambda: Layout.from_world(4, pp=2, tp=3), "not pipeline"),
+        (lambda: Layout(pp=2, tp=1, sp=True), "sequence parallelism needs tensor parallelism"),
+        (lambda: Layout(pp=0), "a positive integer"),
+        (lambda: Layout(tp=3).check(load_model_config("tiny")), "does not divide the attention heads"),
+        (lambda: Layout(tp=2, sp=True).check(
             GPTConfig.from_dict({**load_model_config("tiny").to_dict(), "seq_len": 33}, name="odd")),
          "splits the sequence"),
     ],
@@ -32,7 +33,7 @@ def test_deepspeed_and_megatron_agree_on_every_group(pp, tp, dp):
 def test_bad_topology_is_a_clear_error_before_any_process_group(make, match):
     import torch.distributed as dist
 
-    with pytest.raises(TopologyError, match=match):
+    with pytest.raises(LayoutError, match=match):
         make()
     assert not dist.is_initialized()
 
@@ -70,11 +71,11 @@ def test_cpu_shim_patches_only_megatron_and_only_without_cuda(shims_restored, mo
 
 def test_vocabulary_padding_makes_tp_possible():
     cfg = load_model_config("bench-cpu")
-    with pytest.raises(TopologyError, match="vocab_pad_to = 256"):
-        ParallelDims(tp=2).check_model(cfg)
+    with pytest.raises(LayoutError, match="vocab_pad_to = 256"):
+        Layout(tp=2).check(cfg)
     padded = GPTConfig.from_dict({**cfg.to_dict(), "vocab_pad_to": 128}, name="padded")
     assert padded.padded_vocab == 50304
-    ParallelDims(tp=2).check_model(padded)
+    Layout(tp=2).check(padded)
 
 
 MALLOC_PROBE = """

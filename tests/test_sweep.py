@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_pipe_ext.sweep.run import SweepError, sweep_cells
+from ds_pipe_ext.sweep.run import SweepError, cell_name, sweep_cells
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ def _sweep(*args, out):
 
 def test_cells_and_their_errors():
     cells = sweep_cells([1, 2], [1, 2, 4], [False, True], global_batch=8, num_layers=6)
-    assert len(cells) == 12 and cells[0].name == "pp1-m1-nockpt" and cells[-1].name == "pp2-m4-ckpt"
+    assert len(cells) == 12 and cell_name(cells[0]) == "pp1-m1-nockpt" and cell_name(cells[-1]) == "pp2-m4-ckpt"
     assert {c.micro_batch * c.micro_batches for c in cells} == {8}  # the same samples a step in every cell
     with pytest.raises(SweepError, match="do not divide --global-batch 8"):
         sweep_cells([2], [3], [False], global_batch=8, num_layers=6)

@@ -48,11 +48,12 @@ def _worker(rank, world, sp, init_file, ref_path, out_path, tied=False):
 
     from ds_pipe_ext.models.gpt import loss_fn_for
     from ds_pipe_ext.parallel.tensor_parallel import megatron_layer_impl, shard_like
-    from ds_pipe_ext.parallel.topology import ParallelDims, initialize
+    from ds_pipe_ext.layout import Layout
+    from ds_pipe_ext.parallel.topology import initialize
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    initialize(ParallelDims(pp=1, tp=world, dp=1, sp=sp), world)
+    initialize(Layout(pp=1, tp=world, dp=1, sp=sp), world)
     cfg = tiny(tied)
     impl = megatron_layer_impl(tp=world, sequence_parallel=sp)
     model = SequentialGPT(gpt_layer_specs(cfg, impl), loss_fn=loss_fn_for(impl))

@@ -6,27 +6,16 @@ replicas, ZeRO-1 (DeepSpeed refuses ZeRO-2/3 under a pipeline).  Data parallel: 
 and 3 over the whole world, and ZeRO-3 with its states offloaded to CPU memory (a GPU-only
 row: on a CPU-only machine there is nothing to offload to).
 
-Every ZeRO config states DeepSpeed's memory-relevant settings explicitly (``ZERO_SETTINGS``)
+Every ZeRO config states DeepSpeed's memory-relevant settings explicitly (``layout.ZERO_SETTINGS``)
 so that the analytic side predicts what DeepSpeed really allocates.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 
-# Written into every ZeRO config.  Bucket sizes: DeepSpeed's defaults (5e8 elements) are sized
-# for GPUs; these keep the buffers small next to the model on CPU.  Persistence threshold 0:
-# DeepSpeed's default (1e5 elements) would keep every parameter of a small model whole on every
-# rank under ZeRO-3, which is not ZeRO-3.  overlap_comm off: no second gradient bucket.
-ZERO_SETTINGS = {
-    "reduce_bucket_size": 5e6,
-    "allgather_bucket_size": 5e6,
-    "stage3_prefetch_bucket_size": 5e6,
-    "stage3_param_persistence_threshold": 0,
-    "overlap_comm": False,
-    "contiguous_gradients": True,
-}
+from ..layout import Layout
 
 
 class CompareError(ValueError):
@@ -35,31 +24,25 @@ class CompareError(ValueError):
 
 @dataclass(frozen=True)
 class CompareConfig:
+    """One row of a comparison: a named layout and, for a pipeline, its partition method."""
+
     name: str
-    kind: str  # "pipeline" | "zero"
-    pp: int
-    tp: int
-    dp: int
-    zero: int
-    micro_batch: int
-    grad_accum: int  # micro-batches per step (a pipeline's m)
+    layout: Layout
     method: str | None = None  # the pipeline's partition_method
-    offload: bool = False
 
     @property
-    def world(self) -> int:
-        return self.pp * self.tp * self.dp
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch * self.grad_accum * self.dp
+    def kind(self) -> str:
+        return "pipeline" if self.layout.pipelined else "zero"
 
     def with_micro_batch(self, micro_batch: int) -> "CompareConfig":
         """The same layout and accumulation at another micro-batch (the global batch follows)."""
-        return CompareConfig(**{**asdict(self), "micro_batch": micro_batch})
+        return replace(self, layout=self.layout.replace(micro_batch=micro_batch))
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "global_batch": self.global_batch}
+        lay = self.layout
+        return {"name": self.name, "kind": self.kind, "pp": lay.pp, "tp": lay.tp, "dp": lay.dp, "zero": lay.zero,
+                "micro_batch": lay.micro_batch, "grad_accum": lay.micro_batches, "method": self.method,
+                "offload": lay.offload, "global_batch": lay.global_batch}
 
 
 def _accumulation(global_batch: int, micro_batch: int, dp: int, name: str) -> int:
@@ -86,14 +69,15 @@ def comparison_configs(world: int, *, global_batch: int, micro_batch: int, tp: i
             for method in ("profiled", "uniform"):
                 name = f"pipe-{method}-pp{pp}" + (f"-tp{tp}" if tp > 1 else "") + f"-dp{dp}-z{zero}"
                 m = _accumulation(global_batch, micro_batch, dp, name)
-                out.append(CompareConfig(name, "pipeline", pp, tp, dp, zero, micro_batch, m, method=method))
+                out.append(CompareConfig(name, Layout(pp=pp, tp=tp, dp=dp, zero=zero, micro_batch=micro_batch,
+                                                      micro_batches=m, schedule="1f1b"), method))
     for zero in (1, 2, 3):
         name = f"zero{zero}" + (f"-tp{tp}" if tp > 1 else "")
-        out.append(CompareConfig(name, "zero", 1, tp, rest, zero, micro_batch,
-                                 _accumulation(global_batch, micro_batch, rest, name)))
+        out.append(CompareConfig(name, Layout(tp=tp, dp=rest, zero=zero, micro_batch=micro_batch,
+                                              micro_batches=_accumulation(global_batch, micro_batch, rest, name))))
     name = "zero3-offload" + (f"-tp{tp}" if tp > 1 else "")
-    out.append(CompareConfig(name, "zero", 1, tp, rest, 3, micro_batch,
-                             _accumulation(global_batch, micro_batch, rest, name), offload=True))
+    out.append(CompareConfig(name, Layout(tp=tp, dp=rest, zero=3, micro_batch=micro_batch, offload=True,
+                                          micro_batches=_accumulation(global_batch, micro_batch, rest, name))))
     if patterns:
         unknown = [p for p in patterns if not any(fnmatch.fnmatchcase(c.name, p) for c in out)]
         if unknown:
@@ -105,21 +89,7 @@ def comparison_configs(world: int, *, global_batch: int, micro_batch: int, tp: i
 
 def ds_config(cfg: CompareConfig, *, model: str, steps: int, seed: int = 1234,
               memory_cap_gib: float | None = None) -> dict:
-    """The ds.json that trains ``cfg``."""
-    ds: dict = {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch,
-        "gradient_accumulation_steps": cfg.grad_accum,
-        "steps_per_print": 10**6,
-        "train": {"model": model, "steps": steps, "seed": seed, "log": "json", "memory_cap_gib": memory_cap_gib},
-    }
-    if cfg.tp > 1:
-        ds["tensor_parallel"] = {"size": cfg.tp}
-    if cfg.kind == "pipeline":
-        ds["pipeline"] = {"stages": cfg.pp, "partition_method": cfg.method}
-        if cfg.zero:
-            ds["zero_optimization"] = {"stage": cfg.zero, **ZERO_SETTINGS}
-    else:
-        ds["zero_optimization"] = {"stage": cfg.zero, **ZERO_SETTINGS}
-        if cfg.offload:
-            ds["zero_optimization"].update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
-    return ds
+    """The ds.json that trains ``cfg`` (the layout's own writer, with the run's settings)."""
+    return cfg.layout.ds_config(
+        train={"model": model, "steps": steps, "seed": seed, "log": "json", "memory_cap_gib": memory_cap_gib},
+        pipeline={"partition_method": cfg.method} if cfg.layout.pipelined else None, steps_per_print=10**6)

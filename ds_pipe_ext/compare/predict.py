@@ -17,7 +17,8 @@ from ..costs.estimate import EstimateRequest, analytic_layer_costs
 from ..costs.hardware import get_device
 from ..costs.stage import stage_costs
 from ..costs.zero import zero_model_states
-from .configs import ZERO_SETTINGS, CompareConfig
+from ..layout import ZERO_SETTINGS
+from .configs import CompareConfig
 
 KINDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
 
@@ -52,21 +53,22 @@ def model_shape(model_cfg) -> ModelShape:
 
 def layer_activation_bytes(model_cfg, cfg: CompareConfig, *, dtype: str = "fp32") -> list[float]:
     """Activation bytes each layer holds for one micro-batch (the analytic cost model's)."""
-    req = EstimateRequest(micro_batch=cfg.micro_batch, seq=model_cfg.seq_len, tp=cfg.tp, dtype=dtype,
+    req = EstimateRequest(micro_batch=cfg.layout.micro_batch, seq=model_cfg.seq_len, tp=cfg.layout.tp, dtype=dtype,
                           mask_bytes=4 if dtype == "fp32" else 1)
     return [c.activation_bytes for c in analytic_layer_costs(model_cfg, req, get_device("a100"))]
 
 
 def _states(numels: list[int], cfg: CompareConfig, element_bytes: int, dp_rank: int | None) -> dict[str, int]:
     # a TP rank holds 1/tp of each matrix; exact only at tp 1 (vectors are replicated, not split)
-    shard = [max(1, n // cfg.tp) if cfg.tp > 1 and n > 1 else n for n in numels]
-    return zero_model_states(shard, dp=cfg.dp, stage=cfg.zero, element_bytes=element_bytes, rank=dp_rank,
+    lay = cfg.layout
+    shard = [max(1, n // lay.tp) if lay.tp > 1 and n > 1 else n for n in numels]
+    return zero_model_states(shard, dp=lay.dp, stage=lay.zero, element_bytes=element_bytes, rank=dp_rank,
                              persistence_threshold=int(ZERO_SETTINGS["stage3_param_persistence_threshold"])).to_dict()
 
 
 def data_parallel_rank(cfg: CompareConfig, rank: int) -> int:
     """A global rank's data-parallel index: DeepSpeed's pipe x data (x model) topology, model fastest."""
-    return (rank // cfg.tp) % cfg.dp
+    return (rank // cfg.layout.tp) % cfg.layout.dp
 
 
 def predicted_ranks(cfg: CompareConfig, shape: ModelShape, activations: list[float], *,
@@ -81,7 +83,7 @@ def predicted_ranks(cfg: CompareConfig, shape: ModelShape, activations: list[flo
         fake = [LayerCost(name=str(i), forward_s=0.0, backward_s=0.0, activation_bytes=int(a))
                 for i, a in enumerate(activations)]
         rows = []
-        for st in stage_costs(fake, parts, micro_batches=cfg.grad_accum):
+        for st in stage_costs(fake, parts, micro_batches=cfg.layout.micro_batches, schedule=cfg.layout.schedule):
             numels = [n for layer in shape.layer_numels[st.start:st.stop] for n in layer]
             rows.append({"stage": st.stage, "layers": [st.start, st.stop], "inflight": st.inflight,
                          **_states(numels, cfg, element_bytes, dp_rank),

@@ -62,7 +62,7 @@ class DeepSpeedLauncher:
         config.write_text(json.dumps(ds, indent=1))
         run_dir = work / "run"
         try:
-            proc, _ = launch(cfg.world, config, "--instrument", str(run_dir), out_dir=work, timeout=self.timeout,
+            proc, _ = launch(cfg.layout.world_size, config, "--instrument", str(run_dir), out_dir=work, timeout=self.timeout,
                              env=self.env)
             rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
         except subprocess.TimeoutExpired:
@@ -108,7 +108,7 @@ def build_row(cfg: CompareConfig, result: LaunchResult, shape: ModelShape, model
     except ValueError:
         predicted = []  # a pipeline that stopped before it was partitioned: nothing to predict against
     # ZeRO-1/2 in fp32 can differ between data-parallel ranks (costs.zero): predict each one's own
-    by_rank = {(d, p["stage"]): p for d in range(cfg.dp) if predicted
+    by_rank = {(d, p["stage"]): p for d in range(cfg.layout.dp) if predicted
                for p in predicted_ranks(cfg, shape, acts, parts=row["parts"], dp_rank=d)}
     row["ranks"] = []
     for r in sorted(ranks, key=lambda r: r["rank"]):
@@ -194,7 +194,7 @@ class Comparison:
         path = self.row_path(cfg)
         if path.is_file():
             return json.loads(path.read_text())
-        if cfg.offload and self.cpu_only:
+        if cfg.layout.offload and self.cpu_only:
             row = not_applicable_row(cfg, "offload moves ZeRO-3's states from GPU to CPU memory; on a CPU-only "
                                           "machine they are in CPU memory already")
         else:
@@ -220,8 +220,8 @@ class Comparison:
         return known[micro_batch]
 
     def find_max_micro_batch(self, cfg: CompareConfig, row: dict) -> dict:
-        known = {cfg.micro_batch: row["status"] == "ok"} if row["status"] in ("ok", "oom") else {}
-        fit, fail = search_max_micro_batch(lambda b: self.fits(cfg, b, known), start=cfg.micro_batch)
+        known = {cfg.layout.micro_batch: row["status"] == "ok"} if row["status"] in ("ok", "oom") else {}
+        fit, fail = search_max_micro_batch(lambda b: self.fits(cfg, b, known), start=cfg.layout.micro_batch)
         return {"fits": fit, "fails": fail, "tried": {str(k): v for k, v in sorted(known.items())}}
 
 

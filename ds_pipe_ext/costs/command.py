@@ -116,21 +116,23 @@ def cmd_estimate_compare(args) -> int:
     for c in configs:
         parts = None
         if c.kind == "pipeline":
-            if len(costs) < c.pp:
+            if len(costs) < c.layout.pp:
                 continue  # more stages than layers
             # "profiled" needs the device: the analytic min-max split stands in for it here (a memory
             # table: not the step search, which takes seconds per layout on a 96-block model)
-            parts = (partition_min_max(costs, c.pp, micro_batches=c.grad_accum) if c.method == "profiled"
-                     else decide_offline(c.method, costs, c.pp, micro_batches=c.grad_accum))
+            lay = c.layout
+            parts = (partition_min_max(costs, lay.pp, micro_batches=lay.micro_batches) if c.method == "profiled"
+                     else decide_offline(c.method, costs, lay.pp, micro_batches=lay.micro_batches))
         stages = predicted_ranks(c, shape, acts, parts=parts, element_bytes=DTYPE_BYTES[args.dtype])
-        if c.offload:  # optimizer states and parameter partitions live in CPU memory
+        if c.layout.offload:  # optimizer states and parameter partitions live in CPU memory
             for st in stages:
                 st["total_bytes"] -= st["optimizer_bytes"] + st["param_bytes"]
                 st["optimizer_bytes"] = st["param_bytes"] = 0
         worst = max(stages, key=lambda st: st["total_bytes"])
         # DeepSpeed's own model-state estimate, beside ours (its estimators assume 16-bit, no pipeline)
-        ds_estimate = (deepspeed_estimate_bytes(shape.params, shape.largest_module_params, dp=c.dp, stage=c.zero)
-                       if c.kind != "pipeline" and not c.offload and c.tp == 1 and args.dtype != "fp32" else None)
+        lay = c.layout
+        ds_estimate = (deepspeed_estimate_bytes(shape.params, shape.largest_module_params, dp=lay.dp, stage=lay.zero)
+                       if c.kind != "pipeline" and not lay.offload and lay.tp == 1 and args.dtype != "fp32" else None)
         rows.append({"config": c.name if c.method != "profiled" else c.name.replace("profiled", "analytic"),
                      **c.to_dict(), "parts": parts, "stages": stages, "heaviest_stage": worst["stage"],
                      "predicted_bytes": {k: worst[k] for k in KINDS},

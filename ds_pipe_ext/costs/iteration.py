@@ -16,8 +16,8 @@ al. 2021, Sec. 2.2.2), which the event simulator reproduces for uniform stages
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
+from ..layout import Layout
 from ..simulate.schedule import simulate_1f1b
 from .estimate import EstimateRequest, estimate_layers
 from .hardware import DeviceSpec, ring_time
@@ -30,28 +30,6 @@ class ClusterSpec:
     gpus_per_node: int = 8
     intra_node_bandwidth: float = 300e9  # A100 NVLink 3: 600 GB/s both ways
     inter_node_bandwidth: float = 25e9  # one 200 Gb/s HDR InfiniBand NIC per GPU
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-    micro_batch: int
-    global_batch: int
-    interleave: int = 1  # model chunks per pipeline rank (Megatron's virtual pipeline stages)
-    recompute: Literal["none", "selective", "full"] = "none"
-    sp: bool = False
-    dp_overlap: bool = False  # gradient reduce-scatter under the last backward, parameter all-gather under the first forward
-    distributed_optimizer: bool = False  # optimizer states (and the step) sharded over DP (ZeRO-1)
-
-    @property
-    def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def micro_batches(self) -> int:
-        return self.global_batch // (self.micro_batch * self.dp)
 
 
 @dataclass(frozen=True)
@@ -97,10 +75,12 @@ def _dp_bandwidth(layout: Layout, cluster: ClusterSpec) -> float:
 
 def predict_iteration(cfg, layout: Layout, device: DeviceSpec, cluster: ClusterSpec, *, dtype: str = "bf16",
                       grad_bytes: int = 2) -> IterationTime:
-    """One training iteration of ``cfg`` (a GPTConfig-like shape) under ``layout``."""
-    if cfg.layers % layout.pp or (cfg.layers // layout.pp) % layout.interleave:
-        raise ValueError(f"{cfg.layers} layers do not split into pp {layout.pp} x {layout.interleave} chunks")
-    m, p, v = layout.micro_batches, layout.pp, layout.interleave
+    """One training iteration of ``cfg`` (a GPTConfig-like shape) under ``layout`` as Megatron-LM runs it:
+    ZeRO-1 is its distributed optimizer, ``overlap_comm`` its overlapped gradient reduce-scatter and
+    parameter all-gather, ``interleaved:V`` its virtual pipeline stages."""
+    m, p, v = layout.micro_batches, layout.pp, layout.chunks_per_rank
+    if cfg.layers % p or (cfg.layers // p) % v:
+        raise ValueError(f"{cfg.layers} layers do not split into pp {p} x {v} chunks")
     fwd, bwd, params = _stage_times(cfg, layout, device, dtype)
     # stage boundaries cross nodes once a stage's TP group fills a node; Megatron sends 1/t of the
     # activation over the network and all-gathers it over NVLink (its scatter/gather optimisation)
@@ -119,9 +99,9 @@ def predict_iteration(cfg, layout: Layout, device: DeviceSpec, cluster: ClusterS
     heaviest = max(range(p), key=lambda s: params[s])
     reduce = ring_time(params[heaviest] * grad_bytes, "all-reduce", layout.dp,
                        _dp_bandwidth(layout, cluster) * device.comm_efficiency)
-    if layout.dp_overlap:  # hidden under the last micro-batch's backward and the next step's first forward
+    if layout.overlap_comm:  # hidden under the last micro-batch's backward and the next step's first forward
         reduce = max(0.0, reduce / 2 - bwd[heaviest]) + max(0.0, reduce / 2 - fwd[heaviest])
-    sharded = params[heaviest] / (layout.dp if layout.distributed_optimizer else 1)
+    sharded = params[heaviest] / (layout.dp if layout.zero >= 1 else 1)
     optimizer = adam_step_s(sharded, device)
     return IterationTime(step_s=pipeline + reduce + optimizer, pipeline_s=pipeline, dp_comm_s=reduce,
                          optimizer_s=optimizer, bubble_fraction=bubble)

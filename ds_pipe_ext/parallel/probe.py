@@ -23,11 +23,12 @@ def _worker(rank, world, init_file, cases, out_path):
     from ..models.config import GPTConfig
     from ..models.gpt import gpt_layer_specs, loss_fn_for
     from .tensor_parallel import megatron_layer_impl
-    from .topology import ParallelDims, initialize
+    from ..layout import Layout
+    from .topology import initialize
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    initialize(ParallelDims(tp=world), world)
+    initialize(Layout(tp=world), world)
     rows = []
     for case in cases:
         cfg = GPTConfig.from_dict(case["model"], name=case["model"]["name"])

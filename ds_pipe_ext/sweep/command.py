@@ -25,7 +25,7 @@ def cmd_sweep(args) -> int:
     from ..models.config import load_model_config
     from ..models.gpt import gpt_layer_specs
     from . import render
-    from .run import Sweep, run_sweep, sweep_cells
+    from .run import Sweep, cell_name, run_sweep, sweep_cells
 
     model = launch_model(args)
     model_cfg = load_model_config(model)
@@ -36,11 +36,12 @@ def cmd_sweep(args) -> int:
     check_launch_steps(args)
     stages, ms = _int_list(args.stages, "--stages"), _int_list(args.micro_batches, "--micro-batches")
     global_batch = args.global_batch or max(ms)
-    cells = sweep_cells(stages, ms, ckpt, global_batch=global_batch, num_layers=len(gpt_layer_specs(model_cfg)))
+    cells = sweep_cells(stages, ms, ckpt, global_batch=global_batch, num_layers=len(gpt_layer_specs(model_cfg)),
+                        schedule=args.schedule)
     out = Path(args.out or f"runs/sweep-{model_cfg.name}")
-    sweep = Sweep(out, model=model, steps=args.steps, method=args.method, schedule=args.schedule,
+    sweep = Sweep(out, model=model, steps=args.steps, method=args.method,
                   launcher=DeepSpeedLauncher(timeout=args.timeout), step_model=args.step_model)
-    done = [c.name for c in cells if sweep.cell_path(c).is_file()]
+    done = [cell_name(c) for c in cells if sweep.cell_path(c).is_file()]
     if done:
         print(f"resuming {out}: {len(done)} of {len(cells)} cells already finished ({', '.join(done)})",
               file=sys.stderr)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..config_model import ConfigError
 from ..models.config import GPTConfig, load_model_config
-from ..parallel.topology import ParallelDims, TopologyError
+from ..layout import Layout, LayoutError
 from ..pipe.decide import decide_and_broadcast
 from . import checkpoint
 from .config import RunConfig
@@ -29,12 +29,12 @@ from .data import SyntheticTokens, token_stream
 class Built:
     cfg: RunConfig
     model_cfg: GPTConfig
-    dims: ParallelDims
+    layout: Layout
     rank: int
     dp_rank: int
     model: torch.nn.Module
     engine: object
-    layout: checkpoint.Layout
+    parts: list[int] | None  # the pipeline's boundaries (None without a pipeline)
     start_step: int = 0
     data: object = None
     sink: object = None
@@ -45,17 +45,25 @@ class Built:
     cap_measure: str = ""  # what train.memory_cap_gib is compared with (trainer.rank_peak_bytes)
 
 
-def parallel_dims(cfg: RunConfig, model_cfg: GPTConfig, world: int) -> ParallelDims:
-    """PP x TP x DP from ds.json and the world size, checked against the model before any process group."""
+def run_layout(cfg: RunConfig, model_cfg: GPTConfig, world: int) -> Layout:
+    """The run's layout from ds.json and the world size, checked against the model before any process group."""
     tp, sp = cfg.tensor_parallel.size, cfg.tensor_parallel.sequence_parallel
     stages = cfg.pipeline.stages if cfg.pipelined else 1
     pp = max(world // tp, 1) if stages == "auto" else stages  # "auto": every rank a stage of its TP group
+    recompute = cfg.train.recompute
+    if cfg.pipelined and recompute == "none" and cfg.pipeline.activation_checkpoint_interval:
+        recompute = "full"  # DeepSpeed replays every checkpointed layer's forward
+    zero = cfg.deepspeed.get("zero_optimization", {})
     try:
-        dims = ParallelDims.from_world(world, pp=pp, tp=tp, sp=sp)
-        dims.check_model(model_cfg)
-    except TopologyError as e:
+        layout = Layout.from_world(world, pp=pp, tp=tp, sp=sp, zero=cfg.zero_stage, micro_batch=cfg.micro_batch,
+                                   micro_batches=cfg.grad_accum, recompute=recompute,
+                                   schedule=cfg.pipeline.schedule if cfg.pipelined else "none",
+                                   offload=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
+                                   overlap_comm=bool(zero.get("overlap_comm", False)))
+        layout.check(model_cfg)
+    except LayoutError as e:
         raise ConfigError(str(e)) from None
-    return dims
+    return layout
 
 
 def init_process_group() -> None:
@@ -70,17 +78,17 @@ def init_process_group() -> None:
     deepspeed.init_distributed()
 
 
-def build_layers(cfg: RunConfig, model_cfg: GPTConfig, dims: ParallelDims):
+def build_layers(cfg: RunConfig, model_cfg: GPTConfig, layout: Layout):
     """(layer specs, loss, layer implementation, DeepSpeed topology or None)."""
     from ..models.gpt import LOCAL, gpt_layer_specs, loss_fn_for
 
     impl, topology = LOCAL, None
-    if dims.tp > 1:
+    if layout.tp > 1:
         from ..parallel import topology as topo
         from ..parallel.tensor_parallel import megatron_layer_impl
 
-        topology = topo.initialize(dims, dist.get_world_size())  # megatron's groups, laid out as DeepSpeed's
-        impl = megatron_layer_impl(tp=dims.tp, sequence_parallel=dims.sp)
+        topology = topo.initialize(layout, dist.get_world_size())  # megatron's groups, laid out as DeepSpeed's
+        impl = megatron_layer_impl(tp=layout.tp, sequence_parallel=layout.sp)
     specs = gpt_layer_specs(model_cfg, impl, selective_recompute=cfg.train.recompute == "selective")
     if cfg.train.frozen_layers:
         from ..pipe.freeze import freeze_layers, parse_layer_set
@@ -92,7 +100,7 @@ def build_layers(cfg: RunConfig, model_cfg: GPTConfig, dims: ParallelDims):
     return specs, loss_fn_for(impl), impl, topology
 
 
-def build_pipeline(cfg: RunConfig, model_cfg: GPTConfig, dims: ParallelDims, specs, loss_fn, impl, topology):
+def build_pipeline(cfg: RunConfig, model_cfg: GPTConfig, layout: Layout, specs, loss_fn, impl, topology):
     from ..models.gpt_costs import gpt_cost_model
     from ..pipe.module import DualPipeVPipelineModule, PipelineModule
 
@@ -100,7 +108,7 @@ def build_pipeline(cfg: RunConfig, model_cfg: GPTConfig, dims: ParallelDims, spe
     # DeepSpeed runs a DualPipeVModule with its DualPipeVEngine
     module_cls = DualPipeVPipelineModule if cfg.pipeline.schedule == "dualpipev" else PipelineModule
     return module_cls(
-        specs, num_stages=None if topology is not None else dims.pp, topology=topology, loss_fn=loss_fn,
+        specs, num_stages=None if topology is not None else layout.pp, topology=topology, loss_fn=loss_fn,
         settings=cfg.pipeline, profile_batch=profile_batch, micro_batches=cfg.grad_accum,
         cost_key={"model": model_cfg.to_dict()}, cost_model=gpt_cost_model(model_cfg, impl),
         seed_layers=True,  # layer i starts from seed + i: the same weights under any partition
@@ -141,7 +149,7 @@ def make_adamw(params, *, lr: float):
     return torch.optim.AdamW(params, lr=lr, foreach=False)
 
 
-def build_engine(cfg: RunConfig, model: torch.nn.Module, dims: ParallelDims):
+def build_engine(cfg: RunConfig, model: torch.nn.Module, layout: Layout):
     import deepspeed
 
     ds = cfg.deepspeed_config()
@@ -149,7 +157,7 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, dims: ParallelDims):
     if "optimizer" not in ds:
         optimizer = make_adamw([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr)
     mpu = None
-    if dims.tp > 1 and not cfg.pipelined:  # data-parallel engine: reduce over the DP group only
+    if layout.tp > 1 and not cfg.pipelined:  # data-parallel engine: reduce over the DP group only
         from ..compat.mpu import MegatronMPU
 
         mpu = MegatronMPU()
@@ -183,10 +191,10 @@ def squared_l2(t: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     return rows.pow(2).sum() + tail.pow(2)
 
 
-def global_grad_norm(model, dims: ParallelDims) -> float:
+def global_grad_norm(model, layout: Layout) -> float:
     """L2 norm of the whole model's gradient: TP shards summed, TP-replicated and DP-replicated copies once."""
     tp_rank = 0
-    if dims.tp > 1:
+    if layout.tp > 1:
         from megatron.core import parallel_state
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -195,7 +203,7 @@ def global_grad_norm(model, dims: ParallelDims) -> float:
         if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
             total += squared_l2(p.grad)
     dist.all_reduce(total)
-    return float((total / dims.dp).sqrt())
+    return float((total / layout.dp).sqrt())
 
 
 def prediction_costs(built: Built) -> list:
@@ -249,24 +257,24 @@ def refine_overheads(cfg: RunConfig) -> dict | None:
                                 what=f"pipeline.refine_from = {cfg.pipeline.refine_from!r}")
 
 
-def build_model(cfg: RunConfig, model_cfg: GPTConfig, dims: ParallelDims) -> torch.nn.Module:
+def build_model(cfg: RunConfig, model_cfg: GPTConfig, layout: Layout) -> torch.nn.Module:
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
-    specs, loss_fn, impl, topology = build_layers(cfg, model_cfg, dims)
+    specs, loss_fn, impl, topology = build_layers(cfg, model_cfg, layout)
     if cfg.pipelined:
-        model = build_pipeline(cfg, model_cfg, dims, specs, loss_fn, impl, topology)
+        model = build_pipeline(cfg, model_cfg, layout, specs, loss_fn, impl, topology)
     else:
         model = build_data_parallel(cfg, specs, loss_fn)
     if cfg.options.init_from:
-        load_full_state(model, cfg.options.init_from, tp=dims.tp, pipelined=cfg.pipelined)
+        load_full_state(model, cfg.options.init_from, tp=layout.tp, pipelined=cfg.pipelined)
     return model
 
 
-def data_parallel_rank(model, dims: ParallelDims, rank: int, *, pipelined: bool) -> int:
+def data_parallel_rank(model, layout: Layout, rank: int, *, pipelined: bool) -> int:
     from ..compat.engine import data_parallel_rank as pipeline_dp_rank
 
     if pipelined:
         return pipeline_dp_rank(model)
-    if dims.tp > 1:
+    if layout.tp > 1:
         from megatron.core import parallel_state
 
         return parallel_state.get_data_parallel_rank()
@@ -275,32 +283,31 @@ def data_parallel_rank(model, dims: ParallelDims, rank: int, *, pipelined: bool)
 
 def build(cfg: RunConfig) -> Built:
     model_cfg = load_model_config(cfg.train.model)
-    dims = parallel_dims(cfg, model_cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group
+    layout = run_layout(cfg, model_cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group
     init_process_group()
     rank = dist.get_rank()
     if rank == 0:
-        print(f"ds_pipe_ext: process group up, {dims.world_size} ranks = pp {dims.pp} x tp {dims.tp} x dp {dims.dp}"
-              + (" (sequence parallel)" if dims.sp else ""), flush=True)
+        print(f"ds_pipe_ext: process group up, {layout.world_size} ranks = pp {layout.pp} x tp {layout.tp} x dp {layout.dp}"
+              + (" (sequence parallel)" if layout.sp else ""), flush=True)
     overheads = refine_overheads(cfg)
-    model = build_model(cfg, model_cfg, dims)
-    engine = build_engine(cfg, model, dims)
+    model = build_model(cfg, model_cfg, layout)
+    engine = build_engine(cfg, model, layout)
     if cfg.pipelined:
         configure_pipeline_engine(engine, cfg.pipeline)
-    layout = checkpoint.Layout(pipelined=cfg.pipelined, zero_stage=cfg.zero_stage, world_size=dims.world_size,
-                               parts=list(model.parts) if cfg.pipelined else None)
-    built = Built(cfg, model_cfg, dims, rank, data_parallel_rank(model, dims, rank, pipelined=cfg.pipelined), model,
-                  engine, layout)
+    parts = [int(b) for b in model.parts] if cfg.pipelined else None
+    built = Built(cfg, model_cfg, layout, rank, data_parallel_rank(model, layout, rank, pipelined=cfg.pipelined),
+                  model, engine, parts)
     if cfg.pipelined and cfg.pipeline.instrument.enabled:
         built.sink = start_instrumentation(built, overheads)
     elif not cfg.pipelined and cfg.instrument.enabled:
         built.sink, built.recorder = start_data_parallel_instrumentation(built)
     if cfg.options.load:
-        built.start_step = int(checkpoint.load(engine, cfg.options.load, layout=layout)["step"])
+        built.start_step = int(checkpoint.load(engine, cfg.options.load, layout=layout, parts=parts)["step"])
     if cfg.zero_stage == 0:  # under ZeRO the gradients are partitioned (and freed) before the inner step
         from ..compat.optimizer import unwrap_optimizer
 
         unwrap_optimizer(engine.optimizer).register_step_pre_hook(
-            lambda *_: built.grad_norms.append(global_grad_norm(model, dims)))
+            lambda *_: built.grad_norms.append(global_grad_norm(model, layout)))
     from ..instrument.memory import reset_process_peak
 
     first = next(iter(model.parameters()), None)
@@ -311,6 +318,6 @@ def build(cfg: RunConfig) -> Built:
         built.cap_measure = ("allocator peak" if built.device.type == "cuda" else
                              "tensors held: model states at the optimizer step + saved-activation peak")
     built.data = token_stream(cfg.train.data, vocab=model_cfg.vocab_size, micro_batch=cfg.micro_batch,
-                              seq=model_cfg.seq_len, seed=cfg.train.seed, dp_rank=built.dp_rank, dp=dims.dp,
+                              seq=model_cfg.seq_len, seed=cfg.train.seed, dp_rank=built.dp_rank, dp=layout.dp,
                               position=built.start_step * cfg.grad_accum)
     return built

@@ -26,13 +26,13 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..layout import Layout
 from ..pipe.checkpoint import load_layer_optimizer_states, save_layer_optimizer_states
 from ..pipe.decide import decide_and_broadcast
 
@@ -44,19 +44,22 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message names the file."""
 
 
-@dataclass(frozen=True)
-class Layout:
+def repartitionable(layout: Layout) -> bool:
+    """Per-layer files (a pipeline without ZeRO): weights and optimizer state load under any partition."""
+    return layout.pipelined and layout.zero == 0
+
+
+def _depends_on(layout: Layout, parts: list[int] | None) -> dict:
     """What a checkpoint's files depend on; a resume under another layout is refused where it matters."""
+    return {"pipelined": layout.pipelined, "zero": layout.zero, "world_size": layout.world_size, "parts": parts}
 
-    pipelined: bool
-    zero_stage: int
-    world_size: int
-    parts: list[int] | None  # pipeline boundaries (None without a pipeline)
 
-    @property
-    def repartitionable(self) -> bool:
-        """Per-layer files: weights and optimizer state load under any partition."""
-        return self.pipelined and self.zero_stage == 0
+def _saved_depends_on(manifest: dict) -> dict:
+    saved = manifest["layout"]
+    if "zero_stage" in saved:  # a manifest written before the layout record: its four fields
+        return {"pipelined": saved["pipelined"], "zero": saved["zero_stage"], "world_size": saved["world_size"],
+                "parts": saved["parts"]}
+    return _depends_on(Layout.from_dict(saved), manifest.get("parts"))
 
 
 def tag_for(step: int) -> str:
@@ -97,14 +100,15 @@ def _restore_rng(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def save(engine, save_dir: str | Path, *, step: int, layout: Layout, keep_last: int, client_state: dict) -> Path:
+def save(engine, save_dir: str | Path, *, step: int, layout: Layout, parts: list[int] | None, keep_last: int,
+         client_state: dict) -> Path:
     rank = dist.get_rank()
     tag, root = tag_for(step), Path(save_dir)
     ckpt = root / tag
     engine.save_checkpoint(str(root), tag=tag, client_state={**client_state, "step": step}, save_latest=False)
     fault = _FaultInjector(rank, step)
     fault.check()
-    if layout.repartitionable:
+    if repartitionable(layout):
         save_layer_optimizer_states(engine, ckpt, after_each=fault.wrote)
     torch.save(_rng_state(), ckpt / f"rng_rank{rank:03d}.pt")
     fault.wrote()
@@ -112,7 +116,7 @@ def save(engine, save_dir: str | Path, *, step: int, layout: Layout, keep_last: 
     if rank == 0:
         files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()
                  and p.name != MANIFEST}
-        manifest = {"step": step, "tag": tag, "layout": layout.__dict__, "files": files}
+        manifest = {"step": step, "tag": tag, "layout": layout.to_dict(), "parts": parts, "files": files}
         _atomic_write(ckpt / MANIFEST, json.dumps(manifest, indent=1))
         _atomic_write(root / LATEST, tag)
         _prune(root, keep_last=keep_last, newest=step)
@@ -151,24 +155,24 @@ def verify(load_dir: str | Path) -> dict:
     return manifest
 
 
-def _check_layout(saved: dict, layout: Layout, ckpt: Path) -> None:
-    if layout.repartitionable and saved["pipelined"] and saved["zero_stage"] == 0:
+def _check_layout(manifest: dict, layout: Layout, parts: list[int] | None, ckpt: Path) -> None:
+    saved, ours = _saved_depends_on(manifest), _depends_on(layout, parts)
+    if repartitionable(layout) and saved["pipelined"] and saved["zero"] == 0:
         return  # per-layer files: any partition, any data-parallel degree
-    for key in ("pipelined", "zero_stage", "world_size", "parts"):
-        if saved[key] != getattr(layout, key):
-            raise CheckpointError(f"{ckpt} was written with {key} = {saved[key]}, this run has "
-                                  f"{getattr(layout, key)}: its optimizer state only fits the layout that wrote it; "
-                                  f"resume with the same {key}")
+    for key in ("pipelined", "zero", "world_size", "parts"):
+        if saved[key] != ours[key]:
+            raise CheckpointError(f"{ckpt} was written with {key} = {saved[key]}, this run has {ours[key]}: its "
+                                  f"optimizer state only fits the layout that wrote it; resume with the same {key}")
 
 
-def load(engine, load_dir: str | Path, *, layout: Layout) -> dict:
+def load(engine, load_dir: str | Path, *, layout: Layout, parts: list[int] | None) -> dict:
     """Resume from ``latest``: weights, optimizer state, this rank's RNG; returns the client state (``step``)."""
     manifest = decide_and_broadcast(lambda: verify(load_dir), what=f"--load {load_dir}")
     ckpt = Path(load_dir) / manifest["tag"]
-    decide_and_broadcast(lambda: _check_layout(manifest["layout"], layout, ckpt), what=f"--load {load_dir}")
+    decide_and_broadcast(lambda: _check_layout(manifest, layout, parts, ckpt), what=f"--load {load_dir}")
     _, client_state = engine.load_checkpoint(str(load_dir), tag=manifest["tag"],
-                                             load_module_only=layout.repartitionable)
-    if layout.repartitionable:
+                                             load_module_only=repartitionable(layout))
+    if repartitionable(layout):
         load_layer_optimizer_states(engine, ckpt)
     rng = ckpt / f"rng_rank{dist.get_rank():03d}.pt"
     if rng.is_file():  # absent when resuming on more ranks than wrote the checkpoint

@@ -98,7 +98,7 @@ class Trainer:
 
     def _save(self, step: int) -> None:
         cfg = self.built.cfg
-        checkpoint.save(self.built.engine, cfg.options.save, step=step, layout=self.built.layout,
+        checkpoint.save(self.built.engine, cfg.options.save, step=step, layout=self.built.layout, parts=self.built.parts,
                         keep_last=cfg.train.keep_last, client_state={"data_position": step * cfg.grad_accum})
 
     def run(self) -> dict:
@@ -137,15 +137,15 @@ def summarize(built: Built, losses: list[float], step_times: list[float]) -> dic
     """What the run measured (a pure function of the build and the loop's figures)."""
     from ..compat.engine import coordinates, local_layer_range
 
-    cfg, dims = built.cfg, built.dims
+    cfg, layout = built.cfg, built.layout
     timed = (step_times[1:] if len(step_times) > 1 else step_times) or [float("nan")]  # step 1 pays for warm-up
-    global_batch = cfg.micro_batch * cfg.grad_accum * dims.dp
+    global_batch = cfg.micro_batch * cfg.grad_accum * layout.dp
     pipelined = cfg.pipelined
     return {
         "mode": "pipeline" if pipelined else f"data-parallel zero={cfg.zero_stage}", "zero_stage": cfg.zero_stage,
-        "micro_batch": cfg.micro_batch, "grad_accum": cfg.grad_accum, "pp": dims.pp, "tp": dims.tp, "dp": dims.dp,
-        "model": built.model_cfg.name, "world_size": dims.world_size,
-        "stages": dims.pp, "partition_method": cfg.pipeline.partition_method if pipelined else None,
+        "micro_batch": cfg.micro_batch, "grad_accum": cfg.grad_accum, "pp": layout.pp, "tp": layout.tp, "dp": layout.dp,
+        "model": built.model_cfg.name, "world_size": layout.world_size,
+        "stages": layout.pp, "partition_method": cfg.pipeline.partition_method if pipelined else None,
         "parts": list(built.model.parts) if pipelined else None,
         "schedule": cfg.pipeline.schedule if pipelined else None,
         "link_emulation": (cfg.pipeline.link_emulation.model_dump() if pipelined and cfg.pipeline.link_emulation
@@ -156,7 +156,7 @@ def summarize(built: Built, losses: list[float], step_times: list[float]) -> dic
         "step_s_median": statistics.median(timed), "step_s_each": list(step_times),
         "samples_per_s": global_batch / statistics.median(timed),
         "global_batch": global_batch, "grad_norms": built.grad_norms,
-        "tensor_parallel": dims.tp, "sequence_parallel": dims.sp, "recompute": cfg.train.recompute,
+        "tensor_parallel": layout.tp, "sequence_parallel": layout.sp, "recompute": cfg.train.recompute,
         "data": cfg.train.data or "synthetic",
     }
 
