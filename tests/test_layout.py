@@ -165,3 +165,25 @@ def test_the_linear_form_by_hand():
     # bf16 with fp32 masters: 2 + 6 + 12 (ZeRO-0), 2 + 16/dp (1, 2), 20/dp (3)
     assert [state_bytes_per_param(z, 8, 2) for z in (0, 1, 2, 3)] == [20, 4, 4, 2.5]
     assert [state_bytes_per_param(z, 2, 4) for z in (0, 1, 3)] == [16, 12, 12]
+
+
+def test_layer_states_follow_the_rule_and_the_cap_counts_them():
+    from ds_pipe_ext.costs.types import LayerCost
+    from ds_pipe_ext.costs.zero import layer_states_by_rule
+    from ds_pipe_ext.partition import InfeasibleMemoryCap, partition_min_max
+
+    # four fp32 layers of 1,000 parameters as the profiler counts them (weights, gradient, Adam's m and v)
+    costs = [LayerCost(f"l{i}", 1.0, 2.0, param_bytes=4000, grad_bytes=4000, optimizer_bytes=8000,
+                       activation_bytes=100, output_bytes=10) for i in range(4)]
+    assert layer_states_by_rule(costs, stage=0, dp=4) == costs  # ZeRO-0 in fp32: 4 + 4 + 8 bytes a parameter
+    z1 = layer_states_by_rule(costs, stage=1, dp=4)
+    assert [(c.param_bytes, c.grad_bytes, c.optimizer_bytes) for c in z1] == [(4000, 1000, 3000)] * 4
+    frozen = layer_states_by_rule([costs[0].__class__(**{**costs[0].__dict__, "grad_bytes": 0,
+                                                          "optimizer_bytes": 0})], stage=1, dp=4)
+    assert (frozen[0].param_bytes, frozen[0].grad_bytes, frozen[0].optimizer_bytes) == (4000, 0, 0)
+    # 2 stages, 1F1B, 2 micro-batches: stage 0 holds 2 x 2 x 100 activation bytes beside its states.
+    # ZeRO-0: 2 x 16,000 + 400 = 32,400 a stage; ZeRO-1 over 4 ranks: 2 x 8,000 + 400 = 16,400
+    cap = 20_000
+    with pytest.raises(InfeasibleMemoryCap):
+        partition_min_max(costs, 2, memory_cap_bytes=cap, micro_batches=2)
+    assert partition_min_max(z1, 2, memory_cap_bytes=cap, micro_batches=2) == [0, 2, 4]

@@ -37,6 +37,10 @@ def tensor_parallel_degree(module) -> int:
     return topo.get_dim("model") if _has_model_axis(topo) else 1
 
 
+def data_parallel_degree(module) -> int:
+    return module._topo.get_dim("data")
+
+
 def data_parallel_rank(module) -> int:
     return module._grid.get_data_parallel_id()
 

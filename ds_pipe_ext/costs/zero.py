@@ -97,12 +97,12 @@ def zero_model_states(param_numels: list[int], *, dp: int, stage: int, element_b
     return ModelStates(param_bytes=e * (part + persistent), grad_bytes=e * part + 4 * part, optimizer_bytes=12 * part)
 
 
-def state_bytes_per_param(stage: int, dp: int, element_bytes: int = 4) -> float:
-    """``zero_model_states`` of the heaviest rank as bytes per parameter: the additive form the
-    partitioner's per-layer memory cap needs (a stage's bytes are the sum of its layers').  Equal to
-    the rule wherever its two non-linear terms vanish: a parameter count with no padding (a multiple
-    of 2 dp, or of dp per tensor under ZeRO-3) and, in fp32 under ZeRO-1/2, no rank's partition
-    lying inside one tensor (tests/test_zero.py checks the equality on such counts)."""
+def state_bytes_by_kind(stage: int, dp: int, element_bytes: int = 4) -> tuple[float, float, float]:
+    """``zero_model_states`` of the heaviest rank as (parameter, gradient, optimizer) bytes per parameter:
+    the additive form per-layer sums need (a stage's bytes are the sum of its layers').  Equal to the
+    rule wherever its two non-linear terms vanish: a parameter count with no padding (a multiple of
+    2 dp, or of dp per tensor under ZeRO-3) and, in fp32 under ZeRO-1/2, no rank's partition lying
+    inside one tensor (tests/test_layout.py checks the equality on such counts)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage {stage!r}: use 0, 1, 2 or 3")
     if dp < 1:
@@ -110,10 +110,32 @@ def state_bytes_per_param(stage: int, dp: int, element_bytes: int = 4) -> float:
     e = element_bytes
     master = 0 if e == 4 else 4
     if stage == 0:
-        return e + (e + master) + (8 + master)
+        return float(e), float(e + master), float(8 + master)
     if stage in (1, 2):
-        return e + (4 + 12) / dp
-    return (e + e + 4 + 12) / dp
+        return float(e), 4 / dp, 12 / dp
+    return e / dp, (e + 4) / dp, 12 / dp
+
+
+def state_bytes_per_param(stage: int, dp: int, element_bytes: int = 4) -> float:
+    """All of ``state_bytes_by_kind``: model-state bytes per parameter on the heaviest rank."""
+    return sum(state_bytes_by_kind(stage, dp, element_bytes))
+
+
+def layer_states_by_rule(costs: list, *, stage: int, dp: int, element_bytes: int = 4) -> list:
+    """``LayerCost`` records whose parameter, gradient and optimizer bytes follow this rule for ZeRO
+    ``stage`` over ``dp`` ranks (``state_bytes_by_kind``), from their parameters (``param_bytes`` in
+    ``element_bytes`` each).  A frozen layer (no gradient bytes) keeps only its weights, partitioned
+    under ZeRO-3.  The states are Adam's, whatever the profile's ``optimizer_bytes_per_param`` said."""
+    from dataclasses import replace
+
+    p, g, o = state_bytes_by_kind(stage, dp, element_bytes)
+    out = []
+    for c in costs:
+        n = c.param_bytes / element_bytes
+        trainable = c.grad_bytes > 0
+        out.append(replace(c, param_bytes=round(n * p), grad_bytes=round(n * g) if trainable else 0,
+                           optimizer_bytes=round(n * o) if trainable else 0))
+    return out
 
 
 def stage_model_states(layer_params: list[int], *, dp: int, stage: int, element_bytes: int = 4) -> ModelStates:

@@ -23,6 +23,8 @@ from ..compat import engine as ds_engine
 from ..costs.frozen import freeze_costs
 from ..costs.model import CostModel
 from ..costs.profiler import profile_layers
+from ..costs.estimate import DTYPE_BYTES
+from ..costs.zero import layer_states_by_rule
 from ..partition import PartitionError
 from ..partition.methods import PartitionRequest, lookup
 from ..partition.report import PartitionPlan, build_plan
@@ -50,6 +52,9 @@ class PipelineModule(_DeepSpeedPipelineModule):
         micro_batches: micro-batches per step (gradient accumulation steps), for the
             1F1B in-flight memory model; default: the number of stages.
         cost_key: extra fields for the profile cache key (e.g. the model config).
+        zero_stage: DeepSpeed's ZeRO stage (0 or 1 under a pipeline; ``zero_optimization.stage``):
+            each layer's model-state bytes follow DeepSpeed's allocation rule for it over this
+            topology's data-parallel ranks (``costs.zero``), which the memory cap then counts.
         cost_model: a ``costs.model.CostModel`` describing the layers analytically;
             required by "analytic".  It is the one hook for parallel degrees: the TP
             degree comes from the topology and is passed to it; sequence parallelism
@@ -70,6 +75,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         micro_batches: int | None = None,
         cost_key: dict | None = None,
         cost_model: CostModel | None = None,
+        zero_stage: int = 0,
         **deepspeed_kwargs,
     ):
         settings = settings or PipelineSettings(stages=num_stages or 1)
@@ -98,6 +104,9 @@ class PipelineModule(_DeepSpeedPipelineModule):
         self._ext_micro_batches = micro_batches or stages or 1
         self._ext_cost_key = cost_key or {}
         self._ext_cost_model = cost_model
+        if zero_stage not in (0, 1):
+            raise PartitionError(f"zero_stage={zero_stage!r}: DeepSpeed runs ZeRO-0 or 1 under a pipeline")
+        self._ext_zero_stage = zero_stage
         self._ext_recompute = interval > 0
         if interval > 0 and settings.use_reentrant is not True and "activation_checkpoint_func" not in deepspeed_kwargs:
             # DeepSpeed's default (reentrant) checkpoint drops the gradient of a first layer whose input
@@ -153,25 +162,32 @@ class PipelineModule(_DeepSpeedPipelineModule):
 
         Under TP, "profiled" must run on all of ``compat.engine.profiling_peers`` at once.
         """
-        inputs, labels = self._ext_profile_batch
         specs = ds_engine.layer_specs(self)
         frozen = frozen_flags(specs)
+        costs = self._source_costs(source, specs)
+        if len(costs) != len(specs):
+            raise PartitionError(
+                f"the cost model describes {len(costs)} layers but the pipeline has {len(specs)}: "
+                f"its layer_costs must return one LayerCost per layer (or use partition_method 'profiled')"
+            )
+        costs = freeze_costs(costs, frozen, measured=source == "profiled") if any(frozen) else costs
+        # model states as DeepSpeed allocates them for this run's ZeRO stage and data-parallel degree;
+        # the profile runs fp32, the analytic source its own dtype (16 bits: with fp32 masters)
+        element = DTYPE_BYTES[self._ext_settings.analytic.dtype] if source == "analytic" else 4
+        return layer_states_by_rule(costs, stage=self._ext_zero_stage, dp=ds_engine.data_parallel_degree(self),
+                                    element_bytes=element)
+
+    def _source_costs(self, source: str, specs: list) -> list:
+        inputs, labels = self._ext_profile_batch
         if source == "analytic":
-            costs = self._analytic_costs(inputs)
-            if len(costs) != len(specs):
-                raise PartitionError(
-                    f"the cost model describes {len(costs)} layers but the pipeline has {len(specs)}: "
-                    f"its layer_costs must return one LayerCost per layer (or use partition_method 'profiled')"
-                )
-            return freeze_costs(costs, frozen, measured=False) if any(frozen) else costs
+            return self._analytic_costs(inputs)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         settings = self._ext_settings.profile
         if len(ds_engine.profiling_peers(self)) > 1:
             # a cache hit on one TP rank but not another would leave the other waiting in a collective
             settings = settings.model_copy(update={"cache_dir": None})
-        costs = profile_layers(specs, inputs, labels=labels, loss_fn=self.loss_fn, settings=settings, device=device,
-                               key_fields=self._ext_cost_key)
-        return freeze_costs(costs, frozen, measured=True) if any(frozen) else costs
+        return profile_layers(specs, inputs, labels=labels, loss_fn=self.loss_fn, settings=settings, device=device,
+                              key_fields=self._ext_cost_key)
 
     def _analytic_costs(self, inputs) -> list:
         from ..costs.hardware import get_device

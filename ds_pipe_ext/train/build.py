@@ -110,7 +110,7 @@ def build_pipeline(cfg: RunConfig, model_cfg: GPTConfig, layout: Layout, specs, 
     return module_cls(
         specs, num_stages=None if topology is not None else layout.pp, topology=topology, loss_fn=loss_fn,
         settings=cfg.pipeline, profile_batch=profile_batch, micro_batches=cfg.grad_accum,
-        cost_key={"model": model_cfg.to_dict()}, cost_model=gpt_cost_model(model_cfg, impl),
+        cost_key={"model": model_cfg.to_dict()}, cost_model=gpt_cost_model(model_cfg, impl), zero_stage=layout.zero,
         seed_layers=True,  # layer i starts from seed + i: the same weights under any partition
         base_seed=cfg.train.seed,
     )
