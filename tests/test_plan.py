@@ -339,3 +339,21 @@ def test_emitted_ds_config_trains_with_train_py_on_2_ranks(tmp_path, capfd):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(ranks) == [0, 1] and all(r["parts"] == parts for r in ranks.values())
     assert (ranks[0]["micro_batch"], ranks[0]["grad_accum"], ranks[0]["recompute"]) == (2, 4, "full")
+
+
+def test_only_evaluates_a_layout_over_the_cap_and_marks_it(capfd):
+    """The layout the user names is evaluated, not refused: its step and peak are printed with the mark."""
+    import re
+
+    assert main(["plan", "--model", "gpt3-175b", "--gpus", "8", "--global-batch", "8", "--only", "pp=8"]) == 0
+    out = capfd.readouterr().out
+    row = next(line for line in out.splitlines() if "pp8-tp1-dp1-z0-mb1-none-1f1b" in line and "(over)" in line)
+    peak, step = re.search(r"([\d.]+) \(over\)\s+([\d.]+)", row).groups()
+    over = float(re.search(r"over the cap by ([\d.]+) GiB", out).group(1))
+    assert float(step) > 0 and float(peak) - over == pytest.approx(0.9 * 80, abs=0.06)  # A100-80GB at 0.9
+    # --memory-fraction sets the cap: at 1.0 the same peak is 8 GiB less over it
+    assert main(["plan", "--model", "gpt3-175b", "--gpus", "8", "--global-batch", "8", "--only", "pp=8",
+                 "--memory-fraction", "1.0"]) == 0
+    over_all = float(re.search(r"over the cap by ([\d.]+) GiB", capfd.readouterr().out).group(1))
+    assert over - over_all == pytest.approx(8.0, abs=0.02)
+    assert main(["plan", "--model", "tiny", "--gpus", "2", "--memory-fraction", "1.5"]) == 2

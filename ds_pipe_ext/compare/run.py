@@ -62,8 +62,8 @@ class DeepSpeedLauncher:
         config.write_text(json.dumps(ds, indent=1))
         run_dir = work / "run"
         try:
-            proc, _ = launch(cfg.layout.world_size, config, "--instrument", str(run_dir), out_dir=work, timeout=self.timeout,
-                             env=self.env)
+            proc, _ = launch(cfg.layout.world_size, config, "--instrument", str(run_dir), out_dir=work,
+                             timeout=self.timeout, env=self.env)
             rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
         except subprocess.TimeoutExpired:
             rc, tail = 124, f"timed out after {self.timeout} s"

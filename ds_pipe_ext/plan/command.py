@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from ..layout import LayoutError
 from .space import PlanError, enumerate_layouts, parse_only
 
 
@@ -50,7 +51,7 @@ def profiled_cpu(cfg, device, seq: int):
 
 def build_model(args):
     from ..models.config import load_model_config
-    from .model import Cluster, PlanModel, plan_device
+    from .model import USABLE_MEMORY, Cluster, PlanModel, plan_device
 
     cfg = load_model_config(args.model)
     device = plan_device(args.device)
@@ -70,7 +71,11 @@ def build_model(args):
         raise PlanError(f"--seq {seq} exceeds {cfg.name}'s seq_len {cfg.seq_len}")
     dtype = args.dtype or ("fp32" if device.name == "cpu" else "bf16")
     global_batch = args.gpus if args.global_batch is None else args.global_batch
-    return cfg, PlanModel(cfg, device, cluster, seq=seq, global_batch=global_batch, dtype=dtype)
+    fraction = getattr(args, "memory_fraction", USABLE_MEMORY)
+    if not 0 < fraction <= 1:
+        raise PlanError(f"--memory-fraction {fraction}: the share of the device's memory a rank may use, in (0, 1]")
+    return cfg, PlanModel(cfg, device, cluster, seq=seq, global_batch=global_batch, dtype=dtype,
+                          memory_fraction=fraction)
 
 
 def cmd_plan(args) -> int:
@@ -84,24 +89,11 @@ def cmd_plan(args) -> int:
             checker.close()
 
 
-def _plan(args, checker) -> int:
-    from .render import ds_config, megatron_layout, render_table, rows_json
+def _search(args, cfg, model):
     from .search import search
 
-    t0 = time.perf_counter()
-    cfg, model = build_model(args)
-    if args.only:
-        layouts = [parse_only(args.only, gpus=args.gpus, global_batch=model.global_batch)]
-        tp = layouts[0].tp
-        if cfg.heads % tp:
-            raise PlanError(f"--only: tp={tp} does not divide {cfg.name}'s {cfg.heads} heads")
-        if cfg.padded_vocab % tp:
-            raise PlanError(f"--only: tp={tp} does not divide {cfg.name}'s vocabulary ({cfg.padded_vocab}); pad it as "
-                            f"Megatron does: vocab_pad_to = {128 * tp} in the model config")
-        dropped = {}
-    else:
-        layouts, dropped = enumerate_layouts(cfg, args.gpus, gpus_per_node=model.cluster.gpus_per_node,
-                                             global_batch=model.global_batch)
+    layouts, dropped = enumerate_layouts(cfg, args.gpus, gpus_per_node=model.cluster.gpus_per_node,
+                                         global_batch=model.global_batch)
     bar = None
     if not args.json and len(layouts) > 500:
         from tqdm import tqdm
@@ -121,6 +113,24 @@ def _plan(args, checker) -> int:
             bar.close()
     for reason, n in dropped.items():
         res.dropped[reason] += n
+    return res
+
+
+def _plan(args, checker) -> int:
+    from .render import ds_config, megatron_layout, render_table, rows_json
+    from .search import PlanResult
+
+    t0 = time.perf_counter()
+    cfg, model = build_model(args)
+    if args.only:  # the layout the user named is evaluated whatever its memory, and marked if over the cap
+        lay = parse_only(args.only, gpus=args.gpus, global_batch=model.global_batch)
+        try:
+            lay.check(cfg)
+        except LayoutError as e:
+            raise PlanError(f"--only: {e}") from None
+        res = PlanResult(top=[model.evaluate_named(lay)], candidates=1, simulated=1, partitioned=1)
+    else:
+        res = _search(args, cfg, model)
     seconds = time.perf_counter() - t0
     best = res.best_runnable()
     if args.emit_ds_config:
@@ -175,6 +185,9 @@ def add_parser(sub) -> None:
     p.add_argument("--top", type=int, default=10, help="layouts to show")
     p.add_argument("--only", default=None, help='evaluate one layout: "pp=8,tp=8,dp=16,mb=1,recompute=full,sp=on,'
                                                  'zero=1,schedule=1f1b" (interleaved:3, zb-h1: simulated only)')
+    p.add_argument("--memory-fraction", type=float, default=0.9,
+                   help="the share of a device's memory a rank may use (the rest: CUDA context, NCCL buffers, "
+                        "fragmentation); the search prunes by it, --only marks a peak above it")
     p.add_argument("--json", action="store_true", help="print the layouts as JSON")
     p.add_argument("--emit-ds-config", default=None, metavar="FILE",
                    help="write the best layout DeepSpeed runs as a ds.json for train.py")

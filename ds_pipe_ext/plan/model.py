@@ -112,7 +112,7 @@ class LayoutCost:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {**self.layout.to_dict(), "parts": self.parts, "step_s": self.step_s,
+        return {**self.layout.to_dict(), "parts": self.parts, "step_s": self.step_s, "notes": self.notes,
                 "samples_per_s": self.samples_per_s, "mfu": self.mfu, "peak_memory_bytes": self.peak_memory_bytes,
                 "memory": self.memory, "bubble_fraction": self.bubble_fraction, "pipeline_s": self.pipeline_s}
 
@@ -126,19 +126,21 @@ class PlanModel:
     """Costs of layouts of one model on one device and cluster, with per-layer costs cached."""
 
     def __init__(self, cfg, device: DeviceSpec, cluster: Cluster, *, seq: int, global_batch: int,
-                 dtype: str = "bf16"):
+                 dtype: str = "bf16", memory_fraction: float = USABLE_MEMORY):
         self.cfg, self.device, self.cluster = cfg, device, cluster
         self.seq, self.global_batch, self.dtype = seq, global_batch, dtype
+        self.memory_fraction = memory_fraction
         self.e = DTYPE_BYTES[dtype]
         per_node = cluster.gpus_per_node if device.name == "cpu" else 1  # a CPU's ranks share its memory
-        self.memory_cap = device.memory_bytes * USABLE_MEMORY / per_node
+        self.memory_cap = device.memory_bytes * memory_fraction / per_node
         self.flops_per_step = global_batch * self._model_flops_per_sample()
         # Megatron's GPUs run a fused Adam (one pass); train.py on CPU runs torch's single-tensor AdamW
         self.adam_bytes_per_param = UNFUSED_ADAM_BYTES if device.name == "cpu" else FUSED_ADAM_BYTES
 
     def on_device(self, device: DeviceSpec) -> "PlanModel":
         """The same plan on another device (a fresh model: layer costs are cached per model)."""
-        return PlanModel(self.cfg, device, self.cluster, seq=self.seq, global_batch=self.global_batch, dtype=self.dtype)
+        return PlanModel(self.cfg, device, self.cluster, seq=self.seq, global_batch=self.global_batch, dtype=self.dtype,
+                         memory_fraction=self.memory_fraction)
 
     def _model_flops_per_sample(self) -> float:
         """Matrix and attention FLOPs of forward + backward of one sample (no recompute): MFU's numerator."""
@@ -250,7 +252,8 @@ class PlanModel:
         return tuple(4.0 * p for p in layer_params if 4.0 * p > self.device.fresh_alloc_min_bytes)
 
     # -- one layout ----------------------------------------------------------------------------
-    def partition(self, lay: Layout) -> list[int]:
+    def partition(self, lay: Layout, *, capped: bool = True) -> list[int]:
+        """The exact min-max split under the memory cap (``capped=False``: with none)."""
         costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
         full = lay.recompute == "full"
         chunks = lay.num_chunks
@@ -263,7 +266,7 @@ class PlanModel:
                 [c.time_s(recompute=full) for c in costs], chunks,
                 static_bytes=[c.param_bytes / self.e * per_param for c in costs],
                 activation_bytes=held_activation_bytes(costs, recompute=full),
-                micro_batches=lay.micro_batches, memory_cap=self.memory_cap / lay.chunks_per_rank,
+                micro_batches=lay.micro_batches, memory_cap=self.memory_cap / lay.chunks_per_rank if capped else None,
                 boundary_time=[link.latency_s + c.output_bytes / link.bandwidth for c in costs], schedule=lay.schedule_spec.name,
                 explain_infeasible=False)
         except InfeasibleMemoryCap:
@@ -284,6 +287,19 @@ class PlanModel:
             static_bytes=[c.param_bytes / self.e * per_param for c in costs],
             activation_bytes=held_activation_bytes(costs, recompute=full),
             micro_batches=lay.micro_batches, schedule=lay.schedule_spec.name)
+
+    def evaluate_named(self, lay: Layout) -> LayoutCost:
+        """A layout the user named, evaluated whatever its memory: split under the cap where a split fits,
+        else without it; a peak over the cap is noted ("over the cap by X GiB"), not refused."""
+        try:
+            parts = self.partition(lay)
+        except OutOfMemory:
+            parts = self.partition(lay, capped=False)
+        cost = self.evaluate(lay, parts, check_memory=False)
+        over = cost.peak_memory_bytes - self.memory_cap
+        if over > 0:
+            cost.notes.append(f"over the cap by {over / 2**30:.2f} GiB")
+        return cost
 
     def evaluate(self, lay: Layout, parts: list[int] | None = None, *, check_memory: bool = True) -> LayoutCost:
         """The layout's partition (the exact memory-capped min-max one unless given), memory and step."""

@@ -27,7 +27,8 @@ def render_table(res: PlanResult, *, memory_cap: float) -> str:
         lay = c.layout
         rows.append([str(i), lay.name + ("" if lay.runnable else " (sim)"), str(lay.pp), str(lay.tp), str(lay.dp),
                      str(lay.zero), str(lay.micro_batch), str(lay.micro_batches), lay.recompute,
-                     "on" if lay.sp else "off", lay.schedule, _parts(c.parts), f"{c.peak_memory_bytes / GIB:.1f}",
+                     "on" if lay.sp else "off", lay.schedule, _parts(c.parts),
+                     f"{c.peak_memory_bytes / GIB:.1f}" + (" (over)" if c.peak_memory_bytes > memory_cap else ""),
                      f"{c.step_s:.3f}", f"{c.samples_per_s:.2f}", f"{100 * c.mfu:.1f}%"])
     widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
     numeric = {0, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15}
@@ -37,6 +38,8 @@ def render_table(res: PlanResult, *, memory_cap: float) -> str:
     lines.append(f"{res.candidates} layouts: {res.partitioned} partitioned, {res.simulated} simulated; "
                  f"memory cap {memory_cap / GIB:.1f} GiB per rank; (sim): a schedule DeepSpeed does not run, "
                  f"simulated only")
+    for c in res.top:
+        lines += [f"  {c.layout.name}: {note}" for note in c.notes]
     for reason, n in sorted(res.dropped.items(), key=lambda kv: -kv[1]):
         lines.append(f"  dropped {n:6d}: {reason}")
     return "\n".join(lines)
