@@ -42,7 +42,8 @@ def build_report(run_dir: str | Path) -> dict:
     p = len(parts) - 1
     if len(stages) != p:
         raise ValueError(f"{run_dir}: summary has {len(stages)} stages, the partition has {p}")
-    predicted = stage_costs(costs, parts, micro_batches=m, recompute=recompute)
+    schedule = pred.schedule  # its order and in-flight counts
+    predicted = stage_costs(costs, parts, micro_batches=m, recompute=recompute, schedule=schedule)
     rows = []
     for st, pc in zip(stages, predicted):
         layer = costs[pc.start:pc.stop]
@@ -86,11 +87,11 @@ def build_report(run_dir: str | Path) -> dict:
     fwd_s = [f / 1e3 + a + b for f, a, b in zip(pf, over.get("send_forward_s", zero), over.get("load_s", zero))]
     bwd_s = [x / 1e3 + a for x, a in zip(pb, over.get("send_backward_s", zero))]
     p2p = [0.0] * (p - 1) if over else [r["pred_transfer_ms"] / 1e3 for r in rows[:-1]]
-    sim = simulate_1f1b(fwd_s, bwd_s, m, p2p_s=p2p, optimizer_s=over.get("optimizer_s"))
+    sim = simulate_1f1b(fwd_s, bwd_s, m, p2p_s=p2p, optimizer_s=over.get("optimizer_s"), schedule=schedule)
     measured_step = max(st["step_ms_median"] for st in stages)
     predicted_step = 1e3 * (sim.step_s + over.get("tail_s", 0.0))
     summary = {
-        "run_dir": str(run_dir), "method": pred.method, "parts": parts, "micro_batches": m,
+        "run_dir": str(run_dir), "method": pred.method, "parts": parts, "micro_batches": m, "schedule": schedule,
         "recompute": recompute, "refined_from": pred.refined_from,
         "imbalance_predicted": dict(zip(("forward", "backward"), zip(_imbalance(pf), _imbalance(pb)))),
         "imbalance_measured": dict(zip(("forward", "backward"), zip(_imbalance(mf), _imbalance(mb)))),

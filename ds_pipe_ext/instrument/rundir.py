@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..costs.types import LayerCost
+from ..layout import Layout
 
 
 class RunDirError(ValueError):
@@ -31,6 +32,13 @@ class Predicted:
     link_bandwidth: float | None = None  # bytes/s
     refined_from: str | None = None
     overheads: dict | None = None  # measured per-stage extras (instrument.refine.measured_overheads)
+    layout: dict | None = None  # the ``layout.Layout`` the run ran (its to_dict); None in older run directories
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule the run ran: its order and in-flight counts (1F1B where the run
+        directory predates the layout record: DeepSpeed's own schedule)."""
+        return Layout.from_dict(self.layout).schedule_spec.name if self.layout else "1f1b"
 
     def to_dict(self) -> dict:
         return {**asdict(self), "layer_costs": [c.to_dict() for c in self.layer_costs]}

@@ -52,6 +52,7 @@ class RunStages:
     tail_s: float
     step_s: float
     ranks: int
+    schedule: str = "1f1b"  # the schedule the run ran (its order, its in-flight counts)
 
 
 def run_stages(run: Run, name: str = "") -> RunStages:
@@ -61,7 +62,8 @@ def run_stages(run: Run, name: str = "") -> RunStages:
         raise StepModelError(f"run {name}: its summary.json has no per-rank records; train with instrumentation on")
     p = len(pred.parts) - 1
     m = pred.micro_batches
-    stages = stage_costs(pred.layer_costs, pred.parts, micro_batches=m, recompute=pred.recompute)
+    stages = stage_costs(pred.layer_costs, pred.parts, micro_batches=m, recompute=pred.recompute,
+                         schedule=pred.schedule)
     by_stage: list[list[dict]] = [[] for _ in range(p)]
     for r in ranks:
         by_stage[r["stage"]].append(r)
@@ -77,7 +79,7 @@ def run_stages(run: Run, name: str = "") -> RunStages:
         send_s=[mean(rs, "send_activation_ms_mean") / 1e3 / m for rs in by_stage],
         tail_s=min(r.get("aggregate_loss_ms_mean", 0.0) for r in ranks) / 1e3,
         step_s=max(r["step_ms_median"] for r in ranks) / 1e3,
-        ranks=len(ranks),
+        ranks=len(ranks), schedule=pred.schedule,
     )
 
 
@@ -176,7 +178,7 @@ def _optimizer_stretch(model: StepModel, run: RunStages, rank: int) -> float:
     alone = model.optimizer_s(run.stages[rank].param_bytes)
     if not model.shared_memory or alone <= 0:
         return 1.0
-    pred = model.predict(run.stages, run.micro_batches)
+    pred = model.predict(run.stages, run.micro_batches, schedule=run.schedule)
     starts = pred.simulation.stage_finish_s
     ends = model.optimizer_finish_s(starts, [model.optimizer_s(st.param_bytes) for st in run.stages])
     return (ends[rank] - starts[rank]) / alone
@@ -186,7 +188,7 @@ def _stage_slowdown(model: StepModel, run: RunStages) -> list[float]:
     """Mean shared-core stretch of each stage's compute in ``run``, as ``model`` predicts it."""
     if not model.cores or len(run.stages) <= model.cores:
         return [1.0] * len(run.stages)
-    pred = model.predict(run.stages, run.micro_batches)
+    pred = model.predict(run.stages, run.micro_batches, schedule=run.schedule)
     out = []
     for s in range(len(run.stages)):
         ks = [k for (r, w), k in pred.slowdown.items() if r == s]
@@ -194,6 +196,6 @@ def _stage_slowdown(model: StepModel, run: RunStages) -> list[float]:
     return out
 
 
-def predict_run(model: StepModel, run: RunStages, *, schedule: str = "1f1b") -> float:
-    """The step ``model`` predicts for ``run``'s split, layer costs and micro-batches (seconds)."""
-    return model.predict(run.stages, run.micro_batches, schedule=schedule).step_s
+def predict_run(model: StepModel, run: RunStages) -> float:
+    """The step ``model`` predicts for ``run``'s split, layer costs, micro-batches and schedule (seconds)."""
+    return model.predict(run.stages, run.micro_batches, schedule=run.schedule).step_s

@@ -77,8 +77,7 @@ def cell_row(cell: Layout, result: LaunchResult, run_dir: Path, step_model) -> d
         from ..instrument.rundir import RunDir
         from ..instrument.step_fit import predict_run, run_stages
 
-        row["predicted_step_ms"] = 1e3 * predict_run(step_model, run_stages(RunDir(run_dir).read(), cell_name(cell)),
-                                                       schedule=cell.schedule)
+        row["predicted_step_ms"] = 1e3 * predict_run(step_model, run_stages(RunDir(run_dir).read(), cell_name(cell)))
     row["predicted_samples_per_s"] = cell.global_batch / (row["predicted_step_ms"] / 1e3)
     keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes", "memory_bytes", "forward_ms",
             "backward_ms")

@@ -229,7 +229,8 @@ def start_instrumentation(built: Built, overheads: dict | None):
         RunDir(settings.instrument.run_dir).write_predicted(Predicted(
             method=settings.partition_method, parts=list(model.parts), micro_batches=built.cfg.grad_accum,
             layer_costs=costs, recompute=settings.activation_checkpoint_interval > 0,
-            link_bandwidth=settings.link_bandwidth, refined_from=settings.refine_from, overheads=overheads))
+            link_bandwidth=settings.link_bandwidth, refined_from=settings.refine_from, overheads=overheads,
+            layout=built.layout.to_dict()))
     sink = RunSink(settings.instrument.run_dir, built.rank, every=settings.instrument.every,
                    monitor=getattr(built.engine, "monitor", None))
     instrument_engine(built.engine, sink.emit)
