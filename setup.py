@@ -17,6 +17,7 @@ setup(
         # these are the ranges it was tested on (compat.DEEPSPEED_TESTED, compat.MEGATRON_CORE_TESTED)
         "deepspeed>=0.19.0,<0.20",
         "megatron-core>=0.16.0,<=0.16.1",  # 0.16.1 is the last release for Python 3.11
+        "packaging>=23",  # compat/ checks the installed DeepSpeed and megatron-core against the tested ranges
         "numpy>=1.26,<3",
         "scipy>=1.11,<2",  # least squares for fitting device specs (bench/calibrate_at_scale.py)
         "pydantic>=2.5,<3",  # config sections, validated as DeepSpeed validates its own

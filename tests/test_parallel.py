@@ -116,3 +116,19 @@ def test_the_malloc_shim_serves_large_blocks_from_the_heap_and_can_be_declined()
     assert probe("glibc") == ["mmapped", "1"]
     assert probe("fixed") == ["fixed", "True", "mmapped", "0"]
     assert probe("fixed", DS_PIPE_EXT_GLIBC_MALLOC="default") == ["fixed", "False", "mmapped", "1"]
+
+
+def test_an_untested_deepspeed_warns_once_naming_it(monkeypatch):
+    import importlib.metadata
+    import warnings
+
+    from ds_pipe_ext import compat
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.18.2" if name == "deepspeed" else real(name))
+    with pytest.warns(UserWarning, match=r"tested with deepspeed >=0.19.0,<0.20, this is deepspeed 0.18.2"):
+        compat._warn_untested_versions()
+    monkeypatch.setattr(importlib.metadata, "version", real)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compat._warn_untested_versions()  # the installed versions are the tested ones: silent

@@ -55,3 +55,25 @@ megatron-core, in ``compat.cpu_shims`` (CPU only):
 
 DEEPSPEED_TESTED = ">=0.19.0,<0.20"
 MEGATRON_CORE_TESTED = ">=0.16.0,<=0.16.1"
+
+
+def _warn_untested_versions() -> None:
+    """Warn once, at import, for an installed DeepSpeed or megatron-core outside the tested range:
+    the private names above may have moved."""
+    import warnings
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.specifiers import SpecifierSet
+
+    for package, tested in (("deepspeed", DEEPSPEED_TESTED), ("megatron-core", MEGATRON_CORE_TESTED)):
+        try:
+            installed = version(package)
+        except PackageNotFoundError:
+            continue  # its absence is reported where it is first needed
+        if installed not in SpecifierSet(tested):
+            warnings.warn(f"ds_pipe_ext was tested with {package} {tested}, this is {package} {installed}: its "
+                          f"private names that ds_pipe_ext/compat relies on may have changed", stacklevel=2)
+
+
+_warn_untested_versions()
+

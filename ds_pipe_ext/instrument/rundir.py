@@ -82,9 +82,6 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         return open(self.rank_path(rank), "w")
 
-    def read_rank_records(self, rank: int) -> list[dict]:
-        return [json.loads(line) for line in self.rank_path(rank).read_text().splitlines()]
-
     def _read_json(self, path: Path) -> dict:
         if not path.is_file():
             raise RunDirError(f"{path} is missing: run train.py with instrumentation on "

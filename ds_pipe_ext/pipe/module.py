@@ -30,13 +30,11 @@ from ..partition.methods import PartitionRequest, lookup
 from ..partition.report import PartitionPlan, build_plan
 from ..simulate.step_model import StepModel
 from .config import PipelineSettings
-from .decide import DecisionError, decide_and_broadcast
+from .decide import decide_and_broadcast
 from .freeze import frozen_flags
 
 log = logging.getLogger(__name__)
 
-
-PartitionDecisionError = DecisionError  # the name earlier releases raised
 
 class PipelineModule(_DeepSpeedPipelineModule):
     """``deepspeed.pipe.PipelineModule`` that also accepts ``partition_method="profiled"``.
