@@ -51,7 +51,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds_pipe_ext.plan.command import build_model  # noqa: E402
+from ds_pipe_ext.cli.plan import build_model  # noqa: E402
 from ds_pipe_ext.plan.model import PlanModel  # noqa: E402
 from ds_pipe_ext.plan.render import ds_config  # noqa: E402
 from ds_pipe_ext.plan.search import search  # noqa: E402

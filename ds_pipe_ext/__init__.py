@@ -4,8 +4,7 @@ Importing the package is cheap: ``PipelineModule`` and ``DualPipeVPipelineModule
 DeepSpeed) load on first use.
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .costs.types import LayerCost
 from .partition import InfeasibleMemoryCap, PartitionError, partition_min_max
 

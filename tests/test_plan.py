@@ -13,7 +13,7 @@ import pytest
 from ds_pipe_ext.cli import main
 from ds_pipe_ext.models.config import load_model_config
 from ds_pipe_ext.plan.bounds import step_lower_bound, step_lower_bound_after_partition
-from ds_pipe_ext.plan.command import build_model
+from ds_pipe_ext.cli.plan import build_model
 from ds_pipe_ext.costs.cpu_comm import fit
 from ds_pipe_ext.costs.iteration import adam_step_s
 from ds_pipe_ext.plan.model import OutOfMemory
@@ -128,7 +128,7 @@ def test_cpu_ranks_get_gloo_links_and_a_share_of_the_cores(monkeypatch):
     here: the real measurement spawns ranks) replace the memory copy as link and scale the peaks."""
     import ds_pipe_ext.costs.cpu_comm as cpu_comm
     from ds_pipe_ext.costs.hardware import get_device
-    from ds_pipe_ext.plan.command import as_cpu_ranks
+    from ds_pipe_ext.cli.plan import as_cpu_ranks
 
     asked = []
     monkeypatch.setattr(cpu_comm, "measure_cpu_ranks", lambda ranks: asked.append(ranks) or

@@ -26,7 +26,7 @@ def library_versions() -> dict[str, str]:
         versions["deepspeed"] = deepspeed.__version__
     except ImportError:  # pragma: no cover - deepspeed is a hard dependency in practice
         pass
-    from .. import __version__
+    from .._version import __version__
 
     versions["ds_pipe_ext"] = __version__
     return versions

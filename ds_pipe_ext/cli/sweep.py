@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from ..cli import check_launch_steps, emit, launch_model
+from .common import check_launch_steps, emit, launch_model
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -24,8 +24,8 @@ def cmd_sweep(args) -> int:
     from ..compare.run import DeepSpeedLauncher
     from ..models.config import load_model_config
     from ..models.gpt import gpt_layer_specs
-    from . import render
-    from .run import Sweep, cell_name, run_sweep, sweep_cells
+    from ..sweep import render
+    from ..sweep.run import Sweep, cell_name, run_sweep, sweep_cells
 
     model = launch_model(args)
     model_cfg = load_model_config(model)

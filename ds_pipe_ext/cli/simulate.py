@@ -18,9 +18,9 @@ import json
 import sys
 from dataclasses import dataclass
 
-from .events import ChunkCosts, Link, Network, StepSimulation, simulate
-from .render import text_timeline, write_gantt
-from .schedules import SCHEDULES, SIMULATED_ONLY, parse_schedule
+from ..simulate.events import ChunkCosts, Link, Network, StepSimulation, simulate
+from ..simulate.render import text_timeline, write_gantt
+from ..simulate.schedules import SCHEDULES, SIMULATED_ONLY, parse_schedule
 
 # seed 004's four settings (delay, Gb/s) in GB/s: default ~0.1 ms / 10 Gb/s, 1 ms / 5, 5 ms / 2, 10 ms / 1
 SEED_NETWORKS = ((0.1, 1.25), (1.0, 0.625), (5.0, 0.25), (10.0, 0.125))
@@ -157,7 +157,7 @@ def parse_networks(text: str | None) -> list[tuple[float, float]]:
 
 
 def cmd_simulate(args) -> int:
-    from ..cli import emit
+    from .common import emit
     from ..partition.report import render_table
 
     if args.schedule not in SCHEDULES:
@@ -195,7 +195,7 @@ def cmd_simulate(args) -> int:
 
 def _grid(args, model: StepModel) -> int:
     """Seed 004's table: schedules x micro-batch sizes x network settings, at one global batch."""
-    from ..cli import emit
+    from .common import emit
     from ..partition.report import render_table
 
     sizes = [int(x) for x in args.micro_batch_sizes.split(",")]

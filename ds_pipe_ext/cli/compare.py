@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import sys
 
-from ..cli import check_launch_steps, check_shape, emit, launch_model
+from .common import check_launch_steps, check_shape, emit, launch_model
 
 
 def comparison_configs_for(args, micro_batch: int):
     """The layouts `compare` launches (and `estimate --compare` costs) for these arguments."""
-    from .configs import comparison_configs
+    from ..compare.configs import comparison_configs
 
     global_batch = args.global_batch or 2 * args.world // args.tp * micro_batch
     return comparison_configs(args.world, global_batch=global_batch, micro_batch=micro_batch, tp=args.tp,
@@ -25,9 +25,9 @@ def cmd_compare(args) -> int:
 
     import torch
 
-    from . import render
-    from .run import Comparison, DeepSpeedLauncher, run_comparison
-    from .predict import model_shape
+    from ..compare import render
+    from ..compare.run import Comparison, DeepSpeedLauncher, run_comparison
+    from ..compare.predict import model_shape
     from ..models.config import load_model_config
 
     check_shape(args)

@@ -7,12 +7,12 @@
 
 from __future__ import annotations
 
-from ..cli import emit
+from .common import emit
 
 
 def cmd_report(args) -> int:
-    from .refine import RunDirError
-    from .report import build_report, render_report_table, report_json
+    from ..instrument.refine import RunDirError
+    from ..instrument.report import build_report, render_report_table, report_json
 
     try:
         rep = build_report(args.run_dir)
@@ -20,7 +20,7 @@ def cmd_report(args) -> int:
         raise ValueError(str(e)) from None
     emit(report_json(rep) if args.json else render_report_table(rep))
     if args.png:
-        from .plot import write_png
+        from ..instrument.plot import write_png
 
         out = write_png(rep, args.png)
         if not args.json:
@@ -30,8 +30,8 @@ def cmd_report(args) -> int:
 
 def cmd_step_model(args) -> int:
     """fit: a step model from instrumented runs; predict: each run's step with a fitted model."""
-    from .refine import RunDirError, load_run
-    from .step_fit import fit_step_model, predict_run, run_stages
+    from ..instrument.refine import RunDirError, load_run
+    from ..instrument.step_fit import fit_step_model, predict_run, run_stages
     from ..partition.report import render_table
     from ..simulate.step_model import StepModel
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from ..cli import check_shape, emit
+from .common import check_shape, emit
 
 
 def cmd_estimate(args) -> int:
@@ -18,9 +18,9 @@ def cmd_estimate(args) -> int:
     if args.compare:
         return cmd_estimate_compare(args)
 
-    from .analytic import AnalyticError
-    from .estimate import EstimateRequest, estimate_layers, layer_ops, op_rows, shape_for
-    from .hardware import get_device
+    from ..costs.analytic import AnalyticError
+    from ..costs.estimate import EstimateRequest, estimate_layers, layer_ops, op_rows, shape_for
+    from ..costs.hardware import get_device
     from ..models.config import load_model_config
     from ..partition.report import render_table
 
@@ -44,7 +44,7 @@ def cmd_estimate(args) -> int:
         raise ValueError(str(e)) from None
     stages = None
     if args.stages:
-        from .estimate import DTYPE_BYTES, analytic_layer_costs, stage_memory
+        from ..costs.estimate import DTYPE_BYTES, analytic_layer_costs, stage_memory
         from ..partition import partition_min_max
 
         costs = analytic_layer_costs(cfg, req, device)
@@ -92,10 +92,10 @@ def cmd_estimate_compare(args) -> int:
     """The memory side of ``compare`` from the analytic model alone: no launch, any model and cluster."""
     import json
 
-    from ..compare.command import comparison_configs_for
+    from .compare import comparison_configs_for
     from ..compare.predict import KINDS, model_shape, predicted_ranks
-    from .estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs
-    from .hardware import get_device
+    from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs
+    from ..costs.hardware import get_device
     from ..models.config import load_model_config
     from ..compat.zero import deepspeed_estimate_bytes
     from ..partition import partition_min_max

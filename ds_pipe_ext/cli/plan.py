@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..layout import LayoutError
-from .space import PlanError, enumerate_layouts, parse_only
+from ..plan.space import PlanError, enumerate_layouts, parse_only
 
 
 def _emit(text: str) -> None:
@@ -51,7 +51,7 @@ def profiled_cpu(cfg, device, seq: int):
 
 def build_model(args):
     from ..models.config import load_model_config
-    from .model import USABLE_MEMORY, Cluster, PlanModel, plan_device
+    from ..plan.model import USABLE_MEMORY, Cluster, PlanModel, plan_device
 
     cfg = load_model_config(args.model)
     device = plan_device(args.device)
@@ -79,7 +79,7 @@ def build_model(args):
 
 
 def cmd_plan(args) -> int:
-    from .render import MegatronLayoutChecker
+    from ..plan.render import MegatronLayoutChecker
 
     checker = None if args.json else MegatronLayoutChecker()  # its import overlaps the search
     try:
@@ -90,7 +90,7 @@ def cmd_plan(args) -> int:
 
 
 def _search(args, cfg, model):
-    from .search import search
+    from ..plan.search import search
 
     layouts, dropped = enumerate_layouts(cfg, args.gpus, gpus_per_node=model.cluster.gpus_per_node,
                                          global_batch=model.global_batch)
@@ -117,8 +117,8 @@ def _search(args, cfg, model):
 
 
 def _plan(args, checker) -> int:
-    from .render import ds_config, megatron_layout, render_table, rows_json
-    from .search import PlanResult
+    from ..plan.render import ds_config, megatron_layout, render_table, rows_json
+    from ..plan.search import PlanResult
 
     t0 = time.perf_counter()
     cfg, model = build_model(args)

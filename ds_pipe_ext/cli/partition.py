@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from ..cli import ShapeArgs, check_shape, emit
+from .common import ShapeArgs, check_shape, emit
 from ..config_model import parse_section
 from ..pipe.config import PipelineSettings
 
@@ -28,8 +28,8 @@ def _profiled_costs(args, shape: ShapeArgs, settings: PipelineSettings):
 
 
 def cmd_partition(args) -> int:
-    from .methods import decide_offline
-    from .report import build_plan
+    from ..partition.methods import decide_offline
+    from ..partition.report import build_plan
 
     shape, settings = check_shape(args), pipeline_settings(args)  # before any profiling
     costs = _profiled_costs(args, shape, settings)

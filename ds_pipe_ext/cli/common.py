@@ -1,0 +1,50 @@
+"""What the commands share: the result stream and the argument checks that mirror ds.json's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from pydantic import Field
+
+from ..config_model import ConfigModel, parse_section
+
+
+class ShapeArgs(ConfigModel):
+    """The shape arguments of ``partition`` and ``estimate``, checked like ds.json's keys."""
+
+    micro_batch: int = Field(1, ge=1)
+    micro_batches: int | None = Field(None, ge=1)
+    seq: int | None = Field(None, ge=1)
+    tp: int = Field(1, ge=1)
+    dp: int = Field(1, ge=1)
+
+
+_stdout = sys.stdout
+
+
+def set_result_stream(stream) -> None:
+    """Where ``emit`` writes: ``main`` sends everything else a command prints to standard error."""
+    global _stdout
+    _stdout = stream
+
+
+def emit(*args, **kwargs) -> None:
+    """The command's result, on standard output; everything else a command prints (DeepSpeed's
+    start-up warnings, progress) goes to standard error, so ``--json`` output stays parseable."""
+    print(*args, file=_stdout, **kwargs)
+
+
+def check_shape(args) -> ShapeArgs:
+    return parse_section(ShapeArgs, {k: getattr(args, k) for k in ShapeArgs.model_fields if hasattr(args, k)}, "")
+
+
+def launch_model(args) -> str:
+    """``--model`` of a command that launches train.py: a .toml path made absolute (each launch runs in
+    its own directory), else a name in model_configs/."""
+    return str(Path(args.model).resolve()) if Path(args.model).suffix else args.model
+
+
+def check_launch_steps(args) -> None:
+    if args.steps < 2:
+        raise ValueError(f"--steps {args.steps}: use at least 2 (the first step pays for warm-up and is not timed)")
