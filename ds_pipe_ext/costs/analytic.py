@@ -1,4 +1,6 @@
-"""Analytic per-op costs of a GPT: FLOPs, bytes moved, saved activations, weights, TP/SP communication.
+"""Analytic per-op costs of a decoder-only transformer: FLOPs, bytes moved, saved activations, weights,
+TP/SP communication.  Which ops make up a model's layers is its description's to say (``arch``,
+through ``costs.estimate.layer_ops``); GPT's block is the default.
 
 Pure arithmetic, no torch.  Each op function returns an ``OpCost`` for one
 micro-batch on one tensor-parallel rank.  Notation (Korthikanti et al. 2022,
@@ -127,11 +129,33 @@ def layer_norm(name: str, shp: Shape) -> OpCost:
                   bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e, weight_bytes=2 * shp.h * shp.e)
 
 
-def qkv(shp: Shape) -> OpCost:
-    """Column-parallel h -> 3h/t.  Under SP its input is all-gathered in forward; the
+def qkv(shp: Shape, kv_heads: int | None = None) -> OpCost:
+    """Column-parallel h -> (h + 2 kv h/a)/t: 3h/t with a key and value head per query head; grouped-query
+    attention projects kv_heads key/value heads.  Under SP its input is all-gathered in forward; the
     sharded copy is what is saved (re-gathered in backward), so 2sbh/t."""
-    op = linear("qkv", shp.tokens, shp.h, 3 * shp.h // shp.t, shp, saved_input_elems=shp.replicated_sbh)
+    kv = shp.a if kv_heads is None else kv_heads
+    if kv % shp.t:
+        raise AnalyticError(f"tensor parallel degree {shp.t} does not divide the key/value heads ({kv}); "
+                            f"pick t dividing them")
+    width = (shp.h + 2 * kv * (shp.h // shp.a)) // shp.t
+    op = linear("qkv", shp.tokens, shp.h, width, shp, saved_input_elems=shp.replicated_sbh)
     return _tp_entry_comm(op, shp)
+
+
+def rms_norm(name: str, shp: Shape) -> OpCost:
+    """RMSNorm: a scale and no bias; saves its input like LayerNorm, with fewer passes (no mean)."""
+    n = shp.replicated_sbh
+    return OpCost(name, "vector", fwd_flops=4.0 * n, bwd_flops=8.0 * n, fwd_bytes=2 * n * shp.e,
+                  bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e, weight_bytes=shp.h * shp.e)
+
+
+def rotary(shp: Shape, kv_heads: int | None = None) -> OpCost:
+    """Rotary positions on queries and keys: elementwise (x cos + rotate(x) sin); backward needs only
+    the cos/sin tables, so nothing per token is saved."""
+    kv = shp.a if kv_heads is None else kv_heads
+    n = shp.tokens * (shp.h + kv * (shp.h // shp.a)) / shp.t
+    return OpCost("rotary", "vector", fwd_flops=3.0 * n, bwd_flops=3.0 * n, fwd_bytes=3 * n * shp.e,
+                  bwd_bytes=3 * n * shp.e)
 
 
 def attention_logits(shp: Shape) -> OpCost:
@@ -183,6 +207,20 @@ def out_proj(shp: Shape) -> OpCost:
 def mlp_fc1(shp: Shape) -> OpCost:
     op = linear("fc1", shp.tokens, shp.h, shp.f // shp.t, shp, saved_input_elems=shp.replicated_sbh)
     return _tp_entry_comm(op, shp)
+
+
+def mlp_gate_up(shp: Shape) -> OpCost:
+    """A gated MLP's gate and up projections as one column-parallel h -> 2f/t (megatron-core's
+    gated_linear_unit)."""
+    op = linear("fc1_gate_up", shp.tokens, shp.h, 2 * shp.f // shp.t, shp, saved_input_elems=shp.replicated_sbh)
+    return _tp_entry_comm(op, shp)
+
+
+def swiglu(shp: Shape) -> OpCost:
+    """SiLU(gate) * up: saves both halves (2 b s f/t elements); writes b s f/t."""
+    n = shp.tokens * shp.f / shp.t
+    return OpCost("swiglu", "vector", fwd_flops=6.0 * n, bwd_flops=12.0 * n, fwd_bytes=3 * n * shp.e,
+                  bwd_bytes=5 * n * shp.e, activation_bytes=2 * n * shp.e)
 
 
 def gelu(shp: Shape) -> OpCost:
@@ -249,11 +287,20 @@ def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
     return ops
 
 
-def transformer_block(shp: Shape) -> list[OpCost]:
-    """Pre-LN GPT block, op by op, in execution order."""
+def transformer_block(shp: Shape, *, kv_heads: int | None = None, mlp: str = "gelu", norm: str = "layernorm",
+                      positions: str = "learned") -> list[OpCost]:
+    """A pre-norm decoder block, op by op, in execution order (``shp.a`` heads, ``shp.f`` ffn): GPT's with
+    the defaults; ``kv_heads`` for grouped-query attention, a gated ``mlp="swiglu"``, ``norm="rmsnorm"``,
+    rotary ``positions`` applied to queries and keys."""
+    norm_op = {"layernorm": layer_norm, "rmsnorm": rms_norm}[norm]
+    if mlp == "gelu":
+        mlp_ops = [mlp_fc1(shp), gelu(shp), mlp_fc2(shp)]
+    else:
+        mlp_ops = [mlp_gate_up(shp), swiglu(shp), mlp_fc2(shp)]
     return [
-        layer_norm("ln_1", shp),
-        qkv(shp),
+        norm_op("ln_1", shp),
+        qkv(shp, kv_heads),
+        *([rotary(shp, kv_heads)] if positions == "rotary" else []),
         attention_logits(shp),
         softmax(shp),
         dropout("attn_prob_dropout", shp.a * shp.s * shp.s * shp.b / shp.t, shp, recompute=True),
@@ -261,16 +308,14 @@ def transformer_block(shp: Shape) -> list[OpCost]:
         out_proj(shp),
         dropout("attn_dropout", shp.replicated_sbh, shp),
         residual_add("residual_1", shp),
-        layer_norm("ln_2", shp),
-        mlp_fc1(shp),
-        gelu(shp),
-        mlp_fc2(shp),
+        norm_op("ln_2", shp),
+        *mlp_ops,
         dropout("mlp_dropout", shp.replicated_sbh, shp),
         residual_add("residual_2", shp),
     ]
 
 
-def lm_head(shp: Shape) -> list[OpCost]:
+def lm_head(shp: Shape, *, norm: str = "layernorm") -> list[OpCost]:
     """Final LayerNorm, the column-parallel vocabulary projection (2*b*s*h*V/t FLOPs), and
     the vocab-parallel cross-entropy, which keeps its softmax (b*s*V/t, fp32 in Megatron)."""
     head = linear("lm_head", shp.tokens, shp.h, -(-shp.V // shp.t), shp, bias=False,
@@ -286,7 +331,7 @@ def lm_head(shp: Shape) -> list[OpCost]:
                   fwd_allocs=(logits * 4,), bwd_allocs=(logits * 4, logits * 4),
                   comm_fwd_bytes=3 * shp.tokens * 4 if shp.t > 1 else 0.0,
                   comm_type="all-reduce" if shp.t > 1 else "")
-    return [layer_norm("ln_f", shp), head, xent]
+    return [{"layernorm": layer_norm, "rmsnorm": rms_norm}[norm]("ln_f", shp), head, xent]
 
 
 def total(ops: list[OpCost], *, selective_recompute: bool = False) -> OpCost:

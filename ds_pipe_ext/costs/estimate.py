@@ -1,9 +1,11 @@
-"""Analytic costs of a whole GPT: per-op rows for a block, per-layer totals, ``LayerCost`` records."""
+"""Analytic costs of a whole model from its description (``arch``): per-op rows, per-layer totals,
+``LayerCost`` records."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ..arch import as_description
 from . import analytic as A
 from .hardware import DeviceSpec
 from .stage import stage_costs
@@ -25,22 +27,33 @@ class EstimateRequest:
     mask_bytes: int | None = None  # dropout mask element; None: 1 on GPUs (fused, bool), e on "cpu" (float mask)
 
 
-def shape_for(cfg, req: EstimateRequest, device: DeviceSpec | None = None) -> A.Shape:
+def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None) -> A.Shape:
+    """One micro-batch of ``model`` (a description, or a config that describes itself) on one TP rank;
+    ``a`` and ``f`` are the first block's (``layer_ops`` gives each block its own)."""
+    desc = as_description(model)
     if req.dtype not in DTYPE_BYTES:
         raise A.AnalyticError(f"dtype {req.dtype!r}: use one of {sorted(DTYPE_BYTES)}")
-    if req.seq > cfg.seq_len:
-        raise A.AnalyticError(f"seq {req.seq} exceeds the model's seq_len {cfg.seq_len}")
+    if req.seq > desc.seq_len:
+        raise A.AnalyticError(f"seq {req.seq} exceeds the model's seq_len {desc.seq_len}")
     e = DTYPE_BYTES[req.dtype]
     m = req.mask_bytes if req.mask_bytes is not None else (e if device is not None and device.name == "cpu" else 1)
-    return A.Shape(b=req.micro_batch, s=req.seq, h=cfg.hidden, a=cfg.heads, f=cfg.ffn, V=cfg.padded_vocab,
-                   e=e, m=m, t=req.tp, sp=req.sp, dropout=cfg.dropout > 0)
+    return A.Shape(b=req.micro_batch, s=req.seq, h=desc.hidden, a=desc.heads, f=desc.ffn, V=desc.vocab,
+                   e=e, m=m, t=req.tp, sp=req.sp, dropout=desc.dropout)
 
 
-def layer_ops(cfg, shp: A.Shape) -> list[tuple[str, str, list[A.OpCost]]]:
-    """(name, kind, ops) per pipeline layer, in the order of gpt_layer_specs."""
-    layers = [("EmbeddingPipe", "embedding", A.embedding(shp))]
-    layers += [("Block", "block", A.transformer_block(shp))] * cfg.layers
-    layers.append(("HeadPipe", "head", A.lm_head(shp)))
+def layer_ops(model, shp: A.Shape) -> list[tuple[str, str, list[A.OpCost]]]:
+    """(name, kind, ops) per pipeline layer, as the description says: the embedding, each block (alike
+    blocks share one op list), the head."""
+    desc = as_description(model)
+    layers = [("EmbeddingPipe", "embedding", A.embedding(shp, positions=desc.positions == "learned"))]
+    built: dict = {}
+    for block in desc.blocks:
+        if block not in built:
+            att, mlp = block.attention, block.mlp
+            built[block] = A.transformer_block(replace(shp, a=att.heads, f=mlp.ffn), kv_heads=att.kv_heads,
+                                               mlp=mlp.kind, norm=desc.norm, positions=desc.positions)
+        layers.append(("Block", "block", built[block]))
+    layers.append(("HeadPipe", "head", A.lm_head(shp, norm=desc.norm)))
     return layers
 
 
@@ -58,11 +71,14 @@ def op_rows(ops: list[A.OpCost], device: DeviceSpec, req: EstimateRequest) -> li
     return rows
 
 
-def estimate_layers(cfg, req: EstimateRequest, device: DeviceSpec) -> list[dict]:
-    shp = shape_for(cfg, req, device)
+def estimate_layers(model, req: EstimateRequest, device: DeviceSpec) -> list[dict]:
+    shp = shape_for(model, req, device)
     out = []
-    for name, kind, ops in layer_ops(cfg, shp):
-        rows = op_rows(ops, device, req)
+    rows_of: dict = {}  # alike blocks share one op list: time it once
+    for name, kind, ops in layer_ops(model, shp):
+        if id(ops) not in rows_of:
+            rows_of[id(ops)] = op_rows(ops, device, req)
+        rows = rows_of[id(ops)]
         params = sum(op.weight_bytes for op in ops) / shp.e
         recompute_fwd = sum(r["fwd_s"] for r, op in zip(rows, ops) if op.recompute) if req.selective_recompute else 0.0
         out.append({
@@ -81,11 +97,11 @@ def estimate_layers(cfg, req: EstimateRequest, device: DeviceSpec) -> list[dict]
     return out
 
 
-def analytic_layer_costs(cfg, req: EstimateRequest, device: DeviceSpec) -> list[LayerCost]:
+def analytic_layer_costs(model, req: EstimateRequest, device: DeviceSpec) -> list[LayerCost]:
     """The same records the profiler produces, from arithmetic (for partition_method "analytic")."""
-    shp = shape_for(cfg, req, device)
+    shp = shape_for(model, req, device)
     costs = []
-    for row in estimate_layers(cfg, req, device):
+    for row in estimate_layers(model, req, device):
         params = int(row["params"])
         per_param = req.optimizer_bytes_per_param or (8 if req.dtype == "fp32" else 12)
         costs.append(LayerCost(

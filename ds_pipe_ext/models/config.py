@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import MISSING, asdict, dataclass, fields, replace
+from functools import lru_cache
 from pathlib import Path
+
+from ..arch import MLP, Attention, Block, ModelDescription
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "model_configs"
 
@@ -81,6 +84,11 @@ class GPTConfig:
         """Layer specs in the pipeline: embedding, the blocks, final norm + LM head."""
         return self.layers + 2
 
+    def describe(self) -> ModelDescription:
+        """What the GPT computes, for the analytic costs (``arch``): learned positions, LayerNorm, multi-head
+        attention, a GELU MLP (one width per block where they differ), the head tied or not."""
+        return _describe(self)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -98,6 +106,15 @@ class GPTConfig:
         if missing:
             raise ModelConfigError(f"model config {data['name']!r}: missing field(s) {missing}")
         return cls(**data)
+
+
+@lru_cache(maxsize=64)
+def _describe(cfg: GPTConfig) -> ModelDescription:
+    widths = cfg.block_ffn_hidden or (cfg.ffn,) * cfg.layers
+    return ModelDescription(name=cfg.name, hidden=cfg.hidden, vocab=cfg.padded_vocab, seq_len=cfg.seq_len,
+                            blocks=tuple(Block(Attention(cfg.heads), MLP(w, "gelu")) for w in widths),
+                            positions="learned", norm="layernorm", tied_head=cfg.tie_embeddings,
+                            dropout=cfg.dropout > 0)
 
 
 def available_models() -> list[str]:

@@ -8,7 +8,7 @@ whether its layers are sequence-parallel (from the ``LayerImpl`` they were built
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -33,15 +33,7 @@ class GPTCostModel:
         return EstimateRequest(micro_batch=int(b), seq=int(s), tp=tp, sp=self.sequence_parallel, dtype=dtype)
 
     def layer_costs(self, inputs, *, tp: int, device: DeviceSpec, dtype: str) -> list[LayerCost]:
-        cfg, req = self.config, self.request(inputs, tp=tp, dtype=dtype)
-        if not cfg.block_ffn_hidden:
-            return analytic_layer_costs(cfg, req, device)
-        # blocks of different widths: each block's row from a model of its own width
-        rows = {w: analytic_layer_costs(replace(cfg, ffn_hidden=w, block_ffn_hidden=()), req, device)
-                for w in set(cfg.block_ffn_hidden)}
-        first = rows[cfg.block_ffn_hidden[0]]
-        blocks = [rows[w][1 + i] for i, w in enumerate(cfg.block_ffn_hidden)]
-        return [first[0], *blocks, *first[1 + cfg.layers:]]
+        return analytic_layer_costs(self.config.describe(), self.request(inputs, tp=tp, dtype=dtype), device)
 
     def calibrate(self, inputs, *, tp: int, device: DeviceSpec, dtype: str, cache_dir: str | None) -> DeviceSpec:
         return profile_and_calibrate(self.config, self.request(inputs, tp=tp, dtype=dtype), device, cache_dir=cache_dir)

@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from ..arch import as_description
 from ..costs import analytic as A
 from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs, layer_ops, shape_for
 from ..costs.hardware import DEVICES, DeviceSpec, get_device
@@ -127,7 +128,7 @@ class PlanModel:
 
     def __init__(self, cfg, device: DeviceSpec, cluster: Cluster, *, seq: int, global_batch: int,
                  dtype: str = "bf16", memory_fraction: float = USABLE_MEMORY):
-        self.cfg, self.device, self.cluster = cfg, device, cluster
+        self.cfg, self.device, self.cluster = as_description(cfg), device, cluster  # what the model computes
         self.seq, self.global_batch, self.dtype = seq, global_batch, dtype
         self.memory_fraction = memory_fraction
         self.e = DTYPE_BYTES[dtype]
@@ -153,11 +154,7 @@ class PlanModel:
         """Per-layer ``LayerCost`` of one micro-batch on one TP rank; alike blocks computed once."""
         req = EstimateRequest(micro_batch=micro_batch, seq=self.seq, tp=tp, sp=sp, dtype=self.dtype,
                               selective_recompute=recompute == "selective")
-        cfg = self.cfg
-        if cfg.block_ffn_hidden or cfg.layers <= 1:
-            return tuple(analytic_layer_costs(cfg, req, self.device))
-        emb, block, head = analytic_layer_costs(replace(cfg, layers=1), req, self.device)
-        return (emb, *([block] * cfg.layers), head)
+        return tuple(analytic_layer_costs(self.cfg, req, self.device))
 
     @lru_cache(maxsize=None)
     def totals(self, tp: int, sp: bool, micro_batch: int, recompute: str) -> tuple[float, float, float, float]:

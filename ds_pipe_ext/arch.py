@@ -1,0 +1,133 @@
+"""What a model is, apart from how it is built: the description the analytic costs are derived from.
+
+megatron-core's ``ModuleSpec`` says which modules make up a layer apart from how they are built;
+this says what a decoder-only transformer computes, so that a family-free op library
+(``costs.estimate.layer_ops`` over ``costs.analytic``) can cost any model a family describes:
+
+    embedding  a vocabulary lookup (``vocab`` rows: padded) and its positions: learned | rotary | none
+    blocks     one ``Block`` per transformer layer (they may differ: width-pruned models), each
+               a norm, attention (heads, key/value heads) and an MLP (gelu: two matrices; swiglu:
+               gate and up projections, SiLU, down projection)
+    head       the final norm, the vocabulary projection (tied to the embedding or not), the loss
+
+The pipeline's layers are the embedding, each block, and the head, in that order.  A family in
+``models/`` writes its description from its config; the core reads only this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rotary", "none")
+MLPS = ("gelu", "swiglu")
+
+
+class DescriptionError(ValueError):
+    """A description the analytic model cannot cost; the message names the field."""
+
+
+def _positive(where: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DescriptionError(f"{where}: {name} = {value!r}; a positive integer is required")
+
+
+@dataclass(frozen=True)
+class Attention:
+    heads: int
+    kv_heads: int | None = None  # grouped-query attention: key/value heads shared by heads / kv_heads queries
+
+    def __post_init__(self) -> None:
+        _positive("attention", "heads", self.heads)
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        _positive("attention", "kv_heads", self.kv_heads)
+        if self.heads % self.kv_heads:
+            raise DescriptionError(f"attention: kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+
+
+@dataclass(frozen=True)
+class MLP:
+    ffn: int
+    kind: str = "gelu"
+
+    def __post_init__(self) -> None:
+        _positive("mlp", "ffn", self.ffn)
+        if self.kind not in MLPS:
+            raise DescriptionError(f"mlp: kind = {self.kind!r}; use one of {', '.join(MLPS)}")
+
+
+@dataclass(frozen=True)
+class Block:
+    attention: Attention
+    mlp: MLP
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    name: str
+    hidden: int
+    vocab: int  # rows of the embedding and the head (the padded vocabulary)
+    seq_len: int
+    blocks: tuple[Block, ...]
+    positions: str = "learned"
+    norm: str = "layernorm"
+    tied_head: bool = True
+    dropout: bool = False  # dropout layers present (they save masks)
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "vocab", "seq_len"):
+            _positive(f"model {self.name!r}", name, getattr(self, name))
+        object.__setattr__(self, "blocks", tuple(self.blocks))
+        if not self.blocks:
+            raise DescriptionError(f"model {self.name!r}: no blocks; describe at least one")
+        if self.positions not in POSITIONS:
+            raise DescriptionError(f"model {self.name!r}: positions = {self.positions!r}; use one of {POSITIONS}")
+        if self.norm not in NORMS:
+            raise DescriptionError(f"model {self.name!r}: norm = {self.norm!r}; use one of {NORMS}")
+        for i, block in enumerate(self.blocks):
+            if self.hidden % block.attention.heads:
+                raise DescriptionError(f"model {self.name!r}: block {i}: heads ({block.attention.heads}) do not "
+                                       f"divide hidden ({self.hidden})")
+
+    # what every layout rule reads (``layout.Layout.check``): the widths tensor parallelism splits
+    @property
+    def heads(self) -> int:
+        return self.blocks[0].attention.heads
+
+    @property
+    def kv_heads(self) -> int:
+        return min(b.attention.kv_heads for b in self.blocks)
+
+    @property
+    def ffn(self) -> int:
+        return self.blocks[0].mlp.ffn
+
+    @property
+    def padded_vocab(self) -> int:
+        return self.vocab
+
+    @property
+    def layers(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_pipeline_layers(self) -> int:
+        """Embedding, the blocks, the head."""
+        return len(self.blocks) + 2
+
+    @property
+    def uniform(self) -> bool:
+        """Every block alike: one block's costs serve them all."""
+        return all(b == self.blocks[0] for b in self.blocks)
+
+
+def as_description(model) -> ModelDescription:
+    """``model`` itself if it is a description, else what its ``describe()`` returns (a family's config)."""
+    if isinstance(model, ModelDescription):
+        return model
+    describe = getattr(model, "describe", None)
+    if callable(describe):
+        return describe()
+    raise DescriptionError(f"{type(model).__name__} is not a model description: pass an arch.ModelDescription "
+                           f"or a model config with a describe() method (a family in ds_pipe_ext/models/)")
