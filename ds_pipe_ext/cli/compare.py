@@ -28,11 +28,11 @@ def cmd_compare(args) -> int:
     from ..compare import render
     from ..compare.run import Comparison, DeepSpeedLauncher, run_comparison
     from ..compare.predict import model_shape
-    from ..models.config import load_model_config
+    from ..models import load_model
 
     check_shape(args)
     model = launch_model(args)
-    model_cfg = load_model_config(model)
+    model_cfg = load_model(model)
     configs = comparison_configs_for(args, args.micro_batch)
     check_launch_steps(args)
     out = Path(args.out or f"runs/compare-{model_cfg.name}-w{args.world}")

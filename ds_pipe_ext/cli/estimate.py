@@ -21,19 +21,18 @@ def cmd_estimate(args) -> int:
     from ..costs.analytic import AnalyticError
     from ..costs.estimate import EstimateRequest, estimate_layers, layer_ops, op_rows, shape_for
     from ..costs.hardware import get_device
-    from ..models.config import load_model_config
+    from ..models import family_of, load_model
     from ..partition.report import render_table
 
     check_shape(args)
-    cfg = load_model_config(args.model)
+    cfg = load_model(args.model)
     req = EstimateRequest(micro_batch=args.micro_batch, seq=args.seq or cfg.seq_len, tp=args.tp, sp=args.sp,
                           dtype=args.dtype, selective_recompute=args.selective_recompute)
     try:
         device = get_device(args.device)
         if args.calibrate:
-            from ..models.gpt_costs import profile_and_calibrate
 
-            device = profile_and_calibrate(cfg, req, device)
+            device = family_of(cfg).calibrate(cfg, req, device)
             print(f"calibrated on this machine: matrix {device.matrix_efficiency:.3f}, attention "
                   f"{device.attention_efficiency:.3f}, vector "
                   f"{device.vector_efficiency:.3f}, memory {device.memory_efficiency:.3f} of the spec's peaks",
@@ -96,7 +95,7 @@ def cmd_estimate_compare(args) -> int:
     from ..compare.predict import KINDS, model_shape, predicted_ranks
     from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs
     from ..costs.hardware import get_device
-    from ..models.config import load_model_config
+    from ..models import family_of, load_model
     from ..compat.zero import deepspeed_estimate_bytes
     from ..partition import partition_min_max
     from ..partition.methods import decide_offline
@@ -104,7 +103,7 @@ def cmd_estimate_compare(args) -> int:
 
     if not args.world:
         raise ValueError("estimate --compare needs --world N (the number of GPUs)")
-    cfg = load_model_config(args.model)
+    cfg = load_model(args.model)
     device = get_device(args.device)
     shape = model_shape(cfg)
     configs = comparison_configs_for(args, args.micro_batch)

@@ -21,10 +21,10 @@ def pipeline_settings(args) -> PipelineSettings:
 
 def _profiled_costs(args, shape: ShapeArgs, settings: PipelineSettings):
     """Profile the model's layers on this machine (cached like training does)."""
-    from ..models.config import load_model_config
-    from ..models.gpt_costs import profile_gpt_layers
+    from ..models import family_of, load_model
 
-    return profile_gpt_layers(load_model_config(args.model, seq_len=shape.seq), shape.micro_batch, settings.profile)
+    cfg = load_model(args.model, seq_len=shape.seq)
+    return family_of(cfg).profile(cfg, shape.micro_batch, settings.profile)
 
 
 def cmd_partition(args) -> int:

@@ -38,22 +38,22 @@ def as_cpu_ranks(device, ranks: int):
 
 def profiled_cpu(cfg, device, seq: int):
     """The cpu spec with its GEMM efficiency fitted to this model's embedding, one block and head (+ loss)
-    profiled here in one process at micro-batch 1 and 2 (``models.gpt_costs.profile_and_calibrate``,
+    profiled here in one process at micro-batch 1 and 2 (its family's ``calibrate``,
     cached): the micro-benchmarks keep their fastest run, while a step runs at the machine's sustained
     speed on the layers' own shapes.  No launch is involved."""
     from ..costs.estimate import EstimateRequest
-    from ..models.gpt_costs import profile_and_calibrate
+    from ..models import family_of
 
     req = [EstimateRequest(micro_batch=b, seq=seq, dtype="fp32") for b in (1, 2)]
-    fitted = profile_and_calibrate(cfg, req[0], device, also=tuple(req[1:]), warmup=1, repeats=5)
+    fitted = family_of(cfg).calibrate(cfg, req[0], device, also=tuple(req[1:]), warmup=1, repeats=5)
     return replace(fitted, name="cpu")
 
 
 def build_model(args):
-    from ..models.config import load_model_config
+    from ..models import load_model
     from ..plan.model import USABLE_MEMORY, Cluster, PlanModel, plan_device
 
-    cfg = load_model_config(args.model)
+    cfg = load_model(args.model)
     device = plan_device(args.device)
     if getattr(args, "profile_layers", False):
         if device.name != "cpu":

@@ -58,10 +58,10 @@ class StepModel:
     """Layer costs of one model from one source, split and simulated at any micro-batch size."""
 
     def __init__(self, args):
-        from ..models.config import load_model_config
+        from ..models import load_model
 
         self.args = args
-        self.cfg = load_model_config(args.model, **({"seq_len": args.seq} if args.seq else {}))
+        self.cfg = load_model(args.model, **({"seq_len": args.seq} if args.seq else {}))
         self.run = None
         if args.costs not in ("analytic", "profiled"):
             self.run = _run_stage_costs(args.costs)
@@ -78,10 +78,10 @@ class StepModel:
                 self._layers[micro_batch] = analytic_layer_costs(self.cfg, req, get_device(args.device))
             else:
                 from ..costs.profiler import ProfileSettings
-                from ..models.gpt_costs import profile_gpt_layers
+                from ..models import family_of
 
                 settings = ProfileSettings(warmup=1, repeats=3, cache_dir=args.cache_dir, progress=False)
-                self._layers[micro_batch] = profile_gpt_layers(self.cfg, micro_batch, settings)
+                self._layers[micro_batch] = family_of(self.cfg).profile(self.cfg, micro_batch, settings)
         return self._layers[micro_batch]
 
     def step(self, schedule: str, micro_batch: int, micro_batches: int, latency_ms: float,

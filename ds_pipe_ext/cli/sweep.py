@@ -22,13 +22,12 @@ def cmd_sweep(args) -> int:
     from pathlib import Path
 
     from ..compare.run import DeepSpeedLauncher
-    from ..models.config import load_model_config
-    from ..models.gpt import gpt_layer_specs
+    from ..models import load_model
     from ..sweep import render
     from ..sweep.run import Sweep, cell_name, run_sweep, sweep_cells
 
     model = launch_model(args)
-    model_cfg = load_model_config(model)
+    model_cfg = load_model(model)
     flags = {"off": False, "on": True}
     ckpt = [flags.get(x.strip()) for x in args.checkpointing.split(",")]
     if None in ckpt:
@@ -36,7 +35,7 @@ def cmd_sweep(args) -> int:
     check_launch_steps(args)
     stages, ms = _int_list(args.stages, "--stages"), _int_list(args.micro_batches, "--micro-batches")
     global_batch = args.global_batch or max(ms)
-    cells = sweep_cells(stages, ms, ckpt, global_batch=global_batch, num_layers=len(gpt_layer_specs(model_cfg)),
+    cells = sweep_cells(stages, ms, ckpt, global_batch=global_batch, num_layers=model_cfg.describe().num_pipeline_layers,
                         schedule=args.schedule)
     out = Path(args.out or f"runs/sweep-{model_cfg.name}")
     sweep = Sweep(out, model=model, steps=args.steps, method=args.method,

@@ -38,11 +38,11 @@ class ModelShape:
 
 
 def model_shape(model_cfg) -> ModelShape:
-    """The GPT's layers built on the meta device: shapes without memory, for any size of model."""
-    from ..models.gpt import gpt_layer_specs
+    """The model's layers (its family's specs) built on the meta device: shapes without memory, for any size."""
+    from ..models import family_of
 
     with torch.device("meta"):
-        layers = [spec.build() if hasattr(spec, "build") else spec for spec in gpt_layer_specs(model_cfg)]
+        layers = [spec.build() if hasattr(spec, "build") else spec for spec in family_of(model_cfg).layer_specs(model_cfg)]
     modules = [layer for layer in layers if isinstance(layer, torch.nn.Module)]
     numels = [[p.numel() for p in layer.parameters()] if isinstance(layer, torch.nn.Module) else []
               for layer in layers]

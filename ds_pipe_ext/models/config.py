@@ -169,5 +169,9 @@ def load_model_config(name_or_path: str | Path, **overrides) -> GPTConfig:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ModelConfigError(f"model config {path}: not valid TOML ({e}); fix the syntax") from None
+    family = data.pop("family", "gpt")
+    if family != "gpt":
+        raise ModelConfigError(f"model config {path}: family = {family!r} is not the GPT's; load it with "
+                               f"ds_pipe_ext.models.load_model, which picks the family")
     data.update({k: v for k, v in overrides.items() if v is not None})
     return GPTConfig.from_dict(data, name=path.stem)

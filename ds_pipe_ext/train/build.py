@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..config_model import ConfigError
-from ..models.config import GPTConfig, load_model_config
+from ..models import family_of, load_model
 from ..layout import Layout, LayoutError
 from ..pipe.decide import decide_and_broadcast
 from . import checkpoint
@@ -28,7 +28,7 @@ from .data import SyntheticTokens, token_stream
 @dataclass
 class Built:
     cfg: RunConfig
-    model_cfg: GPTConfig
+    model_cfg: object  # the model family's config (models.registry)
     layout: Layout
     rank: int
     dp_rank: int
@@ -45,7 +45,7 @@ class Built:
     cap_measure: str = ""  # what train.memory_cap_gib is compared with (trainer.rank_peak_bytes)
 
 
-def run_layout(cfg: RunConfig, model_cfg: GPTConfig, world: int) -> Layout:
+def run_layout(cfg: RunConfig, model_cfg, world: int) -> Layout:
     """The run's layout from ds.json and the world size, checked against the model before any process group."""
     tp, sp = cfg.tensor_parallel.size, cfg.tensor_parallel.sequence_parallel
     stages = cfg.pipeline.stages if cfg.pipelined else 1
@@ -78,18 +78,16 @@ def init_process_group() -> None:
     deepspeed.init_distributed()
 
 
-def build_layers(cfg: RunConfig, model_cfg: GPTConfig, layout: Layout):
-    """(layer specs, loss, layer implementation, DeepSpeed topology or None)."""
-    from ..models.gpt import LOCAL, gpt_layer_specs, loss_fn_for
-
-    impl, topology = LOCAL, None
+def build_layers(cfg: RunConfig, model_cfg, layout: Layout):
+    """(layer specs, loss, layer implementation, DeepSpeed topology or None), from the model's family."""
+    family = family_of(model_cfg)
+    topology = None
     if layout.tp > 1:
         from ..parallel import topology as topo
-        from ..parallel.tensor_parallel import megatron_layer_impl
 
         topology = topo.initialize(layout, dist.get_world_size())  # megatron's groups, laid out as DeepSpeed's
-        impl = megatron_layer_impl(tp=layout.tp, sequence_parallel=layout.sp)
-    specs = gpt_layer_specs(model_cfg, impl, selective_recompute=cfg.train.recompute == "selective")
+    impl = family.tensor_parallel(layout.tp, layout.sp)
+    specs = family.layer_specs(model_cfg, impl, selective_recompute=cfg.train.recompute == "selective")
     if cfg.train.frozen_layers:
         from ..pipe.freeze import freeze_layers, parse_layer_set
 
@@ -97,11 +95,10 @@ def build_layers(cfg: RunConfig, model_cfg: GPTConfig, layout: Layout):
             specs = freeze_layers(specs, parse_layer_set(cfg.train.frozen_layers, len(specs)))
         except ValueError as e:  # the same on every rank: a clean exit, no hang
             raise ConfigError(f"train.frozen_layers: {e}") from None
-    return specs, loss_fn_for(impl), impl, topology
+    return specs, family.loss_fn(impl), impl, topology
 
 
-def build_pipeline(cfg: RunConfig, model_cfg: GPTConfig, layout: Layout, specs, loss_fn, impl, topology):
-    from ..models.gpt_costs import gpt_cost_model
+def build_pipeline(cfg: RunConfig, model_cfg, layout: Layout, specs, loss_fn, impl, topology):
     from ..pipe.module import DualPipeVPipelineModule, PipelineModule
 
     profile_batch = next(SyntheticTokens(model_cfg.vocab_size, cfg.micro_batch, model_cfg.seq_len, seed=0))
@@ -110,16 +107,16 @@ def build_pipeline(cfg: RunConfig, model_cfg: GPTConfig, layout: Layout, specs, 
     return module_cls(
         specs, num_stages=None if topology is not None else layout.pp, topology=topology, loss_fn=loss_fn,
         settings=cfg.pipeline, profile_batch=profile_batch, micro_batches=cfg.grad_accum,
-        cost_key={"model": model_cfg.to_dict()}, cost_model=gpt_cost_model(model_cfg, impl), zero_stage=layout.zero,
+        cost_key={"model": model_cfg.to_dict()}, cost_model=family_of(model_cfg).cost_model(model_cfg, impl),
+        zero_stage=layout.zero,
         seed_layers=True,  # layer i starts from seed + i: the same weights under any partition
         base_seed=cfg.train.seed,
     )
 
 
-def build_data_parallel(cfg: RunConfig, specs, loss_fn):
-    from ..models.gpt import SequentialGPT
-
-    return SequentialGPT(specs, loss_fn, base_seed=cfg.train.seed, recompute=cfg.train.recompute == "full")
+def build_data_parallel(cfg: RunConfig, model_cfg, specs, loss_fn):
+    return family_of(model_cfg).sequential(specs, loss_fn, base_seed=cfg.train.seed,
+                                           recompute=cfg.train.recompute == "full")
 
 
 def load_full_state(model: torch.nn.Module, path: str, *, tp: int, pipelined: bool) -> None:
@@ -258,13 +255,13 @@ def refine_overheads(cfg: RunConfig) -> dict | None:
                                 what=f"pipeline.refine_from = {cfg.pipeline.refine_from!r}")
 
 
-def build_model(cfg: RunConfig, model_cfg: GPTConfig, layout: Layout) -> torch.nn.Module:
+def build_model(cfg: RunConfig, model_cfg, layout: Layout) -> torch.nn.Module:
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
     specs, loss_fn, impl, topology = build_layers(cfg, model_cfg, layout)
     if cfg.pipelined:
         model = build_pipeline(cfg, model_cfg, layout, specs, loss_fn, impl, topology)
     else:
-        model = build_data_parallel(cfg, specs, loss_fn)
+        model = build_data_parallel(cfg, model_cfg, specs, loss_fn)
     if cfg.options.init_from:
         load_full_state(model, cfg.options.init_from, tp=layout.tp, pipelined=cfg.pipelined)
     return model
@@ -283,7 +280,7 @@ def data_parallel_rank(model, layout: Layout, rank: int, *, pipelined: bool) -> 
 
 
 def build(cfg: RunConfig) -> Built:
-    model_cfg = load_model_config(cfg.train.model)
+    model_cfg = load_model(cfg.train.model)
     layout = run_layout(cfg, model_cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group
     init_process_group()
     rank = dist.get_rank()

@@ -1,0 +1,87 @@
+"""The model families ds_pipe_ext can train, plan and cost, each a registered unit (torchtitan's ``TrainSpec``).
+
+A family bundles everything the rest of the package asks of a model, so that ``train.py`` and the
+commands name a model and never import one:
+
+    load_config(name_or_path, **overrides)   a validated config: ``describe()`` (``arch.ModelDescription``),
+                                             ``name``, ``seq_len``, ``vocab_size``, ``to_dict()``
+    layer_specs(config, impl, *, selective_recompute)   the pipeline's layers: embedding, blocks, head
+    loss_fn(impl)                            the pipeline's loss over the last layer's output
+    sequential(specs, loss_fn, *, base_seed, recompute)  the same layers as one module (data parallel)
+    tensor_parallel(tp, sp)                  the layer implementation for a TP degree (1: local layers)
+    cost_model(config, impl)                 a ``costs.model.CostModel`` (``partition_method: "analytic"``)
+    profile(config, micro_batch, settings)   every pipeline layer profiled on this machine (cached)
+    calibrate(config, request, device, **kw) a device spec fitted to a few layers profiled here
+
+A config file names its family with a top-level ``family = "NAME"`` (GPT without one).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import CONFIG_DIR, ModelConfigError
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    config_type: type
+    load_config: Callable
+    layer_specs: Callable
+    loss_fn: Callable
+    sequential: Callable
+    tensor_parallel: Callable
+    cost_model: Callable
+    profile: Callable
+    calibrate: Callable
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    _FAMILIES[family.name] = family
+    return family
+
+
+def families() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def get_family(name: str) -> ModelFamily:
+    if name not in _FAMILIES:
+        raise ModelConfigError(f"unknown model family {name!r}; registered families: {families()}")
+    return _FAMILIES[name]
+
+
+def family_of(config) -> ModelFamily:
+    """The family a loaded config belongs to."""
+    for family in _FAMILIES.values():
+        if isinstance(config, family.config_type):
+            return family
+    raise ModelConfigError(f"{type(config).__name__} belongs to no registered model family ({families()})")
+
+
+def _family_name(name_or_path) -> str:
+    path = Path(name_or_path)
+    if path.suffix == ".json":  # a Hugging Face config.json: GPT-2's is the GPT family's
+        return "gpt"
+    if path.suffix != ".toml":
+        path = CONFIG_DIR / f"{name_or_path}.toml"
+    try:
+        family = tomllib.loads(path.read_text()).get("family", "gpt")
+    except (OSError, tomllib.TOMLDecodeError):
+        return "gpt"  # the family's own loader reports the missing or malformed file
+    if not isinstance(family, str):
+        raise ModelConfigError(f"model config {path}: family = {family!r}; name a family, one of {families()}")
+    return family
+
+
+def load_model(name_or_path: str | Path, **overrides):
+    """A model's config by name (``model_configs/NAME.toml``), .toml path or Hugging Face config.json,
+    loaded by its family."""
+    return get_family(_family_name(name_or_path)).load_config(name_or_path, **overrides)
