@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
+from .arch import as_description
 from .simulate.schedules import ScheduleSpec, parse_schedule
 
 RECOMPUTE = ("none", "selective", "full")
@@ -179,25 +180,26 @@ class Layout:
 
     # -- the model's rules -------------------------------------------------------------------
     def check(self, model) -> None:
-        """Every rule the model sets: TP divides the heads, key/value heads, hidden, ffn and
-        (padded) vocabulary; SP divides the sequence; every chunk gets a layer.  ``model`` is a
-        config with ``name``, ``heads``, ``hidden``, ``ffn``, ``padded_vocab``, ``seq_len`` and
-        ``num_pipeline_layers`` (``kv_heads`` where attention groups its keys and values)."""
-        name = getattr(model, "name", "the model")
-        t = self.tp
-        kv = getattr(model, "kv_heads", None)
-        for what, n in (("attention heads", model.heads), ("key/value heads", kv), ("hidden", model.hidden),
-                        ("ffn hidden", model.ffn)):
-            if n is not None and n % t:
+        """Every rule the model sets: TP divides every block's heads, key/value heads and ffn, the hidden
+        and the (padded) vocabulary; SP divides the sequence; every chunk gets a layer.  ``model``: an
+        ``arch.ModelDescription`` or a config that describes itself."""
+        desc = as_description(model)
+        name, t = desc.name, self.tp
+        blocks = list(dict.fromkeys(desc.blocks))  # each distinct block once, in order
+        widths = [("attention heads", b.attention.heads) for b in blocks]
+        widths += [("key/value heads", b.attention.kv_heads) for b in blocks] + [("hidden", desc.hidden)]
+        widths += [("ffn hidden", b.mlp.ffn) for b in blocks]
+        for what, n in widths:
+            if n % t:
                 raise LayoutError(f"tensor parallel degree {t} does not divide the {what} ({n}) of model "
                                   f"{name!r}; choose tp dividing it")
-        if model.padded_vocab % t:
-            raise LayoutError(f"tensor parallel degree {t} does not divide the vocabulary ({model.padded_vocab}) "
+        if desc.vocab % t:
+            raise LayoutError(f"tensor parallel degree {t} does not divide the vocabulary ({desc.vocab}) "
                               f"of model {name!r}; pad it as Megatron does: vocab_pad_to = {128 * t}")
-        if self.sp and model.seq_len % t:
-            raise LayoutError(f"sequence parallelism splits the sequence ({model.seq_len}) {t} ways; "
+        if self.sp and desc.seq_len % t:
+            raise LayoutError(f"sequence parallelism splits the sequence ({desc.seq_len}) {t} ways; "
                               f"choose tp dividing seq_len")
-        layers = model.num_pipeline_layers
+        layers = desc.num_pipeline_layers
         if self.num_chunks > layers:
             what = f"{self.pp} stages" + (f" x {self.chunks_per_rank} chunks" if self.chunks_per_rank > 1 else "")
             raise LayoutError(f"{what} but model {name!r} has only {layers} pipeline layers: use at most "

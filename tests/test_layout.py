@@ -1,16 +1,20 @@
 """The one layout record, the one schedule parser and the one ZeRO rule: literal in, literal out."""
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
+from ds_pipe_ext.arch import MLP, Attention, Block, ModelDescription
 from ds_pipe_ext.costs.zero import state_bytes_per_param, zero_model_states
 from ds_pipe_ext.layout import Layout, LayoutError
 from ds_pipe_ext.simulate.schedules import ScheduleSpec, parse_schedule
 
-GPT = SimpleNamespace(name="toy", heads=12, hidden=768, ffn=3072, padded_vocab=50304, seq_len=1024,
-                      num_pipeline_layers=14)
+def _toy(*, heads=12, kv_heads=None, hidden=768, vocab=50304, seq_len=1024) -> ModelDescription:
+    """A GPT-2-small-like description: 12 blocks, 14 pipeline layers."""
+    return ModelDescription("toy", hidden, vocab, seq_len, (Block(Attention(heads, kv_heads), MLP(3072)),) * 12)
+
+
+GPT = _toy()
 
 
 def test_schedule_names_parse_once_to_one_spelling():
@@ -83,14 +87,12 @@ def test_check_owns_every_rule_the_model_sets(kwargs, match):
 
 
 def test_check_names_vocabulary_padding_and_key_value_heads():
-    odd_vocab = SimpleNamespace(**{**vars(GPT), "padded_vocab": 50257})
     with pytest.raises(LayoutError, match="vocab_pad_to = 256"):
-        Layout(tp=2).check(odd_vocab)
-    grouped = SimpleNamespace(**{**vars(GPT), "kv_heads": 2})
+        Layout(tp=2).check(_toy(vocab=50257))
     with pytest.raises(LayoutError, match=r"does not divide the key/value heads \(2\)"):
-        Layout(tp=4).check(grouped)
+        Layout(tp=4).check(_toy(kv_heads=2))
     with pytest.raises(LayoutError, match=r"splits the sequence \(1020\) 8 ways"):
-        Layout(tp=8, sp=True).check(SimpleNamespace(**{**vars(GPT), "seq_len": 1020, "heads": 16, "hidden": 1024}))
+        Layout(tp=8, sp=True).check(_toy(seq_len=1020, heads=16, hidden=1024))
 
 
 @pytest.mark.parametrize("lay", [
