@@ -18,17 +18,15 @@ each built afresh, 1 warm-up step, then timed steps), so the methods it compares
 2. **Playoff**: `profiled`, DeepSpeed's built-in splits, the screen's three best splits and the
    splits `profiled` chose in the screen, measured in turn for ``--cycles`` cycles, one launch a
    cycle (A B C .., then B C .. A, ...), each build trained ``--playoff-steps`` steps (the median
-   of all but the first).  The splits near the top differ by 1-3%; one timed step of a build moved
-   by 5-10% on this machine (v5's first playoff, 2 steps a build: per-cycle ratios 0.70-1.21), five
-   timed steps by about 1% ([0,11,14] built three times in one launch: 0.862, 0.881, 0.879
-   samples/s).  Scores are ratios *within a cycle* (profiled's build against the best split's build
-   beside it), medians over the cycles.  v7's two cycles left bench-cpu's `profiled` / best split
-   (the same split, built by both) at 0.947 and 1.007 per cycle: a build of one split moves by a
-   few percent in a playoff launch, so the default is 6 cycles, whose median one such build cannot
-   move alone; since v9 each cycle is its own launch (see ``playoff``).  The best split is the
-   contender with the highest playoff median; a split outside the screen's top three could only
-   beat it by being under-measured by more than the screen's spread, which the screen table shows.
-   Each record keeps its step times (``step_s_each``, step 1 the warm-up).
+   of all but the first).  The splits near the top differ by 1-3%, about what one timed step of a
+   build moves on this machine, so a build times several steps.  Scores are ratios *within a cycle*
+   (profiled's build against the best split's build beside it), medians over the cycles: a build of
+   one split moves by a few percent in a playoff launch, and 6 cycles (the default) are a median one
+   such build cannot move alone; each cycle is its own launch (see ``playoff``: a long launch's
+   later builds ran slower).  The best split is the contender with the highest playoff median; a
+   split outside the screen's top three could only beat it by being under-measured by more than the
+   screen's spread, which the screen table shows.  Each record keeps its step times (``step_s_each``,
+   step 1 the warm-up).  docs/RESULTS.md has the measurements behind each of these choices.
 
 Scores: `profiled` by its own builds (a fresh profile and decision each, as a user's launch would),
 DeepSpeed's `uniform` and `parameters` by the splits their own functions choose.
@@ -37,10 +35,9 @@ DeepSpeed's `uniform` and `parameters` by the splits their own functions choose.
 
 At few micro-batches per step a 2-stage pipeline's fill and drain are a large share of the step
 whatever the split, and a step's fixed costs (engine, optimizer, p2p) weigh more at small micro-
-batches: v2 (micro-batch 2 x 4) measured the best split only 1.13x DeepSpeed's built-in one.  At 8
-micro-batches the balanced split's bubble is 1/9 of the step instead of 1/5, and v5/v6 measured the
-best split 1.16-1.25x the built-in one; at 16 (the default since v7) it is 1/17, and a step twice as
-long lets 3 timed steps a playoff build (``--playoff-steps 4``) time as long as 6 did at 8.
+batches, which hides the split's effect.  At 16 micro-batches (the default) the balanced split's
+bubble is 1/17 of the step, and a step long enough that 3 timed steps a playoff build
+(``--playoff-steps 4``) time well.
 
 Resumable: a launch whose metrics exist in --out is not run again.
 Last line: RESULT profiled_vs_builtin=X profiled_vs_best_split=Y second_model_profiled_vs_best_split=Z

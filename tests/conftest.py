@@ -1,6 +1,32 @@
 import os
 
+import pytest
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "multiprocess: launches real DeepSpeed processes (slow, tens of seconds)")
+
+
+@pytest.fixture
+def two_stage_run(tmp_path):
+    """An instrumented run directory as a run of SCHEDULE would leave it: two stages over four layers, the
+    first twice as slow (forward 4 s + backward 8 s a micro-batch, then 2 + 4 s), four micro-batches,
+    no transfers or update.  Worked by hand: GPipe's step is 54 s, 1F1B's 50 s."""
+    from ds_pipe_ext.costs.types import LayerCost
+    from ds_pipe_ext.instrument.rundir import Predicted, RunDir
+    from ds_pipe_ext.layout import Layout
+
+    def make(schedule: str = "1f1b"):
+        costs = [LayerCost(f"l{i}", f, 2 * f, activation_bytes=100) for i, f in enumerate((2.0, 2.0, 1.0, 1.0))]
+        run = RunDir(tmp_path / schedule)
+        run.write_predicted(Predicted(method="parts:0,2,4", parts=[0, 2, 4], micro_batches=4, layer_costs=costs,
+                                      layout=Layout(pp=2, micro_batches=4, schedule=schedule).to_dict()))
+        zeros = dict.fromkeys(("forward_ms_p90", "backward_ms_p90", "send_activation_ms_mean", "param_bytes",
+                               "grad_bytes", "optimizer_bytes", "activation_peak_bytes", "optimizer_step_ms_mean",
+                               "reduce_grads_ms_mean", "reduce_tied_grads_ms_mean"), 0.0)
+        run.write_summary({"stages": [{**zeros, "stage": s, "forward_ms_mean": f, "backward_ms_mean": 2 * f,
+                                       "step_ms_median": 1.0} for s, f in ((0, 4000.0), (1, 2000.0))]})
+        return run.path
+
+    return make

@@ -82,42 +82,24 @@ def test_refine_scales_each_stage_to_its_measured_time(tmp_path):
         refine_costs(costs[:2], tmp_path)
 
 
-def _fake_run_dir(path, schedule):
-    """Two stages over four layers, the first stage twice as slow; four micro-batches; as recorded by a run."""
-    from ds_pipe_ext.costs.types import LayerCost
-    from ds_pipe_ext.instrument.rundir import Predicted, RunDir
-    from ds_pipe_ext.layout import Layout
-
-    costs = [LayerCost(f"l{i}", f, 2 * f, activation_bytes=100) for i, f in enumerate((2.0, 2.0, 1.0, 1.0))]
-    run = RunDir(path)
-    run.write_predicted(Predicted(method="parts:0,2,4", parts=[0, 2, 4], micro_batches=4, layer_costs=costs,
-                                  layout=Layout(pp=2, micro_batches=4, schedule=schedule).to_dict()))
-    zeros = dict.fromkeys(("forward_ms_p90", "backward_ms_p90", "send_activation_ms_mean", "param_bytes",
-                           "grad_bytes", "optimizer_bytes", "activation_peak_bytes", "optimizer_step_ms_mean",
-                           "reduce_grads_ms_mean", "reduce_tied_grads_ms_mean"), 0.0)
-    run.write_summary({"stages": [{**zeros, "stage": s, "forward_ms_mean": f, "backward_ms_mean": 2 * f,
-                                   "step_ms_median": 1.0} for s, f in ((0, 4000.0), (1, 2000.0))]})
-    return run
-
-
 @pytest.mark.parametrize("schedule, step_s, held", [
     # worked by hand: GPipe runs every forward first, so stage 0's first backward waits for stage 1's
     # four forwards and first backward (t = 22 s), then runs four backwards of 8 s; 1F1B interleaves them
     ("gpipe", 54.0, [4, 4]),
     ("1f1b", 50.0, [2, 1]),
 ])
-def test_report_and_step_fit_use_the_schedule_the_run_ran(tmp_path, schedule, step_s, held):
+def test_report_and_step_fit_use_the_schedule_the_run_ran(two_stage_run, schedule, step_s, held):
     from ds_pipe_ext.instrument.report import build_report
     from ds_pipe_ext.instrument.rundir import RunDir
     from ds_pipe_ext.instrument.step_fit import predict_run, run_stages
     from ds_pipe_ext.simulate.step_model import StepModel
 
-    run = _fake_run_dir(tmp_path, schedule)
-    rep = build_report(tmp_path)
+    run_dir = two_stage_run(schedule)
+    rep = build_report(run_dir)
     assert rep["summary"]["schedule"] == schedule
     assert rep["summary"]["predicted_step_ms"] == pytest.approx(1e3 * step_s)
     assert [r["pred_activation_peak_bytes"] for r in rep["stages"]] == [200 * k for k in held]
-    stages = run_stages(RunDir(tmp_path).read(), "fake")
+    stages = run_stages(RunDir(run_dir).read(), "fake")
     assert stages.schedule == schedule and [st.inflight for st in stages.stages] == held
     assert predict_run(StepModel(), stages) == pytest.approx(step_s)
-    assert run.read_predicted().schedule == schedule
+    assert RunDir(run_dir).read_predicted().schedule == schedule

@@ -160,8 +160,7 @@ def fit_step_model(runs: Sequence[RunStages], *, cores: float | None = None, sha
     # * where ranks share cores (more ranks than ``cores`` in a calibration run): the wake-up of a rank
     #   that slept in a send or receive while the other ranks hold the cores (p2p_wake_s); the latency
     #   stays the fastest sends' line.  A latency fitted instead piles up along every rendezvous of the
-    #   critical path, busy cores or not: v4 of bench/prediction_transfer.py over-predicted an m = 8
-    #   run whose light stages left a core free by 54%.
+    #   critical path, busy cores or not, and over-predicts a run whose light stages leave a core free.
     # * otherwise: the engine's cost of a send or receive instruction whose partner is ready, as a
     #   latency of at least the fastest send.
     def misfit(trial: StepModel) -> float:

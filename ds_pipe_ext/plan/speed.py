@@ -8,9 +8,9 @@ layout the model predicts is a prediction.
 
 Which rates the factor scales: compute and memory always.  Links only where they are the same
 cores' work: CPU ranks talk gloo over loopback TCP, copies through the kernel on the cores that also
-compute, so a loaded machine slows them alike (scaling compute alone made the layouts heavy in
-collectives look relatively fast: runs/planner-vs-measured-v5 ranked worse after the calibration
-than before it).  A GPU's NVLink or network does not slow with its SMs: there the links stay.
+compute, so a loaded machine slows them alike (scaling compute alone would make the layouts heavy
+in collectives look relatively fast; docs/RESULTS.md, the planner).  A GPU's NVLink or network does
+not slow with its SMs: there the links stay.
 """
 
 from __future__ import annotations
