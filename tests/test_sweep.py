@@ -63,3 +63,15 @@ def test_sweep_runs_the_grid_and_resumes_without_rerunning(tmp_path):
     assert {k: v for k, v in after.items() if k != "pp2-m2-nockpt.json"} == \
         {k: v for k, v in finished.items() if k != "pp2-m2-nockpt.json"}
     assert after["pp2-m2-nockpt.json"] > finished["pp2-m2-nockpt.json"]
+
+
+def test_the_shipped_cpu_engine_terms_predict_where_they_fit_the_machine(monkeypatch):
+    import os
+
+    from ds_pipe_ext.cli.sweep import shipped_cpu_terms
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # the cores the shipped terms' calibration runs shared
+    path, terms = shipped_cpu_terms()
+    assert str(path) == "launch_scripts/step_model_cpu.json" and terms.cores == 2 and terms.calibrated_on
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert shipped_cpu_terms() is None

@@ -38,8 +38,10 @@ def cmd_sweep(args) -> int:
     cells = sweep_cells(stages, ms, ckpt, global_batch=global_batch, num_layers=model_cfg.describe().num_pipeline_layers,
                         schedule=args.schedule)
     out = Path(args.out or f"runs/sweep-{model_cfg.name}")
+    shipped = None if args.step_model else shipped_cpu_terms()
     sweep = Sweep(out, model=model, steps=args.steps, method=args.method,
-                  launcher=DeepSpeedLauncher(timeout=args.timeout), step_model=args.step_model)
+                  launcher=DeepSpeedLauncher(timeout=args.timeout), step_model=args.step_model,
+                  predict_with=shipped[1] if shipped else None)
     done = [cell_name(c) for c in cells if sweep.cell_path(c).is_file()]
     if done:
         print(f"resuming {out}: {len(done)} of {len(cells)} cells already finished ({', '.join(done)})",
@@ -55,11 +57,31 @@ def cmd_sweep(args) -> int:
          f"K stages on K ranks, {args.steps} steps each (samples/s: median of steps 2..{args.steps}); "
          f"memory measured by the instrumentation (tensors held), predicted by the partitioner; "
          + (f"times predicted by the step model {args.step_model}" if args.step_model else
-            "times predicted from the per-layer profiles alone (no engine, optimizer or p2p costs: "
-            "pass --step-model FILE from `ds-pipe-ext step-model fit` to include them)"))
+            f"times predicted with this machine's engine terms {shipped[0]} (fitted on "
+            f"{', '.join(shipped[1].calibrated_on)}; --step-model FILE for your own)" if shipped else
+            "times predicted from the per-layer profiles alone (no engine terms fit this machine: no engine, "
+            "optimizer or p2p costs; pass --step-model FILE from `ds-pipe-ext step-model fit` to include them)"))
     emit(render.render_rows(rows))
     emit(f"wrote {out / 'rows.json'} and {png}")
     return 0
+
+
+def shipped_cpu_terms():
+    """(path, StepModel) of the engine terms shipped for CPU ranks (launch_scripts/step_model_cpu.json),
+    where they fit this machine: no GPU, and as many cores as the ranks they were fitted on shared;
+    else None."""
+    import os
+
+    import torch
+
+    from ..runner import ROOT
+    from ..simulate.step_model import StepModel
+
+    path = ROOT / "launch_scripts" / "step_model_cpu.json"
+    if torch.cuda.is_available() or not path.is_file():
+        return None
+    terms = StepModel.load(path)
+    return (path.relative_to(ROOT), terms) if terms.cores == os.cpu_count() else None
 
 
 def add_parser(sub) -> None:

@@ -97,9 +97,16 @@ class Sweep:
     """One sweep's state on disk: OUT/cells/NAME.json per finished cell, OUT/launches/NAME/ per launch."""
 
     def __init__(self, out: Path, *, model: str, steps: int, method: str, launcher: Launcher,
-                 step_model: str | None = None):
+                 step_model: str | None = None, predict_with=None):
+        """``step_model``: a file the launches partition by (``pipeline.step_model``) and the rows are
+        predicted with; ``predict_with``: a ``StepModel`` that only predicts (the launches unchanged)."""
         self.out, self.model, self.steps, self.method = Path(out), model, steps, method
         self.launcher, self.step_model_path = launcher, step_model
+        if step_model and predict_with is None:
+            from ..simulate.step_model import StepModel
+
+            predict_with = StepModel.load(step_model)
+        self.predict_with = predict_with
         self.launched: list[str] = []
 
     def cell_path(self, cell: Layout) -> Path:
@@ -115,12 +122,7 @@ class Sweep:
         self.launched.append(name)
         work = self.out / "launches" / name
         result = self.launcher(CompareConfig(name, cell, self.method), ds, work)
-        step_model = None
-        if self.step_model_path:
-            from ..simulate.step_model import StepModel
-
-            step_model = StepModel.load(self.step_model_path)
-        row = cell_row(cell, result, work / "run", step_model)
+        row = cell_row(cell, result, work / "run", self.predict_with)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(row, indent=1))  # written last: a cell on disk is a finished cell
         return row
