@@ -3,10 +3,11 @@
     python bench/calibrate_at_scale.py [--out docs/CALIBRATION.md]
 
 For every row of ../shared/calibration/ (Narayanan et al. 2021 Table 1 on A100;
-Megatron-core's H100 table) the analytic model predicts one iteration
-(``costs/iteration.py``: per-layer roofline with TP collectives, the stage model, the
-1F1B simulator, DP gradient reduction, the optimizer step) and from it the TFLOP/s per
-GPU *as each source counts them*.  Three efficiency factors per device are fitted by
+Megatron-core's H100 table) the planner's own model predicts one iteration
+(``plan.model.PlanModel.evaluate`` under the ``megatron`` runtime, Megatron's even split: per-layer
+roofline with TP collectives, the stage model, the event simulator, the DP gradient reduction as
+the row's settings run it, the optimizer step) and from it the TFLOP/s per GPU *as each source
+counts them*; the planner then uses the efficiencies fitted through it.  Three efficiency factors per device are fitted by
 least squares on log throughput (GEMM efficiency, the GEMM size at which it halves,
 and link efficiency); every other number is the datasheet's.  Leave-one-out: each row
 is predicted by a fit that did not see it.  The 22B-layer table (Korthikanti et al.
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers  # noqa: E402
 from ds_pipe_ext.costs.hardware import DEVICES  # noqa: E402
-from ds_pipe_ext.costs.iteration import ClusterSpec, predict_iteration  # noqa: E402
+from ds_pipe_ext.plan.model import Cluster, PlanModel  # noqa: E402
 from ds_pipe_ext.layout import Layout  # noqa: E402
 from ds_pipe_ext.models.config import GPTConfig  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
@@ -45,7 +46,7 @@ START, LOWER, UPPER = np.array([0.8, 200.0, 0.7]), np.array([0.2, 0.0, 0.05]), n
 SOURCES = {
     "a100": dict(
         file="megatron_2021_table1.csv", device="a100-80gb", vocab=51200, seq=2048, dropout=0.1, dtype="fp16",
-        cluster=ClusterSpec(8, 300e9, 25e9),
+        cluster=Cluster(8, 300e9, 25e9),
         layout=lambda r: dict(micro_batch=int(r["micro_batch"]), interleave=int(r["interleave_chunks"]),
                               recompute="full", sp=False, overlap_comm=False, zero=0),
         # the paper counts the recomputed forward: F = 96 B s l h^2 (1 + s/6h + V/16lh)
@@ -57,7 +58,7 @@ SOURCES = {
                      "8 x A100-80GB per node on NVLink (300 GB/s a direction), one 200 Gb/s HDR NIC per GPU"]),
     "h100": dict(
         file="megatron_core_h100.csv", device="h100-sxm", vocab=131072, seq=4096, dropout=0.0, dtype="bf16",
-        cluster=ClusterSpec(8, 450e9, 50e9),
+        cluster=Cluster(8, 450e9, 50e9),
         layout=lambda r: dict(micro_batch=1, interleave=1, recompute="selective", sp=int(r["tp"]) > 1,
                               overlap_comm=True, zero=1),  # ZeRO-1: Megatron's distributed optimizer
         # model FLOPs without recompute (Megatron-LM's num_floating_point_operations; MFU = this / 989 TFLOP/s)
@@ -93,11 +94,25 @@ def load_rows(name: str) -> list[dict]:
     return rows
 
 
+def megatron_parts(layers: int, chunks: int) -> list[int]:
+    """Megatron-LM's split: the blocks evenly over the model chunks, the embedding with the first, the
+    head and loss with the last (pipeline layers: embedding, blocks, head)."""
+    per = layers // chunks
+    return [0, *(1 + per * k for k in range(1, chunks)), layers + 2]
+
+
 def predict(rows: list[dict], name: str, x: np.ndarray) -> np.ndarray:
+    """Each row's step through the planner's own model (runtime megatron) on the device with ``x``."""
     src = SOURCES[name]
     device = replace(DEVICES[src["device"]], **dict(zip(FITTED, map(float, x))))
-    return np.array([predict_iteration(r["cfg"], r["layout"], device, src["cluster"], dtype=src["dtype"])
-                     .tflops_per_gpu(r["flops"], r["layout"].world_size) for r in rows])
+    out = []
+    for r in rows:
+        cfg, lay = r["cfg"], r["layout"]
+        model = PlanModel(cfg, device, src["cluster"], seq=cfg.seq_len, global_batch=lay.global_batch,
+                          dtype=src["dtype"])
+        step = model.evaluate(lay, megatron_parts(cfg.layers, lay.num_chunks), check_memory=False).step_s
+        out.append(r["flops"] / (step * lay.world_size) / 1e12)
+    return np.array(out)
 
 
 def fit(rows: list[dict], name: str) -> np.ndarray:

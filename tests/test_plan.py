@@ -15,7 +15,7 @@ from ds_pipe_ext.models.config import load_model_config
 from ds_pipe_ext.plan.bounds import step_lower_bound, step_lower_bound_after_partition
 from ds_pipe_ext.cli.plan import build_model
 from ds_pipe_ext.costs.cpu_comm import fit
-from ds_pipe_ext.costs.iteration import adam_step_s
+from ds_pipe_ext.costs.hardware import adam_step_s
 from ds_pipe_ext.plan.model import OutOfMemory
 from ds_pipe_ext.plan.render import MegatronLayoutChecker, check_in_process, ds_config, megatron_layout
 from ds_pipe_ext.plan.search import search

@@ -109,8 +109,7 @@ class StepModel:
                                activation_bytes=[s.activation_bytes for s in st])
             optimizer = None
             if args.optimizer:
-                from ..costs.iteration import adam_step_s
-                from ..costs.hardware import get_device
+                from ..costs.hardware import adam_step_s, get_device
 
                 device = get_device(args.device)
                 per_rank = [0.0] * sched.num_ranks

@@ -94,6 +94,13 @@ class DeviceSpec:
         return self.intra_node_bandwidth if group_size <= self.gpus_per_node else self.inter_node_bandwidth
 
 
+def adam_step_s(params: float, device: DeviceSpec, *, bytes_per_param: float = 30.0, fresh_sizes=()) -> float:
+    """A memory-bound Adam step over ``params`` parameters: in mixed precision a fused one reads param,
+    grad, m, v and writes param, m, v and the 16-bit copy (~30 bytes a parameter; 28 in fp32).
+    ``fresh_sizes``: bytes of temporaries mapped afresh (a CPU's page faults, ``fresh_alloc_time``)."""
+    return bytes_per_param * params / (device.hbm_bandwidth * device.memory_efficiency) + device.fresh_alloc_time(fresh_sizes)
+
+
 def ring_time(payload_bytes: float, comm_type: str, n: int, bandwidth: float) -> float:
     """Bandwidth term of ring collectives over n ranks (Thakur et al. 2005; NCCL's bus-bandwidth model):
     all-reduce 2(n-1)/n * bytes, all-gather and reduce-scatter (n-1)/n * bytes each."""

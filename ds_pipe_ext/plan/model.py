@@ -39,8 +39,7 @@ from functools import lru_cache
 from ..arch import as_description
 from ..costs import analytic as A
 from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs, layer_ops, shape_for
-from ..costs.hardware import DEVICES, DeviceSpec, get_device
-from ..costs.iteration import adam_step_s
+from ..costs.hardware import DEVICES, DeviceSpec, adam_step_s, get_device
 from ..costs.stage import held_activation_bytes, stage_costs
 from ..costs.zero import state_bytes_per_param, zero_model_states
 from ..layout import Layout
@@ -54,11 +53,11 @@ from .space import PlanError
 FUSED_ADAM_BYTES, UNFUSED_ADAM_BYTES = 30.0, 80.0
 USABLE_MEMORY = 0.9  # of the device's memory; the rest: CUDA context, NCCL buffers, fragmentation
 
-# Efficiency factors fitted on published Megatron-LM runs (bench/calibrate_at_scale.py, docs/CALIBRATION.md);
-# every other number is the datasheet's.  H200 has no published rows: it takes H100's fit.
+# Efficiency factors fitted on published Megatron-LM runs through this model under the megatron runtime
+# (bench/calibrate_at_scale.py, docs/CALIBRATION.md); every other number is the datasheet's.  H200 has no published rows: it takes H100's fit.
 CALIBRATED = {
-    "a100-80gb": {"matrix_efficiency": 0.662, "comm_efficiency": 1.0},
-    "a100-40gb": {"matrix_efficiency": 0.662, "comm_efficiency": 1.0},
+    "a100-80gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0},
+    "a100-40gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0},
     "h100-sxm": {"matrix_efficiency": 0.889, "comm_efficiency": 1.0},
     "h200": {"matrix_efficiency": 0.889, "comm_efficiency": 1.0},
 }
@@ -181,12 +180,21 @@ class PlanModel:
             return Link(measured[0], measured[1])
         return Link(0.0, self._p2p_bandwidth(lay))
 
-    def update_s(self, lay: Layout, params: float, layer_params: list[float] | tuple = ()) -> float:
+    def update_s(self, lay: Layout, params: float, layer_params: list[float] | tuple = (),
+                 hide_under: tuple[float, float] | None = None) -> float:
         """A rank's work after its last backward for ``params`` parameters: its DP collectives, DeepSpeed's
         own passes over the gradients (``engine_passes_s``) and Adam over the parameters it owns
         (ZeRO-2/3's per-micro-batch collectives too: with no overlap, where they sit does not change
         the step of one rank's serial work).  ``layer_params``: the rank's layers' parameter counts,
-        for the page faults of the large tensors a CPU maps afresh every step (none on GPUs)."""
+        for the page faults of the large tensors a CPU maps afresh every step (none on GPUs).
+
+        Under the ``megatron`` runtime: the gradients' all-reduce (reduce-scatter, then the parameters'
+        all-gather, with its distributed optimizer, ZeRO-1), and no DeepSpeed passes; with
+        ``overlap_comm`` half of it hides under the rank's last backward and half under its first
+        forward, ``hide_under`` = (forward s, backward s) of a micro-batch on the rank (None: all of it
+        hides, the least it can cost: the bounds' case)."""
+        if lay.runtime == "megatron":
+            return self._megatron_update_s(lay, params, hide_under)
         dp, m, grads = lay.dp, lay.micro_batches, params * self.e
         bw = self._dp_bandwidth(lay)
 
@@ -207,6 +215,16 @@ class PlanModel:
         return comm + self.engine_passes_s(lay, params, layer_params) + adam_step_s(
             owned, self.device, bytes_per_param=self.adam_bytes_per_param,
             fresh_sizes=self.adam_fresh_bytes(lay, layer_params))
+
+    def _megatron_update_s(self, lay: Layout, params: float, hide_under: tuple[float, float] | None) -> float:
+        grads, bw = params * self.e, self._dp_bandwidth(lay)
+        kinds = ("reduce-scatter", "all-gather") if lay.zero >= 1 else ("all-reduce",)
+        comm = sum(self.device.collective_time(grads, kind, lay.dp, bw) for kind in kinds)
+        if lay.overlap_comm:
+            fwd, bwd = hide_under if hide_under is not None else (math.inf, math.inf)
+            comm = max(0.0, comm / 2 - bwd) + max(0.0, comm / 2 - fwd)
+        owned = params / (lay.dp if lay.zero >= 1 else 1)
+        return comm + adam_step_s(owned, self.device, bytes_per_param=self.adam_bytes_per_param)
 
     def engine_passes_s(self, lay: Layout, params: float, layer_params: list[float] | tuple = ()) -> float:
         """DeepSpeed's own memory passes over a rank's gradients each step, beside the collectives and
@@ -309,7 +327,8 @@ class PlanModel:
         if lay.pp == 1:
             st = stages[0]
             rank_params = [st.param_bytes / self.e]
-            update = self.update_s(lay, rank_params[0], [c.param_bytes / self.e for c in costs])
+            update = self.update_s(lay, rank_params[0], [c.param_bytes / self.e for c in costs],
+                                   hide_under=(st.forward_s, st.backward_s))
             pipeline_s, bubble, held = m * (st.forward_s + st.backward_s) + update, 0.0, [st.activation_bytes]
             chunk_rank = (0,)
         else:
@@ -317,16 +336,23 @@ class PlanModel:
             chunk_rank = sched.chunk_rank
             rank_params = [0.0] * lay.pp
             rank_layer_params: list[list[float]] = [[] for _ in range(lay.pp)]
+            rank_time = [[0.0, 0.0] for _ in range(lay.pp)]  # a micro-batch's forward and backward on the rank
             for st in stages:
-                rank_params[chunk_rank[st.stage]] += st.param_bytes / self.e
-                rank_layer_params[chunk_rank[st.stage]] += [c.param_bytes / self.e
-                                                            for c in costs[parts[st.stage]:parts[st.stage + 1]]]
+                r = chunk_rank[st.stage]
+                rank_params[r] += st.param_bytes / self.e
+                rank_layer_params[r] += [c.param_bytes / self.e for c in costs[parts[st.stage]:parts[st.stage + 1]]]
+                rank_time[r][0] += st.forward_s
+                rank_time[r][1] += st.backward_s
+            # Megatron sends 1/t of a boundary activation between stages and all-gathers it over TP (its
+            # scatter/gather optimisation; under SP the activation is already the rank's shard)
+            split = lay.tp if lay.runtime == "megatron" and not lay.sp else 1
             sim = simulate(sched, ChunkCosts([s.forward_s for s in stages], [s.backward_s for s in stages],
                                              weight_grad_s=[s.weight_grad_s for s in stages],
-                                             output_bytes=[s.boundary_out_bytes for s in stages]),
+                                             output_bytes=[s.boundary_out_bytes / split for s in stages]),
                            network=Network(self._p2p_link(lay)),
-                           optimizer_s=[self.update_s(lay, p, lp)
-                                        for p, lp in zip(rank_params, rank_layer_params)], timeline=False)
+                           optimizer_s=[self.update_s(lay, p, lp, hide_under=tuple(t))
+                                        for p, lp, t in zip(rank_params, rank_layer_params, rank_time)],
+                           timeline=False)
             pipeline_s, bubble = sim.step_s, sim.bubble_fraction
             held = [sched.held_peak(r, [s.activation_bytes for s in stages]) for r in range(lay.pp)]
         memory = []

@@ -1,0 +1,53 @@
+"""The planner's model under Megatron-LM's runtime, through which the at-scale efficiencies are fitted
+(bench/calibrate_at_scale.py): its pieces agree with the simulator's formulas and Megatron's settings."""
+
+import pytest
+
+from ds_pipe_ext.costs.hardware import DEVICES
+from ds_pipe_ext.layout import Layout
+from ds_pipe_ext.models.config import GPTConfig
+from ds_pipe_ext.plan.model import Cluster, PlanModel
+
+A100 = DEVICES["a100-80gb"]
+CLUSTER = Cluster(8, 300e9, 25e9)
+
+
+def _even(layers: int, chunks: int) -> list[int]:
+    per = layers // chunks
+    return [0, *(1 + per * k for k in range(1, chunks)), layers + 2]
+
+
+def _step(cfg, lay: Layout):
+    model = PlanModel(cfg, A100, CLUSTER, seq=cfg.seq_len, global_batch=lay.global_batch, dtype="bf16")
+    return model.evaluate(lay, _even(cfg.layers, lay.num_chunks), check_memory=False), model
+
+
+def test_pipeline_bubble_and_interleaving():
+    small_vocab = GPTConfig(name="u", vocab_size=128, hidden=4096, layers=32, heads=32, seq_len=2048)  # ~equal stages
+    base = dict(tp=8, dp=4, micro_batch=1, micro_batches=16, recompute="full", runtime="megatron")
+    flat, _ = _step(small_vocab, Layout(pp=1, **base))
+    piped, _ = _step(small_vocab, Layout(pp=4, **base))
+    inter, _ = _step(small_vocab, Layout(pp=4, schedule="interleaved:2", **base))
+    m = 16
+    assert flat.bubble_fraction == 0.0
+    assert piped.bubble_fraction == pytest.approx(3 / (m + 3), rel=0.05)  # 1F1B: (p - 1) / (m + p - 1)
+    # v = 2 halves the fill and drain (its extra p2p crossings add a little)
+    assert inter.bubble_fraction == pytest.approx(1.5 / (m + 1.5), rel=0.1)
+
+
+def test_recompute_costs_time_and_overlap_hides_the_gradient_reduction():
+    cfg = GPTConfig(name="t", vocab_size=51200, hidden=4096, layers=32, heads=32, seq_len=2048, dropout=0.1)
+    kw = dict(tp=1, pp=1, dp=64, micro_batch=4, micro_batches=2, runtime="megatron")
+    none, model = _step(cfg, Layout(recompute="none", **kw))
+    full, _ = _step(cfg, Layout(recompute="full", **kw))
+    lay = Layout(recompute="none", **kw)
+    update = model.update_s(lay, model.totals(1, False, 4, "none")[1])  # all the model's parameters
+    # the compute of a step, without its update: one more forward of three under full recompute
+    assert update > 0 and (full.step_s - update) / (none.step_s - update) == pytest.approx(4 / 3, rel=0.1)
+    update = model.update_s(lay, 1e9)
+    hidden = model.update_s(lay.replace(overlap_comm=True), 1e9, hide_under=(0.05, 0.1))
+    assert 0 < hidden < update
+    # with all of it hidden only Adam is left; the distributed optimizer (ZeRO-1) owns 1/dp of it
+    assert model.update_s(lay.replace(overlap_comm=True), 1e9) < hidden
+    assert model.update_s(lay.replace(zero=1, overlap_comm=True), 1e9) == pytest.approx(
+        model.update_s(lay.replace(overlap_comm=True), 1e9) / 64)
