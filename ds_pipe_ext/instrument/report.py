@@ -10,11 +10,13 @@ stage, memory and the bottleneck stage, and the 1F1B step time.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from ..costs.stage import imbalance, stage_costs
 from ..partition.report import render_table
-from ..simulate.schedule import simulate_1f1b
+from ..simulate.events import Link, Network
+from ..simulate.step_model import StepModel
 from .refine import load_run
 
 MIB = 2**20
@@ -79,17 +81,19 @@ def build_report(run_dir: str | Path) -> dict:
     for r, a, b, c, d in zip(rows, _cumulative(pf), _cumulative(pb, reverse=True), _cumulative(mf), _cumulative(mb, reverse=True)):
         r.update(pred_fill_forward_ms=a, pred_fill_backward_ms=b, meas_fill_forward_ms=c, meas_fill_backward_ms=d)
 
-    # Step prediction: the stages' layer times, plus what a refined run learned about the rest
-    # (sends occupy the sender, loading, optimizer step, loss broadcast); without it, the
-    # boundary transfer at the configured link bandwidth.
+    # Step prediction: the stages' layer times through the step model in DeepSpeed's order (the run ran
+    # on its engine), plus what a refined run learned about the rest (sends occupy the sender, loading,
+    # the update, the loss broadcast); without it, the boundary transfers at the configured bandwidth.
     over = pred.overheads or {}
     zero = [0.0] * p
     fwd_s = [f / 1e3 + a + b for f, a, b in zip(pf, over.get("send_forward_s", zero), over.get("load_s", zero))]
     bwd_s = [x / 1e3 + a for x, a in zip(pb, over.get("send_backward_s", zero))]
-    p2p = [0.0] * (p - 1) if over else [r["pred_transfer_ms"] / 1e3 for r in rows[:-1]]
-    sim = simulate_1f1b(fwd_s, bwd_s, m, p2p_s=p2p, optimizer_s=over.get("optimizer_s"), schedule=schedule)
+    timed = [replace(pc, forward_s=f, backward_s=b) for pc, f, b in zip(predicted, fwd_s, bwd_s)]
+    link = Link() if over or not bandwidth else Link(0.0, bandwidth)
+    step = StepModel(step_fixed_s=over.get("tail_s", 0.0)).predict(
+        timed, m, schedule=schedule, network=Network(link), update_s=over.get("optimizer_s"))
+    predicted_step = 1e3 * step.step_s
     measured_step = max(st["step_ms_median"] for st in stages)
-    predicted_step = 1e3 * (sim.step_s + over.get("tail_s", 0.0))
     summary = {
         "run_dir": str(run_dir), "method": pred.method, "parts": parts, "micro_batches": m, "schedule": schedule,
         "recompute": recompute, "refined_from": pred.refined_from,
@@ -100,7 +104,7 @@ def build_report(run_dir: str | Path) -> dict:
         "worst_stage_error_pct": max(abs(r["time_error_pct"]) for r in rows),
         "bottleneck_stage_time": max(range(p), key=lambda s: rows[s]["meas_time_ms"]),
         "bottleneck_stage_memory": max(range(p), key=lambda s: rows[s]["meas_memory_bytes"]),
-        "predicted_bubble_fraction": sim.bubble_fraction,
+        "predicted_bubble_fraction": step.simulation.bubble_fraction,
     }
     return {"summary": summary, "stages": rows}
 

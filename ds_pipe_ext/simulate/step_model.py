@@ -37,6 +37,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .events import ChunkCosts, Link, Network, StepSimulation, simulate
+from ..layout import RUNTIMES
 from .schedules import COMPUTE, Schedule, parse_schedule
 
 CONTENTION_ROUNDS = 6  # fixed-point rounds of the shared-core slowdown (converges in 3-4 on 2-8 ranks)
@@ -96,24 +97,30 @@ class StepModel:
         return processor_sharing(start_s, work_s)
 
     # --- one step ---------------------------------------------------------------------------
-    def predict(self, stages: Sequence, micro_batches: int, *, schedule: str = "1f1b",
-                engine: bool = True) -> "StepPrediction":
+    def predict(self, stages: Sequence, micro_batches: int, *, schedule: str = "1f1b", runtime: str = "deepspeed",
+                network: Network | None = None, update_s: Sequence[float] | None = None) -> "StepPrediction":
         """One step of ``stages`` (``costs.stage.StageCost``, one per chunk in pipeline order).
 
-        ``engine``: use DeepSpeed's engine order and its blocking transfers where the schedule is
-        one the engine runs (1f1b, gpipe); the generic schedule (eager transfers) otherwise.
+        ``runtime``: "deepspeed" runs DeepSpeed's engine order and its blocking transfers where its
+        engine runs the schedule (1f1b, gpipe); "megatron" (and every other schedule) the schedule's
+        own order with eager transfers.  ``network``: the links (default: this model's p2p link).
+        ``update_s``: per rank, work after its last backward beyond this model's optimizer term (what
+        a layout's DP collectives and update add, or what a refined run measured).
         """
-        sched = _schedule(schedule, len(stages), micro_batches, engine)
+        if runtime not in RUNTIMES:
+            raise StepModelError(f"runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")
+        sched = _schedule(schedule, len(stages), micro_batches, runtime == "deepspeed")
         costs = ChunkCosts([self.stage_forward_s(st) for st in stages], [self.stage_backward_s(st) for st in stages],
                            weight_grad_s=[self.backward_scale * st.weight_grad_s for st in stages],
                            output_bytes=[st.boundary_out_bytes for st in stages])
-        network = Network(Link(self.p2p_latency_s, self.p2p_bandwidth))
+        network = network or Network(Link(self.p2p_latency_s, self.p2p_bandwidth))
         sim, slowdown = simulate_shared_cores(sched, costs, network, self.cores, wake_s=self.p2p_wake_s)
         params = [0.0] * sched.num_ranks
         for c, st in enumerate(stages):
             params[sched.chunk_rank[c]] += st.param_bytes
         pipeline = max(sim.stage_finish_s)
-        finish = self.optimizer_finish_s(sim.stage_finish_s, [self.optimizer_s(b) for b in params])
+        work = [self.optimizer_s(b) + (update_s[r] if update_s is not None else 0.0) for r, b in enumerate(params)]
+        finish = self.optimizer_finish_s(sim.stage_finish_s, work)
         step = max(finish)
         return StepPrediction(step_s=step + self.step_fixed_s, pipeline_s=pipeline, optimizer_s=step - pipeline,
                               simulation=sim, slowdown=slowdown)
