@@ -16,7 +16,8 @@ writer of the sections a layout decides) and prints as Megatron-LM arguments.
                               "none": no pipeline engine (data parallel; pp is 1).  Left out: 1f1b
                               with pp > 1, none with pp 1 (a one-stage pipeline is asked for by name)
     ep                        expert-parallel degree (1: no experts yet)
-    offload                   ZeRO-3's states in CPU memory (data parallel only)
+    offload                   ZeRO's optimizer states in CPU memory (ZeRO-Offload, stage >= 1), and under
+                              ZeRO-3 its parameters too
     overlap_comm              gradient reduction overlapped with the backward (DeepSpeed's
                               ``overlap_comm``, Megatron's ``--overlap-grad-reduce``)
     runtime                   deepspeed (its engines and rules) | megatron (Megatron-LM's runtime)
@@ -45,6 +46,13 @@ ZERO_SETTINGS = {
     "stage3_param_persistence_threshold": 0,
     "contiguous_gradients": True,
 }
+
+
+def overlap_comm_of(zero_section: dict) -> bool:
+    """DeepSpeed's ``overlap_comm`` for a ``zero_optimization`` section: as set, else its default (on
+    under ZeRO-3, off below)."""
+    value = zero_section.get("overlap_comm")
+    return bool(value) if value is not None else int(zero_section.get("stage", 0)) == 3
 
 
 class LayoutError(ValueError):
@@ -103,8 +111,8 @@ class Layout:
         if self.pipelined and self.zero > 1 and self.runtime == "deepspeed":
             raise LayoutError(f"DeepSpeed runs ZeRO-0 or 1 under a pipeline, not ZeRO-{self.zero}: use zero <= 1, "
                               f"or no pipeline (schedule 'none')")
-        if self.offload and (self.zero != 3 or self.pipelined):
-            raise LayoutError("offload moves ZeRO-3's states to CPU memory: it needs zero = 3 and no pipeline")
+        if self.offload and self.zero == 0:
+            raise LayoutError("offload moves ZeRO's partitioned states to CPU memory: it needs zero >= 1")
 
     def _check_schedule(self, spec: ScheduleSpec) -> None:
         p, m = self.pp, self.micro_batches
@@ -234,7 +242,7 @@ class Layout:
             zero=int(zero.get("stage", 0)), micro_batch=int(ds.get("train_micro_batch_size_per_gpu", 1)),
             micro_batches=int(ds.get("gradient_accumulation_steps", 1)), recompute=recompute,
             schedule=pipe.get("schedule", "1f1b") if "pipeline" in ds else NO_PIPELINE,
-            offload=offload, overlap_comm=bool(zero.get("overlap_comm", False)))
+            offload=offload, overlap_comm=overlap_comm_of(zero))
 
     def ds_config(self, *, train: dict | None = None, pipeline: dict | None = None, **top) -> dict:
         """The ds.json that runs this layout (the one writer): the sections a layout decides, with
@@ -253,8 +261,10 @@ class Layout:
             ds["tensor_parallel"] = {"size": self.tp, "sequence_parallel": self.sp}
         if self.zero:
             ds["zero_optimization"] = {"stage": self.zero, **ZERO_SETTINGS, "overlap_comm": self.overlap_comm}
-            if self.offload:
-                ds["zero_optimization"].update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
+            if self.offload:  # the optimizer's states at any stage; the parameters too under ZeRO-3
+                ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+                if self.zero == 3:
+                    ds["zero_optimization"]["offload_param"] = {"device": "cpu"}
         if self.pipelined:
             ds["pipeline"] = {"stages": self.pp, "schedule": self.schedule, **(pipeline or {})}
         elif pipeline:

@@ -56,7 +56,7 @@ def test_layout_derives_world_batch_and_chunks():
     ({"pp": 2, "schedule": "none"}, "pp = 2 needs a pipeline schedule"),
     ({"pp": 4, "micro_batches": 6, "schedule": "interleaved:2"}, "multiple of the stages"),
     ({"pp": 4, "micro_batches": 7, "schedule": "dualpipev"}, "at least 2 x stages"),
-    ({"zero": 1, "offload": True}, "offload moves ZeRO-3's states"),
+    ({"zero": 0, "offload": True}, "offload moves ZeRO's partitioned states"),
     ({"zero": 3, "offload": True, "schedule": "1f1b"}, "ZeRO-0 or 1 under a pipeline"),
     ({"ep": 2}, "expert parallelism needs a Mixture-of-Experts model"),
     ({"runtime": "jax"}, "runtime = 'jax'"),
@@ -100,6 +100,7 @@ def test_check_names_vocabulary_padding_and_key_value_heads():
     Layout(pp=2, dp=2, zero=1, micro_batches=8, schedule="dualpipev"),
     Layout(pp=1, dp=1, micro_batches=2, schedule="1f1b"),  # a one-stage pipeline is a pipeline
     Layout(dp=4, zero=3, schedule="none", offload=True, overlap_comm=True),
+    Layout(dp=2, zero=1, offload=True),
     Layout(tp=2, dp=2, zero=2, recompute="selective", schedule="none"),
 ])
 def test_ds_json_round_trips_through_the_layout(lay):
@@ -134,7 +135,12 @@ def test_reading_a_ds_json_an_interval_means_full_recompute_and_bad_sections_are
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
           "pipeline": {"stages": 4, "activation_checkpoint_interval": 1}}
     assert Layout.from_ds_config(ds, 8) == Layout(pp=4, dp=2, micro_batches=4, recompute="full")
-    assert Layout.from_ds_config({"zero_optimization": {"stage": 3}}, 4) == Layout(dp=4, zero=3, schedule="none")
+    # DeepSpeed's default overlap_comm: on under ZeRO-3, off below
+    assert Layout.from_ds_config({"zero_optimization": {"stage": 3}}, 4) == Layout(dp=4, zero=3, overlap_comm=True)
+    assert Layout.from_ds_config({"zero_optimization": {"stage": 2}}, 4) == Layout(dp=4, zero=2)
+    # ZeRO-Offload: the optimizer's states at stage 2, the parameters only under ZeRO-3
+    z2 = Layout(dp=2, zero=2, offload=True).ds_config()["zero_optimization"]
+    assert z2["offload_optimizer"] == {"device": "cpu"} and "offload_param" not in z2
     with pytest.raises(LayoutError, match="world size 6 is not pipeline"):
         Layout.from_ds_config({"pipeline": {"stages": 4}}, 6)
     with pytest.raises(LayoutError, match='"tensor_parallel" must be an object'):

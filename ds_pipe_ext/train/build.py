@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..config_model import ConfigError
 from ..models import family_of, load_model
-from ..layout import Layout, LayoutError
+from ..layout import Layout, LayoutError, overlap_comm_of
 from ..pipe.decide import decide_and_broadcast
 from . import checkpoint
 from .config import RunConfig
@@ -59,7 +59,7 @@ def run_layout(cfg: RunConfig, model_cfg, world: int) -> Layout:
                                    micro_batches=cfg.grad_accum, recompute=recompute,
                                    schedule=cfg.pipeline.schedule if cfg.pipelined else "none",
                                    offload=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
-                                   overlap_comm=bool(zero.get("overlap_comm", False)))
+                                   overlap_comm=overlap_comm_of(zero))
         layout.check(model_cfg)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
