@@ -59,18 +59,12 @@ def worker() -> None:
 
 
 def main() -> None:
-    import subprocess
-
     work = Path(tempfile.mkdtemp(prefix="ds_pipe_ext_overhead_"))
-    os.environ["OVERHEAD_OUT"] = str(work / "times.json")
-    deepspeed = Path(sys.executable).with_name("deepspeed")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     sys.path.insert(0, str(ROOT))
-    from ds_pipe_ext.runner import free_port
+    from ds_pipe_ext.runner import launch
 
-    proc = subprocess.run([str(deepspeed), "--num_gpus", "2", "--master_port", str(free_port()), __file__, "--worker"],
-                          cwd=work, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc, _ = launch(2, None, "--worker", cwd=work, timeout=900, script="bench/instrument_overhead.py",
+                     env={"OVERHEAD_OUT": str(work / "times.json")})
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
     times = json.loads((work / "times.json").read_text())

@@ -122,7 +122,6 @@ def simulate_cell(ranks: list[dict], schedule: str, n: int, b: int) -> float:
 
 def main() -> None:
     import argparse
-    import subprocess
 
     global ROUNDS, STEPS
     ap = argparse.ArgumentParser()
@@ -135,20 +134,18 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     from ds_pipe_ext.partition.report import render_table
-    from ds_pipe_ext.runner import free_port
+    from ds_pipe_ext.runner import launch
 
     work = Path(tempfile.mkdtemp(prefix="ds_pipe_ext_network_"))
-    deepspeed = Path(sys.executable).with_name("deepspeed")
     rows, errors, ratios = {}, [], []
     for b in sizes:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "NETWORK_OUT": str(work),
-               "NETWORK_MICRO_BATCH": str(b), "NETWORK_ROUNDS": str(ROUNDS), "NETWORK_STEPS": str(STEPS)}
+        env = {"NETWORK_OUT": str(work), "NETWORK_MICRO_BATCH": str(b), "NETWORK_ROUNDS": str(ROUNDS),
+               "NETWORK_STEPS": str(STEPS)}
         cfg = json.loads((ROOT / "launch_scripts" / "network_cpu.json").read_text())
         cfg.update(train_micro_batch_size_per_gpu=b, gradient_accumulation_steps=GLOBAL_BATCH // b)
         (work / "network_cpu.json").write_text(json.dumps(cfg))
-        proc = subprocess.run([str(deepspeed), "--num_gpus", str(STAGES), "--master_port", str(free_port()), __file__,
-                               "--worker"], cwd=work, env={**env, "NETWORK_CONFIG": str(work / "network_cpu.json")},
-                              capture_output=True, text=True, timeout=1800)
+        proc, _ = launch(STAGES, None, "--worker", cwd=work, timeout=1800, script="bench/schedule_network.py",
+                         env={**env, "NETWORK_CONFIG": str(work / "network_cpu.json")})
         if proc.returncode != 0:
             raise SystemExit(proc.stderr[-3000:])
         ranks = [json.loads((work / f"b{b}.rank{r}.json").read_text()) for r in range(STAGES)]

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -59,8 +57,11 @@ def worker(stage: int) -> None:
     dp = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
     predicted = zero_model_states(numels, dp=dp, stage=stage, element_bytes=2, rank=rank).to_dict()
-    print("RESULT-RANK " + json.dumps({"stage": stage, "rank": rank, "params": sum(numels),
-                                       "measured": probe.read(), "predicted": predicted}), flush=True)
+    # one write per line: the ranks share the launcher's stdout, unbuffered (python -u), so print's
+    # separate write of the newline could let the other rank's line in between
+    sys.stdout.write("RESULT-RANK " + json.dumps({"stage": stage, "rank": rank, "params": sum(numels),
+                                                 "measured": probe.read(), "predicted": predicted}) + "\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -75,12 +76,11 @@ def main() -> None:
     from ds_pipe_ext.compat.zero import deepspeed_estimate_bytes
 
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in build_model().modules())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    deepspeed = str(Path(sys.executable).with_name("deepspeed"))
+    from ds_pipe_ext.runner import launch
+
     worst, lines = 0.0, []
     for stage in (1, 2, 3):
-        proc = subprocess.run([deepspeed, "--num_gpus", str(args.world), __file__, "--stage", str(stage)],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        proc, _ = launch(args.world, None, "--stage", str(stage), timeout=600, script="bench/zero_rules_16bit.py")
         ranks = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
                  if line.startswith("RESULT-RANK ")]
         if proc.returncode or len(ranks) != args.world:

@@ -37,23 +37,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(num_ranks: int, config: Path | None, *args: str, out_dir: Path, cwd: Path = ROOT, timeout: int = 240,
-           threads_per_rank: int = 1, script: str = "train.py", env: dict | None = None):
-    """Returns (completed process, {rank: metrics}).  Ranks run with OMP_NUM_THREADS=threads_per_rank.
+def launch(num_ranks: int, config: Path | None, *args: str, out_dir: Path | None = None, cwd: Path = ROOT,
+           timeout: int = 240, threads_per_rank: int = 1, script: str = "train.py", env: dict | None = None):
+    """``deepspeed --num_gpus N SCRIPT ...`` on a free port, the one launcher of the tests and benches.
+    Returns (completed process, {rank: metrics}).  Ranks run with OMP_NUM_THREADS=threads_per_rank.
 
-    ``script`` (relative to the repository) must accept ``--metrics-out`` and write NAME.rankR.json files;
+    ``script`` (relative to the repository) gets ``--metrics-out OUT_DIR/metrics.json`` where ``out_dir``
+    is given, and must then write NAME.rankR.json files; without ``out_dir`` it reports its own way.
     ``config`` is passed as ``--deepspeed_config`` unless None.
     """
-    metrics = out_dir / "metrics.json"
     deepspeed = Path(sys.executable).with_name("deepspeed")
     config_args = ["--deepspeed_config", str(config)] if config is not None else []
+    metrics_args = ["--metrics-out", str(out_dir / "metrics.json")] if out_dir is not None else []
     cmd = [str(deepspeed), "--num_gpus", str(num_ranks), "--master_port", str(free_port()), str(ROOT / script),
-           *config_args, "--metrics-out", str(metrics), *args]
+           *config_args, *metrics_args, *args]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONPATH": str(ROOT),
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", **(env or {})}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     ranks = {}
-    for f in out_dir.glob("metrics.rank*.json"):
+    for f in (out_dir.glob("metrics.rank*.json") if out_dir is not None else ()):
         d = json.loads(f.read_text())
         ranks[d["rank"]] = d
     return proc, ranks
