@@ -48,7 +48,7 @@ ZERO_SETTINGS = {
 }
 
 
-def overlap_comm_of(zero_section: dict) -> bool:
+def _overlap_comm(zero_section: dict) -> bool:
     """DeepSpeed's ``overlap_comm`` for a ``zero_optimization`` section: as set, else its default (on
     under ZeRO-3, off below)."""
     value = zero_section.get("overlap_comm")
@@ -232,7 +232,7 @@ class Layout:
         recompute = section("train").get("recompute", "none")
         if recompute == "none" and pipe.get("activation_checkpoint_interval", 0):
             recompute = "full"
-        offload = (section("zero_optimization").get("offload_optimizer") or {}).get("device") == "cpu"
+        offload = (zero.get("offload_optimizer") or {}).get("device") == "cpu"
         stages = pipe.get("stages", 1) if "pipeline" in ds else 1
         if stages == "auto":
             raise LayoutError('pipeline.stages = "auto" is resolved from the world size when training; '
@@ -242,7 +242,7 @@ class Layout:
             zero=int(zero.get("stage", 0)), micro_batch=int(ds.get("train_micro_batch_size_per_gpu", 1)),
             micro_batches=int(ds.get("gradient_accumulation_steps", 1)), recompute=recompute,
             schedule=pipe.get("schedule", "1f1b") if "pipeline" in ds else NO_PIPELINE,
-            offload=offload, overlap_comm=overlap_comm_of(zero))
+            offload=offload, overlap_comm=_overlap_comm(zero))
 
     def ds_config(self, *, train: dict | None = None, pipeline: dict | None = None, **top) -> dict:
         """The ds.json that runs this layout (the one writer): the sections a layout decides, with

@@ -38,7 +38,7 @@ a working set of the largest module in 32 bits (4 bytes x its parameters) and le
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,6 @@ def layer_states_by_rule(costs: list, *, stage: int, dp: int, element_bytes: int
     ``stage`` over ``dp`` ranks (``state_bytes_by_kind``), from their parameters (``param_bytes`` in
     ``element_bytes`` each).  A frozen layer (no gradient bytes) keeps only its weights, partitioned
     under ZeRO-3.  The states are Adam's, whatever the profile's ``optimizer_bytes_per_param`` said."""
-    from dataclasses import replace
-
     p, g, o = state_bytes_by_kind(stage, dp, element_bytes)
     out = []
     for c in costs:

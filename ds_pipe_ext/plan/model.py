@@ -54,7 +54,8 @@ FUSED_ADAM_BYTES, UNFUSED_ADAM_BYTES = 30.0, 80.0
 USABLE_MEMORY = 0.9  # of the device's memory; the rest: CUDA context, NCCL buffers, fragmentation
 
 # Efficiency factors fitted on published Megatron-LM runs through this model under the megatron runtime
-# (bench/calibrate_at_scale.py, docs/CALIBRATION.md); every other number is the datasheet's.  H200 has no published rows: it takes H100's fit.
+# (bench/calibrate_at_scale.py, docs/CALIBRATION.md); every other number is the datasheet's.  H200 has
+# no published rows: it takes H100's fit.
 CALIBRATED = {
     "a100-80gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0},
     "a100-40gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0},

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..config_model import ConfigError
 from ..models import family_of, load_model
-from ..layout import Layout, LayoutError, overlap_comm_of
+from ..layout import Layout, LayoutError
 from ..pipe.decide import decide_and_broadcast
 from . import checkpoint
 from .config import RunConfig
@@ -46,20 +46,18 @@ class Built:
 
 
 def run_layout(cfg: RunConfig, model_cfg, world: int) -> Layout:
-    """The run's layout from ds.json and the world size, checked against the model before any process group."""
-    tp, sp = cfg.tensor_parallel.size, cfg.tensor_parallel.sequence_parallel
-    stages = cfg.pipeline.stages if cfg.pipelined else 1
-    pp = max(world // tp, 1) if stages == "auto" else stages  # "auto": every rank a stage of its TP group
-    recompute = cfg.train.recompute
-    if cfg.pipelined and recompute == "none" and cfg.pipeline.activation_checkpoint_interval:
-        recompute = "full"  # DeepSpeed replays every checkpointed layer's forward
-    zero = cfg.deepspeed.get("zero_optimization", {})
+    """The run's layout, read from its validated ds.json sections by ``Layout.from_ds_config`` (pipeline
+    stages "auto" resolved: every rank a stage of its TP group), and checked against the model, all
+    before any process group."""
+    ds = {**cfg.deepspeed, "train": {"recompute": cfg.train.recompute},
+          "tensor_parallel": cfg.tensor_parallel.model_dump()}
+    if cfg.pipelined:
+        stages = cfg.pipeline.stages
+        ds["pipeline"] = {"stages": max(world // cfg.tensor_parallel.size, 1) if stages == "auto" else stages,
+                          "schedule": cfg.pipeline.schedule,
+                          "activation_checkpoint_interval": cfg.pipeline.activation_checkpoint_interval}
     try:
-        layout = Layout.from_world(world, pp=pp, tp=tp, sp=sp, zero=cfg.zero_stage, micro_batch=cfg.micro_batch,
-                                   micro_batches=cfg.grad_accum, recompute=recompute,
-                                   schedule=cfg.pipeline.schedule if cfg.pipelined else "none",
-                                   offload=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
-                                   overlap_comm=overlap_comm_of(zero))
+        layout = Layout.from_ds_config(ds, world)
         layout.check(model_cfg)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
