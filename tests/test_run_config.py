@@ -171,3 +171,23 @@ def test_squared_l2_matches_float64(n):
     assert float(squared_l2(g.view(-1, 1) if n else g)) == pytest.approx(want, rel=1e-5, abs=1e-12)  # any shape
     b = g.bfloat16()
     assert float(squared_l2(b)) == pytest.approx(float(b.double().pow(2).sum()), rel=1e-5, abs=1e-12)
+
+
+def test_zero_offload_trains_with_deepspeeds_cpu_adam(monkeypatch):
+    """DeepSpeed refuses any client optimizer but its CPU Adam under ZeRO-Offload (a ds.json that
+    offloads the optimizer once stopped train.py at initialize); without offload torch's AdamW stays."""
+    import deepspeed.ops.adam as ds_adam
+
+    from ds_pipe_ext.train.build import make_adamw
+
+    made = []
+
+    class RecordingCPUAdam:  # the real op compiles for about a minute on first use
+        def __init__(self, params, *, lr, adamw_mode):
+            made.append((len(list(params)), lr, adamw_mode))
+
+    monkeypatch.setattr(ds_adam, "DeepSpeedCPUAdam", RecordingCPUAdam)
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))]
+    assert isinstance(make_adamw(params, lr=1e-3, offload=True), RecordingCPUAdam)
+    assert made == [(2, 1e-3, True)]
+    assert isinstance(make_adamw(params, lr=1e-3), torch.optim.AdamW)

@@ -132,8 +132,14 @@ def load_full_state(model: torch.nn.Module, path: str, *, tp: int, pipelined: bo
     model.load_state_dict({k: full.get(k, v) for k, v in model.state_dict().items()})
 
 
-def make_adamw(params, *, lr: float):
-    """AdamW: apex's FusedAdam on CUDA when apex is importable (an optional accelerator), torch's otherwise."""
+def make_adamw(params, *, lr: float, offload: bool = False):
+    """AdamW: DeepSpeed's CPU Adam where ZeRO-Offload keeps the optimizer's states in CPU memory (DeepSpeed
+    refuses any other client optimizer there; its op is compiled on first use, about a minute), else
+    apex's FusedAdam on CUDA when apex is importable (an optional accelerator), torch's otherwise."""
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, lr=lr, adamw_mode=True)
     if torch.cuda.is_available():
         try:
             from apex.optimizers import FusedAdam
@@ -150,7 +156,8 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, layout: Layout):
     ds = cfg.deepspeed_config()
     optimizer = None
     if "optimizer" not in ds:
-        optimizer = make_adamw([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr)
+        optimizer = make_adamw([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr,
+                               offload=layout.offload)
     mpu = None
     if layout.tp > 1 and not cfg.pipelined:  # data-parallel engine: reduce over the DP group only
         from ..compat.mpu import MegatronMPU
