@@ -4,6 +4,8 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import ds_pipe_ext.pipe.schedules  # noqa: E402,F401 - an edge, as train.py and the CLI are: hands in DeepSpeed's order
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "multiprocess: launches real DeepSpeed processes (slow, tens of seconds)")
 

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     common.set_result_stream(sys.stdout)
+    from ..pipe import schedules  # noqa: F401 - hands the step model DeepSpeed's order (the deepspeed runtime)
+
     try:
         with contextlib.redirect_stdout(sys.stderr):
             return args.func(args)

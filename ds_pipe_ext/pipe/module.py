@@ -32,6 +32,7 @@ from ..simulate.step_model import StepModel
 from .config import PipelineSettings
 from .decide import decide_and_broadcast
 from .freeze import frozen_flags
+from . import schedules as _engine_order  # noqa: F401 - hands the step model DeepSpeed's order of instructions
 
 log = logging.getLogger(__name__)
 

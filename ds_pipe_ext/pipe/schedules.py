@@ -23,6 +23,7 @@ from __future__ import annotations
 from deepspeed.runtime.pipe import schedule as ds
 
 from ..simulate.schedules import Schedule, Work
+from ..simulate.step_model import register_engine_order
 
 
 class GPipeSchedule(ds.PipeSchedule):
@@ -74,3 +75,6 @@ def engine_schedule(name: str, num_stages: int, micro_batches: int) -> Schedule:
                 order.append(Work(kind, i, s))
         orders.append(tuple(order))
     return Schedule(f"{name} (DeepSpeed engine)", num_stages, micro_batches, tuple(range(num_stages)), tuple(orders))
+
+
+register_engine_order("deepspeed", engine_schedule)  # the step model times DeepSpeed runs in its engine's order

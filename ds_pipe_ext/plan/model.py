@@ -14,7 +14,8 @@ plus the activations the schedule holds (``Schedule.held_peak``: per rank, from 
 cap is ``USABLE_MEMORY`` of the device: CUDA context, NCCL buffers and allocator fragmentation
 take the rest.
 
-The step: the event simulator runs the schedule over the partitioned chunks (p2p on the link
+The step: ``StepModel.predict`` (the one step prediction; its engine terms zero unless fitted on
+this device) runs the layout's runtime's order over the partitioned chunks (p2p on the link
 between neighbouring stages); each rank's optimizer work after its last backward is its
 data-parallel collective plus Adam over the parameters it owns.  Collectives are ring formulas
 over the group's link, or, where the device has measured ones (CPU ranks over gloo,
@@ -44,7 +45,8 @@ from ..costs.stage import held_activation_bytes, stage_costs
 from ..costs.zero import state_bytes_per_param, zero_model_states
 from ..layout import Layout
 from ..partition.algorithms import InfeasibleMemoryCap, partition_min_max_lists, smallest_feasible_cap_lists
-from ..simulate.events import ChunkCosts, Link, Network, simulate
+from ..simulate.events import Link, Network
+from ..simulate.step_model import StepModel
 from .space import PlanError
 
 # Adam's memory traffic per parameter: fused (apex, Megatron) reads param, grad, m, v and writes
@@ -127,8 +129,11 @@ class PlanModel:
     """Costs of layouts of one model on one device and cluster, with per-layer costs cached."""
 
     def __init__(self, cfg, device: DeviceSpec, cluster: Cluster, *, seq: int, global_batch: int,
-                 dtype: str = "bf16", memory_fraction: float = USABLE_MEMORY):
+                 dtype: str = "bf16", memory_fraction: float = USABLE_MEMORY, step_model: StepModel | None = None):
         self.cfg, self.device, self.cluster = as_description(cfg), device, cluster  # what the model computes
+        # the engine's own terms per instruction and layer (fitted on instrumented runs of this device;
+        # zero until measured on it), through which every step is predicted
+        self.step_model = step_model or StepModel()
         self.seq, self.global_batch, self.dtype = seq, global_batch, dtype
         self.memory_fraction = memory_fraction
         self.e = DTYPE_BYTES[dtype]
@@ -141,7 +146,7 @@ class PlanModel:
     def on_device(self, device: DeviceSpec) -> "PlanModel":
         """The same plan on another device (a fresh model: layer costs are cached per model)."""
         return PlanModel(self.cfg, device, self.cluster, seq=self.seq, global_batch=self.global_batch, dtype=self.dtype,
-                         memory_fraction=self.memory_fraction)
+                         memory_fraction=self.memory_fraction, step_model=self.step_model)
 
     def _model_flops_per_sample(self) -> float:
         """Matrix and attention FLOPs of forward + backward of one sample (no recompute): MFU's numerator."""
@@ -325,37 +330,29 @@ class PlanModel:
         stages = stage_costs(costs, parts, micro_batches=lay.micro_batches, recompute=full,
                              schedule=lay.schedule_spec.name)
         m = lay.micro_batches
-        if lay.pp == 1:
-            st = stages[0]
-            rank_params = [st.param_bytes / self.e]
-            update = self.update_s(lay, rank_params[0], [c.param_bytes / self.e for c in costs],
-                                   hide_under=(st.forward_s, st.backward_s))
-            pipeline_s, bubble, held = m * (st.forward_s + st.backward_s) + update, 0.0, [st.activation_bytes]
-            chunk_rank = (0,)
-        else:
-            sched = lay.schedule_spec.for_chunks(len(stages), m)
-            chunk_rank = sched.chunk_rank
-            rank_params = [0.0] * lay.pp
-            rank_layer_params: list[list[float]] = [[] for _ in range(lay.pp)]
-            rank_time = [[0.0, 0.0] for _ in range(lay.pp)]  # a micro-batch's forward and backward on the rank
-            for st in stages:
-                r = chunk_rank[st.stage]
-                rank_params[r] += st.param_bytes / self.e
-                rank_layer_params[r] += [c.param_bytes / self.e for c in costs[parts[st.stage]:parts[st.stage + 1]]]
-                rank_time[r][0] += st.forward_s
-                rank_time[r][1] += st.backward_s
+        spec = lay.schedule_spec
+        chunk_rank = spec.chunk_rank(lay.pp)
+        rank_params = [0.0] * lay.pp
+        rank_layer_params: list[list[float]] = [[] for _ in range(lay.pp)]
+        rank_time = [[0.0, 0.0] for _ in range(lay.pp)]  # a micro-batch's forward and backward on the rank
+        for st in stages:
+            r = chunk_rank[st.stage]
+            rank_params[r] += st.param_bytes / self.e
+            rank_layer_params[r] += [c.param_bytes / self.e for c in costs[parts[st.stage]:parts[st.stage + 1]]]
+            rank_time[r][0] += st.forward_s
+            rank_time[r][1] += st.backward_s
+        if lay.runtime == "megatron" and lay.tp > 1 and not lay.sp:
             # Megatron sends 1/t of a boundary activation between stages and all-gathers it over TP (its
             # scatter/gather optimisation; under SP the activation is already the rank's shard)
-            split = lay.tp if lay.runtime == "megatron" and not lay.sp else 1
-            sim = simulate(sched, ChunkCosts([s.forward_s for s in stages], [s.backward_s for s in stages],
-                                             weight_grad_s=[s.weight_grad_s for s in stages],
-                                             output_bytes=[s.boundary_out_bytes / split for s in stages]),
-                           network=Network(self._p2p_link(lay)),
-                           optimizer_s=[self.update_s(lay, p, lp, hide_under=tuple(t))
-                                        for p, lp, t in zip(rank_params, rank_layer_params, rank_time)],
-                           timeline=False)
-            pipeline_s, bubble = sim.step_s, sim.bubble_fraction
-            held = [sched.held_peak(r, [s.activation_bytes for s in stages]) for r in range(lay.pp)]
+            stages = [replace(st, boundary_out_bytes=st.boundary_out_bytes / lay.tp) for st in stages]
+        pred = self.step_model.predict(
+            stages, m, schedule=spec.name if lay.pipelined else "none", runtime=lay.runtime,
+            network=Network(self._p2p_link(lay)), timeline=False,
+            update_s=[self.update_s(lay, p, lp, hide_under=tuple(t))
+                      for p, lp, t in zip(rank_params, rank_layer_params, rank_time)])
+        pipeline_s, bubble = pred.step_s, pred.simulation.bubble_fraction
+        sched = spec.for_chunks(len(stages), m)
+        held = [sched.held_peak(r, [s.activation_bytes for s in stages]) for r in range(lay.pp)]
         memory = []
         for r in range(lay.pp):
             states = zero_model_states([int(rank_params[r])], dp=lay.dp, stage=lay.zero, element_bytes=self.e)

@@ -24,8 +24,13 @@ A step on DeepSpeed's engine costs more, and not only on the slowest stage:
 Every term is a function of the configuration (which layers a stage holds, micro-batches,
 schedule, recompute, ranks per core), so a model fitted on one or two instrumented runs
 (``instrument.step_fit``) predicts others.  Without a fit (``StepModel()``) it is the
-layer costs alone through the schedule.  Pure Python; DeepSpeed is imported only to read
-its engine's order, and only where the schedule is one the engine runs.
+layer costs alone through the schedule.  Pure Python: the ``deepspeed`` runtime's order of
+instructions is handed in by the DeepSpeed adapter (``pipe.schedules`` registers it in
+``ENGINE_ORDERS`` when imported); this module never imports DeepSpeed.
+
+``StepModel.predict`` is the one step prediction: the step search, ``PipelineModule``'s plan, the
+planner (``PlanModel.evaluate``), ``simulate``, ``report``, ``sweep`` and the three fits
+(``instrument.step_fit``, ``plan.speed``, ``bench/calibrate_at_scale.py``) all call it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,17 @@ CONTENTION_ROUNDS = 6  # fixed-point rounds of the shared-core slowdown (converg
 
 class StepModelError(ValueError):
     """A step model file or fit that cannot be used; the message says why and what to do."""
+
+
+# runtime -> (schedule name, chunks, micro-batches) -> the Schedule its engine runs, for the schedules
+# it runs itself; registered by the runtime's adapter (DeepSpeed's: ``pipe.schedules``)
+ENGINE_ORDERS: dict = {}
+ENGINE_SCHEDULES = {"deepspeed": ("1f1b", "gpipe")}
+
+
+def register_engine_order(runtime: str, order) -> None:
+    ENGINE_ORDERS[runtime] = order
+    _schedule.cache_clear()
 
 
 @dataclass(frozen=True)
@@ -98,23 +114,28 @@ class StepModel:
 
     # --- one step ---------------------------------------------------------------------------
     def predict(self, stages: Sequence, micro_batches: int, *, schedule: str = "1f1b", runtime: str = "deepspeed",
-                network: Network | None = None, update_s: Sequence[float] | None = None) -> "StepPrediction":
+                network: Network | None = None, update_s: Sequence[float] | None = None,
+                timeline: bool = True) -> "StepPrediction":
         """One step of ``stages`` (``costs.stage.StageCost``, one per chunk in pipeline order).
 
         ``runtime``: "deepspeed" runs DeepSpeed's engine order and its blocking transfers where its
         engine runs the schedule (1f1b, gpipe); "megatron" (and every other schedule) the schedule's
         own order with eager transfers.  ``network``: the links (default: this model's p2p link).
         ``update_s``: per rank, work after its last backward beyond this model's optimizer term (what
-        a layout's DP collectives and update add, or what a refined run measured).
+        a layout's DP collectives and update add, or what a refined run measured).  ``timeline=False``
+        keeps no per-item slots (the planner predicts thousands of layouts).  ``schedule`` "none" (no
+        pipeline) is one stage.
         """
         if runtime not in RUNTIMES:
             raise StepModelError(f"runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")
-        sched = _schedule(schedule, len(stages), micro_batches, runtime == "deepspeed")
+        sched = _schedule("1f1b" if schedule == "none" else schedule, len(stages), micro_batches, runtime)
         costs = ChunkCosts([self.stage_forward_s(st) for st in stages], [self.stage_backward_s(st) for st in stages],
                            weight_grad_s=[self.backward_scale * st.weight_grad_s for st in stages],
-                           output_bytes=[st.boundary_out_bytes for st in stages])
+                           output_bytes=[st.boundary_out_bytes for st in stages],
+                           activation_bytes=[st.activation_bytes for st in stages])
         network = network or Network(Link(self.p2p_latency_s, self.p2p_bandwidth))
-        sim, slowdown = simulate_shared_cores(sched, costs, network, self.cores, wake_s=self.p2p_wake_s)
+        sim, slowdown = simulate_shared_cores(sched, costs, network, self.cores, wake_s=self.p2p_wake_s,
+                                              timeline=timeline)
         params = [0.0] * sched.num_ranks
         for c, st in enumerate(stages):
             params[sched.chunk_rank[c]] += st.param_bytes
@@ -194,11 +215,14 @@ def _layers(stage) -> int:
 
 
 @lru_cache(maxsize=128)
-def _schedule(name: str, num_chunks: int, micro_batches: int, engine: bool) -> Schedule:
-    if engine and name in ("1f1b", "gpipe"):
-        from ..pipe.schedules import engine_schedule  # DeepSpeed's own instruction order
-
-        return engine_schedule(name, num_chunks, micro_batches)
+def _schedule(name: str, num_chunks: int, micro_batches: int, runtime: str) -> Schedule:
+    """The order ``runtime`` runs: its engine's own where it runs the schedule (and has more than one
+    stage: one stage has no transfers to place), else the schedule's, with eager transfers."""
+    if name in ENGINE_SCHEDULES.get(runtime, ()) and num_chunks > 1:
+        if runtime not in ENGINE_ORDERS:
+            raise StepModelError(f"the {runtime} runtime runs its engine's order of {name}, which its adapter "
+                                 f"registers: import ds_pipe_ext.pipe.schedules (needs DeepSpeed) first")
+        return ENGINE_ORDERS[runtime](name, num_chunks, micro_batches)
     return parse_schedule(name).for_chunks(num_chunks, micro_batches)
 
 
@@ -234,16 +258,16 @@ def processor_sharing(start_s: Sequence[float], work_s: Sequence[float]) -> list
     return finish
 
 
-def simulate_shared_cores(schedule: Schedule, costs: ChunkCosts, network: Network,
-                          cores: float | None, *, wake_s: float = 0.0) -> tuple[StepSimulation, dict]:
+def simulate_shared_cores(schedule: Schedule, costs: ChunkCosts, network: Network, cores: float | None, *,
+                          wake_s: float = 0.0, timeline: bool = True) -> tuple[StepSimulation, dict]:
     """The step where ranks share ``cores`` cores: an item that runs while k ranks compute takes
     max(1, k / cores) times as long (processor sharing), and a rank that slept at a rendezvous waits
     ``wake_s`` for a core when, besides its partner, enough other ranks compute to fill the cores.
     Found as a fixed point: simulate, measure each compute item's mean overlap with the others and
     who computes at each rendezvous, stretch and delay, simulate again."""
-    sim = simulate(schedule, costs, network=network)
     if not cores or schedule.num_ranks <= cores:
-        return sim, {}
+        return simulate(schedule, costs, network=network, timeline=timeline), {}
+    sim = simulate(schedule, costs, network=network)
     slowdown: dict = {}
     wake: dict = {}
     for _ in range(CONTENTION_ROUNDS):
