@@ -11,8 +11,8 @@ to a multi-second step here, so they are scaled until the slowest at least doubl
 
 One launch per micro-batch size runs every (schedule, network) cell in alternating order
 (A B ... then reversed) for ROUNDS rounds of STEPS steps, so drift hits every cell alike;
-the measured step is the median.  The simulator (``simulate.events`` on DeepSpeed's own
-instruction streams, ``pipe.schedules.engine_schedule``, with rendezvous transfers) takes
+the measured step is the median.  The one step prediction (``StepModel.predict`` under the
+deepspeed runtime: DeepSpeed's own instruction streams, with rendezvous transfers) takes
 per-stage forward, backward and optimizer times measured in ONE cell of each launch (1F1B
 on the fastest network: the calibration cell) and predicts the other seven; the error is
 quoted over the predicted cells only.
@@ -96,9 +96,12 @@ def worker() -> None:
 
 
 def simulate_cell(ranks: list[dict], schedule: str, n: int, b: int) -> float:
-    """The step the simulator predicts for one cell, from the calibration cell's stage times."""
-    from ds_pipe_ext.pipe.schedules import engine_schedule
-    from ds_pipe_ext.simulate.events import ChunkCosts, Link, Network, simulate
+    """The step the one step prediction (``StepModel.predict``, DeepSpeed's engine order) gives one
+    cell, from the calibration cell's stage times."""
+    import ds_pipe_ext.pipe.schedules  # noqa: F401 - hands the step model DeepSpeed's order
+    from ds_pipe_ext.costs.stage import measured_stages
+    from ds_pipe_ext.models.config import load_model_config
+    from ds_pipe_ext.simulate.step_model import StepModel
 
     m = GLOBAL_BATCH // b
 
@@ -113,11 +116,13 @@ def simulate_cell(ranks: list[dict], schedule: str, n: int, b: int) -> float:
     # one, so the smallest is their own cost, paid after the last stage arrives
     opt = [min(calib(r, "optimizer_ms") for r in by_stage)] * STAGES
     tail = min(calib(r, "aggregate_loss_ms") for r in by_stage)
-    boundary = b * 256 * 512 * 4  # fp32 activation of network-cpu
+    cfg = load_model_config("network-cpu")
+    boundary = b * cfg.seq_len * cfg.hidden * 4  # the fp32 activation a stage sends
+    parts = list(range(STAGES + 1))  # per-stage times: the layers behind them do not matter here
+    stages = measured_stages(parts, fwd, bwd, [boundary] * STAGES)
     lat, gbs = NETWORKS[n]
-    sim = simulate(engine_schedule(schedule, STAGES, m), ChunkCosts(fwd, bwd, output_bytes=[boundary] * STAGES),
-                   network=Network(Link(lat / 1e3, gbs * 1e9)), optimizer_s=opt)
-    return sim.step_s + tail
+    model = StepModel(p2p_latency_s=lat / 1e3, p2p_bandwidth=gbs * 1e9, step_fixed_s=tail)
+    return model.predict(stages, m, schedule=schedule, update_s=opt).step_s
 
 
 def main() -> None:

@@ -9,7 +9,10 @@ cached) or a run directory of an instrumented launch (its measured per-stage tim
 optimizer step, at the run's stages and micro-batch size).  The layers are split by
 ``--method`` (default: the min-max split of those costs) into stages, or into chunks for
 interleaved and DualPipeV.  Bandwidth is in GB/s (gigabytes).  Interleaved and ZB-H1 are
-simulated only: DeepSpeed has no engine for them.
+simulated only: DeepSpeed has no engine for them.  The step is ``StepModel.predict``'s, the one
+prediction every command makes, in ``--runtime``'s order: DeepSpeed's engine order of 1F1B and
+GPipe (its transfers block where the engine places them), or the schedule's own with eager
+transfers (``megatron``).
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import json
 import sys
 from dataclasses import dataclass
 
-from ..simulate.events import ChunkCosts, Link, Network, StepSimulation, simulate
+from ..layout import RUNTIMES
+from ..simulate.events import Link, Network, StepSimulation
 from ..simulate.render import text_timeline, write_gantt
 from ..simulate.schedules import SCHEDULES, SIMULATED_ONLY, parse_schedule
+from ..simulate.step_model import StepModel
 
 # seed 004's four settings (delay, Gb/s) in GB/s: default ~0.1 ms / 10 Gb/s, 1 ms / 5, 5 ms / 2, 10 ms / 1
 SEED_NETWORKS = ((0.1, 1.25), (1.0, 0.625), (5.0, 0.25), (10.0, 0.125))
@@ -34,11 +39,13 @@ class SimulatedStep:
     parts: list
     latency_ms: float
     bandwidth_gbs: float | None
+    runtime: str
     sim: StepSimulation
 
     def to_dict(self) -> dict:
         s = self.sim
         return {"schedule": self.schedule, "simulated_only": self.schedule in SIMULATED_ONLY,
+                "runtime": self.runtime,
                 "micro_batch": self.micro_batch, "micro_batches": self.micro_batches, "parts": self.parts,
                 "latency_ms": self.latency_ms, "bandwidth_gbs": self.bandwidth_gbs, "step_ms": 1e3 * s.step_s,
                 "bubble_fraction": s.bubble_fraction, "rank_busy_ms": [1e3 * b for b in s.stage_busy_s],
@@ -54,7 +61,7 @@ def network_for(latency_ms: float, bandwidth_gbs: float | None, ranks_per_node: 
     return Network(Link(), inter=link, ranks_per_node=ranks_per_node)
 
 
-class StepModel:
+class LayerSource:
     """Layer costs of one model from one source, split and simulated at any micro-batch size."""
 
     def __init__(self, args):
@@ -93,7 +100,7 @@ class StepModel:
         chunks = args.stages * spec.chunks_per_rank
         sched = spec.for_chunks(chunks, micro_batches)
         if self.run is not None:
-            costs, optimizer, parts = self._run_chunks(chunks)
+            stages, update, parts = self._run_chunks(chunks)
         else:
             from ..costs.stage import stage_costs
             from ..partition.methods import decide_offline
@@ -102,31 +109,30 @@ class StepModel:
             method = args.method or args.costs
             parts = decide_offline(method, layers, chunks, micro_batches=micro_batches, schedule=spec.name,
                                    link_bandwidth=bandwidth_gbs * 1e9 if bandwidth_gbs else None)
-            st = stage_costs(layers, parts, micro_batches=micro_batches, schedule=spec.name)
-            costs = ChunkCosts([s.forward_s for s in st], [s.backward_s for s in st],
-                               weight_grad_s=[s.weight_grad_s for s in st],
-                               output_bytes=[s.boundary_out_bytes for s in st],
-                               activation_bytes=[s.activation_bytes for s in st])
-            optimizer = None
+            stages = stage_costs(layers, parts, micro_batches=micro_batches, schedule=spec.name)
+            update = None
             if args.optimizer:
                 from ..costs.hardware import adam_step_s, get_device
 
                 device = get_device(args.device)
-                per_rank = [0.0] * sched.num_ranks
-                for c, s in enumerate(st):
-                    per_rank[sched.chunk_rank[c]] += adam_step_s(s.param_bytes / (4 if args.dtype == "fp32" else 2),
-                                                                 device)
-                optimizer = per_rank
-        sim = simulate(sched, costs, network=network, optimizer_s=optimizer)
-        return SimulatedStep(schedule, micro_batch, micro_batches, list(parts), latency_ms, bandwidth_gbs, sim)
+                update = [0.0] * sched.num_ranks
+                for c, st in enumerate(stages):
+                    update[sched.chunk_rank[c]] += adam_step_s(st.param_bytes / (4 if args.dtype == "fp32" else 2),
+                                                               device)
+        pred = StepModel().predict(stages, micro_batches, schedule=spec.name, runtime=args.runtime,
+                                   network=network, update_s=update)
+        return SimulatedStep(schedule, micro_batch, micro_batches, list(parts), latency_ms, bandwidth_gbs,
+                             args.runtime, pred.simulation)
 
     def _run_chunks(self, chunks: int):
         run = self.run
         if chunks != len(run["forward_s"]):
             raise ValueError(f"--costs {self.args.costs}: the run has {len(run['forward_s'])} stages; simulate it "
                              f"with --stages {len(run['forward_s'])} and a one-chunk schedule (gpipe, 1f1b, zb-h1)")
-        return (ChunkCosts(run["forward_s"], run["backward_s"], output_bytes=run["output_bytes"]),
-                run["optimizer_s"], run["parts"])
+        from ..costs.stage import measured_stages
+
+        stages = measured_stages(run["parts"], run["forward_s"], run["backward_s"], run["output_bytes"])
+        return stages, run["optimizer_s"], run["parts"]
 
 
 def _run_stage_costs(run_dir: str) -> dict:
@@ -163,7 +169,7 @@ def cmd_simulate(args) -> int:
         raise ValueError(f"unknown schedule {args.schedule!r}; use one of {', '.join(SCHEDULES)}")
     if args.stages < 1:
         raise ValueError(f"--stages {args.stages}: need at least 1")
-    model = StepModel(args)
+    model = LayerSource(args)
     if args.grid:
         return _grid(args, model)
     default_m = model.run["micro_batches"] if model.run else args.stages
@@ -176,7 +182,7 @@ def cmd_simulate(args) -> int:
         net = (f"{args.latency_ms} ms + {args.bandwidth_gbs} GB/s" if args.bandwidth_gbs else
                f"{args.latency_ms} ms, unlimited bandwidth")
         emit(f"{model.cfg.name}: {args.schedule} on {args.stages} ranks, {m} micro-batches of {args.micro_batch}, "
-             f"parts {step.parts}, link {net}, {args.costs} costs"
+             f"parts {step.parts}, link {net}, {args.costs} costs, {args.runtime} runtime"
              + ("  [simulated only: DeepSpeed has no engine for it]" if args.schedule in SIMULATED_ONLY else ""))
         emit(f"step {1e3 * sim.step_s:.1f} ms, bubble {100 * sim.bubble_fraction:.1f}%")
         emit("\n".join(render_table(["rank", "busy ms", "idle %", "held (micro-batch chunks)", "held MiB"],
@@ -192,7 +198,7 @@ def cmd_simulate(args) -> int:
     return 0
 
 
-def _grid(args, model: StepModel) -> int:
+def _grid(args, model: LayerSource) -> int:
     """Seed 004's table: schedules x micro-batch sizes x network settings, at one global batch."""
     from .common import emit
     from ..partition.report import render_table
@@ -236,6 +242,8 @@ def add_parser(sub) -> None:
     s.add_argument("--bandwidth-gbs", type=float, default=None, help="GB/s between ranks (default: unlimited)")
     s.add_argument("--ranks-per-node", type=int, default=1,
                    help="ranks sharing a node: their transfers are free; the link flags apply between nodes")
+    s.add_argument("--runtime", default="deepspeed", choices=RUNTIMES,
+                   help="whose order of instructions: DeepSpeed's engine (1f1b, gpipe) or the schedule's own")
     s.add_argument("--costs", default="analytic", help="analytic | profiled | RUN_DIR (an instrumented run)")
     s.add_argument("--device", default="cpu", help="analytic costs: a100 | h100 | h200 | cpu (measured) ...")
     s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])

@@ -145,3 +145,16 @@ def stage_costs(
             recomputed_layers=sum(replayed(c, recompute=recompute) for c in layers),
         ))
     return out
+
+
+def measured_stages(parts: Sequence[int], forward_s: Sequence[float], backward_s: Sequence[float],
+                    output_bytes: Sequence[float]) -> list[StageCost]:
+    """Stages whose per-micro-batch forward and backward were measured (an instrumented run's), as the
+    step model reads them: no layer costs behind them, the backward's W part taken as half."""
+    p = len(parts) - 1
+    return [StageCost(stage=s, start=parts[s], stop=parts[s + 1], layer_names=(), forward_s=forward_s[s],
+                      backward_s=backward_s[s], weight_grad_s=backward_s[s] / 2, p2p_s=0.0, param_bytes=0,
+                      grad_bytes=0, optimizer_bytes=0, activation_bytes=0.0, inflight=0,
+                      boundary_in_bytes=int(output_bytes[s - 1]) if s else 0,
+                      boundary_out_bytes=int(output_bytes[s]) if s < p - 1 else 0)
+            for s in range(p)]

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -143,6 +143,10 @@ class StepModel:
         work = [self.optimizer_s(b) + (update_s[r] if update_s is not None else 0.0) for r, b in enumerate(params)]
         finish = self.optimizer_finish_s(sim.stage_finish_s, work)
         step = max(finish)
+        busy = [b + w for b, w in zip(sim.stage_busy_s, work)]
+        # the simulation as returned ends with each rank's update (its timeline shows it)
+        sim = replace(sim, step_s=step, stage_finish_s=finish, stage_busy_s=busy,
+                      bubble_fraction=1.0 - sum(busy) / (len(busy) * step) if step > 0 else 0.0)
         return StepPrediction(step_s=step + self.step_fixed_s, pipeline_s=pipeline, optimizer_s=step - pipeline,
                               simulation=sim, slowdown=slowdown)
 
