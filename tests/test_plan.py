@@ -12,7 +12,7 @@ import pytest
 
 from ds_pipe_ext.cli import main
 from ds_pipe_ext.models.config import load_model_config
-from ds_pipe_ext.plan.bounds import step_lower_bound, step_lower_bound_after_partition
+from ds_pipe_ext.plan.bounds import layout_step_bound, split_step_bound
 from ds_pipe_ext.cli.plan import build_model
 from ds_pipe_ext.costs.cpu_comm import fit
 from ds_pipe_ext.costs.hardware import adam_step_s
@@ -82,8 +82,8 @@ def test_the_search_loses_nothing_against_simulating_every_layout(measured_links
         except OutOfMemory:
             continue
         # both bounds the search prunes with are bounds
-        assert step_lower_bound(model, lay) <= cost.step_s * (1 + 1e-12), lay.name
-        assert step_lower_bound_after_partition(model, lay, cost.parts) <= cost.step_s * (1 + 1e-12), lay.name
+        assert layout_step_bound(model, lay) <= cost.step_s * (1 + 1e-12), lay.name
+        assert split_step_bound(model, lay, cost.parts) <= cost.step_s * (1 + 1e-12), lay.name
         everything.append(cost)
     everything.sort(key=lambda c: c.step_s)
     res = search(model, layouts, top_k=10)

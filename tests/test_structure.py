@@ -7,7 +7,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "ds_pipe_ext"
 CORE = ("costs", "partition", "simulate", "instrument", "pipe", "plan")
 # defined once in the package: a second def or class of one of these names is a second answer
-ONE_OWNER = {"Layout": "layout.py", "zero_model_states": "costs/zero.py", "parse_schedule": "simulate/schedules.py"}
+# the spine's rules, each defined once: the layout, the ZeRO rule, the schedule parser, the step model
+# and its one prediction (``predict``) and one lower bound
+ONE_OWNER = {"Layout": "layout.py", "zero_model_states": "costs/zero.py", "parse_schedule": "simulate/schedules.py",
+             "StepModel": "simulate/step_model.py", "predict": "simulate/step_model.py",
+             "step_lower_bound": "simulate/step_model.py"}
 
 
 def _modules() -> dict[str, Path]:

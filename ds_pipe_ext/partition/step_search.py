@@ -8,11 +8,11 @@ smallest:
 
 * incumbent: the min-max split (the fast core), so the search starts from a good answer;
 * branch: boundaries left to right, one stage at a time; a stage over the memory cap is cut;
-* bound: ``StepModel.lower_bound_s`` (a stage's m forwards and backwards after micro-batch 0's way
-  in, then its update or the drain back to stage 0 and stage 0's update) over the stages fixed so
-  far, and for the layers left its least value over every real split of their time
-  (``least_drain_s``; their mean for the update).  Under ZB-H1 the drain term is left out.  The
-  simulation never goes below it (``tests/test_step_model.py``);
+* bound: ``step_lower_bound`` (the one bound: a stage's m forwards and backwards after micro-batch
+  0's way in, then its update or the drain back to stage 0 and stage 0's update) over the stages
+  fixed so far (``FixedStages``), and for the layers left its least value over every real split of
+  their time.  Under ZB-H1 the drain term is left out.  The simulation never goes below it
+  (``tests/test_step_model.py``);
 * leaves whose own bound (the whole split's) is below the best found are simulated.  A subtree is
   dropped only when its bound reaches the best step found, so the answer is the minimum over
   every split: exact.  Past ``max_leaves`` simulations the search expands nothing more (every
@@ -32,7 +32,7 @@ import numpy as np
 
 from ..costs.stage import held_activation_bytes, in_flight, replayed, stage_costs
 from ..simulate.schedules import parse_schedule
-from ..simulate.step_model import StepModel, least_drain_s
+from ..simulate.step_model import FixedStages, StepModel, step_lower_bound
 from . import partition_min_max
 from .problem import InfeasibleMemoryCap
 
@@ -91,8 +91,6 @@ def partition_min_step(
     inflight = [in_flight(s, p, m, schedule) for s in range(p)]
     opt = model.optimizer_s
     drains = parse_schedule(schedule).drains
-    # the rest's least drain per second of its time, by stages left (1..p; a bound always has one left)
-    drain_per_total = [0.0] + [least_drain_s(1.0, m, left) for left in range(1, p + 1)] if drains else []
     per_layer = model.forward_per_layer_s + model.backward_per_layer_s
 
     def f(i: int, j: int) -> float:  # one micro-batch's forward on layers [i, j)
@@ -102,38 +100,30 @@ def partition_min_step(
         return (model.forward_scale * (F[j] - F[i]) + model.forward_fixed_s
                 + model.backward_scale * (B[j] - B[i]) + model.backward_fixed_s + per_layer * (j - i) + R[j] - R[i])
 
-    def bound(k: int, i: int, st: tuple) -> float:
-        """Stages 0..k-1 fixed (``st``), layers [i, n) left for stages k..p-1: StepModel.lower_bound_s
-        over the fixed stages, and for the rest its least value over every real split of their time:
-        the rest's stage times sum to ``total`` whatever the split (t is affine in the layers), so
-        their drain is at least ``least_drain_s``; the update term takes the mean (max >= mean: opt
-        is affine)."""
-        before, ahead, drained, own, opt0 = st
+    def bound(k: int, i: int, fixed: FixedStages) -> float:
+        """Stages 0..k-1 fixed, layers [i, n) left for stages k..p-1: the rest's stage times sum to
+        ``rest`` whatever the split (t is affine in the layers), and the update of a mean share of
+        their parameters is the mean of theirs (opt is affine)."""
         left = p - k
-        total = (model.forward_scale * (F[n] - F[i]) + model.backward_scale * (B[n] - B[i]) + per_layer * (n - i)
-                 + R[n] - R[i]) + left * (model.forward_fixed_s + model.backward_fixed_s)
-        rest_opt = opt((P[n] - P[i]) / left)
-        drain = max(drained, before + total * drain_per_total[left]) + opt0 if drains else 0.0
-        return max(drain, own, ahead + m * total / left + rest_opt) + model.step_fixed_s
+        rest = (model.forward_scale * (F[n] - F[i]) + model.backward_scale * (B[n] - B[i]) + per_layer * (n - i)
+                + R[n] - R[i]) + left * (model.forward_fixed_s + model.backward_fixed_s)
+        return step_lower_bound(fixed, rest_s=rest, rest_update_s=opt((P[n] - P[i]) / left), stages_left=left,
+                                drains=drains, fixed_s=model.step_fixed_s)
 
-    def extend(k: int, i: int, j: int, st: tuple) -> tuple:
-        """The bound's running terms once stage k takes layers [i, j)."""
-        before, ahead, drained, own, opt0 = st
-        tk, fk, ok = t(i, j), f(i, j), opt(P[j] - P[i])
-        return (before + tk, ahead + fk, max(drained, before + m * tk), max(own, ahead + m * tk + ok),
-                ok if k == 0 else opt0)
+    def extend(i: int, j: int, fixed: FixedStages) -> FixedStages:
+        """The fixed stages once the next takes layers [i, j)."""
+        return fixed.then(f(i, j), t(i, j), opt(P[j] - P[i]))
 
     leaves, open_bounds = 0, []
     parts = [0] * (p + 1)
     parts[p] = n
 
-    def search(k: int, i: int, st: tuple) -> None:
+    def search(k: int, i: int, fixed: FixedStages) -> None:
         nonlocal best, best_parts, leaves
         if k == p - 1:  # the last stage takes the rest
             if cap is not None and S[n] - S[i] + inflight[k] * (A[n] - A[i]) > cap:
                 return
-            _, _, drained, own, opt0 = extend(k, i, n, st)
-            whole = max(drained + opt0 if drains else 0.0, own) + model.step_fixed_s  # the split's own bound
+            whole = step_lower_bound(extend(i, n, fixed), drains=drains, fixed_s=model.step_fixed_s)  # the split's
             if whole >= best:
                 return  # no simulation can beat the best: not worth one
             if leaves >= max_leaves:
@@ -146,13 +136,13 @@ def partition_min_step(
                 best, best_parts = value, list(parts)
             return
         if leaves >= max_leaves:  # out of budget: the subtree stays open, its bound counts in the gap
-            open_bounds.append(bound(k, i, st))
+            open_bounds.append(bound(k, i, fixed))
             return
         children = []
         for j in range(i + 1, n - (p - k - 1) + 1):
             if cap is not None and S[j] - S[i] + inflight[k] * (A[j] - A[i]) > cap:
                 break  # longer stages only hold more
-            nxt = extend(k, i, j, st)
+            nxt = extend(i, j, fixed)
             children.append((bound(k + 1, j, nxt), j, nxt))
         for nb, j, nxt in sorted(children):  # most promising first: the best found falls early
             if nb >= best:
@@ -162,7 +152,7 @@ def partition_min_step(
 
     if p == 1:
         return StepSearch([0, n], best, 1, 0.0, best_parts, min_max_step)
-    search(0, 0, (0.0, 0.0, 0.0, 0.0, 0.0))
+    search(0, 0, FixedStages(m))
     lowest_open = min(open_bounds, default=float("inf"))
     gap = 0.0 if lowest_open >= best else best / lowest_open - 1.0
     return StepSearch(best_parts, best, leaves, gap, list(start), min_max_step)

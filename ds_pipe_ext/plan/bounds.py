@@ -10,23 +10,22 @@ from __future__ import annotations
 from ..costs.stage import stage_costs
 from ..costs.zero import state_bytes_per_param
 from ..layout import Layout
-from ..simulate.step_model import least_drain_s
+from ..simulate.step_model import FixedStages, step_lower_bound
 from .model import PlanModel
 
 
-def step_lower_bound(model: PlanModel, lay: Layout) -> float:
-    """No partition's simulated step is shorter: the ranks' average busy time (m x their share of
-    one micro-batch's work, plus the update of their share of the parameters, which is linear in
-    them)."""
-    total_s, params, _, _ = model.totals(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
-    share = 1.0 / lay.pp
-    bound = lay.micro_batches * total_s * share + model.update_s(lay, params * share)
-    if lay.pp > 1 and lay.schedule_spec.drains:
-        # and the pipeline's fill and drain: with T_r a stage's F + B and P_r the stages before it,
-        # the step is at least max_r (P_r + m T_r) (``step_lower_bound_after_partition``), at least
-        # its least value over every split of T = sum T_r
-        bound = max(bound, least_drain_s(total_s, lay.micro_batches, lay.pp))
-    return bound
+def layout_step_bound(model: PlanModel, lay: Layout) -> float:
+    """No partition's predicted step is shorter: ``step_lower_bound`` with no stage fixed (every rank
+    busy at least the mean of the work and of the update, which is affine in the parameters; the
+    pipeline's least fill and drain)."""
+    whole = model.whole_model(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
+    sm, m, p = model.step_model, lay.micro_batches, lay.pp
+    rest = (sm.stage_forward_s(whole) + sm.stage_backward_s(whole)
+            + (p - 1) * (sm.forward_fixed_s + sm.backward_fixed_s))  # every stage pays the fixed terms
+    share = whole.param_bytes / p
+    update = model.update_s(lay, share / model.e) + sm.optimizer_s(share)
+    return step_lower_bound(FixedStages(m), rest_s=rest, rest_update_s=update, stages_left=p,
+                            drains=p > 1 and lay.schedule_spec.drains, fixed_s=sm.step_fixed_s)
 
 
 def memory_lower_bound(model: PlanModel, lay: Layout) -> float:
@@ -36,36 +35,24 @@ def memory_lower_bound(model: PlanModel, lay: Layout) -> float:
     return max(params * per_param / lay.pp, largest * per_param + act)
 
 
-def step_lower_bound_after_partition(model: PlanModel, lay: Layout, parts: list[int]) -> float:
-    """Tighter than ``step_lower_bound`` once the split is known: per rank, micro-batch 0's way to
-    its first chunk, then all its compute and its update; under 1F1B and GPipe also the last
-    micro-batch's way back down to rank 0 before rank 0's update.  Valid for every schedule (each
-    term is a chain of work that runs one after another)."""
+def split_step_bound(model: PlanModel, lay: Layout, parts: list[int]) -> float:
+    """Tighter than ``layout_step_bound`` once the split is known: ``step_lower_bound`` with every
+    chunk fixed (per rank, micro-batch 0's way to its first chunk, then all its work and its update;
+    under 1F1B and GPipe also the last micro-batch's way back down to rank 0 before its update)."""
     if lay.pp == 1:
         return 0.0
     costs = model.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
     stages = stage_costs(costs, parts, micro_batches=lay.micro_batches, recompute=lay.recompute == "full",
                          schedule=lay.schedule_spec.name)
-    m = lay.micro_batches
-    per_rank = [0.0] * lay.pp
-    params = [0.0] * lay.pp
-    head = [None] * lay.pp  # when micro-batch 0 can first reach the rank: its first chunk's input
+    sm = model.step_model
     order = lay.schedule_spec.chunk_rank(lay.pp)
-    reach = 0.0
+    params = [0.0] * lay.pp
     for st in stages:
-        r = order[st.stage]
-        head[r] = reach if head[r] is None else head[r]
-        reach += st.forward_s
-        per_rank[r] += m * (st.forward_s + st.backward_s)
-        params[r] += st.param_bytes / model.e
-    bound = max(h + t + model.update_s(lay, p) for h, t, p in zip(head, per_rank, params))
-    if lay.schedule_spec.drains:  # a rank's last item is B of the last micro-batch, whose
-        # input gradient then runs down every earlier stage before rank 0's update (not so under
-        # ZB-H1, whose deferred W overlap that descent, or with several chunks a rank)
-        first_update = model.update_s(lay, params[0])
-        before = 0.0
-        for st in stages:
-            bound = max(bound, before + m * (st.forward_s + st.backward_s) + first_update)
-            before += st.forward_s + st.backward_s
-    return bound
-
+        params[order[st.stage]] += st.param_bytes
+    forward = [sm.stage_forward_s(st) for st in stages]
+    fixed = FixedStages.of_split(forward, [f + sm.stage_backward_s(st) for f, st in zip(forward, stages)], order,
+                                 [model.update_s(lay, b / model.e) + sm.optimizer_s(b) for b in params],
+                                 lay.micro_batches)
+    # not under ZB-H1, whose deferred W overlap the descent, or with several chunks a rank
+    drains = lay.schedule_spec.drains and lay.chunks_per_rank == 1
+    return step_lower_bound(fixed, drains=drains, fixed_s=sm.step_fixed_s)

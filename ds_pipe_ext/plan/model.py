@@ -171,6 +171,12 @@ class PlanModel:
         return (sum(c.time_s(recompute=full) for c in costs), sum(params), max(params),
                 max(held_activation_bytes(costs, recompute=full)))
 
+    @lru_cache(maxsize=None)
+    def whole_model(self, tp: int, sp: bool, micro_batch: int, recompute: str):
+        """Every layer as one stage (``StageCost``): the bounds' totals in the step model's terms."""
+        costs = self.layer_costs(tp, sp, micro_batch, recompute)
+        return stage_costs(costs, [0, len(costs)], micro_batches=1, recompute=recompute == "full")[0]
+
     # -- collectives and the optimizer, per rank ------------------------------------------------
     def _dp_bandwidth(self, lay: Layout) -> float:
         # Megatron's rank order (tp innermost, then dp): a DP group spans tp x dp consecutive GPUs

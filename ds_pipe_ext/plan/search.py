@@ -2,7 +2,7 @@
 
 1. Each layout gets two closed-form bounds from per-layer costs alone (no partition): the least
    memory its heaviest rank can need, and the least step time any split can reach
-   (``bounds.step_lower_bound``).  A layout whose memory bound exceeds the cap is out (OOM).
+   (``bounds.layout_step_bound``).  A layout whose memory bound exceeds the cap is out (OOM).
 2. The rest are taken in order of the step bound.  Once K layouts are simulated and the next bound
    is not below the K-th best step, no later layout can enter the top K: they are "worse", unseen.
 3. A layout that is taken gets its exact memory-capped partition (OOM if none fits), a tighter bound
@@ -17,7 +17,7 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .bounds import memory_lower_bound, step_lower_bound, step_lower_bound_after_partition
+from .bounds import layout_step_bound, memory_lower_bound, split_step_bound
 from .model import LayoutCost, OutOfMemory, PlanModel
 from ..layout import Layout
 from .space import PlanError
@@ -46,7 +46,7 @@ def search(model: PlanModel, layouts: list[Layout], *, top_k: int = 10, progress
             res.dropped["OOM (memory bound)"] += 1
             oom.append((need, lay))
             continue
-        bounded.append((step_lower_bound(model, lay), lay))
+        bounded.append((layout_step_bound(model, lay), lay))
     bounded.sort(key=lambda item: (item[0], item[1].name))
     steps: list[float] = []  # the top K's steps, ascending
 
@@ -71,7 +71,7 @@ def search(model: PlanModel, layouts: list[Layout], *, top_k: int = 10, progress
             oom.append((memory_lower_bound(model, lay), lay))
             continue
         res.partitioned += 1
-        if step_lower_bound_after_partition(model, lay, parts) >= kth() and (runnable_best is not None
+        if split_step_bound(model, lay, parts) >= kth() and (runnable_best is not None
                                                                             or not lay.runnable):
             res.dropped["worse (step bound above the top K)"] += 1
             continue

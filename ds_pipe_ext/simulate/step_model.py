@@ -150,23 +150,13 @@ class StepModel:
         return StepPrediction(step_s=step + self.step_fixed_s, pipeline_s=pipeline, optimizer_s=step - pipeline,
                               simulation=sim, slowdown=slowdown)
 
-    def lower_bound_s(self, stages: Sequence, micro_batches: int) -> float:
-        """A bound no simulation of these stages (one chunk per rank, 1F1B or GPipe) goes below.
-
-        Stage s cannot start before micro-batch 0 has come forward through stages 0..s-1, then runs
-        m forwards and m backwards and its own update; and its last input gradient still goes back
-        through 0..s-1, after which stage 0 updates.  Shared cores and memory only slow work down,
-        transfers only add."""
-        fwd = [self.stage_forward_s(st) for st in stages]
-        bwd = [self.stage_backward_s(st) for st in stages]
-        opt = [self.optimizer_s(st.param_bytes) for st in stages]
-        drained, own, before, ahead = 0.0, 0.0, 0.0, 0.0
-        for f, b, o in zip(fwd, bwd, opt):
-            drained = max(drained, before + micro_batches * (f + b))
-            own = max(own, ahead + micro_batches * (f + b) + o)
-            before += f + b
-            ahead += f
-        return max(drained + opt[0], own) + self.step_fixed_s
+    def split_bound(self, stages: Sequence, micro_batches: int) -> "FixedStages":
+        """``stages`` (one chunk a rank) as the lower bound's fixed stages, in this model's terms."""
+        fixed = FixedStages(micro_batches)
+        for st in stages:
+            f = self.stage_forward_s(st)
+            fixed = fixed.then(f, f + self.stage_backward_s(st), self.optimizer_s(st.param_bytes))
+        return fixed
 
     # --- files ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -207,8 +197,69 @@ class StepPrediction:
     slowdown: dict  # (rank, Work) -> the shared-core stretch of that item
 
 
+@dataclass(frozen=True)
+class FixedStages:
+    """The first stages of a split, fixed: what the step's lower bound needs of them.  ``then`` adds
+    the next stage on its own rank (the step search's incremental case); ``of_split`` takes a whole
+    split whose ranks may hold several chunks (the planner's)."""
+
+    micro_batches: int
+    count: int = 0  # stages fixed
+    before: float = 0.0  # one micro-batch's forward + backward through them
+    ahead: float = 0.0  # one micro-batch's forward through them: when micro-batch 0 reaches the next
+    drained: float = 0.0  # max_s (before_s + m t_s): the last input gradient still goes back down
+    own: float = 0.0  # max over their ranks of (micro-batch 0's way in + m x its work + its update)
+    first_update: float = 0.0  # rank 0's update, after that descent
+
+    def then(self, forward_s: float, time_s: float, update_s: float) -> "FixedStages":
+        m = self.micro_batches
+        return FixedStages(m, self.count + 1, self.before + time_s, self.ahead + forward_s,
+                           max(self.drained, self.before + m * time_s),
+                           max(self.own, self.ahead + m * time_s + update_s),
+                           self.first_update if self.count else update_s)
+
+    @classmethod
+    def of_split(cls, forward_s: Sequence[float], time_s: Sequence[float], chunk_rank: Sequence[int],
+                 update_s: Sequence[float], micro_batches: int) -> "FixedStages":
+        """Every chunk fixed, chunk c on rank ``chunk_rank[c]``; ``update_s`` per rank."""
+        m, p = micro_batches, len(update_s)
+        head, work = [None] * p, [0.0] * p
+        before = ahead = drained = 0.0
+        for f, t, r in zip(forward_s, time_s, chunk_rank):
+            head[r] = ahead if head[r] is None else head[r]
+            work[r] += m * t
+            drained = max(drained, before + m * t)
+            before, ahead = before + t, ahead + f
+        own = max((h or 0.0) + w + u for h, w, u in zip(head, work, update_s))
+        return cls(m, len(time_s), before, ahead, drained, own, update_s[0])
+
+
+def step_lower_bound(fixed: FixedStages, *, rest_s: float = 0.0, rest_update_s: float = 0.0, stages_left: int = 0,
+                     drains: bool = True, fixed_s: float = 0.0) -> float:
+    """The one lower bound on a step: no simulation of a split whose first stages are ``fixed``, with
+    ``stages_left`` stages still to take layers whose forward + backward of one micro-batch is
+    ``rest_s`` in all, goes below it (tests/test_step_model.py, tests/test_plan.py).
+
+    Each rank cannot start before micro-batch 0 has come forward through the ranks before it, then
+    runs its m forwards and backwards and its update; under schedules that drain (1F1B, GPipe) the
+    last input gradient also goes back through every earlier stage before rank 0 updates.  For the
+    stages left, the least value of those terms over every real split of ``rest_s``: their drain is
+    at least ``least_drain_s``, and the busiest takes at least the mean (``rest_update_s``: the update
+    of a mean share of their parameters, which is affine in them).  Shared cores and memory only slow
+    work down and transfers only add, so the bound holds for every runtime.  Its cases: nothing
+    fixed (the planner's bound before a split), a prefix (the step search), everything (a split).
+    """
+    m = fixed.micro_batches
+    own = fixed.own
+    drained = fixed.drained
+    if stages_left:
+        drained = max(drained, fixed.before + least_drain_s(rest_s, m, stages_left))
+        own = max(own, fixed.ahead + m * rest_s / stages_left + rest_update_s)
+    return max(drained + fixed.first_update if drains else 0.0, own) + fixed_s
+
+
 def least_drain_s(total_s: float, micro_batches: int, stages: int) -> float:
-    """The least value of max_r (T_0 + ... + T_{r-1} + m T_r), the drain term of ``lower_bound_s``,
+    """The least value of max_r (T_0 + ... + T_{r-1} + m T_r), the drain term of ``step_lower_bound``,
     over every real split of ``total_s`` = sum T_r into ``stages`` stages.  It is least when every
     term is equal: T_{r+1} = (1 - 1/m) T_r, which makes it T / (1 - (1 - 1/m)^stages) (>= m T / stages)."""
     return total_s / (1.0 - (1.0 - 1.0 / micro_batches) ** stages)
