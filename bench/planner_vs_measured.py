@@ -51,11 +51,13 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import ds_pipe_ext.pipe.schedules  # noqa: E402,F401 - hands the step model DeepSpeed's order (an edge, as the CLI)
 from ds_pipe_ext.cli.plan import build_model  # noqa: E402
+from ds_pipe_ext.layout import Layout  # noqa: E402
 from ds_pipe_ext.plan.model import PlanModel  # noqa: E402
 from ds_pipe_ext.plan.render import ds_config  # noqa: E402
 from ds_pipe_ext.plan.search import search  # noqa: E402
-from ds_pipe_ext.plan.space import PlanLayout, enumerate_layouts  # noqa: E402
+from ds_pipe_ext.plan.space import enumerate_layouts  # noqa: E402
 from ds_pipe_ext.plan.speed import fit_speed  # noqa: E402
 from ds_pipe_ext.runner import launch  # noqa: E402
 
@@ -72,8 +74,9 @@ CALIBRATION = "pp1-tp1-dp2-z1-mb2-none"
 PER_REFERENCE = 2  # layouts launched between two launches of the reference (the calibration layout)
 
 
-def layout(pp, tp, dp, zero, mb, sp, schedule) -> PlanLayout:
-    return PlanLayout(pp, tp, dp, zero, mb, GLOBAL_BATCH // (mb * dp), "none", sp, schedule)
+def layout(pp, tp, dp, zero, mb, sp, schedule) -> Layout:
+    return Layout(pp=pp, tp=tp, dp=dp, zero=zero, micro_batch=mb, micro_batches=GLOBAL_BATCH // (mb * dp), sp=sp,
+                  schedule=schedule)
 
 
 def plan_model() -> PlanModel:
@@ -85,7 +88,7 @@ def plan_model() -> PlanModel:
 PARTS: dict[str, list[int]] = {}  # the split each layout was launched with (the prediction uses it)
 
 
-def measure(lay: PlanLayout, model: PlanModel, out: Path) -> float | None:
+def measure(lay: Layout, model: PlanModel, out: Path) -> float | None:
     """samples/s of one launch of ``lay`` (None: it failed); reused when ``out`` holds its metrics."""
     done = out / "result.json"
     if done.is_file():
