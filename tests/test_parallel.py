@@ -116,6 +116,24 @@ def test_the_malloc_shim_serves_large_blocks_from_the_heap_and_can_be_declined()
     assert probe("glibc") == ["mmapped", "1"]
     assert probe("fixed") == ["fixed", "True", "mmapped", "0"]
     assert probe("fixed", DS_PIPE_EXT_GLIBC_MALLOC="default") == ["fixed", "False", "mmapped", "1"]
+    # thresholds the environment fixed (compare --compact-malloc's 128 KiB) are kept, not overridden
+    assert probe("fixed", MALLOC_MMAP_THRESHOLD_="131072") == ["fixed", "False", "mmapped", "1"]
+
+
+def test_the_cpu_spec_charges_page_faults_above_the_threshold_training_runs_with(monkeypatch):
+    """train.py fixes glibc's mmap threshold at 1 GiB; left to glibc it is at most 32 MiB, or what the
+    environment set."""
+    from ds_pipe_ext.compat.cpu_shims import training_mmap_threshold
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("DS_PIPE_EXT_GLIBC_MALLOC", raising=False)
+    assert training_mmap_threshold() == 2.0**30
+    monkeypatch.setenv("DS_PIPE_EXT_GLIBC_MALLOC", "default")
+    assert training_mmap_threshold() == 32 * 2.0**20
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert training_mmap_threshold() == 131072.0
+    monkeypatch.delenv("DS_PIPE_EXT_GLIBC_MALLOC")
+    assert training_mmap_threshold() == 131072.0
 
 
 def test_an_untested_deepspeed_warns_once_naming_it(monkeypatch):

@@ -27,8 +27,9 @@ OOM_EXIT = 3  # train.py's exit status when it stopped at train.memory_cap_gib
 # allocator's history than about the tensors alive; with every block above 128 KiB mmap-ed and
 # returned at once, the resident-set peak follows what the rank really held.  The price is a page
 # fault per page of every large allocation, every step (bench-cpu, micro-batch 1: 0.317 against
-# 0.356 samples/s), so this is for memory runs only (``--compact-malloc``); throughput runs keep
-# glibc's defaults.
+# 0.356 samples/s), so this is for memory runs only (``--compact-malloc``; train.py's
+# ``steady_host_allocator`` keeps thresholds the environment set); throughput runs keep train.py's
+# fixed thresholds.
 COMPACT_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_ARENA_MAX": "2"}
 OOM_TEXT = ("out of memory", "outofmemoryerror", "cannot allocate memory")
 

@@ -93,14 +93,33 @@ MALLOC_TRIM_THRESHOLD = (1 << 31) - 1  # bytes: never give freed heap back (a C 
 KEEP_GLIBC_MALLOC_ENV = "DS_PIPE_EXT_GLIBC_MALLOC"  # "default": leave glibc's dynamic thresholds
 
 
+def _keeps_glibc_thresholds() -> bool:
+    """Left to glibc: asked for (``DS_PIPE_EXT_GLIBC_MALLOC=default``), or thresholds the environment
+    already fixed (``MALLOC_MMAP_THRESHOLD_``, as `compare --compact-malloc` sets for memory runs)."""
+    import os
+
+    return os.environ.get(KEEP_GLIBC_MALLOC_ENV) == "default" or "MALLOC_MMAP_THRESHOLD_" in os.environ
+
+
+def training_mmap_threshold() -> float:
+    """The size above which a CPU training process maps a buffer afresh (page faults every step), as
+    ``steady_host_allocator`` leaves it: its fixed threshold, or the environment's, or glibc's largest
+    dynamic one (32 MiB on 64-bit).  The analytic CPU spec charges page faults above it."""
+    import os
+
+    if not _keeps_glibc_thresholds():
+        return float(MALLOC_MMAP_THRESHOLD)
+    return float(os.environ.get("MALLOC_MMAP_THRESHOLD_", 32 * 2**20))
+
+
 def steady_host_allocator() -> bool:
     """Without CUDA, on glibc: fix malloc's mmap and trim thresholds (``mallopt``), as setting
     ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` before start would.  Returns whether it did;
-    ``DS_PIPE_EXT_GLIBC_MALLOC=default`` keeps glibc's own behaviour.  Idempotent."""
+    ``DS_PIPE_EXT_GLIBC_MALLOC=default`` keeps glibc's own behaviour, and thresholds the environment
+    set are kept.  Idempotent."""
     import ctypes
-    import os
 
-    if torch.cuda.is_available() or os.environ.get(KEEP_GLIBC_MALLOC_ENV) == "default":
+    if torch.cuda.is_available() or _keeps_glibc_thresholds():
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -134,14 +134,20 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     matmul: 1024^3 GEMMs.  Memory bandwidth: a copy between two warm 64 MiB buffers (beyond the
     caches).  Vector peak: an add on warm 128 KiB buffers (cache-resident, so it measures the
     arithmetic, not the memory traffic the roofline charges separately).  First touches: filling a
-    freshly allocated 64 MiB buffer (above glibc's mmap threshold, so new pages each time) against
-    filling a warm one; the difference is the page faults.
+    fresh anonymous 64 MiB mapping (what glibc returns above its mmap threshold) against filling a
+    warm buffer; the difference is the page faults.  They are charged above the threshold the
+    training processes run with (``training_mmap_threshold``: train.py fixes it at 1 GiB).
     """
+    import mmap
+
+    import numpy as np
     import torch
 
+    from ..compat.cpu_shims import training_mmap_threshold
+
     threads = torch.get_num_threads()
-    mmap_min = float(os.environ.get("MALLOC_MMAP_THRESHOLD_", 32 * 2**20))  # glibc: fixed if set, else <= 32 MiB
-    path = Path(cache_dir) / f"cpu-spec-v3-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
+    mmap_min = training_mmap_threshold()  # what train.py's ranks map afresh (steady_host_allocator)
+    path = Path(cache_dir) / f"cpu-spec-v4-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
     if path is not None and path.exists():
         try:
             return DeviceSpec(**json.loads(path.read_text()))
@@ -167,8 +173,19 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     bw = 2 * x.nbytes / seconds_per_call(lambda: y.copy_(x))
     small, small_out = torch.ones(32 * 2**10), torch.ones(32 * 2**10)  # 128 KiB each: cache-resident
     vec = small.numel() / seconds_per_call(lambda: torch.add(small, small_out, out=small_out), batch=20)
-    warm = seconds_per_call(lambda: y.fill_(1.0))
-    fresh = seconds_per_call(lambda: torch.empty_like(x).fill_(1.0))
+    # first touches of an anonymous mapping (what glibc hands out above its threshold), whatever this
+    # process's own malloc thresholds are
+    warm_pages = np.empty(x.nbytes // 4, dtype=np.float32)
+
+    def fresh_pages():
+        region = mmap.mmap(-1, x.nbytes)
+        pages = np.frombuffer(region, dtype=np.float32)
+        pages.fill(1.0)
+        del pages
+        region.close()
+
+    warm = seconds_per_call(lambda: warm_pages.fill(1.0))
+    fresh = seconds_per_call(fresh_pages)
     faults = x.nbytes / max(fresh - warm, 1e-9)
     ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     spec = DeviceSpec("cpu", {"fp32": mm, "bf16": mm}, {"fp32": vec, "bf16": vec}, bw, bw, bw, ram, gpus_per_node=1,

@@ -262,6 +262,14 @@ def profile_layers(
     pass whatever else changes the costs (model config, TP/SP degree, ...).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    host = {}
+    if device.type == "cpu":
+        from ..compat.cpu_shims import steady_host_allocator, training_mmap_threshold
+
+        # measured under the allocator train.py's ranks run with: glibc's own thresholds move with what
+        # the process did before, and a buffer above them pays its page faults on every call
+        steady_host_allocator()
+        host = {"mmap_threshold": training_mmap_threshold()}
     names = list(names) if names is not None else layer_names(specs)
     fields = {
         "specs": [describe_layer(s) for s in specs],
@@ -270,6 +278,7 @@ def profile_layers(
         "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)),
         "dtype": str(dtype),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu:{torch.get_num_threads()}threads",
+        **host,
         "versions": library_versions(),
         "measures": "recompute-v2",  # recompute_s measured under the checkpoint function
         "settings": {"warmup": settings.warmup, "repeats": settings.repeats,
