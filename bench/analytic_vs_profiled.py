@@ -60,7 +60,9 @@ def fastest_spec(specs):
                            for s in specs)
     return replace(specs[0], matrix_flops={"fp32": best("matrix_flops"), "bf16": best("matrix_flops")},
                    vector_flops={"fp32": best("vector_flops"), "bf16": best("vector_flops")},
-                   hbm_bandwidth=best("hbm_bandwidth"), fresh_page_bandwidth=best("fresh_page_bandwidth"))
+                   hbm_bandwidth=best("hbm_bandwidth"), fill_bandwidth=best("fill_bandwidth"),
+                   random_rate=best("random_rate"),
+                   fresh_page_bandwidth=best("fresh_page_bandwidth"))
 
 
 def layer_times() -> float:
@@ -94,7 +96,8 @@ def layer_times() -> float:
         points += calibration_points(cfg, EstimateRequest(key[1], key[2], dtype="fp32"), cpu, times)
     calibrated = fit_device(cpu, points, dtype="fp32")
     print(f"\ncpu spec (measured): matmul {cpu.matrix_flops['fp32'] / 1e9:.1f} GFLOP/s, vector "
-          f"{cpu.vector_flops['fp32'] / 1e9:.2f} G/s, copy {cpu.hbm_bandwidth / 1e9:.1f} GB/s, first touch "
+          f"{cpu.vector_flops['fp32'] / 1e9:.2f} G/s, copy {cpu.hbm_bandwidth / 1e9:.1f} GB/s, fill "
+          f"{cpu.fill_bandwidth / 1e9:.1f} GB/s, dropout draws {cpu.random_rate / 1e6:.0f} M/s, first touch "
           f"{cpu.fresh_page_bandwidth / 1e9:.2f} GB/s above {cpu.fresh_alloc_min_bytes / 2**20:.0f} MiB "
           f"(the fastest of {PASSES} passes)")
     print(f"calibrated on {FIT}: GEMM efficiency {calibrated.matrix_efficiency:.3f} x the measured peak, halved at "

@@ -108,6 +108,45 @@ def test_fresh_allocations_cost_page_faults_only_above_the_mmap_threshold():
     assert A.total([emb, xent]).bwd_allocs == (table, 1024 * 50257 * 4, 1024 * 50257 * 4)
 
 
+def test_the_embedding_gradient_is_one_write_only_pass_at_the_fill_rate():
+    """The dense table gradient is zeroed (one write pass, at the device's fill rate) and the looked-up
+    rows added: b 1 x s 128 tokens of h 512 fp32 read and written twice (2 x 0.25 MiB), the table
+    (50257 x 512 x 4 = 102,926,336 bytes) written once.  At 20 GB/s for traffic and 10 GB/s for
+    fills (memory efficiency 1): 524,288 / 20e9 + 102,926,336 / 10e9 s."""
+    from dataclasses import replace
+
+    from ds_pipe_ext.costs.hardware import get_device
+
+    shp = A.Shape(b=1, s=128, h=512, a=8, f=2048, V=50257, e=4, m=4, dropout=False)
+    emb = A.embedding(shp, positions=False)[0]
+    assert emb.bwd_bytes == 2 * 128 * 512 * 4 + 102_926_336 and emb.bwd_fill_bytes == 102_926_336
+    dev = replace(get_device("a100"), hbm_bandwidth=20e9, fill_bandwidth=10e9, memory_efficiency=1.0)
+    assert dev.op_time(emb, dtype="fp32", tp=1, backward=True)["memory_s"] == pytest.approx(
+        524_288 / 20e9 + 102_926_336 / 10e9, rel=1e-12)
+    # no fill rate measured (a GPU's datasheet): fills run at the memory bandwidth
+    plain = replace(dev, fill_bandwidth=0.0)
+    assert plain.op_time(emb, dtype="fp32", tp=1, backward=True)["memory_s"] == pytest.approx(
+        (524_288 + 102_926_336) / 20e9, rel=1e-12)
+
+
+def test_a_cpu_draws_each_dropout_mask_element_at_its_measured_rate():
+    """Dropout over b 2 x s 128 x h 512 = 131,072 elements draws as many random numbers forward: at
+    1e8 draws/s that is 1.31 ms on top of the roofline; backward only applies the saved mask; a
+    device with no measured rate (a GPU: drawn in the fused kernel) adds nothing."""
+    from dataclasses import replace
+
+    from ds_pipe_ext.costs.hardware import get_device
+
+    shp = A.Shape(b=2, s=128, h=512, a=8, f=2048, V=50257, e=4, m=4, dropout=True)
+    op = A.dropout("mlp_dropout", shp.replicated_sbh, shp)
+    gpu = get_device("a100")
+    cpu = replace(gpu, random_rate=1e8)
+    t = lambda dev, bwd: dev.op_time(op, dtype="fp32", tp=1, backward=bwd)  # noqa: E731
+    assert t(cpu, False)["random_s"] == pytest.approx(131_072 / 1e8, rel=1e-12)
+    assert t(cpu, False)["time_s"] - t(gpu, False)["time_s"] == pytest.approx(131_072 / 1e8, rel=1e-12)
+    assert t(cpu, True)["time_s"] == t(gpu, True)["time_s"] and t(gpu, False)["random_s"] == 0.0
+
+
 def test_estimate_cli_gpt3_175b_tp8_sp(capsys):
     import json
 

@@ -33,7 +33,8 @@ def as_cpu_ranks(device, ranks: int):
     return replace(device, collectives=got["collectives"],
                    matrix_flops={k: v * mm for k, v in device.matrix_flops.items()},
                    vector_flops={k: v * mm for k, v in device.vector_flops.items()},
-                   hbm_bandwidth=device.hbm_bandwidth * mem)
+                   hbm_bandwidth=device.hbm_bandwidth * mem, fill_bandwidth=device.fill_bandwidth * mem,
+                   random_rate=device.random_rate * mm)
 
 
 def profiled_cpu(cfg, device, seq: int):

@@ -95,6 +95,8 @@ class OpCost:
     # on a CPU each one above the allocator's mmap threshold arrives as fresh pages (see DeviceSpec)
     fwd_allocs: tuple = ()
     bwd_allocs: tuple = ()
+    bwd_fill_bytes: float = 0.0  # of bwd_bytes, those a write-only pass moves (zeroing a gradient buffer)
+    random_elems: float = 0.0  # random numbers drawn forward (a dropout mask)
 
     def __add__(self, other: "OpCost") -> "OpCost":
         # numbers add; allocation lists concatenate
@@ -180,7 +182,8 @@ def dropout(name: str, elems: float, shp: Shape, *, recompute: bool = False) -> 
     if not shp.dropout:
         return OpCost(name, "vector")
     return OpCost(name, "vector", fwd_flops=elems, bwd_flops=elems, fwd_bytes=2 * elems * shp.e + elems * shp.m,
-                  bwd_bytes=2 * elems * shp.e + elems * shp.m, activation_bytes=elems * shp.m, recompute=recompute)
+                  bwd_bytes=2 * elems * shp.e + elems * shp.m, activation_bytes=elems * shp.m, recompute=recompute,
+                  random_elems=elems)
 
 
 def attend(shp: Shape) -> list[OpCost]:
@@ -271,11 +274,11 @@ def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
     out = shp.tokens * shp.h
     rows = shp.V // shp.t if shp.V % shp.t == 0 else -(-shp.V // shp.t)
     table = rows * shp.h * shp.e
-    # backward: the gradient of the whole (V/t x h) table is zeroed and written (dense in torch/Megatron),
-    # which on small batches costs far more than the rows actually looked up
-    ops = [OpCost("word_embedding", "vector", fwd_bytes=2 * out * shp.e, bwd_bytes=2 * out * shp.e + 2 * table,
+    # backward: the gradient of the whole (V/t x h) table is zeroed (dense in torch and Megatron: one
+    # write-only pass), then the looked-up rows are added, which on small batches costs far less
+    ops = [OpCost("word_embedding", "vector", fwd_bytes=2 * out * shp.e, bwd_bytes=2 * out * shp.e + table,
                   activation_bytes=shp.tokens * 8 + (shp.s * 8 if positions else 0), weight_bytes=rows * shp.h * shp.e,
-                  fwd_allocs=(out * shp.e,), bwd_allocs=(table,))]
+                  fwd_allocs=(out * shp.e,), bwd_allocs=(table,), bwd_fill_bytes=table)]
     if shp.t > 1:
         # Megatron's vocab-parallel lookup also keeps a bool mask of the tokens outside this rank's rows
         ops[0] = replace(ops[0], comm_fwd_bytes=out * shp.e, activation_bytes=ops[0].activation_bytes + shp.tokens,

@@ -41,6 +41,12 @@ class DeviceSpec:
     # reuse memory (0: no such cost).  Measured by ``measure_cpu``.
     fresh_page_bandwidth: float = 0.0  # bytes/s of first touches
     fresh_alloc_min_bytes: float = 32 * 2**20  # glibc's largest dynamic mmap threshold (64-bit)
+    # bytes/s of zeroing a fresh buffer (a dense gradient table); 0: the memory bandwidth.  Measured by
+    # measure_cpu: on a CPU it runs at half to two thirds of what a copy moves
+    fill_bandwidth: float = 0.0
+    # random elements/s a dropout mask draws; 0: free beyond the op's memory traffic (GPUs draw them in
+    # the fused kernel).  A CPU draws them one thread at a time, ~7 ns each: more than the op's traffic
+    random_rate: float = 0.0
     # Measured collectives, {kind: [latency_s, bus bandwidth]} for "all-reduce", "all-gather",
     # "reduce-scatter" and "p2p"; None: the ring formulas on the link bandwidth.  CPU ranks talk
     # through gloo at a tenth of a memory copy's speed (``cpu_comm.measure_cpu_ranks``).
@@ -60,7 +66,9 @@ class DeviceSpec:
         if peak is None:
             raise AnalyticError(f"device {self.name} has no {op.kind} peak for dtype {dtype!r}")
         compute = flops / (peak * self.efficiency(op.kind, op.gemm_dim))
-        memory = moved / (self.hbm_bandwidth * self.memory_efficiency)
+        filled = op.bwd_fill_bytes if backward else 0.0
+        memory = ((moved - filled) / self.hbm_bandwidth
+                  + filled / (self.fill_bandwidth or self.hbm_bandwidth)) / self.memory_efficiency
         comm_bytes = op.comm_bwd_bytes if backward else op.comm_fwd_bytes
         kinds = op.comm_type
         if "+" in kinds:  # under SP: the forward's collectives, then the backward's
@@ -69,8 +77,9 @@ class DeviceSpec:
         bandwidth = self.link_bandwidth(tp) * self.comm_efficiency
         comm = sum(self.collective_time(comm_bytes / len(kinds), kind, tp, bandwidth) for kind in kinds)
         fresh = self.fresh_alloc_time(op.bwd_allocs if backward else op.fwd_allocs)
-        return {"compute_s": compute, "memory_s": memory, "comm_s": comm, "fresh_s": fresh,
-                "time_s": max(compute, memory) + fresh + comm,
+        random = op.random_elems / self.random_rate if self.random_rate and not backward else 0.0
+        return {"compute_s": compute, "memory_s": memory, "comm_s": comm, "fresh_s": fresh, "random_s": random,
+                "time_s": max(compute, memory) + random + fresh + comm,
                 "intensity": flops / moved if moved else float("inf")}
 
     def collective_time(self, payload_bytes: float, kind: str, n: int, bandwidth: float) -> float:
@@ -135,7 +144,8 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     caches).  Vector peak: an add on warm 128 KiB buffers (cache-resident, so it measures the
     arithmetic, not the memory traffic the roofline charges separately).  First touches: filling a
     fresh anonymous 64 MiB mapping (what glibc returns above its mmap threshold) against filling a
-    warm buffer; the difference is the page faults.  They are charged above the threshold the
+    warm buffer; the difference is the page faults.  Zeroing a fresh 64 MiB buffer (``fill_bandwidth``)
+    and drawing a dropout mask of 2^20 elements (``random_rate``).  Faults are charged above the threshold the
     training processes run with (``training_mmap_threshold``: train.py fixes it at 1 GiB).
     """
     import mmap
@@ -147,7 +157,7 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
 
     threads = torch.get_num_threads()
     mmap_min = training_mmap_threshold()  # what train.py's ranks map afresh (steady_host_allocator)
-    path = Path(cache_dir) / f"cpu-spec-v4-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
+    path = Path(cache_dir) / f"cpu-spec-v6-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
     if path is not None and path.exists():
         try:
             return DeviceSpec(**json.loads(path.read_text()))
@@ -187,10 +197,14 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     warm = seconds_per_call(lambda: warm_pages.fill(1.0))
     fresh = seconds_per_call(fresh_pages)
     faults = x.nbytes / max(fresh - warm, 1e-9)
+    fill = x.nbytes / seconds_per_call(lambda: torch.zeros(x.numel()))  # as a dense gradient table is made
+    mask = torch.empty(2**20)
+    random = mask.numel() / seconds_per_call(lambda: mask.bernoulli_(0.9))  # a dropout mask's draws
     ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     spec = DeviceSpec("cpu", {"fp32": mm, "bf16": mm}, {"fp32": vec, "bf16": vec}, bw, bw, bw, ram, gpus_per_node=1,
                       matrix_efficiency=1.0, attention_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0,
-                      comm_efficiency=1.0, fresh_page_bandwidth=faults, fresh_alloc_min_bytes=mmap_min)
+                      comm_efficiency=1.0, fresh_page_bandwidth=faults, fresh_alloc_min_bytes=mmap_min,
+                      fill_bandwidth=fill, random_rate=random)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(spec)))

@@ -34,7 +34,8 @@ def at_speed(device: DeviceSpec, factor: float, *, links: bool = False) -> Devic
     collectives' bandwidths too (latencies divided by it) and its link bandwidths."""
     out = replace(device, matrix_flops={k: v * factor for k, v in device.matrix_flops.items()},
                   vector_flops={k: v * factor for k, v in device.vector_flops.items()},
-                  hbm_bandwidth=device.hbm_bandwidth * factor,
+                  hbm_bandwidth=device.hbm_bandwidth * factor, fill_bandwidth=device.fill_bandwidth * factor,
+                  random_rate=device.random_rate * factor,
                   fresh_page_bandwidth=device.fresh_page_bandwidth * factor)
     if links:
         out = replace(out, intra_node_bandwidth=device.intra_node_bandwidth * factor,
