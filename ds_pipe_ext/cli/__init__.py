@@ -37,10 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     common.set_result_stream(sys.stdout)
-    from ..pipe import schedules  # noqa: F401 - hands the step model DeepSpeed's order (the deepspeed runtime)
-
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger binds to stdout when imported
+            from ..pipe import schedules  # noqa: F401 - hands the step model DeepSpeed's order (deepspeed runtime)
+
             return args.func(args)
     except (PartitionError, ConfigError, ValueError) as e:
         print(f"ds-pipe-ext: error: {e}", file=sys.stderr)

@@ -146,7 +146,7 @@ class StepModel:
         busy = [b + w for b, w in zip(sim.stage_busy_s, work)]
         # the simulation as returned ends with each rank's update (its timeline shows it)
         sim = replace(sim, step_s=step, stage_finish_s=finish, stage_busy_s=busy,
-                      bubble_fraction=1.0 - sum(busy) / (len(busy) * step) if step > 0 else 0.0)
+                      bubble_fraction=max(0.0, 1.0 - sum(busy) / (len(busy) * step)) if step > 0 else 0.0)
         return StepPrediction(step_s=step + self.step_fixed_s, pipeline_s=pipeline, optimizer_s=step - pipeline,
                               simulation=sim, slowdown=slowdown)
 
