@@ -49,10 +49,8 @@ def split_step_bound(model: PlanModel, lay: Layout, parts: list[int]) -> float:
     params = [0.0] * lay.pp
     for st in stages:
         params[order[st.stage]] += st.param_bytes
-    forward = [sm.stage_forward_s(st) for st in stages]
-    fixed = FixedStages.of_split(forward, [f + sm.stage_backward_s(st) for f, st in zip(forward, stages)], order,
-                                 [model.update_s(lay, b / model.e) + sm.optimizer_s(b) for b in params],
-                                 lay.micro_batches)
+    fixed = sm.split_bound(stages, lay.micro_batches, chunk_rank=order,
+                           update_s=[model.update_s(lay, b / model.e) for b in params])
     # not under ZB-H1, whose deferred W overlap the descent, or with several chunks a rank
     drains = lay.schedule_spec.drains and lay.chunks_per_rank == 1
     return step_lower_bound(fixed, drains=drains, fixed_s=sm.step_fixed_s)

@@ -357,8 +357,7 @@ class PlanModel:
             update_s=[self.update_s(lay, p, lp, hide_under=tuple(t))
                       for p, lp, t in zip(rank_params, rank_layer_params, rank_time)])
         pipeline_s, bubble = pred.step_s, pred.simulation.bubble_fraction
-        sched = spec.for_chunks(len(stages), m)
-        held = [sched.held_peak(r, [s.activation_bytes for s in stages]) for r in range(lay.pp)]
+        held = pred.simulation.held_peak_bytes  # per rank: what its schedule holds at its peak
         memory = []
         for r in range(lay.pp):
             states = zero_model_states([int(rank_params[r])], dp=lay.dp, stage=lay.zero, element_bytes=self.e)

@@ -150,13 +150,21 @@ class StepModel:
         return StepPrediction(step_s=step + self.step_fixed_s, pipeline_s=pipeline, optimizer_s=step - pipeline,
                               simulation=sim, slowdown=slowdown)
 
-    def split_bound(self, stages: Sequence, micro_batches: int) -> "FixedStages":
-        """``stages`` (one chunk a rank) as the lower bound's fixed stages, in this model's terms."""
-        fixed = FixedStages(micro_batches)
-        for st in stages:
-            f = self.stage_forward_s(st)
-            fixed = fixed.then(f, f + self.stage_backward_s(st), self.optimizer_s(st.param_bytes))
-        return fixed
+    def split_bound(self, stages: Sequence, micro_batches: int, *, chunk_rank: Sequence[int] | None = None,
+                    update_s: Sequence[float] | None = None) -> "FixedStages":
+        """A whole split as the lower bound's fixed stages, in this model's terms, as ``predict`` times it:
+        chunk c on rank ``chunk_rank[c]`` (default: one chunk a rank), each rank's update its optimizer
+        term plus ``update_s[rank]``."""
+        if not stages:
+            return FixedStages(micro_batches)
+        chunk_rank = list(range(len(stages))) if chunk_rank is None else list(chunk_rank)
+        params = [0.0] * (max(chunk_rank) + 1)
+        for r, st in zip(chunk_rank, stages):
+            params[r] += st.param_bytes
+        forward = [self.stage_forward_s(st) for st in stages]
+        return FixedStages.of_split(forward, [f + self.stage_backward_s(st) for f, st in zip(forward, stages)],
+                                    chunk_rank, [self.optimizer_s(b) + (update_s[r] if update_s is not None else 0.0)
+                                                 for r, b in enumerate(params)], micro_batches)
 
     # --- files ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
