@@ -185,7 +185,7 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     vec = small.numel() / seconds_per_call(lambda: torch.add(small, small_out, out=small_out), batch=20)
     # first touches of an anonymous mapping (what glibc hands out above its threshold), whatever this
     # process's own malloc thresholds are
-    warm_pages = np.empty(x.nbytes // 4, dtype=np.float32)
+    warm_pages = y.numpy()  # the copy's warm destination, filled the same way as the fresh mapping
 
     def fresh_pages():
         region = mmap.mmap(-1, x.nbytes)
