@@ -153,11 +153,14 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     import numpy as np
     import torch
 
-    from ..compat.cpu_shims import training_mmap_threshold
+    from ..compat.cpu_shims import steady_host_allocator, training_mmap_threshold
 
+    # measured under the allocator train.py's ranks run with (as the profiler is): else the fill below
+    # times page faults or not depending on what this process allocated before
+    steady_host_allocator()
     threads = torch.get_num_threads()
     mmap_min = training_mmap_threshold()  # what train.py's ranks map afresh (steady_host_allocator)
-    path = Path(cache_dir) / f"cpu-spec-v6-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
+    path = Path(cache_dir) / f"cpu-spec-v7-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
     if path is not None and path.exists():
         try:
             return DeviceSpec(**json.loads(path.read_text()))
