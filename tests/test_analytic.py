@@ -187,29 +187,49 @@ def test_analytic_activations_match_what_autograd_saves_on_cpu(dropout, b):
         assert got["activation_bytes"] == pytest.approx(want.activation_bytes, rel=0.03), got["name"]
 
 
-def test_stage_memory_follows_deepspeeds_zero_rules_and_inflight():
-    from ds_pipe_ext.costs.estimate import stage_memory
+def test_rank_memory_follows_deepspeeds_zero_rules_per_tensor():
     from ds_pipe_ext.costs.types import LayerCost
+    from ds_pipe_ext.costs.zero import rank_memory
 
-    # bf16: 50 parameters a layer (100 bytes), two layers a stage, dp 4
-    costs = [LayerCost(f"l{i}", 1.0, 2.0, param_bytes=100, grad_bytes=100, optimizer_bytes=800,
-                       activation_bytes=10, output_bytes=4) for i in range(4)]
-    parts = [0, 2, 4]
-    z = {k: stage_memory(costs, parts, micro_batches=8, dp=4, zero=k, element_bytes=2) for k in (0, 1, 2, 3)}
-    kinds = ("param_bytes", "grad_bytes", "optimizer_bytes")
+    # bf16: two layers of 50 parameters (100 bytes) each, counted as one tensor a layer; dp 4
+    layers = [LayerCost(f"l{i}", 1.0, 2.0, param_bytes=100) for i in range(2)]
+    z = {k: rank_memory(layers, activation_bytes=40, zero=k, dp=4, element_bytes=2) for k in (0, 1, 2, 3)}
+    kinds = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "gathered_bytes")
     # ZeRO-0: 2 + (2 + 4 fp32 copy) + (8 + 4 master) bytes a parameter, 100 parameters
-    assert [z[0][0][k] for k in kinds] == [200, 600, 1200]
+    assert [getattr(z[0], k) for k in kinds] == [200, 600, 1200, 40, 0]
     # ZeRO-1/2: 100 padded to 104 (a multiple of 2 dp), all of it in bf16; a 26-element partition of
     # fp32 gradient and master + moments
-    assert [z[1][0][k] for k in kinds] == [208, 104, 312]
-    assert [z[2][0][k] for k in kinds] == [208, 104, 312]
-    # ZeRO-3: each tensor padded to a multiple of dp: 13 + 13 elements; bf16 + fp32 gradient partitions
-    assert [z[3][0][k] for k in kinds] == [52, 156, 312]
-    # 1F1B: stage 0 holds 2 micro-batches, stage 1 one; full recompute keeps only layer inputs
-    assert [r["activation_bytes"] for r in z[0]] == [2 * 20, 1 * 20]
-    assert z[1][0]["total_bytes"] == 208 + 104 + 312 + 40
-    full = stage_memory(costs, parts, micro_batches=8, full_recompute=True, element_bytes=2)
-    assert [r["activation_bytes"] for r in full] == [2 * (0 + 4), 1 * (4 + 4)]
+    assert [getattr(z[1], k) for k in kinds] == [208, 104, 312, 40, 0]
+    assert [getattr(z[2], k) for k in kinds] == [208, 104, 312, 40, 0]
+    # ZeRO-3: each tensor padded to a multiple of dp: 13 + 13 elements; bf16 + fp32 gradient partitions;
+    # the layer computed and the one prefetched gathered whole: 2 x 50 x 2 bytes
+    assert [getattr(z[3], k) for k in kinds] == [52, 156, 312, 40, 200]
+    assert z[1].total_bytes == 208 + 104 + 312 + 40
+    # with its tensors known (45 + 5 elements a layer) ZeRO-3 pads each: 12 + 2 = 14 a layer, not 13
+    split = [LayerCost(f"l{i}", 1.0, 2.0, param_bytes=100, param_numels=(45, 5)) for i in range(2)]
+    z3 = rank_memory(split, activation_bytes=0, zero=3, dp=4, element_bytes=2)
+    assert (z3.param_bytes, z3.optimizer_bytes, z3.gathered_bytes) == (2 * 28, 12 * 28, 200)
+    # offload: optimizer states (and ZeRO-3's parameter partitions) live in host memory
+    off = rank_memory(split, activation_bytes=0, zero=3, dp=4, element_bytes=2, offload=True)
+    assert (off.param_bytes, off.grad_bytes, off.optimizer_bytes) == (0, 6 * 28, 0)
+
+
+def test_analytic_layer_tensors_are_the_modules_parameters():
+    """The description's tensors (``LayerCost.param_numels``, ZeRO's per-tensor padding) are the GPT's own."""
+    import torch
+
+    from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs
+    from ds_pipe_ext.costs.hardware import get_device
+    from ds_pipe_ext.models import load_model
+    from ds_pipe_ext.models.gpt import gpt_layer_specs
+
+    cfg = load_model("tiny")
+    assert not cfg.tie_embeddings
+    costs = analytic_layer_costs(cfg, EstimateRequest(micro_batch=1, seq=cfg.seq_len, dtype="fp32"), get_device("a100"))
+    with torch.device("meta"):
+        layers = [spec.build() for spec in gpt_layer_specs(cfg)]
+    assert [sorted(c.param_numels) for c in costs] == [sorted(p.numel() for p in m.parameters()) for m in layers]
+    assert all(c.param_bytes == 4 * sum(c.param_numels) for c in costs)
 
 
 def test_calibration_recovers_the_factors_that_made_the_times():

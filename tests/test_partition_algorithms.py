@@ -242,3 +242,10 @@ def test_dualpipev_pairs_are_balanced_exactly_against_brute_force():
     assert pair_times(t, partition_pairs_min_max(t, 2)) == [18.0, 16.0]
     with pytest.raises(PartitionError, match="at most 2 pipeline ranks"):
         partition_pairs_min_max([1.0] * 5, 3)
+    # non-integer times: the probe's sums round differently from pair_times', and a split found under
+    # a bound must be found again under its own value (this one stopped on an assertion)
+    t = [x * 3 if i in (3, 5, 6, 8) else x for i, x in enumerate([0.2, 0.001, 0.1, 0.3, 0.7, 0.3, 0.3, 0.1 * 3,
+                                                                   0.3, 0.2 * 3, 0.003, 0.3, 0.1 * 3, 0.7, 0.001,
+                                                                   0.3, 0.2, 0.1 * 3])]
+    brute = min(max(pair_times(t, [0, *c, 18])) for c in itertools.combinations(range(1, 18), 9))
+    assert max(pair_times(t, partition_pairs_min_max(t, 5))) == pytest.approx(brute, rel=1e-12)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 from .common import check_shape, emit
 
@@ -20,16 +21,17 @@ def cmd_estimate(args) -> int:
 
     from ..costs.analytic import AnalyticError
     from ..costs.estimate import EstimateRequest, estimate_layers, layer_ops, op_rows, shape_for
-    from ..costs.hardware import get_device
+    from ..costs.stage import in_flight
     from ..models import family_of, load_model
     from ..partition.report import render_table
+    from ..plan.model import plan_device
 
     check_shape(args)
     cfg = load_model(args.model)
     req = EstimateRequest(micro_batch=args.micro_batch, seq=args.seq or cfg.seq_len, tp=args.tp, sp=args.sp,
                           dtype=args.dtype, selective_recompute=args.selective_recompute)
     try:
-        device = get_device(args.device)
+        device = plan_device(args.device)
         if args.calibrate:
 
             device = family_of(cfg).calibrate(cfg, req, device)
@@ -43,16 +45,12 @@ def cmd_estimate(args) -> int:
         raise ValueError(str(e)) from None
     stages = None
     if args.stages:
-        from ..costs.estimate import DTYPE_BYTES, analytic_layer_costs, stage_memory
-        from ..partition import partition_min_max
-
-        costs = analytic_layer_costs(cfg, req, device)
-        m = args.micro_batches or args.stages
-        parts = partition_min_max(costs, args.stages, micro_batches=m, recompute=args.full_recompute)
-        stages = {"parts": parts, "micro_batches": m, "dp": args.dp, "zero": args.zero,
-                  "stages": stage_memory(costs, parts, micro_batches=m, dp=args.dp, zero=args.zero,
-                                         full_recompute=args.full_recompute,
-                                         element_bytes=DTYPE_BYTES[req.dtype])}
+        cost = layout_cost(cfg, device, _estimate_layout(args), seq=req.seq, dtype=req.dtype)
+        stages = {"parts": cost.parts, "micro_batches": cost.layout.micro_batches, "dp": args.dp, "zero": args.zero,
+                  "step_s": cost.step_s, "notes": cost.notes,
+                  "stages": [{"stage": s, "layers": [cost.parts[s], cost.parts[s + 1]],
+                              "inflight": in_flight(s, args.stages, cost.layout.micro_batches), **mem}
+                             for s, mem in enumerate(cost.ranks)]}
     if args.json:
         emit(json.dumps({"model": cfg.name, "device": device.name, "request": req.__dict__,
                           "layers": layers, "block_ops": block, "pipeline": stages}, indent=1))
@@ -75,16 +73,44 @@ def cmd_estimate(args) -> int:
           f"{r['params'] / 1e6:.1f}", f"{r['fwd_s'] * ms:.3f}", f"{r['bwd_s'] * ms:.3f}"] for i, r in enumerate(layers)])))
     if stages:
         gib = 2**30
-        emit(f"\nmemory per rank, {args.stages} stages (analytic min-max split {stages['parts']}), "
+        emit(f"\nmemory per rank, {args.stages} stages (the plan's split {stages['parts']}), "
               f"m={stages['micro_batches']} micro-batches, dp={args.dp}, ZeRO-{args.zero}"
               + (", full recompute" if args.full_recompute else "") + ":")
         emit("\n".join(render_table(
-            ["stage", "layers", "params GiB", "grads GiB", "optimizer GiB", "act GiB x inflight", "total GiB"],
+            ["stage", "layers", "params GiB", "grads GiB", "optimizer GiB", "act GiB x inflight", "gathered GiB",
+             "total GiB"],
             [[str(r["stage"]), f"{r['layers'][0]}-{r['layers'][1] - 1}", f"{r['param_bytes'] / gib:.2f}",
               f"{r['grad_bytes'] / gib:.2f}", f"{r['optimizer_bytes'] / gib:.2f}",
-              f"{r['activation_bytes'] / r['inflight'] / gib:.2f} x {r['inflight']}", f"{r['total_bytes'] / gib:.2f}"]
-             for r in stages["stages"]])))
+              f"{r['activation_bytes'] / r['inflight'] / gib:.2f} x {r['inflight']}", f"{r['gathered_bytes'] / gib:.2f}",
+              f"{r['total_bytes'] / gib:.2f}"] for r in stages["stages"]])))
+        for note in stages["notes"]:
+            emit(f"  - {note}")
     return 0
+
+
+def _estimate_layout(args):
+    """The layout ``estimate --stages`` describes: a 1F1B pipeline (or, at one stage, none)."""
+    from ..layout import Layout, LayoutError
+
+    if args.selective_recompute and args.full_recompute:
+        raise ValueError("--selective-recompute and --full-recompute: choose one")
+    recompute = "full" if args.full_recompute else "selective" if args.selective_recompute else "none"
+    try:
+        return Layout(pp=args.stages, tp=args.tp, dp=args.dp, sp=args.sp, zero=args.zero,
+                      micro_batch=args.micro_batch, micro_batches=args.micro_batches or args.stages,
+                      recompute=recompute)
+    except LayoutError as e:
+        raise ValueError(f"--stages {args.stages}: {e}") from None
+
+
+def layout_cost(cfg, device, lay, *, seq: int, dtype: str, parts: list[int] | None = None):
+    """One layout through the one cost model (``plan.model.PlanModel``) on ``device``'s own cluster: the
+    split, memory per rank by kind and step that `plan --only` gives it (``parts``: this split instead)."""
+    from ..plan.model import Cluster, PlanModel
+
+    cluster = Cluster(device.gpus_per_node, device.intra_node_bandwidth, device.inter_node_bandwidth)
+    model = PlanModel(cfg, device, cluster, seq=seq, global_batch=lay.global_batch, dtype=dtype)
+    return model.evaluate(lay, parts, check_memory=False) if parts else model.evaluate_named(lay)
 
 
 def cmd_estimate_compare(args) -> int:
@@ -92,50 +118,47 @@ def cmd_estimate_compare(args) -> int:
     import json
 
     from .compare import comparison_configs_for
-    from ..compare.predict import KINDS, model_shape, predicted_ranks
-    from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs
-    from ..costs.hardware import get_device
-    from ..models import family_of, load_model
+    from ..compare.predict import model_shape
     from ..compat.zero import deepspeed_estimate_bytes
-    from ..partition import partition_min_max
+    from ..costs.stage import in_flight
+    from ..costs.zero import MEMORY_KINDS as KINDS
+    from ..models import load_model
     from ..partition.methods import decide_offline
     from ..partition.report import render_table
+    from ..plan.model import plan_device
 
     if not args.world:
         raise ValueError("estimate --compare needs --world N (the number of GPUs)")
     cfg = load_model(args.model)
-    device = get_device(args.device)
+    device = plan_device(args.device)
     shape = model_shape(cfg)
     configs = comparison_configs_for(args, args.micro_batch)
-    req = EstimateRequest(micro_batch=args.micro_batch, seq=args.seq or cfg.seq_len, tp=args.tp, sp=args.sp,
-                          dtype=args.dtype, selective_recompute=args.selective_recompute)
-    costs = analytic_layer_costs(cfg, req, device)
-    acts = [c.activation_bytes for c in costs]
+    seq = args.seq or cfg.seq_len
     rows = []
     for c in configs:
-        parts = None
+        lay = replace(c.layout, sp=args.sp, recompute="selective" if args.selective_recompute else c.layout.recompute)
+        parts = None  # "profiled" (it needs the device) and "analytic": the plan's split, as `plan --only`
         if c.kind == "pipeline":
-            if len(costs) < c.layout.pp:
+            if cfg.describe().num_pipeline_layers < lay.pp:
                 continue  # more stages than layers
-            # "profiled" needs the device: the analytic min-max split stands in for it here (a memory
-            # table: not the step search, which takes seconds per layout on a 96-block model)
-            lay = c.layout
-            parts = (partition_min_max(costs, lay.pp, micro_batches=lay.micro_batches) if c.method == "profiled"
-                     else decide_offline(c.method, costs, lay.pp, micro_batches=lay.micro_batches))
-        stages = predicted_ranks(c, shape, acts, parts=parts, element_bytes=DTYPE_BYTES[args.dtype])
-        if c.layout.offload:  # optimizer states and parameter partitions live in CPU memory
-            for st in stages:
-                st["total_bytes"] -= st["optimizer_bytes"] + st["param_bytes"]
-                st["optimizer_bytes"] = st["param_bytes"] = 0
+            if c.method not in ("profiled", "analytic"):
+                from ..plan.model import Cluster, PlanModel
+
+                costs = PlanModel(cfg, device, Cluster(8, 1.0, 1.0), seq=seq, global_batch=lay.global_batch,
+                                  dtype=args.dtype).layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
+                parts = decide_offline(c.method, list(costs), lay.pp, micro_batches=lay.micro_batches)
+        cost = layout_cost(cfg, device, lay, seq=seq, dtype=args.dtype, parts=parts)
+        stages = [{"stage": s, "layers": [cost.parts[s], cost.parts[s + 1]],
+                   "inflight": in_flight(s, lay.pp, lay.micro_batches, lay.schedule_spec.name) if lay.pipelined else 1,
+                   **mem} for s, mem in enumerate(cost.ranks)]
         worst = max(stages, key=lambda st: st["total_bytes"])
         # DeepSpeed's own model-state estimate, beside ours (its estimators assume 16-bit, no pipeline)
-        lay = c.layout
         ds_estimate = (deepspeed_estimate_bytes(shape.params, shape.largest_module_params, dp=lay.dp, stage=lay.zero)
                        if c.kind != "pipeline" and not lay.offload and lay.tp == 1 and args.dtype != "fp32" else None)
         rows.append({"config": c.name if c.method != "profiled" else c.name.replace("profiled", "analytic"),
-                     **c.to_dict(), "parts": parts, "stages": stages, "heaviest_stage": worst["stage"],
-                     "predicted_bytes": {k: worst[k] for k in KINDS},
-                     "predicted_peak_memory_bytes": worst["total_bytes"],
+                     **c.to_dict(), "parts": cost.parts if c.kind == "pipeline" else None, "stages": stages,
+                     "heaviest_stage": worst["stage"], "predicted_bytes": {k: worst[k] for k in KINDS},
+                     "predicted_peak_memory_bytes": worst["total_bytes"], "step_s": cost.step_s,
                      "deepspeed_estimate_model_state_bytes": ds_estimate,
                      "status": "oom" if worst["total_bytes"] > device.memory_bytes else "fits"})
     if args.json:
@@ -144,17 +167,17 @@ def cmd_estimate_compare(args) -> int:
         return 0
     gib = 2**30
     emit(f"{cfg.name} ({shape.params / 1e9:.2f} B params) on {args.world} x {device.name} "
-         f"({device.memory_bytes / gib:.0f} GiB each), {args.dtype}, micro-batch {args.micro_batch}, seq {req.seq}"
+         f"({device.memory_bytes / gib:.0f} GiB each), {args.dtype}, micro-batch {args.micro_batch}, seq {seq}"
          + (f", tp {args.tp}" + (" + sp" if args.sp else "") if args.tp > 1 else "") + "; analytic, no launch")
     emit("\n".join(render_table(
         ["config", "pp x tp x dp", "ZeRO", "mb x acc", "heaviest stage", "params GiB", "grads GiB", "optimizer GiB",
-         "activations GiB", "total GiB", "fits?"],
+         "activations GiB", "gathered GiB", "total GiB", "fits?"],
         [[r["config"], f"{r['pp']}x{r['tp']}x{r['dp']}", str(r["zero"]), f"{r['micro_batch']} x {r['grad_accum']}",
           str(r["heaviest_stage"]), *(f"{r['predicted_bytes'][k] / gib:.1f}" for k in KINDS),
           f"{r['predicted_peak_memory_bytes'] / gib:.1f}", "OOM" if r["status"] == "oom" else "yes"] for r in rows])))
-    emit("  - per rank: model states by DeepSpeed's allocation rules for this precision (ZeRO-1/2/3 divide them "
-         "over dp), activations for one micro-batch x the stage's 1F1B in-flight count; 'analytic' rows are split "
-         "by the analytic min-max partition; zero3-offload keeps its states in CPU memory")
+    emit("  - per rank, as `plan --only` evaluates each layout: model states by DeepSpeed's allocation rules for "
+         "this precision (ZeRO-1/2/3 divide them over dp), the activations the schedule holds at its peak, ZeRO-3's "
+         "two gathered layers; 'analytic' rows take the plan's split; offload keeps optimizer states in CPU memory")
     for r in rows:
         if r["deepspeed_estimate_model_state_bytes"] is not None:
             ours = sum(r["predicted_bytes"][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))

@@ -84,6 +84,7 @@ class OpCost:
     bwd_bytes: float = 0.0
     activation_bytes: float = 0.0  # saved for backward
     weight_bytes: float = 0.0
+    weights: tuple = ()  # element count of each parameter tensor (ZeRO pads and partitions per tensor)
     comm_fwd_bytes: float = 0.0  # per rank, payload of the collective
     comm_bwd_bytes: float = 0.0
     # all-reduce | all-gather | reduce-scatter, or FWD+BWD where the two directions differ (SP); a
@@ -99,7 +100,7 @@ class OpCost:
     random_elems: float = 0.0  # random numbers drawn forward (a dropout mask)
 
     def __add__(self, other: "OpCost") -> "OpCost":
-        # numbers add; allocation lists concatenate
+        # numbers add; allocation and tensor lists concatenate
         num = {f.name: getattr(self, f.name) + getattr(other, f.name)
                for f in fields(self) if f.name not in ("name", "kind", "comm_type", "recompute", "gemm_dim")}
         return OpCost(name=self.name, kind=self.kind, comm_type=self.comm_type, **num)
@@ -113,13 +114,14 @@ def linear(name: str, tokens: float, k: int, n: int, shp: Shape, *, bias: bool =
     """(tokens x k) @ (k x n) [+ bias]: 2*tokens*k*n FLOPs forward, twice that backward
     (input and weight gradients).  Saves its input (or ``saved_input_elems`` of it)."""
     saved = tokens * k if saved_input_elems is None else saved_input_elems
-    w = (k * n + (n if bias else 0)) * shp.e
+    tensors = (k * n, n) if bias else (k * n,)
+    w = sum(tensors) * shp.e
     return OpCost(
         name, "matrix",
         fwd_flops=2.0 * tokens * k * n, bwd_flops=4.0 * tokens * k * n,
         fwd_bytes=(tokens * k + tokens * n) * shp.e + w,
         bwd_bytes=(2 * tokens * n + 2 * tokens * k) * shp.e + 2 * w,
-        activation_bytes=saved * shp.e, weight_bytes=w, gemm_dim=float(min(tokens, k, n)),
+        activation_bytes=saved * shp.e, weight_bytes=w, weights=tensors, gemm_dim=float(min(tokens, k, n)),
         fwd_allocs=(tokens * n * shp.e,), bwd_allocs=(tokens * k * shp.e, w),
     )
 
@@ -128,7 +130,8 @@ def layer_norm(name: str, shp: Shape) -> OpCost:
     """Saves its input (Korthikanti: 2sbh at 16-bit); sharded along s under SP."""
     n = shp.replicated_sbh
     return OpCost(name, "vector", fwd_flops=8.0 * n, bwd_flops=16.0 * n, fwd_bytes=2 * n * shp.e,
-                  bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e, weight_bytes=2 * shp.h * shp.e)
+                  bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e, weight_bytes=2 * shp.h * shp.e,
+                  weights=(shp.h, shp.h))
 
 
 def qkv(shp: Shape, kv_heads: int | None = None) -> OpCost:
@@ -148,7 +151,8 @@ def rms_norm(name: str, shp: Shape) -> OpCost:
     """RMSNorm: a scale and no bias; saves its input like LayerNorm, with fewer passes (no mean)."""
     n = shp.replicated_sbh
     return OpCost(name, "vector", fwd_flops=4.0 * n, bwd_flops=8.0 * n, fwd_bytes=2 * n * shp.e,
-                  bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e, weight_bytes=shp.h * shp.e)
+                  bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e, weight_bytes=shp.h * shp.e,
+                  weights=(shp.h,))
 
 
 def rotary(shp: Shape, kv_heads: int | None = None) -> OpCost:
@@ -277,7 +281,8 @@ def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
     # backward: the gradient of the whole (V/t x h) table is zeroed (dense in torch and Megatron: one
     # write-only pass), then the looked-up rows are added, which on small batches costs far less
     ops = [OpCost("word_embedding", "vector", fwd_bytes=2 * out * shp.e, bwd_bytes=2 * out * shp.e + table,
-                  activation_bytes=shp.tokens * 8 + (shp.s * 8 if positions else 0), weight_bytes=rows * shp.h * shp.e,
+                  activation_bytes=shp.tokens * 8 + (shp.s * 8 if positions else 0),
+                  weight_bytes=rows * shp.h * shp.e, weights=(rows * shp.h,),
                   fwd_allocs=(out * shp.e,), bwd_allocs=(table,), bwd_fill_bytes=table)]
     if shp.t > 1:
         # Megatron's vocab-parallel lookup also keeps a bool mask of the tokens outside this rank's rows
@@ -285,7 +290,8 @@ def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
                          comm_type="reduce-scatter" if shp.sp else "all-reduce")
     if positions:
         ops.append(OpCost("position_embedding", "vector", fwd_flops=out, fwd_bytes=3 * out * shp.e,
-                          bwd_bytes=2 * out * shp.e + 2 * shp.s * shp.h * shp.e, weight_bytes=shp.s * shp.h * shp.e))
+                          bwd_bytes=2 * out * shp.e + 2 * shp.s * shp.h * shp.e, weight_bytes=shp.s * shp.h * shp.e,
+                          weights=(shp.s * shp.h,)))
     ops.append(dropout("embedding_dropout", shp.replicated_sbh, shp))
     return ops
 

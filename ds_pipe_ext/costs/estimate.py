@@ -8,9 +8,7 @@ from dataclasses import dataclass, replace
 from ..arch import as_description
 from . import analytic as A
 from .hardware import DeviceSpec
-from .stage import stage_costs
 from .types import LayerCost
-from .zero import stage_model_states
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -86,6 +84,7 @@ def estimate_layers(model, req: EstimateRequest, device: DeviceSpec) -> list[dic
             "fwd_flops": sum(r["fwd_flops"] for r in rows), "bwd_flops": sum(r["bwd_flops"] for r in rows),
             "activation_bytes": sum(r["activation_bytes"] for r in rows),
             "param_bytes": params * shp.e, "params": params,
+            "tensors": [int(n) for op in ops for n in op.weights],
             "output_bytes": 0 if kind == "head" else shp.replicated_sbh * shp.e,
             "comm_bytes": sum(r["comm_fwd_bytes"] + r["comm_bwd_bytes"] for r in rows),
             "fwd_s": sum(r["fwd_s"] for r in rows), "bwd_s": sum(r["bwd_s"] for r in rows) + recompute_fwd,
@@ -109,29 +108,6 @@ def analytic_layer_costs(model, req: EstimateRequest, device: DeviceSpec) -> lis
             param_bytes=params * shp.e, grad_bytes=params * shp.e,
             optimizer_bytes=params * per_param,
             activation_bytes=int(row["activation_bytes"]), output_bytes=int(row["output_bytes"]),
-            weight_grad_s=row["wgrad_s"],
+            weight_grad_s=row["wgrad_s"], param_numels=tuple(row["tensors"]),
         ))
     return costs
-
-
-def stage_memory(costs: list[LayerCost], parts: list[int], *, micro_batches: int, dp: int = 1, zero: int = 0,
-                 full_recompute: bool = False, element_bytes: int = 2) -> list[dict]:
-    """Bytes per rank of each pipeline stage: model states + activations.
-
-    Model states by DeepSpeed's ZeRO allocation rules (``costs.zero``, the rule every other memory
-    figure uses; each layer's parameters counted as one tensor, ``element_bytes`` each: 2 for bf16
-    with fp32 masters).  Activations: the stage model's in-flight count times what its layers hold
-    per micro-batch (``costs.stage``).
-    """
-    if zero not in (0, 1, 2, 3):
-        raise A.AnalyticError(f"ZeRO stage {zero!r}: use 0, 1, 2 or 3")
-    if dp < 1:
-        raise A.AnalyticError(f"dp = {dp}: the data-parallel degree must be >= 1")
-    rows = []
-    for st in stage_costs(costs, parts, micro_batches=micro_batches, recompute=full_recompute):
-        states = stage_model_states([c.param_bytes // element_bytes for c in costs[st.start:st.stop]], dp=dp,
-                                    stage=zero, element_bytes=element_bytes)
-        act = st.activation_peak_bytes
-        rows.append({"stage": st.stage, "layers": [st.start, st.stop], **states.to_dict(),
-                     "inflight": st.inflight, "activation_bytes": act, "total_bytes": states.total_bytes + act})
-    return rows

@@ -34,12 +34,22 @@ class LayerCost:
     # the weight-gradient part of backward_s, which zero-bubble schedules run apart (W after the input
     # gradient B); None where neither measured nor modelled: the schedules then take half
     weight_grad_s: float | None = None
+    # the element count of each parameter tensor, for the rules that pad or partition per tensor
+    # (ZeRO-3, ``costs.zero``); empty where unknown: the layer then counts as one tensor
+    param_numels: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
             if f.name == "name":
                 if not isinstance(self.name, str):
                     raise ValueError(f"LayerCost.name must be a string, got {self.name!r}")
+                continue
+            if f.name == "param_numels":
+                numels = tuple(self.param_numels)
+                if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in numels):
+                    raise ValueError(f"LayerCost({self.name!r}).param_numels = {self.param_numels!r}: "
+                                     f"element counts must be positive integers")
+                object.__setattr__(self, "param_numels", numels)
                 continue
             v = getattr(self, f.name)
             if v is None and f.name == "weight_grad_s":

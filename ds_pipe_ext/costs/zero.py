@@ -136,8 +136,60 @@ def layer_states_by_rule(costs: list, *, stage: int, dp: int, element_bytes: int
     return out
 
 
-def stage_model_states(layer_params: list[int], *, dp: int, stage: int, element_bytes: int = 4) -> ModelStates:
-    """A pipeline stage's (or a whole data-parallel model's) states from its layers' parameter counts,
-    each layer counted as one tensor: the analytic side's view, which knows layers, not tensors."""
-    return zero_model_states([int(n) for n in layer_params if n], dp=dp, stage=stage, element_bytes=element_bytes)
+# -- a rank's memory by kind: the one rule every memory figure of a layout reads ------------------
 
+MEMORY_KINDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "gathered_bytes")
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What one rank holds at its peak, by kind: model states (at the optimizer step), the activations its
+    schedule holds, and under ZeRO-3 the parameters it gathers whole for the layer it computes."""
+
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    gathered_bytes: float = 0.0
+
+    @property
+    def states_bytes(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return self.states_bytes + self.activation_bytes + self.gathered_bytes
+
+    def to_dict(self) -> dict[str, float]:
+        return {**{k: getattr(self, k) for k in MEMORY_KINDS}, "total_bytes": self.total_bytes}
+
+
+def layer_tensors(cost, element_bytes: int) -> list[int]:
+    """A layer's parameter tensors' element counts: its ``param_numels``, or where unknown the layer as
+    one tensor of ``param_bytes / element_bytes`` elements."""
+    if cost.param_numels:
+        return list(cost.param_numels)
+    n = round(cost.param_bytes / element_bytes)
+    return [n] if n else []
+
+
+def rank_memory(layers, *, activation_bytes: float, zero: int, dp: int, element_bytes: int,
+                persistence_threshold: int = 0, dp_rank: int | None = None, offload: bool = False) -> RankMemory:
+    """The memory of a rank that holds ``layers`` (``LayerCost`` records, one per pipeline layer it
+    runs: every chunk's) and whose schedule holds ``activation_bytes`` at its peak.
+
+    Model states: ``zero_model_states`` over the layers' tensors.  Under ZeRO-3 the layer being computed
+    and the next one, prefetched, are gathered whole: twice the rank's largest layer.  ``offload``:
+    the optimizer's states (and ZeRO-3's parameter partitions) live in host memory, not the device's."""
+    tensors = [n for c in layers for n in layer_tensors(c, element_bytes)]
+    states = zero_model_states(tensors, dp=dp, stage=zero, element_bytes=element_bytes, rank=dp_rank,
+                               persistence_threshold=persistence_threshold)
+    gathered = 0.0
+    if zero == 3:
+        gathered = 2.0 * element_bytes * max((sum(layer_tensors(c, element_bytes)) for c in layers), default=0)
+    params, optimizer = states.param_bytes, states.optimizer_bytes
+    if offload:
+        optimizer = 0
+        if zero == 3:
+            params = 0
+    return RankMemory(params, states.grad_bytes, optimizer, float(activation_bytes), gathered)

@@ -66,7 +66,7 @@ def _probe(prefix: np.ndarray, p: int, bound: float) -> list[int] | None:
     lefts, rights = [i], [j]
     for r in range(p - 1, 0, -1):  # walk back to the pair that left (i, j)
         cand = reach[r - 1] & (i_grid < i) & (j_grid > j)
-        cand &= (prefix[i] - prefix[i_grid]) + (prefix[j_grid] - prefix[j]) <= bound
+        cand &= span + (prefix[i] - prefix[j]) <= bound  # the forward test's own arithmetic
         i, j = (int(x) for x in np.argwhere(cand)[0])
         lefts.append(i)
         rights.append(j)
@@ -74,6 +74,18 @@ def _probe(prefix: np.ndarray, p: int, bound: float) -> list[int] | None:
     inner = np.arange(lo + 1, hi)
     cut = int(inner[np.argmin(np.abs((prefix[inner] - prefix[lo]) - (prefix[hi] - prefix[inner])))])
     return sorted(lefts) + [cut] + sorted(rights)
+
+
+def _probed_max(prefix: np.ndarray, parts: list[int]) -> float:
+    """The slowest rank's pair as the probe computes it: (P[j] - P[i]) + (P[i'] - P[j']) for an outer pair
+    that leaves [i', j') of [i, j), P[j] - P[i] for the middle one.  Rounded like the probe's test, so that
+    a split found under a bound is found again under its own value."""
+    p = (len(parts) - 1) // 2
+    worst = float(prefix[parts[p + 1]] - prefix[parts[p - 1]])
+    for r in range(p - 1):
+        outer = prefix[parts[2 * p - r]] - prefix[parts[r]]
+        worst = max(worst, float(outer + (prefix[parts[r + 1]] - prefix[parts[2 * p - 1 - r]])))
+    return worst
 
 
 def partition_pairs_min_max(times: Sequence[float], num_ranks: int) -> list[int]:
@@ -91,10 +103,10 @@ def partition_pairs_min_max(times: Sequence[float], num_ranks: int) -> list[int]
 
     def probe(bound):
         parts = _probe(prefix, p, bound)
-        return None if parts is None else (parts, max(pair_times(t, parts)))
+        return None if parts is None else (parts, _probed_max(prefix, parts))
 
     first = _probe(prefix, p, np.inf)
-    best, _ = _bisect_floats(None, max(pair_times(t, first)), probe)
+    best, _ = _bisect_floats(None, _probed_max(prefix, first), probe)
     final = _probe(prefix, p, best)
     assert final is not None
     return final

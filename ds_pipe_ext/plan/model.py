@@ -4,8 +4,9 @@ Per-layer costs are the analytic ones (``costs.estimate``: roofline per op, Mega
 collectives inside the layer), computed once per (tp, sp, micro-batch, recompute) and shared by
 every layout with those four.  Everything is per TP rank.
 
-Memory per rank (mixed precision, bf16 weights and gradients, fp32 master weights and Adam
-moments; DeepSpeed's allocation rules, ``costs.zero``):
+Memory per rank: ``costs.zero.rank_memory`` (the one rule; ``estimate`` reads it from here) over the
+tensors of the layers the rank holds: DeepSpeed's allocation rules, per parameter in mixed precision
+(bf16 weights and gradients, fp32 master weights and Adam moments), padding aside
 
     ZeRO-0: 2 (weights) + 6 (bf16 gradient + fp32 copy) + 12 (master, m, v) bytes per parameter
     ZeRO-1/2: 2 + (4 + 12) / dp          ZeRO-3: (2 + 6 + 12) / dp, plus two gathered layers
@@ -42,9 +43,10 @@ from ..costs import analytic as A
 from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs, layer_ops, shape_for
 from ..costs.hardware import DEVICES, DeviceSpec, adam_step_s, get_device
 from ..costs.stage import held_activation_bytes, stage_costs
-from ..costs.zero import state_bytes_per_param, zero_model_states
-from ..layout import Layout
+from ..costs.zero import layer_states_by_rule, rank_memory, state_bytes_per_param
+from ..layout import ZERO_SETTINGS, Layout
 from ..partition.algorithms import InfeasibleMemoryCap, partition_min_max_lists, smallest_feasible_cap_lists
+from ..partition.methods import decide_offline
 from ..simulate.events import Link, Network
 from ..simulate.step_model import StepModel
 from .space import PlanError
@@ -110,6 +112,7 @@ class LayoutCost:
     peak_memory_bytes: float  # the heaviest rank
     memory: dict  # the heaviest rank's bytes by kind
     bubble_fraction: float
+    ranks: list[dict] = field(default_factory=list)  # every pipeline rank's bytes by kind (``costs.zero.rank_memory``)
     samples_per_s: float = 0.0
     mfu: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -117,7 +120,8 @@ class LayoutCost:
     def to_dict(self) -> dict:
         return {**self.layout.to_dict(), "parts": self.parts, "step_s": self.step_s, "notes": self.notes,
                 "samples_per_s": self.samples_per_s, "mfu": self.mfu, "peak_memory_bytes": self.peak_memory_bytes,
-                "memory": self.memory, "bubble_fraction": self.bubble_fraction, "pipeline_s": self.pipeline_s}
+                "memory": self.memory, "ranks": self.ranks, "bubble_fraction": self.bubble_fraction,
+                "pipeline_s": self.pipeline_s}
 
 
 class OutOfMemory(Exception):
@@ -315,14 +319,31 @@ class PlanModel:
             activation_bytes=held_activation_bytes(costs, recompute=full),
             micro_batches=lay.micro_batches, schedule=lay.schedule_spec.name)
 
+    def run_split(self, lay: Layout) -> list[int]:
+        """The split a ``PipelineModule`` with ``partition_method: "analytic"`` chooses from these costs for
+        this layout: the same decision function (``partition.methods.decide_offline``), on the layers'
+        model states by the ZeRO rule (as the module counts them), under each chunk's share of the cap
+        where a split fits it, else with none (the step search under 1F1B and GPipe, the min-max split
+        under the other schedules)."""
+        costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
+        if lay.num_chunks == 1:
+            return [0, len(costs)]
+        states = layer_states_by_rule(list(costs), stage=lay.zero, dp=lay.dp, element_bytes=self.e)
+        kw = dict(micro_batches=lay.micro_batches, recompute=lay.recompute == "full", schedule=lay.schedule_spec.name,
+                  step_model=self.step_model)
+        if lay.schedule_spec.kind != "dualpipev":  # DualPipeV balances each rank's pair by time alone
+            kw["link_bandwidth"] = self._p2p_link(lay).bandwidth
+            try:
+                return decide_offline("analytic", states, lay.num_chunks,
+                                      memory_cap_gib=self.memory_cap / lay.chunks_per_rank / 2**30, **kw)
+            except InfeasibleMemoryCap:
+                pass
+        return decide_offline("analytic", states, lay.num_chunks, **kw)
+
     def evaluate_named(self, lay: Layout) -> LayoutCost:
-        """A layout the user named, evaluated whatever its memory: split under the cap where a split fits,
-        else without it; a peak over the cap is noted ("over the cap by X GiB"), not refused."""
-        try:
-            parts = self.partition(lay)
-        except OutOfMemory:
-            parts = self.partition(lay, capped=False)
-        cost = self.evaluate(lay, parts, check_memory=False)
+        """A layout the user named, evaluated whatever its memory, on the split an ``analytic`` run
+        chooses; a peak over the cap is noted ("over the cap by X GiB"), not refused."""
+        cost = self.evaluate(lay, self.run_split(lay), check_memory=False)
         over = cost.peak_memory_bytes - self.memory_cap
         if over > 0:
             cost.notes.append(f"over the cap by {over / 2**30:.2f} GiB")
@@ -339,14 +360,15 @@ class PlanModel:
         spec = lay.schedule_spec
         chunk_rank = spec.chunk_rank(lay.pp)
         rank_params = [0.0] * lay.pp
-        rank_layer_params: list[list[float]] = [[] for _ in range(lay.pp)]
+        rank_layers: list[list] = [[] for _ in range(lay.pp)]
         rank_time = [[0.0, 0.0] for _ in range(lay.pp)]  # a micro-batch's forward and backward on the rank
         for st in stages:
             r = chunk_rank[st.stage]
             rank_params[r] += st.param_bytes / self.e
-            rank_layer_params[r] += [c.param_bytes / self.e for c in costs[parts[st.stage]:parts[st.stage + 1]]]
+            rank_layers[r] += costs[parts[st.stage]:parts[st.stage + 1]]
             rank_time[r][0] += st.forward_s
             rank_time[r][1] += st.backward_s
+        rank_layer_params = [[c.param_bytes / self.e for c in layers] for layers in rank_layers]
         if lay.runtime == "megatron" and lay.tp > 1 and not lay.sp:
             # Megatron sends 1/t of a boundary activation between stages and all-gathers it over TP (its
             # scatter/gather optimisation; under SP the activation is already the rank's shard)
@@ -358,20 +380,15 @@ class PlanModel:
                       for p, lp, t in zip(rank_params, rank_layer_params, rank_time)])
         pipeline_s, bubble = pred.step_s, pred.simulation.bubble_fraction
         held = pred.simulation.held_peak_bytes  # per rank: what its schedule holds at its peak
-        memory = []
-        for r in range(lay.pp):
-            states = zero_model_states([int(rank_params[r])], dp=lay.dp, stage=lay.zero, element_bytes=self.e)
-            working = 0.0
-            if lay.zero == 3:  # the layer being computed and the prefetched next one, gathered whole
-                working = 2 * self.totals(lay.tp, lay.sp, lay.micro_batch, lay.recompute)[2] * self.e
-            memory.append({"param_bytes": states.param_bytes, "grad_bytes": states.grad_bytes,
-                           "optimizer_bytes": states.optimizer_bytes, "activation_bytes": held[r] + working})
-        for mem in memory:
-            mem["total_bytes"] = sum(mem.values())
+        memory = [rank_memory(layers, activation_bytes=held[r], zero=lay.zero, dp=lay.dp, element_bytes=self.e,
+                              persistence_threshold=int(ZERO_SETTINGS["stage3_param_persistence_threshold"]),
+                              offload=lay.offload).to_dict()
+                  for r, layers in enumerate(rank_layers)]
         heaviest = max(memory, key=lambda mem: mem["total_bytes"])
         if check_memory and heaviest["total_bytes"] > self.memory_cap:
             raise OutOfMemory(heaviest["total_bytes"])
-        out = LayoutCost(lay, list(parts), pipeline_s, pipeline_s, heaviest["total_bytes"], heaviest, bubble)
+        out = LayoutCost(lay, list(parts), pipeline_s, pipeline_s, heaviest["total_bytes"], heaviest, bubble,
+                         ranks=memory)
         out.samples_per_s = lay.global_batch / out.step_s
         peak = self.device.matrix_flops[self.dtype] if self.dtype in self.device.matrix_flops else math.nan
         out.mfu = self.flops_per_step / (out.step_s * lay.world_size * peak)

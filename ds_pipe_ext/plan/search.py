@@ -6,7 +6,8 @@
 2. The rest are taken in order of the step bound.  Once K layouts are simulated and the next bound
    is not below the K-th best step, no later layout can enter the top K: they are "worse", unseen.
 3. A layout that is taken gets its exact memory-capped partition (OOM if none fits), a tighter bound
-   from that split, and only then the event simulation.
+   from that split, and only then the event simulation.  The pick and the best layout DeepSpeed runs
+   are then evaluated on the split an ``analytic`` run of them chooses (``PlanModel.run_split``).
 4. Only when nothing fits is the least memory any layout needs worked out (exact, per layout, in
    order of the memory bound, stopping once no later layout can need less): the error's figure.
 """
@@ -94,6 +95,11 @@ def search(model: PlanModel, layouts: list[Layout], *, top_k: int = 10, progress
                 res.dropped["worse (simulated, outside the top K)"] += 1
     if runnable_best is not None and runnable_best not in res.top:
         res.top.append(runnable_best)  # shown last: the best layout DeepSpeed runs
+    # ranked by their min-max splits; the pick and the best runnable layout, which `plan` prints and emits,
+    # take the split an `analytic` run of them chooses
+    for i, cost in enumerate(res.top):
+        if i == 0 or cost is runnable_best:
+            res.top[i] = model.evaluate(cost.layout, model.run_split(cost.layout), check_memory=False)
     if not res.top:
         res.smallest_oom_need = least_memory_needed(model, oom)
         gib = 2**30
