@@ -44,7 +44,6 @@ from ds_pipe_ext.costs.types import ProfileSettings  # noqa: E402
 from ds_pipe_ext.models.config import GPTConfig, load_model_config  # noqa: E402
 from ds_pipe_ext.models.gpt import gpt_layer_specs, lm_loss  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
-from ds_pipe_ext.plan.model import plan_device  # noqa: E402
 
 # (model, micro-batch, sequence, dtype): a block of 1024 and of 2048 hidden, both precisions
 CASES = [("gpt2-medium", 8, 1024, "bf16"), ("gpt2-medium", 8, 1024, "fp32"),
@@ -90,7 +89,7 @@ def wall_clock_forward(spec, x: torch.Tensor, dtype: torch.dtype, n: int = 20) -
 
 
 def layer_part() -> dict:
-    datasheet, planner = get_device("h100"), plan_device("h100")
+    datasheet, planner = get_device("h100", calibrated=False), get_device("h100")
     rows, block_dat, block_plan, timer, acts = [], [], [], [], []
     for name, b, seq, dtype in CASES:
         cfg, specs, measured = profile_case(name, b, seq, dtype)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .analytic import AnalyticError, OpCost
@@ -135,6 +135,17 @@ DEVICES: dict[str, DeviceSpec] = {
 }
 ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm"}
 
+# Efficiency factors fitted on published Megatron-LM runs under the megatron runtime (bench/calibrate_at_scale.py,
+# docs/CALIBRATION.md lists the rows); every other number above is the datasheet's.  H200 has no published
+# rows: it takes H100's fit.  ``get_device`` applies them, so every command and the analytic partition
+# method cost a layout on the same spec.
+CALIBRATED = {
+    "a100-80gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0},
+    "a100-40gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0},
+    "h100-sxm": {"matrix_efficiency": 0.889, "comm_efficiency": 1.0},
+    "h200": {"matrix_efficiency": 0.889, "comm_efficiency": 1.0},
+}
+
 
 def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float = 0.5) -> DeviceSpec:
     """A 'cpu' spec from short fp32 micro-benchmarks (cached per thread count and mmap threshold),
@@ -214,11 +225,12 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     return spec
 
 
-def get_device(name: str, *, cache_dir: str | None = ".ds_pipe_ext_cache") -> DeviceSpec:
-    """A named spec; "cpu" is measured on the spot (and cached in ``cache_dir``)."""
+def get_device(name: str, *, cache_dir: str | None = ".ds_pipe_ext_cache", calibrated: bool = True) -> DeviceSpec:
+    """A named spec with its calibrated efficiencies (``calibrated=False``: the datasheet's defaults);
+    "cpu" is measured on the spot (and cached in ``cache_dir``)."""
     key = ALIASES.get(name.lower(), name.lower())
     if key == "cpu":
         return measure_cpu(cache_dir)
     if key not in DEVICES:
         raise AnalyticError(f"unknown device {name!r}; use one of {sorted([*DEVICES, *ALIASES, 'cpu'])}")
-    return DEVICES[key]
+    return replace(DEVICES[key], **CALIBRATED.get(key, {})) if calibrated else DEVICES[key]

@@ -57,20 +57,9 @@ from .space import PlanError
 FUSED_ADAM_BYTES, UNFUSED_ADAM_BYTES = 30.0, 80.0
 USABLE_MEMORY = 0.9  # of the device's memory; the rest: CUDA context, NCCL buffers, fragmentation
 
-# Efficiency factors fitted on published Megatron-LM runs through this model under the megatron runtime
-# (bench/calibrate_at_scale.py, docs/CALIBRATION.md); every other number is the datasheet's.  H200 has
-# no published rows: it takes H100's fit.
-CALIBRATED = {
-    "a100-80gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0},
-    "a100-40gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0},
-    "h100-sxm": {"matrix_efficiency": 0.889, "comm_efficiency": 1.0},
-    "h200": {"matrix_efficiency": 0.889, "comm_efficiency": 1.0},
-}
-
-
 def plan_device(name: str) -> DeviceSpec:
-    """A named device with its calibrated efficiencies, "cpu" (measured here), or a SPEC.toml whose keys
-    are ``DeviceSpec``'s fields (a ``base`` key starts from a named device)."""
+    """A named device (``get_device``: with its calibrated efficiencies), "cpu" (measured here), or a
+    SPEC.toml whose keys are ``DeviceSpec``'s fields (a ``base`` key starts from a named device)."""
     if name.endswith(".toml"):
         import tomllib
         from pathlib import Path
@@ -89,7 +78,7 @@ def plan_device(name: str) -> DeviceSpec:
         device = get_device(name)
     except A.AnalyticError as e:
         raise PlanError(f"--device: {e}, or a SPEC.toml") from None
-    return replace(device, **CALIBRATED.get(device.name, {}))
+    return device
 
 
 @dataclass(frozen=True)
