@@ -8,6 +8,8 @@ GPipe, interleaved) goes through each command that accepts it, offline (no proce
     estimate --stages    1F1B pipelines and no pipeline (its one schedule)
     estimate --compare   the layouts `compare` launches: its analytic and ZeRO rows, each checked against
                          `plan --only` of the same layout
+    simulate             pipelines without data or tensor parallelism (it has no flag for them), on the
+                         link `plan` is given
 
 Pairs agree to a relative 1e-9 on each rank's parameter, gradient, optimizer, activation and gathered
 bytes and on the step's seconds.
@@ -40,10 +42,12 @@ def run_json(capfd, argv) -> object:
     return json.loads(capfd.readouterr().out)
 
 
-def plan_only(capfd, model, *, pp, tp, dp, zero, schedule, micro_batches=MICRO_BATCHES, micro_batch=1) -> dict:
+def plan_only(capfd, model, *, pp, tp, dp, zero, schedule, micro_batches=MICRO_BATCHES, micro_batch=1,
+              extra=()) -> dict:
     only = f"pp={pp},tp={tp},dp={dp},mb={micro_batch},zero={zero},schedule={schedule}"
     rows = run_json(capfd, ["plan", "--model", model, "--gpus", str(pp * tp * dp), "--device", "a100",
-                            "--global-batch", str(micro_batch * micro_batches * dp), "--only", only, "--json"])
+                            "--global-batch", str(micro_batch * micro_batches * dp), "--only", only, "--json",
+                            *extra])
     assert len(rows) == 1
     return rows[0]
 
@@ -86,3 +90,16 @@ def test_estimate_compare_agrees_with_plan_on_each_layout(model, world, capfd):
         if r["pp"] > 1:
             assert r["parts"] == plan["parts"], r["config"]
         assert_same(r["stages"], r["step_s"], plan["ranks"], plan["step_s"], r["config"])
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("pp,schedule", [(4, "1f1b"), (8, "1f1b"), (4, "gpipe"), (8, "interleaved:2"), (4, "zb-h1")])
+def test_simulate_agrees_with_plan(model, pp, schedule, capfd):
+    gbs = 50  # the link between stages, GB/s: plan's inside a node, simulate's flag
+    plan = plan_only(capfd, model, pp=pp, tp=1, dp=1, zero=0, schedule=schedule, extra=("--intra-node-gbs", str(gbs)))
+    sim = run_json(capfd, ["simulate", "--model", model, "--stages", str(pp), "--micro-batches", str(MICRO_BATCHES),
+                           "--schedule", schedule, "--device", "a100", "--dtype", "bf16", "--bandwidth-gbs", str(gbs),
+                           "--json"])
+    assert sim["parts"] == plan["parts"]
+    assert sim["step_ms"] / 1e3 == pytest.approx(plan["step_s"], rel=1e-9)
+    assert sim["rank_held_peak_bytes"] == pytest.approx([r["activation_bytes"] for r in plan["ranks"]], rel=1e-9)

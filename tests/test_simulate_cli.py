@@ -51,7 +51,7 @@ def test_simulate_table_grid_and_gantt(capsys, tmp_path):
 
 def test_simulate_errors_name_the_fix(capsys):
     assert main(["simulate", *ARGS, "--schedule", "pipedream"]) == 2
-    assert "unknown schedule 'pipedream'" in capsys.readouterr().err
+    assert "unknown pipeline schedule 'pipedream'; known: gpipe, 1f1b" in capsys.readouterr().err
     assert main(["simulate", *ARGS, "--schedule", "dualpipev", "--micro-batches", "4"]) == 2
     assert "at least 2 x stages micro-batches" in capsys.readouterr().err
     assert main(["simulate", *ARGS, "--costs", "no/such/run"]) == 2

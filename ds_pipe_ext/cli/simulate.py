@@ -4,11 +4,12 @@
         --latency-ms 5 --bandwidth-gbs 0.25 [--costs analytic|profiled|RUN_DIR] [--png FILE]
     ds-pipe-ext simulate --model gpt3-small --stages 3 --grid      # seed-004's table
 
-Costs: ``analytic`` (the roofline on ``--device``), ``profiled`` (every layer measured here,
-cached) or a run directory of an instrumented launch (its measured per-stage times and
-optimizer step, at the run's stages and micro-batch size).  The layers are split by
-``--method`` (default: the min-max split of those costs) into stages, or into chunks for
-interleaved and DualPipeV.  Bandwidth is in GB/s (gigabytes).  Interleaved and ZB-H1 are
+Costs: ``analytic`` (the one cost model of a layout, ``plan.model.PlanModel``, on ``--device``:
+the step `plan --only` predicts for this pipeline, on the flags' links), ``profiled`` (every layer
+measured here, cached) or a run directory of an instrumented launch (its measured per-stage times
+and optimizer step, at the run's stages and micro-batch size).  The layers are split by
+``--method`` (default: the split a run with that partition method chooses) into stages, or into
+chunks for interleaved and DualPipeV.  Bandwidth is in GB/s (gigabytes).  Interleaved and ZB-H1 are
 simulated only: DeepSpeed has no engine for them.  The step is ``StepModel.predict``'s, the one
 prediction every command makes, in ``--runtime``'s order: DeepSpeed's engine order of 1F1B and
 GPipe (its transfers block where the engine places them), or the schedule's own with eager
@@ -75,20 +76,14 @@ class LayerSource:
         self._layers = {}
 
     def layer_costs(self, micro_batch: int):
+        """The profiled layers at this micro-batch size (cached)."""
         if micro_batch not in self._layers:
             args = self.args
-            if args.costs == "analytic":
-                from ..costs.estimate import EstimateRequest, analytic_layer_costs
-                from ..costs.hardware import get_device
+            from ..costs.profiler import ProfileSettings
+            from ..models import family_of
 
-                req = EstimateRequest(micro_batch, self.cfg.seq_len, dtype=args.dtype)
-                self._layers[micro_batch] = analytic_layer_costs(self.cfg, req, get_device(args.device))
-            else:
-                from ..costs.profiler import ProfileSettings
-                from ..models import family_of
-
-                settings = ProfileSettings(warmup=1, repeats=3, cache_dir=args.cache_dir, progress=False)
-                self._layers[micro_batch] = family_of(self.cfg).profile(self.cfg, micro_batch, settings)
+            settings = ProfileSettings(warmup=1, repeats=3, cache_dir=args.cache_dir, progress=False)
+            self._layers[micro_batch] = family_of(self.cfg).profile(self.cfg, micro_batch, settings)
         return self._layers[micro_batch]
 
     def step(self, schedule: str, micro_batch: int, micro_batches: int, latency_ms: float,
@@ -99,6 +94,9 @@ class LayerSource:
         spec = parse_schedule(f"interleaved:{args.virtual_stages}" if schedule == "interleaved" else schedule)
         chunks = args.stages * spec.chunks_per_rank
         sched = spec.for_chunks(chunks, micro_batches)
+        if args.costs == "analytic":  # the one cost model of a layout, on the flags' network
+            sim, parts = self._analytic_step(spec, micro_batch, micro_batches, network)
+            return SimulatedStep(schedule, micro_batch, micro_batches, parts, latency_ms, bandwidth_gbs, args.runtime, sim)
         if self.run is not None:
             stages, update, parts = self._run_chunks(chunks)
         else:
@@ -117,12 +115,38 @@ class LayerSource:
                 device = get_device(args.device)
                 update = [0.0] * sched.num_ranks
                 for c, st in enumerate(stages):
-                    update[sched.chunk_rank[c]] += adam_step_s(st.param_bytes / (4 if args.dtype == "fp32" else 2),
-                                                               device)
+                    update[sched.chunk_rank[c]] += adam_step_s(st.param_bytes / 4, device)  # profiled: fp32
         pred = StepModel().predict(stages, micro_batches, schedule=spec.name, runtime=args.runtime,
                                    network=network, update_s=update)
         return SimulatedStep(schedule, micro_batch, micro_batches, list(parts), latency_ms, bandwidth_gbs,
                              args.runtime, pred.simulation)
+
+    def _analytic_step(self, spec, micro_batch: int, micro_batches: int, network: Network):
+        """The step `plan --only` predicts for this pipeline (one data-parallel rank, ZeRO-0) with the
+        flags' links: ``PlanModel.evaluate`` on the split an ``analytic`` run chooses (or ``--method``'s)."""
+        from ..costs.hardware import get_device
+        from ..layout import Layout, LayoutError
+        from ..partition.methods import decide_offline
+        from ..plan.model import Cluster, PlanModel
+
+        args = self.args
+        try:
+            lay = Layout(pp=args.stages, micro_batch=micro_batch, micro_batches=micro_batches, schedule=spec.name,
+                         runtime=args.runtime)
+        except LayoutError as e:
+            raise ValueError(str(e)) from None
+        device = get_device(args.device, cache_dir=args.cache_dir)
+        cluster = Cluster(device.gpus_per_node, device.intra_node_bandwidth, device.inter_node_bandwidth)
+        model = PlanModel(self.cfg, device, cluster, seq=self.cfg.seq_len, global_batch=lay.global_batch,
+                          dtype=args.dtype, network=network)
+        if args.method in (None, "analytic"):
+            parts = model.run_split(lay)
+        else:
+            costs = list(model.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute))
+            parts = decide_offline(args.method, costs, lay.num_chunks, micro_batches=micro_batches, schedule=spec.name,
+                                   link_bandwidth=model._split_bandwidth(lay))
+        cost = model.evaluate(lay, parts, check_memory=False, update=args.optimizer, timeline=True)
+        return cost.simulation, list(cost.parts)
 
     def _run_chunks(self, chunks: int):
         run = self.run
@@ -165,8 +189,7 @@ def cmd_simulate(args) -> int:
     from .common import emit
     from ..partition.report import render_table
 
-    if args.schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {args.schedule!r}; use one of {', '.join(SCHEDULES)}")
+    parse_schedule(args.schedule)  # the one vocabulary; its error names the schedules it knows
     if args.stages < 1:
         raise ValueError(f"--stages {args.stages}: need at least 1")
     model = LayerSource(args)
@@ -247,9 +270,10 @@ def add_parser(sub) -> None:
     s.add_argument("--costs", default="analytic", help="analytic | profiled | RUN_DIR (an instrumented run)")
     s.add_argument("--device", default="cpu", help="analytic costs: a100 | h100 | h200 | cpu (measured) ...")
     s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    s.add_argument("--method", default=None, help="partition method (default: the min-max split of --costs)")
+    s.add_argument("--method", default=None,
+                   help="partition method (default: the split a run with --costs as its method chooses)")
     s.add_argument("--no-optimizer", dest="optimizer", action="store_false",
-                   help="leave out the optimizer step (analytic Adam over each rank's parameters)")
+                   help="leave out each rank's work after its last backward (collectives, DeepSpeed's passes, Adam)")
     s.add_argument("--cache-dir", default=".ds_pipe_ext_cache")
     s.add_argument("--grid", action="store_true", help="seed 004's table: schedules x micro-batch sizes x networks")
     s.add_argument("--schedules", default="gpipe,1f1b", help="--grid: schedules")

@@ -92,6 +92,21 @@ class Cluster:
         return self.intra_node_bandwidth if span <= self.gpus_per_node else self.inter_node_bandwidth
 
 
+@lru_cache(maxsize=256)
+def _analytic_split(states: tuple, chunks: int, micro_batches: int, recompute: bool, schedule: str,
+                    step_model: StepModel, link_bandwidth: float | None, memory_cap_gib: float | None) -> list[int]:
+    """``decide_offline("analytic", ...)`` under the cap where a split fits it, else with none.  Cached: the
+    step search takes seconds on a large model, and `plan` and `estimate` ask it of the same layout."""
+    kw = dict(micro_batches=micro_batches, recompute=recompute, schedule=schedule, step_model=step_model,
+              link_bandwidth=link_bandwidth)
+    if memory_cap_gib is not None:
+        try:
+            return decide_offline("analytic", list(states), chunks, memory_cap_gib=memory_cap_gib, **kw)
+        except InfeasibleMemoryCap:
+            pass
+    return decide_offline("analytic", list(states), chunks, **kw)
+
+
 @dataclass
 class LayoutCost:
     layout: Layout
@@ -102,6 +117,7 @@ class LayoutCost:
     memory: dict  # the heaviest rank's bytes by kind
     bubble_fraction: float
     ranks: list[dict] = field(default_factory=list)  # every pipeline rank's bytes by kind (``costs.zero.rank_memory``)
+    simulation: object = field(default=None, repr=False)  # the step's ``StepSimulation`` (its timeline where asked)
     samples_per_s: float = 0.0
     mfu: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -122,8 +138,10 @@ class PlanModel:
     """Costs of layouts of one model on one device and cluster, with per-layer costs cached."""
 
     def __init__(self, cfg, device: DeviceSpec, cluster: Cluster, *, seq: int, global_batch: int,
-                 dtype: str = "bf16", memory_fraction: float = USABLE_MEMORY, step_model: StepModel | None = None):
+                 dtype: str = "bf16", memory_fraction: float = USABLE_MEMORY, step_model: StepModel | None = None,
+                 network: Network | None = None):
         self.cfg, self.device, self.cluster = as_description(cfg), device, cluster  # what the model computes
+        self.network = network  # the links between pipeline ranks where given (simulate's flags), else the cluster's
         # the engine's own terms per instruction and layer (fitted on instrumented runs of this device;
         # zero until measured on it), through which every step is predicted
         self.step_model = step_model or StepModel()
@@ -139,7 +157,7 @@ class PlanModel:
     def on_device(self, device: DeviceSpec) -> "PlanModel":
         """The same plan on another device (a fresh model: layer costs are cached per model)."""
         return PlanModel(self.cfg, device, self.cluster, seq=self.seq, global_batch=self.global_batch, dtype=self.dtype,
-                         memory_fraction=self.memory_fraction, step_model=self.step_model)
+                         memory_fraction=self.memory_fraction, step_model=self.step_model, network=self.network)
 
     def _model_flops_per_sample(self) -> float:
         """Matrix and attention FLOPs of forward + backward of one sample (no recompute): MFU's numerator."""
@@ -178,6 +196,16 @@ class PlanModel:
     def _p2p_bandwidth(self, lay: Layout) -> float:
         # neighbouring stages are tp x dp ranks apart: the same node only if both fit in it
         return self.cluster.bandwidth(2 * lay.tp * lay.dp) * self.device.comm_efficiency
+
+    def _stage_network(self, lay: Layout) -> Network:
+        return self.network or Network(self._p2p_link(lay))
+
+    def _split_bandwidth(self, lay: Layout) -> float | None:
+        """The bandwidth the split's boundary transfers are costed at: the slowest link between ranks."""
+        if self.network is None:
+            return self._p2p_link(lay).bandwidth
+        limits = [link.bandwidth for link in (self.network.intra, self.network.inter) if link and link.bandwidth]
+        return min(limits, default=None)
 
     def _p2p_link(self, lay: Layout) -> Link:
         measured = (self.device.collectives or {}).get("p2p")
@@ -280,7 +308,7 @@ class PlanModel:
         if chunks == 1:
             return [0, len(costs)]
         per_param = state_bytes_per_param(lay.zero, lay.dp, self.e)
-        link = self._p2p_link(lay)
+        link = self._p2p_link(lay) if self.network is None else (self.network.inter or self.network.intra)
         try:  # a rank holds chunks_per_rank chunks: each gets its share of the cap
             return partition_min_max_lists(
                 [c.time_s(recompute=full) for c in costs], chunks,
@@ -317,17 +345,12 @@ class PlanModel:
         costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
         if lay.num_chunks == 1:
             return [0, len(costs)]
-        states = layer_states_by_rule(list(costs), stage=lay.zero, dp=lay.dp, element_bytes=self.e)
-        kw = dict(micro_batches=lay.micro_batches, recompute=lay.recompute == "full", schedule=lay.schedule_spec.name,
-                  step_model=self.step_model)
-        if lay.schedule_spec.kind != "dualpipev":  # DualPipeV balances each rank's pair by time alone
-            kw["link_bandwidth"] = self._p2p_link(lay).bandwidth
-            try:
-                return decide_offline("analytic", states, lay.num_chunks,
-                                      memory_cap_gib=self.memory_cap / lay.chunks_per_rank / 2**30, **kw)
-            except InfeasibleMemoryCap:
-                pass
-        return decide_offline("analytic", states, lay.num_chunks, **kw)
+        states = tuple(layer_states_by_rule(list(costs), stage=lay.zero, dp=lay.dp, element_bytes=self.e))
+        dualpipev = lay.schedule_spec.kind == "dualpipev"  # it balances each rank's pair by time alone
+        return list(_analytic_split(states, lay.num_chunks, lay.micro_batches, lay.recompute == "full",
+                               lay.schedule_spec.name, self.step_model,
+                               None if dualpipev else self._split_bandwidth(lay),
+                               None if dualpipev else self.memory_cap / lay.chunks_per_rank / 2**30))
 
     def evaluate_named(self, lay: Layout) -> LayoutCost:
         """A layout the user named, evaluated whatever its memory, on the split an ``analytic`` run
@@ -338,8 +361,11 @@ class PlanModel:
             cost.notes.append(f"over the cap by {over / 2**30:.2f} GiB")
         return cost
 
-    def evaluate(self, lay: Layout, parts: list[int] | None = None, *, check_memory: bool = True) -> LayoutCost:
-        """The layout's partition (the exact memory-capped min-max one unless given), memory and step."""
+    def evaluate(self, lay: Layout, parts: list[int] | None = None, *, check_memory: bool = True,
+                 update: bool = True, timeline: bool = False) -> LayoutCost:
+        """The layout's partition (the exact memory-capped min-max one unless given), memory and step
+        (``update=False``: without the work after each rank's last backward; ``timeline``: keep the
+        simulation's timeline, for a chart)."""
         costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
         full = lay.recompute == "full"
         parts = parts or self.partition(lay)
@@ -364,8 +390,8 @@ class PlanModel:
             stages = [replace(st, boundary_out_bytes=st.boundary_out_bytes / lay.tp) for st in stages]
         pred = self.step_model.predict(
             stages, m, schedule=spec.name if lay.pipelined else "none", runtime=lay.runtime,
-            network=Network(self._p2p_link(lay)), timeline=False,
-            update_s=[self.update_s(lay, p, lp, hide_under=tuple(t))
+            network=self._stage_network(lay), timeline=timeline,
+            update_s=[self.update_s(lay, p, lp, hide_under=tuple(t)) if update else 0.0
                       for p, lp, t in zip(rank_params, rank_layer_params, rank_time)])
         pipeline_s, bubble = pred.step_s, pred.simulation.bubble_fraction
         held = pred.simulation.held_peak_bytes  # per rank: what its schedule holds at its peak
@@ -377,7 +403,7 @@ class PlanModel:
         if check_memory and heaviest["total_bytes"] > self.memory_cap:
             raise OutOfMemory(heaviest["total_bytes"])
         out = LayoutCost(lay, list(parts), pipeline_s, pipeline_s, heaviest["total_bytes"], heaviest, bubble,
-                         ranks=memory)
+                         ranks=memory, simulation=pred.simulation)
         out.samples_per_s = lay.global_batch / out.step_s
         peak = self.device.matrix_flops[self.dtype] if self.dtype in self.device.matrix_flops else math.nan
         out.mfu = self.flops_per_step / (out.step_s * lay.world_size * peak)
