@@ -10,6 +10,9 @@ GPipe, interleaved) goes through each command that accepts it, offline (no proce
                          `plan --only` of the same layout
     simulate             pipelines without data or tensor parallelism (it has no flag for them), on the
                          link `plan` is given
+    the decision         what a `PipelineModule` with partition_method "analytic" computes on rank 0: its
+                         family's cost model on a micro-batch of tokens, the ZeRO rule's states, the
+                         decision function, with plan's cap and link in its ds.json settings
 
 Pairs agree to a relative 1e-9 on each rank's parameter, gradient, optimizer, activation and gathered
 bytes and on the step's seconds.
@@ -103,3 +106,37 @@ def test_simulate_agrees_with_plan(model, pp, schedule, capfd):
     assert sim["parts"] == plan["parts"]
     assert sim["step_ms"] / 1e3 == pytest.approx(plan["step_s"], rel=1e-9)
     assert sim["rank_held_peak_bytes"] == pytest.approx([r["activation_bytes"] for r in plan["ranks"]], rel=1e-9)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("pp,zero,schedule", [(4, 1, "1f1b"), (4, 0, "gpipe"), (8, 1, "interleaved:2"), (4, 0, "dualpipev")])
+def test_the_pipeline_modules_decision_is_plans_split(model, pp, zero, schedule, capfd):
+    import torch
+
+    from ds_pipe_ext.costs.hardware import get_device
+    from ds_pipe_ext.costs.zero import layer_states_by_rule
+    from ds_pipe_ext.models import family_of, load_model
+    from ds_pipe_ext.partition import InfeasibleMemoryCap
+    from ds_pipe_ext.partition.methods import decide_offline
+    from ds_pipe_ext.simulate.schedules import parse_schedule
+
+    gbs, dp, tp = 50, 2, MODELS[model]["tp"]
+    plan = plan_only(capfd, model, pp=pp, tp=tp, dp=dp, zero=zero, schedule=schedule,
+                     extra=("--intra-node-gbs", str(gbs)))
+    cfg = load_model(model)
+    family = family_of(cfg)
+    tokens = torch.zeros(1, cfg.seq_len, dtype=torch.long)  # the profile batch: one micro-batch
+    costs = family.cost_model(cfg, None).layer_costs(tokens, tp=tp, device=get_device("a100"), dtype="bf16")
+    costs = layer_states_by_rule(costs, stage=zero, dp=dp, element_bytes=2)
+    chunks = pp * parse_schedule(schedule).chunks_per_rank
+    cap_gib = 0.9 * get_device("a100").memory_bytes / 2**30 / parse_schedule(schedule).chunks_per_rank
+    kw = dict(micro_batches=MICRO_BATCHES, link_bandwidth=gbs * 1e9, schedule=schedule)
+    if schedule == "dualpipev":  # its split balances each rank's pair by time: no cap, no link
+        assert decide_offline("analytic", costs, chunks, micro_batches=MICRO_BATCHES, schedule=schedule) == plan["parts"]
+        return
+    try:
+        parts = decide_offline("analytic", costs, chunks, memory_cap_gib=cap_gib, **kw)
+    except InfeasibleMemoryCap:  # the module refuses the cap; plan marks the layout over it, split uncapped
+        assert any(note.startswith("over the cap by") for note in plan["notes"])
+        parts = decide_offline("analytic", costs, chunks, **kw)
+    assert parts == plan["parts"]
