@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ds_pipe_ext.instrument.rundir import RunDir  # noqa: E402
 from ds_pipe_ext.instrument.step_fit import fit_step_model, predict_run, run_stages  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
+from ds_pipe_ext.pipe import schedules as _deepspeed_order  # noqa: E402,F401  (registers DeepSpeed's engine order)
 from ds_pipe_ext.runner import launch, write_config  # noqa: E402
 
 CORES = os.cpu_count() or 2
