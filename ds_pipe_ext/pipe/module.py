@@ -25,6 +25,7 @@ from ..costs.model import CostModel
 from ..costs.profiler import profile_layers
 from ..costs.estimate import DTYPE_BYTES
 from ..costs.zero import layer_states_by_rule
+from ..layout import Layout, LayoutError
 from ..partition import PartitionError
 from ..partition.methods import PartitionRequest, lookup
 from ..partition.report import PartitionPlan, build_plan
@@ -103,8 +104,10 @@ class PipelineModule(_DeepSpeedPipelineModule):
         self._ext_micro_batches = micro_batches or stages or 1
         self._ext_cost_key = cost_key or {}
         self._ext_cost_model = cost_model
-        if zero_stage not in (0, 1):
-            raise PartitionError(f"zero_stage={zero_stage!r}: DeepSpeed runs ZeRO-0 or 1 under a pipeline")
+        try:  # the layout's own rule: DeepSpeed runs ZeRO-0 or 1 under a pipeline
+            Layout(pp=2, zero=zero_stage)
+        except LayoutError as e:
+            raise PartitionError(f"zero_stage={zero_stage!r}: {e}") from None
         self._ext_zero_stage = zero_stage
         self._ext_recompute = interval > 0
         if interval > 0 and settings.use_reentrant is not True and "activation_checkpoint_func" not in deepspeed_kwargs:
