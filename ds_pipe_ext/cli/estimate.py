@@ -21,7 +21,6 @@ def cmd_estimate(args) -> int:
 
     from ..costs.analytic import AnalyticError
     from ..costs.estimate import EstimateRequest, estimate_layers, layer_ops, op_rows, shape_for
-    from ..costs.stage import in_flight
     from ..models import family_of, load_model
     from ..partition.report import render_table
     from ..plan.model import plan_device
@@ -45,12 +44,10 @@ def cmd_estimate(args) -> int:
         raise ValueError(str(e)) from None
     stages = None
     if args.stages:
-        cost = layout_cost(cfg, device, _estimate_layout(args), seq=req.seq, dtype=req.dtype)
-        stages = {"parts": cost.parts, "micro_batches": cost.layout.micro_batches, "dp": args.dp, "zero": args.zero,
-                  "step_s": cost.step_s, "notes": cost.notes,
-                  "stages": [{"stage": s, "layers": [cost.parts[s], cost.parts[s + 1]],
-                              "inflight": in_flight(s, args.stages, cost.layout.micro_batches), **mem}
-                             for s, mem in enumerate(cost.ranks)]}
+        lay = _estimate_layout(args)
+        cost = _layout_model(cfg, device, lay, seq=req.seq, dtype=req.dtype).evaluate_named(lay)
+        stages = {"parts": cost.parts, "micro_batches": lay.micro_batches, "dp": args.dp, "zero": args.zero,
+                  "step_s": cost.step_s, "notes": cost.notes, "stages": _rank_rows(cost)}
     if args.json:
         emit(json.dumps({"model": cfg.name, "device": device.name, "request": req.__dict__,
                           "layers": layers, "block_ops": block, "pipeline": stages}, indent=1))
@@ -103,14 +100,23 @@ def _estimate_layout(args):
         raise ValueError(f"--stages {args.stages}: {e}") from None
 
 
-def layout_cost(cfg, device, lay, *, seq: int, dtype: str, parts: list[int] | None = None):
-    """One layout through the one cost model (``plan.model.PlanModel``) on ``device``'s own cluster: the
-    split, memory per rank by kind and step that `plan --only` gives it (``parts``: this split instead)."""
-    from ..plan.model import Cluster, PlanModel
+def _layout_model(cfg, device, lay, *, seq: int, dtype: str):
+    """The one cost model of a layout (``plan.model.PlanModel``) on ``device``'s own cluster: what `plan
+    --only` evaluates ``lay`` with."""
+    from ..plan.model import PlanModel
 
-    cluster = Cluster(device.gpus_per_node, device.intra_node_bandwidth, device.inter_node_bandwidth)
-    model = PlanModel(cfg, device, cluster, seq=seq, global_batch=lay.global_batch, dtype=dtype)
-    return model.evaluate(lay, parts, check_memory=False) if parts else model.evaluate_named(lay)
+    return PlanModel.on_its_cluster(cfg, device, seq=seq, global_batch=lay.global_batch, dtype=dtype)
+
+
+def _rank_rows(cost) -> list[dict]:
+    """Each pipeline rank of an evaluated layout: its layers, the micro-batches its schedule holds, its
+    bytes by kind (one rank without a pipeline)."""
+    from ..costs.stage import in_flight
+
+    lay, parts = cost.layout, cost.parts
+    return [{"stage": s, "layers": [parts[s], parts[s + 1]],
+             "inflight": in_flight(s, lay.pp, lay.micro_batches, lay.schedule_spec.name) if lay.pipelined else 1,
+             **mem} for s, mem in enumerate(cost.ranks)]
 
 
 def cmd_estimate_compare(args) -> int:
@@ -120,7 +126,6 @@ def cmd_estimate_compare(args) -> int:
     from .compare import comparison_configs_for
     from ..compare.predict import model_shape
     from ..compat.zero import deepspeed_estimate_bytes
-    from ..costs.stage import in_flight
     from ..costs.zero import MEMORY_KINDS as KINDS
     from ..models import load_model
     from ..partition.methods import decide_offline
@@ -137,20 +142,16 @@ def cmd_estimate_compare(args) -> int:
     rows = []
     for c in configs:
         lay = replace(c.layout, sp=args.sp, recompute="selective" if args.selective_recompute else c.layout.recompute)
-        parts = None  # "profiled" (it needs the device) and "analytic": the plan's split, as `plan --only`
-        if c.kind == "pipeline":
-            if cfg.describe().num_pipeline_layers < lay.pp:
-                continue  # more stages than layers
-            if c.method not in ("profiled", "analytic"):
-                from ..plan.model import Cluster, PlanModel
-
-                costs = PlanModel(cfg, device, Cluster(8, 1.0, 1.0), seq=seq, global_batch=lay.global_batch,
-                                  dtype=args.dtype).layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
-                parts = decide_offline(c.method, list(costs), lay.pp, micro_batches=lay.micro_batches)
-        cost = layout_cost(cfg, device, lay, seq=seq, dtype=args.dtype, parts=parts)
-        stages = [{"stage": s, "layers": [cost.parts[s], cost.parts[s + 1]],
-                   "inflight": in_flight(s, lay.pp, lay.micro_batches, lay.schedule_spec.name) if lay.pipelined else 1,
-                   **mem} for s, mem in enumerate(cost.ranks)]
+        if c.kind == "pipeline" and cfg.describe().num_pipeline_layers < lay.pp:
+            continue  # more stages than layers
+        model = _layout_model(cfg, device, lay, seq=seq, dtype=args.dtype)
+        if c.kind == "pipeline" and c.method not in ("profiled", "analytic"):  # DeepSpeed's own methods
+            costs = model.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
+            cost = model.evaluate(lay, decide_offline(c.method, list(costs), lay.pp, micro_batches=lay.micro_batches),
+                                  check_memory=False)
+        else:  # "profiled" (it needs the device) and "analytic": the plan's split, as `plan --only`
+            cost = model.evaluate_named(lay)
+        stages = _rank_rows(cost)
         worst = max(stages, key=lambda st: st["total_bytes"])
         # DeepSpeed's own model-state estimate, beside ours (its estimators assume 16-bit, no pipeline)
         ds_estimate = (deepspeed_estimate_bytes(shape.params, shape.largest_module_params, dp=lay.dp, stage=lay.zero)

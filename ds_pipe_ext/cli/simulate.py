@@ -127,7 +127,7 @@ class LayerSource:
         from ..costs.hardware import get_device
         from ..layout import Layout, LayoutError
         from ..partition.methods import decide_offline
-        from ..plan.model import Cluster, PlanModel
+        from ..plan.model import PlanModel
 
         args = self.args
         try:
@@ -136,15 +136,14 @@ class LayerSource:
         except LayoutError as e:
             raise ValueError(str(e)) from None
         device = get_device(args.device, cache_dir=args.cache_dir)
-        cluster = Cluster(device.gpus_per_node, device.intra_node_bandwidth, device.inter_node_bandwidth)
-        model = PlanModel(self.cfg, device, cluster, seq=self.cfg.seq_len, global_batch=lay.global_batch,
-                          dtype=args.dtype, network=network)
+        model = PlanModel.on_its_cluster(self.cfg, device, seq=self.cfg.seq_len, global_batch=lay.global_batch,
+                                         dtype=args.dtype, network=network)
         if args.method in (None, "analytic"):
             parts = model.run_split(lay)
         else:
             costs = list(model.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute))
             parts = decide_offline(args.method, costs, lay.num_chunks, micro_batches=micro_batches, schedule=spec.name,
-                                   link_bandwidth=model._split_bandwidth(lay))
+                                   link_bandwidth=model.split_link(lay).bandwidth)
         cost = model.evaluate(lay, parts, check_memory=False, update=args.optimizer, timeline=True)
         return cost.simulation, list(cost.parts)
 

@@ -154,6 +154,13 @@ class PlanModel:
         # Megatron's GPUs run a fused Adam (one pass); train.py on CPU runs torch's single-tensor AdamW
         self.adam_bytes_per_param = UNFUSED_ADAM_BYTES if device.name == "cpu" else FUSED_ADAM_BYTES
 
+    @classmethod
+    def on_its_cluster(cls, cfg, device: DeviceSpec, **kwargs) -> "PlanModel":
+        """A model of ``device`` on its own default cluster (its GPUs a node, its link bandwidths): what
+        `estimate` and `simulate` evaluate a layout on when no cluster is named."""
+        cluster = Cluster(device.gpus_per_node, device.intra_node_bandwidth, device.inter_node_bandwidth)
+        return cls(cfg, device, cluster, **kwargs)
+
     def on_device(self, device: DeviceSpec) -> "PlanModel":
         """The same plan on another device (a fresh model: layer costs are cached per model)."""
         return PlanModel(self.cfg, device, self.cluster, seq=self.seq, global_batch=self.global_batch, dtype=self.dtype,
@@ -200,12 +207,12 @@ class PlanModel:
     def _stage_network(self, lay: Layout) -> Network:
         return self.network or Network(self._p2p_link(lay))
 
-    def _split_bandwidth(self, lay: Layout) -> float | None:
-        """The bandwidth the split's boundary transfers are costed at: the slowest link between ranks."""
+    def split_link(self, lay: Layout) -> Link:
+        """The link a split's boundary transfers are costed on: between nodes where the given network has
+        them (inside a node, transfers are free), else the one link between neighbouring stages."""
         if self.network is None:
-            return self._p2p_link(lay).bandwidth
-        limits = [link.bandwidth for link in (self.network.intra, self.network.inter) if link and link.bandwidth]
-        return min(limits, default=None)
+            return self._p2p_link(lay)
+        return self.network.inter or self.network.intra
 
     def _p2p_link(self, lay: Layout) -> Link:
         measured = (self.device.collectives or {}).get("p2p")
@@ -308,7 +315,7 @@ class PlanModel:
         if chunks == 1:
             return [0, len(costs)]
         per_param = state_bytes_per_param(lay.zero, lay.dp, self.e)
-        link = self._p2p_link(lay) if self.network is None else (self.network.inter or self.network.intra)
+        link = self.split_link(lay)
         try:  # a rank holds chunks_per_rank chunks: each gets its share of the cap
             return partition_min_max_lists(
                 [c.time_s(recompute=full) for c in costs], chunks,
@@ -349,7 +356,7 @@ class PlanModel:
         dualpipev = lay.schedule_spec.kind == "dualpipev"  # it balances each rank's pair by time alone
         return list(_analytic_split(states, lay.num_chunks, lay.micro_batches, lay.recompute == "full",
                                lay.schedule_spec.name, self.step_model,
-                               None if dualpipev else self._split_bandwidth(lay),
+                               None if dualpipev else self.split_link(lay).bandwidth,
                                None if dualpipev else self.memory_cap / lay.chunks_per_rank / 2**30))
 
     def evaluate_named(self, lay: Layout) -> LayoutCost:
