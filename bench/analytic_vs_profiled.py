@@ -5,8 +5,8 @@
    micro-batch 1-4, TP 1, and TP 2 with SP off and on (per TP rank, measured in a
    2-process group; vocabulary padded to a multiple of 128 as Megatron does).
 2. Per-layer forward + backward time: analytic on the "cpu" spec (measured here) calibrated on
-   bench-cpu at three (micro-batch, sequence) shapes (two factors: the GEMMs' efficiency and the
-   GEMM size at which it halves), against profiled on a grid that was not fitted: micro-batch
+   bench-cpu at three (micro-batch, sequence) shapes (three factors: the GEMMs' efficiency, the
+   GEMM size at which it halves, the rate the embedding zeroes its gradient table), against profiled on a grid that was not fitted: micro-batch
    1, 2, 4 x sequence 128, 256 x bench-cpu (h 512) and gpt2-small (h 768).
 3. Throughput of the `analytic` partition against the `profiled` one on the spine's
    2-stage benchmark (3 rounds of two real launches, alternating which goes first).
@@ -61,7 +61,7 @@ def fastest_spec(specs):
     return replace(specs[0], matrix_flops={"fp32": best("matrix_flops"), "bf16": best("matrix_flops")},
                    vector_flops={"fp32": best("vector_flops"), "bf16": best("vector_flops")},
                    hbm_bandwidth=best("hbm_bandwidth"), fill_bandwidth=best("fill_bandwidth"),
-                   random_rate=best("random_rate"),
+                   random_rate=best("random_rate"), row_op_s=min(s.row_op_s for s in specs),
                    fresh_page_bandwidth=best("fresh_page_bandwidth"))
 
 
@@ -97,11 +97,12 @@ def layer_times() -> float:
     calibrated = fit_device(cpu, points, dtype="fp32")
     print(f"\ncpu spec (measured): matmul {cpu.matrix_flops['fp32'] / 1e9:.1f} GFLOP/s, vector "
           f"{cpu.vector_flops['fp32'] / 1e9:.2f} G/s, copy {cpu.hbm_bandwidth / 1e9:.1f} GB/s, fill "
-          f"{cpu.fill_bandwidth / 1e9:.1f} GB/s, dropout draws {cpu.random_rate / 1e6:.0f} M/s, first touch "
+          f"{cpu.fill_bandwidth / 1e9:.1f} GB/s, a row op {cpu.row_op_s * 1e6:.2f} us, dropout draws {cpu.random_rate / 1e6:.0f} M/s, first touch "
           f"{cpu.fresh_page_bandwidth / 1e9:.2f} GB/s above {cpu.fresh_alloc_min_bytes / 2**20:.0f} MiB "
           f"(the fastest of {PASSES} passes)")
     print(f"calibrated on {FIT}: GEMM efficiency {calibrated.matrix_efficiency:.3f} x the measured peak, halved at "
-          f"a GEMM dimension of {calibrated.matrix_half_dim:.0f}", flush=True)
+          f"a GEMM dimension of {calibrated.matrix_half_dim:.0f}; a gradient table zeroed at "
+          f"{calibrated.fill_bandwidth / 1e9:.1f} GB/s", flush=True)
     rows, worst = [], 0.0
     for name, b, seq in GRID:
         cfg, measured = fastest((name, b, seq))

@@ -258,3 +258,21 @@ def test_calibration_recovers_the_factors_that_made_the_times():
     assert fitted.fresh_page_bandwidth == pytest.approx(0.7e9, rel=0.1)
     with pytest.raises(ValueError, match="cannot fit"):
         calibrate(spec, layers, dtype="fp32", fit=("gemm",))
+
+
+def test_the_cpu_calibration_fits_the_rate_an_embedding_zeroes_its_table_at():
+    """A measured spec zeroes at 10 GB/s; an embedding backward that is one zeroing of a 1 GB table
+    (nothing else) measured at 0.125 s says 8 GB/s, which fit_device takes, on the grid's step."""
+    from dataclasses import replace
+
+    from ds_pipe_ext.costs.calibrate import fit_device
+    from ds_pipe_ext.costs.hardware import DeviceSpec
+
+    spec = DeviceSpec("cpu", {"fp32": 40e9}, {"fp32": 2.5e9}, 20e9, 20e9, 20e9, 24 * 2**30, gpus_per_node=1,
+                      matrix_efficiency=1.0, attention_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0,
+                      fill_bandwidth=10e9)
+    table = A.OpCost("word_embedding", "vector", bwd_bytes=1e9, bwd_fill_bytes=1e9)
+    fitted = fit_device(spec, [([table], 0.0, 0.125)], dtype="fp32")
+    assert fitted.fill_bandwidth == pytest.approx(8e9, rel=0.01)
+    # a spec with no fill rate of its own (a GPU's, at the memory bandwidth) keeps it
+    assert fit_device(replace(spec, fill_bandwidth=0.0), [([table], 0.0, 0.125)], dtype="fp32").fill_bandwidth == 0.0

@@ -98,6 +98,7 @@ class OpCost:
     bwd_allocs: tuple = ()
     bwd_fill_bytes: float = 0.0  # of bwd_bytes, those a write-only pass moves (zeroing a gradient buffer)
     random_elems: float = 0.0  # random numbers drawn forward (a dropout mask)
+    row_ops: float = 0.0  # rows of a large table touched at random, each way (an embedding's lookups)
 
     def __add__(self, other: "OpCost") -> "OpCost":
         # numbers add; allocation and tensor lists concatenate
@@ -279,11 +280,12 @@ def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
     rows = shp.V // shp.t if shp.V % shp.t == 0 else -(-shp.V // shp.t)
     table = rows * shp.h * shp.e
     # backward: the gradient of the whole (V/t x h) table is zeroed (dense in torch and Megatron: one
-    # write-only pass), then the looked-up rows are added, which on small batches costs far less
+    # write-only pass), then the looked-up rows are added, which on small batches costs far less.  Each
+    # token's row, read forward and added backward, lies at random in a table beyond the caches
     ops = [OpCost("word_embedding", "vector", fwd_bytes=2 * out * shp.e, bwd_bytes=2 * out * shp.e + table,
                   activation_bytes=shp.tokens * 8 + (shp.s * 8 if positions else 0),
                   weight_bytes=rows * shp.h * shp.e, weights=(rows * shp.h,),
-                  fwd_allocs=(out * shp.e,), bwd_allocs=(table,), bwd_fill_bytes=table)]
+                  fwd_allocs=(out * shp.e,), bwd_allocs=(table,), bwd_fill_bytes=table, row_ops=shp.tokens)]
     if shp.t > 1:
         # Megatron's vocab-parallel lookup also keeps a bool mask of the tokens outside this rank's rows
         ops[0] = replace(ops[0], comm_fwd_bytes=out * shp.e, activation_bytes=ops[0].activation_bytes + shp.tokens,

@@ -100,7 +100,8 @@ HALF_DIMS = (0.0, 8.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0, 192.0, 256.0)
 
 def fit_device(device: DeviceSpec, layers: list[tuple[list[OpCost], float, float]], *, dtype: str) -> DeviceSpec:
     """``calibrate`` with the factors that suit the device: all four on a datasheet spec; on a
-    measured ("cpu") one, the two a CPU's layers need.
+    measured ("cpu") one, the two a CPU's layers need, and the rate its embeddings zero their gradient
+    tables at (``_fit_fill``).
 
     A measured spec already has the machine's peaks (the fastest of its micro-benchmark runs), so
     elementwise work and memory traffic keep them: fitting those as well traded them against the
@@ -117,4 +118,21 @@ def fit_device(device: DeviceSpec, layers: list[tuple[list[OpCost], float, float
         loss = float(_loss(layers, fitted, dtype, _efficiencies(fitted)))
         if loss < best_loss:
             best, best_loss = fitted, loss
-    return best
+    return _fit_fill(best, layers, dtype)
+
+
+def _fit_fill(device: DeviceSpec, layers, dtype: str) -> DeviceSpec:
+    """The rate at which the layers zero a gradient table, fitted on the calibration layers that do (the
+    embeddings): a layer zeroes its table once, after other work, at 13-14 GB/s here, where the
+    micro-benchmark's fastest of many back-to-back passes measured 14-17."""
+    filled = [(ops, bwd) for ops, _, bwd in layers if bwd > 0 and any(op.bwd_fill_bytes for op in ops)]
+    if not filled or not device.fill_bandwidth:
+        return device
+
+    def loss(factor: float) -> float:
+        spec = replace(device, fill_bandwidth=device.fill_bandwidth * factor)
+        return sum(np.log(sum(spec.op_time(op, dtype=dtype, tp=1, backward=True)["time_s"] for op in ops) / bwd) ** 2
+                   for ops, bwd in filled)
+
+    factor = min(np.geomspace(0.5, 2.0, 81), key=loss)
+    return replace(device, fill_bandwidth=device.fill_bandwidth * float(factor))

@@ -47,6 +47,10 @@ class DeviceSpec:
     # random elements/s a dropout mask draws; 0: free beyond the op's memory traffic (GPUs draw them in
     # the fused kernel).  A CPU draws them one thread at a time, ~7 ns each: more than the op's traffic
     random_rate: float = 0.0
+    # seconds per row of a large table touched at random (an embedding's lookup forward, its gradient
+    # row backward): a CPU waits on memory for each, ~0.35 us, beyond the bytes' streaming time (bench-cpu
+    # at 1,024 tokens: 0.35 ms each way, 5% of the layer); 0: none (a GPU keeps thousands in flight)
+    row_op_s: float = 0.0
     # Measured collectives, {kind: [latency_s, bus bandwidth]} for "all-reduce", "all-gather",
     # "reduce-scatter" and "p2p"; None: the ring formulas on the link bandwidth.  CPU ranks talk
     # through gloo at a tenth of a memory copy's speed (``cpu_comm.measure_cpu_ranks``).
@@ -78,6 +82,7 @@ class DeviceSpec:
         comm = sum(self.collective_time(comm_bytes / len(kinds), kind, tp, bandwidth) for kind in kinds)
         fresh = self.fresh_alloc_time(op.bwd_allocs if backward else op.fwd_allocs)
         random = op.random_elems / self.random_rate if self.random_rate and not backward else 0.0
+        random += op.row_ops * self.row_op_s
         return {"compute_s": compute, "memory_s": memory, "comm_s": comm, "fresh_s": fresh, "random_s": random,
                 "time_s": max(compute, memory) + random + fresh + comm,
                 "intensity": flops / moved if moved else float("inf")}
@@ -155,8 +160,9 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     caches).  Vector peak: an add on warm 128 KiB buffers (cache-resident, so it measures the
     arithmetic, not the memory traffic the roofline charges separately).  First touches: filling a
     fresh anonymous 64 MiB mapping (what glibc returns above its mmap threshold) against filling a
-    warm buffer; the difference is the page faults.  Zeroing a fresh 64 MiB buffer (``fill_bandwidth``)
-    and drawing a dropout mask of 2^20 elements (``random_rate``).  Faults are charged above the threshold the
+    warm buffer; the difference is the page faults.  Zeroing a warm 256 MiB buffer (``fill_bandwidth``),
+    drawing a dropout mask of 2^20 elements (``random_rate``) and looking up rows of a table beyond the
+    caches at random (``row_op_s``).  Faults are charged above the threshold the
     training processes run with (``training_mmap_threshold``: train.py fixes it at 1 GiB).
     """
     import mmap
@@ -171,7 +177,7 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     steady_host_allocator()
     threads = torch.get_num_threads()
     mmap_min = training_mmap_threshold()  # what train.py's ranks map afresh (steady_host_allocator)
-    path = Path(cache_dir) / f"cpu-spec-v7-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
+    path = Path(cache_dir) / f"cpu-spec-v10-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
     if path is not None and path.exists():
         try:
             return DeviceSpec(**json.loads(path.read_text()))
@@ -211,14 +217,35 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     warm = seconds_per_call(lambda: warm_pages.fill(1.0))
     fresh = seconds_per_call(fresh_pages)
     faults = x.nbytes / max(fresh - warm, 1e-9)
-    fill = x.nbytes / seconds_per_call(lambda: torch.zeros(x.numel()))  # as a dense gradient table is made
+    # zeroing a dense gradient table: a warm 256 MiB buffer (8x this class of machine's last-level
+    # cache; on 64 MiB the tail of the previous pass was still cached and zeroing ran 20-30% faster
+    # than on the 100-150 MB tables it stands for).  Warm, as the training allocator hands it back; a
+    # fresh torch.zeros of this size came from mmap in some processes (the heap could not grow in
+    # place) and timed page faults at a tenth of the rate
+    table = torch.empty(64 * 2**20)
+    fill = table.nbytes / seconds_per_call(table.zero_)
+    del table
     mask = torch.empty(2**20)
     random = mask.numel() / seconds_per_call(lambda: mask.bernoulli_(0.9))  # a dropout mask's draws
+    # rows of a 128 MiB table looked up at random with the caches flushed first, as an embedding's are
+    # after a backward has zeroed its gradient table
+    words, width, tokens = 65536, 512, 4096
+    lookup_table, flush = torch.randn(words, width), torch.empty(16 * 2**20)
+    ids = torch.randint(0, words, (tokens,), generator=torch.Generator().manual_seed(0))
+
+    def cold_lookup():
+        flush.zero_()
+        t0 = time.perf_counter()
+        torch.nn.functional.embedding(ids, lookup_table)
+        return time.perf_counter() - t0
+
+    row_op = min(cold_lookup() for _ in range(12)) / tokens
+    del lookup_table, flush
     ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     spec = DeviceSpec("cpu", {"fp32": mm, "bf16": mm}, {"fp32": vec, "bf16": vec}, bw, bw, bw, ram, gpus_per_node=1,
                       matrix_efficiency=1.0, attention_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0,
                       comm_efficiency=1.0, fresh_page_bandwidth=faults, fresh_alloc_min_bytes=mmap_min,
-                      fill_bandwidth=fill, random_rate=random)
+                      fill_bandwidth=fill, random_rate=random, row_op_s=row_op)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(spec)))
