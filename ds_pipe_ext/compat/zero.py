@@ -26,6 +26,7 @@ from .optimizer import unwrap_optimizer
 
 # ZeRO's gradient buffers (a missing or None attribute is skipped)
 _GRAD_BUFFERS = ("grads_in_partition", "ipg_buffer", "grad_partitions_flat_buffer", "averaged_gradients")
+_BUCKETS = ("ipg_buffer",)  # of those, the reduction bucket (a buffer, not a gradient, at the peak)
 
 
 def _storages(obj, out: dict) -> None:
@@ -42,9 +43,13 @@ def _storages(obj, out: dict) -> None:
             _storages(x, out)
 
 
-def held_model_state_bytes(module: torch.nn.Module, optimizer) -> dict[str, int]:
+def held_storages(module: torch.nn.Module, optimizer) -> dict[str, dict[tuple[int, int], int]]:
+    """The storages this rank holds by kind, ``{kind: {(data_ptr, nbytes): nbytes}}``: ``param_bytes``,
+    ``optimizer_bytes``, ``grad_bytes`` (ZeRO's gradient partitions included) and ``buffer_bytes`` (its
+    reduction bucket).  A storage counts once, under the first kind that holds it (an fp32 model's
+    master "copy" under ZeRO-0 is the parameter itself)."""
     params = list({id(p): p for p in module.parameters()}.values())
-    held: dict[str, dict] = {"param_bytes": {}, "optimizer_bytes": {}, "grad_bytes": {}}
+    held: dict[str, dict] = {"param_bytes": {}, "optimizer_bytes": {}, "grad_bytes": {}, "buffer_bytes": {}}
     for p in params:
         _storages(p.data, held["param_bytes"])
         _storages(getattr(p, "ds_tensor", None), held["param_bytes"])
@@ -58,16 +63,20 @@ def held_model_state_bytes(module: torch.nn.Module, optimizer) -> dict[str, int]
     for p in params:
         _storages(p.grad, held["grad_bytes"])
     for name in _GRAD_BUFFERS:
-        _storages(getattr(optimizer, name, None), held["grad_bytes"])
-    # a storage counts once, under the first kind that holds it (an fp32 model's master
-    # "copy" under ZeRO-0 is the parameter itself)
+        _storages(getattr(optimizer, name, None), held["buffer_bytes" if name in _BUCKETS else "grad_bytes"])
     seen: set = set()
-    out = {}
-    for kind, storages in held.items():
-        keys = [k for k in storages if k not in seen]
-        seen.update(keys)
-        out[kind] = sum(storages[k] for k in keys)
-    return out
+    for storages in held.values():
+        for key in [k for k in storages if k in seen]:
+            del storages[key]
+        seen.update(storages)
+    return held
+
+
+def held_model_state_bytes(module: torch.nn.Module, optimizer) -> dict[str, int]:
+    """``held_storages`` summed: parameters, gradients (with ZeRO's buckets) and optimizer states."""
+    held = {kind: sum(storages.values()) for kind, storages in held_storages(module, optimizer).items()}
+    held["grad_bytes"] += held.pop("buffer_bytes")
+    return held
 
 
 def deepspeed_estimate_bytes(total_params: int, largest_module_params: int, *, dp: int, stage: int) -> int | None:

@@ -21,10 +21,11 @@ import torch
 
 from ..compat.comm import time_collectives
 from .memory import ModelStateProbe, SavedActivationMeter, process_peak_bytes
+from .peak import PeakTracer
 
 
 class DataParallelRecorder:
-    def __init__(self, engine, emit: Callable[[dict], None], *, rank: int, micro_batches: int):
+    def __init__(self, engine, emit: Callable[[dict], None], *, rank: int, micro_batches: int, peak_step: int = 0):
         self.engine, self.emit, self.rank, self.micro_batches = engine, emit, rank, micro_batches
         self.device = next(engine.module.parameters()).device
         self.meter = SavedActivationMeter(engine.module)
@@ -33,19 +34,31 @@ class DataParallelRecorder:
         self._undo_comm = time_collectives(lambda kind, ms: self.times[kind].append(ms))
         self.step = 0
         self._t0 = 0.0
+        self.tracer = PeakTracer(engine.module, engine.optimizer, self.device, peak_step) if peak_step else None
+        self._count: dict[str, int] = defaultdict(int)  # phases entered this step, by kind
 
     def begin_step(self) -> None:
         self.times.clear()
+        self._count.clear()
         self.meter.reset_peak()
+        if self.tracer is not None:
+            self.tracer.step_starting(self.step + 1)
         self._t0 = time.perf_counter()
 
     @contextlib.contextmanager
     def phase(self, kind: str):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.tracer is not None:
+            self.tracer.phase(f"{kind} {self._count[kind]}")
+            self._count[kind] += 1
         t0 = time.perf_counter()
         with self.meter.forward(0) if kind == "forward" else contextlib.nullcontext():
             yield
+        if self.tracer is not None:
+            if kind == "forward":
+                self.tracer.sight_ptrs("activation_bytes", self.meter.last_saved)
+            self.tracer.sight_held()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.times[kind].append(1e3 * (time.perf_counter() - t0))
@@ -63,6 +76,9 @@ class DataParallelRecorder:
         rec.update(self.states.read())
         rec["activation_peak_bytes"] = self.meter.peak
         rec.update(process_peak_bytes(self.device))
+        peak = self.tracer.step_ended(self.step) if self.tracer is not None else None
+        if peak is not None:
+            rec["peak"] = peak
         self.emit(rec)
 
     def remove(self) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from ..compat.instructions import unwrap_engine, wrap_engine
 from .memory import ModelStateProbe, SavedActivationMeter, process_peak_bytes
+from .peak import PeakTracer
 
 # instruction class name -> record key
 _KINDS = {
@@ -68,7 +69,7 @@ class _Clock:
 
 
 class StageRecorder:
-    def __init__(self, engine, emit: Callable[[dict], None]):
+    def __init__(self, engine, emit: Callable[[dict], None], peak_step: int = 0):
         self.engine = engine
         self.emit = emit
         module = engine.module
@@ -78,27 +79,43 @@ class StageRecorder:
         self.step = 0
         self.times: dict[str, list[float]] = defaultdict(list)
         self.states = ModelStateProbe(module, engine.optimizer)  # counted at the optimizer step
+        self.tracer = PeakTracer(module, engine.optimizer, self.device, peak_step) if peak_step else None
+        self._count: dict[str, int] = defaultdict(int)  # instructions run this step, by kind
+
+    def _enter(self, kind: str) -> None:
+        if self.tracer is not None:
+            self.tracer.phase(f"{kind} {self._count[kind]}")
+            self._count[kind] += 1
 
     def wrap_instruction(self, kind: str, fn):
         recorder = self
 
         if kind == "forward":
             def run(engine, **kw):
+                recorder._enter(kind)
                 token = recorder.clock.start()
                 with recorder.meter.forward(kw.get("buffer_id", 0)):
                     fn(engine, **kw)
                 recorder.clock.stop(kind, token, recorder.times)
+                if recorder.tracer is not None:
+                    recorder.tracer.sight_ptrs("activation_bytes", recorder.meter.last_saved)
         elif kind == "backward":
             def run(engine, **kw):
+                recorder._enter(kind)
                 token = recorder.clock.start()
                 fn(engine, **kw)
                 recorder.clock.stop(kind, token, recorder.times)
                 recorder.meter.backward_done(kw.get("buffer_id", 0))
+                if recorder.tracer is not None:
+                    recorder.tracer.sight_held()
         else:
             def run(engine, **kw):
+                recorder._enter(kind)
                 token = recorder.clock.start()
                 fn(engine, **kw)
                 recorder.clock.stop(kind, token, recorder.times)
+                if recorder.tracer is not None and kind in ("reduce_grads", "reduce_tied_grads", "optimizer_step"):
+                    recorder.tracer.sight_held()
         return run
 
     def wrap_call(self, kind: str, fn):
@@ -117,7 +134,10 @@ class StageRecorder:
 
         def run(*args, **kwargs):
             recorder.times.clear()
+            recorder._count.clear()
             recorder.meter.reset_peak()
+            if recorder.tracer is not None:
+                recorder.tracer.step_starting(recorder.step + 1)
             t0 = time.perf_counter()
             loss = train_batch(*args, **kwargs)
             if recorder.clock.cuda:
@@ -149,12 +169,16 @@ class StageRecorder:
         rec.update(self.states.read())
         rec["activation_peak_bytes"] = self.meter.peak
         rec.update(process_peak_bytes(self.device))
+        peak = self.tracer.step_ended(self.step) if self.tracer is not None else None
+        if peak is not None:
+            rec["peak"] = peak
         return rec
 
 
-def instrument_engine(engine, emit: Callable[[dict], None]) -> StageRecorder:
-    """Install timing on a PipelineEngine; ``emit`` receives one record per step."""
-    recorder = StageRecorder(engine, emit)
+def instrument_engine(engine, emit: Callable[[dict], None], *, peak_step: int = 0) -> StageRecorder:
+    """Install timing on a PipelineEngine; ``emit`` receives one record per step (step ``peak_step``'s
+    with its traced live-tensor peak, ``instrument.peak``)."""
+    recorder = StageRecorder(engine, emit, peak_step)
     wrap_engine(
         engine,
         instruction=lambda name, fn: recorder.wrap_instruction(_KINDS.get(name, name), fn),

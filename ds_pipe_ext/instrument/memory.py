@@ -92,6 +92,7 @@ class SavedActivationMeter:
         self._held: dict[int, int] = {}
         self.live = 0
         self.peak = 0
+        self.last_saved: list[int] = []  # the storages (data_ptr) the last forward saved
 
     @staticmethod
     def _key(t: torch.Tensor) -> tuple[int, int]:
@@ -120,6 +121,7 @@ class SavedActivationMeter:
             def __exit__(self, *exc):
                 self._hooks.__exit__(*exc)
                 nbytes = sum(n for _, n in seen)
+                meter.last_saved = [ptr for ptr, _ in seen]
                 meter._held[buffer_id] = meter._held.get(buffer_id, 0) + nbytes
                 meter.live += nbytes
                 meter.peak = max(meter.peak, meter.live)

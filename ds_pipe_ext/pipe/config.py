@@ -28,7 +28,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..config_model import ConfigError, ConfigModel, parse_section
 from ..costs.types import ProfileSettings
@@ -42,6 +42,16 @@ class InstrumentSettings(ConfigModel):
     enabled: bool = False
     run_dir: str = Field("runs/latest", min_length=1)
     every: int = Field(0, ge=0)  # also gather a summary on rank 0 every N steps (0: only at the end)
+    # trace the live-tensor peak of this step (>= 2; the step before warms the trace) with torch.profiler's
+    # allocation events, broken down by kind, into its step record ("peak"); 0: none.  Slows both steps
+    peak_step: int = Field(0, ge=0)
+
+    @field_validator("peak_step")
+    @classmethod
+    def _after_a_warm_up(cls, v: int) -> int:
+        if v == 1:
+            raise ValueError("peak_step = 1: the traced step needs a step before it to warm the trace; use 2 or later")
+        return v
 
 
 class AnalyticSettings(ConfigModel):

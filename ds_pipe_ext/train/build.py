@@ -235,7 +235,7 @@ def start_instrumentation(built: Built, overheads: dict | None):
             layout=built.layout.to_dict()))
     sink = RunSink(settings.instrument.run_dir, built.rank, every=settings.instrument.every,
                    monitor=getattr(built.engine, "monitor", None))
-    instrument_engine(built.engine, sink.emit)
+    instrument_engine(built.engine, sink.emit, peak_step=settings.instrument.peak_step)
     return sink
 
 
@@ -246,7 +246,8 @@ def start_data_parallel_instrumentation(built: Built):
 
     settings = built.cfg.instrument
     sink = RunSink(settings.run_dir, built.rank, every=settings.every, monitor=getattr(built.engine, "monitor", None))
-    recorder = DataParallelRecorder(built.engine, sink.emit, rank=built.rank, micro_batches=built.cfg.grad_accum)
+    recorder = DataParallelRecorder(built.engine, sink.emit, rank=built.rank, micro_batches=built.cfg.grad_accum,
+                                    peak_step=settings.peak_step)
     return sink, recorder
 
 

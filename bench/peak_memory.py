@@ -1,0 +1,156 @@
+"""The live-tensor peak of a training step on 2 CPU ranks, by kind, against the memory rule.
+
+    python bench/peak_memory.py [--dtypes fp32,bf16] [--model compare-cpu]
+
+One 2-rank launch per precision builds each engine in turn with train.py's own builder, on the same
+layers: a 2-stage pipeline under ZeRO-0 and ZeRO-1 (pp 2, dp 1: DeepSpeed's ZeRO-1 over one replica)
+and data parallel over both ranks under ZeRO-0, 1, 2 and 3 (the ZeRO settings `compare` writes:
+``layout.ZERO_SETTINGS``, overlap off).  Each trains 3 steps and traces step 3's allocation events
+(``instrument.peak``: torch.profiler with ``profile_memory=True``, the tensors alive at the step's start
+counted apart, kinds from the tensors the engine and autograd hold).  Step 2 warms the trace.
+
+Predicted: ``costs.zero.rank_memory`` of the layout, the rule every command reads (model states at the
+optimizer step + the schedule's saved activations + ZeRO-3's gathered layers).  Nothing is fitted.
+
+Ends with ``RESULT peak_memory_max_error_pct=X peak_memory_kind_max_error_pct=Y`` (targets X <= 5 over the
+total peak, Y <= 1 over the kinds DeepSpeed holds: parameters, gradients, optimizer states, buffers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CELLS = [("pipe-z0", 2, 0), ("pipe-z1", 2, 1), ("dp-z0", 1, 0), ("dp-z1", 1, 1), ("dp-z2", 1, 2), ("dp-z3", 1, 3)]
+PEAK_STEP = 3
+HELD = ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes")  # what DeepSpeed itself holds
+
+
+def cell_layout(pp: int, zero: int, world: int, micro_batch: int, micro_batches: int):
+    from ds_pipe_ext.layout import Layout
+
+    return Layout(pp=pp, dp=world // pp, zero=zero, micro_batch=micro_batch, micro_batches=micro_batches,
+                  schedule="1f1b" if pp > 1 else None) if pp > 1 else Layout(dp=world, zero=zero, micro_batch=micro_batch,
+                                                                                micro_batches=micro_batches)
+
+
+def worker(args) -> None:
+    """Every cell in turn on this rank; one RESULT-RANK line per cell."""
+    import gc
+
+    import torch
+
+    from ds_pipe_ext.train.build import build
+    from ds_pipe_ext.train.config import build_run_config
+    from ds_pipe_ext.train.trainer import Trainer
+
+    work = Path(args.work)
+    for name, pp, zero in CELLS:
+        lay = cell_layout(pp, zero, args.world, args.micro_batch, args.micro_batches)
+        run_dir = work / args.dtype / name
+        precision = {"bf16": {"bf16": {"enabled": True}}}.get(args.dtype, {})
+        instrument = {"enabled": True, "run_dir": str(run_dir), "peak_step": PEAK_STEP}
+        ds = lay.ds_config(train={"model": args.model, "steps": PEAK_STEP, "seed": 1234, "log": "json"},
+                           pipeline={"partition_method": "parameters", "instrument": instrument} if pp > 1 else None,
+                           steps_per_print=10**6, **precision, **({} if pp > 1 else {"instrument": instrument}))
+        built = build(build_run_config(ds))
+        Trainer(built).run()
+        rank = built.rank
+        records = [json.loads(line) for line in (run_dir / f"rank{rank}.jsonl").read_text().splitlines()]
+        peak = next(r for r in records if "peak" in r)
+        sys.stdout.write("RESULT-RANK " + json.dumps({"cell": name, "dtype": args.dtype, "rank": rank,
+                                                     "stage": peak["stage"], "peak": peak["peak"],
+                                                     "at_step": {k: peak[k] for k in ("param_bytes", "grad_bytes",
+                                                                                       "optimizer_bytes")},
+                                                     "activation_peak_bytes": peak["activation_peak_bytes"],
+                                                     "parts": built.parts}) + "\n")
+        sys.stdout.flush()
+        del built
+        gc.collect()
+        torch.distributed.barrier()
+
+
+def predicted(cell: dict, model: str, world: int, micro_batch: int, micro_batches: int) -> dict:
+    """What `compare` predicts for this cell's rank (``compare.predict``: the ZeRO rule at the step, the
+    analytic activations times the stage's in-flight micro-batches)."""
+    from ds_pipe_ext.compare.configs import CompareConfig
+    from ds_pipe_ext.compare.predict import layer_activation_bytes, model_shape, predicted_ranks
+    from ds_pipe_ext.models.registry import load_model
+
+    _, pp, zero = next(c for c in CELLS if c[0] == cell["cell"])
+    model_cfg = load_model(model)
+    cfg = CompareConfig(cell["cell"], cell_layout(pp, zero, world, micro_batch, micro_batches),
+                        "parameters" if pp > 1 else None)
+    rows = predicted_ranks(cfg, model_shape(model_cfg), layer_activation_bytes(model_cfg, cfg, dtype=cell["dtype"]),
+                           parts=cell["parts"], element_bytes=2 if cell["dtype"] == "bf16" else 4,
+                           dp_rank=cell["rank"] % (world // pp))
+    return rows[cell["stage"]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--model", default="compare-cpu")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="fp32", help=argparse.SUPPRESS)
+    ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+
+    from ds_pipe_ext.partition.report import render_table
+    from ds_pipe_ext.runner import launch
+
+    work = Path(tempfile.mkdtemp(prefix="ds_pipe_ext_peak_"))
+    results = []
+    for dtype in args.dtypes.split(","):
+        proc, _ = launch(args.world, None, "--worker", "--dtype", dtype, "--work", str(work), "--model", args.model,
+                         "--world", str(args.world), "--micro-batch", str(args.micro_batch),
+                         "--micro-batches", str(args.micro_batches), timeout=900, script="bench/peak_memory.py")
+        got = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT-RANK ")]
+        if proc.returncode or len(got) != len(CELLS) * args.world:
+            sys.exit(f"{dtype} launch failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+        results += got
+        print(f"  {dtype}: {len(got)} rank records", flush=True)
+
+    MIB = 2**20
+    rows, worst, worst_kind = [], 0.0, 0.0
+    for r in sorted(results, key=lambda r: (r["dtype"], [c[0] for c in CELLS].index(r["cell"]), r["rank"])):
+        pred = predicted(r, args.model, args.world, args.micro_batch, args.micro_batches)
+        meas = r["peak"]["by_kind"]
+        err = 100 * (pred["total_bytes"] - r["peak"]["peak_bytes"]) / r["peak"]["peak_bytes"]
+        worst = max(worst, abs(err))
+        kind_err = []
+        for kind in HELD:
+            want = pred.get(kind, 0.0)
+            got = meas.get(kind, 0)
+            if kind == "buffer_bytes":
+                continue  # the rule has no buffer kind yet
+            e = 100 * (want - got) / max(got, 1)
+            kind_err.append(f"{e:+.1f}")
+            worst_kind = max(worst_kind, abs(e))
+        rows.append([r["dtype"], r["cell"], str(r["rank"]), r["peak"]["phase"],
+                     *(f"{meas[k] / MIB:.2f}" for k in (*HELD, "gathered_bytes", "activation_bytes", "temporary",
+                                                         "other")),
+                     f"{r['peak']['peak_bytes'] / MIB:.2f}", f"{pred['total_bytes'] / MIB:.2f}", f"{err:+.1f}",
+                     " ".join(kind_err)])
+    print(f"\nlive-tensor peak of step {PEAK_STEP}, MiB, measured by kind (torch.profiler allocation events), "
+          f"against the memory rule (costs.zero.rank_memory)")
+    print("\n".join(render_table(["dtype", "cell", "rank", "peak in", "params", "grads", "optimizer", "buffers",
+                                  "gathered", "activations", "temporary", "other", "peak meas", "pred", "err %",
+                                  "p/g/o err %"], rows)))
+    print(f"RESULT peak_memory_max_error_pct={worst:.1f} peak_memory_kind_max_error_pct={worst_kind:.1f}")
+
+
+if __name__ == "__main__":
+    main()
