@@ -27,7 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CELLS = [("pipe-z0", 2, 0), ("pipe-z1", 2, 1), ("dp-z0", 1, 0), ("dp-z1", 1, 1), ("dp-z2", 1, 2), ("dp-z3", 1, 3)]
+# data parallel first: a pipeline engine leaves its grid as DeepSpeed's global model-parallel unit, which
+# a data-parallel engine built after it in the same process then asks for its ranks
+CELLS = [("dp-z0", 1, 0), ("dp-z1", 1, 1), ("dp-z2", 1, 2), ("dp-z3", 1, 3), ("pipe-z0", 2, 0), ("pipe-z1", 2, 1)]
 PEAK_STEP = 3
 HELD = ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes")  # what DeepSpeed itself holds
 
@@ -40,12 +42,19 @@ def cell_layout(pp: int, zero: int, world: int, micro_batch: int, micro_batches:
                                                                                 micro_batches=micro_batches)
 
 
+def cell_only(peak: dict, before: int) -> dict:
+    """The peak less what was alive before this cell's engine was built (counted in "other")."""
+    gone = min(before, peak["by_kind"]["other"])
+    return {**peak, "peak_bytes": peak["peak_bytes"] - gone, "by_kind": {**peak["by_kind"], "other": peak["by_kind"]["other"] - gone}}
+
+
 def worker(args) -> None:
     """Every cell in turn on this rank; one RESULT-RANK line per cell."""
     import gc
 
     import torch
 
+    from ds_pipe_ext.instrument.peak import live_tensor_bytes
     from ds_pipe_ext.train.build import build
     from ds_pipe_ext.train.config import build_run_config
     from ds_pipe_ext.train.trainer import Trainer
@@ -59,13 +68,15 @@ def worker(args) -> None:
         ds = lay.ds_config(train={"model": args.model, "steps": PEAK_STEP, "seed": 1234, "log": "json"},
                            pipeline={"partition_method": "parameters", "instrument": instrument} if pp > 1 else None,
                            steps_per_print=10**6, **precision, **({} if pp > 1 else {"instrument": instrument}))
+        gc.collect()
+        before, _ = live_tensor_bytes(torch.device("cpu"))  # earlier cells' engines that DeepSpeed keeps alive
         built = build(build_run_config(ds))
         Trainer(built).run()
         rank = built.rank
         records = [json.loads(line) for line in (run_dir / f"rank{rank}.jsonl").read_text().splitlines()]
         peak = next(r for r in records if "peak" in r)
         sys.stdout.write("RESULT-RANK " + json.dumps({"cell": name, "dtype": args.dtype, "rank": rank,
-                                                     "stage": peak["stage"], "peak": peak["peak"],
+                                                     "stage": peak["stage"], "peak": cell_only(peak["peak"], before),
                                                      "at_step": {k: peak[k] for k in ("param_bytes", "grad_bytes",
                                                                                        "optimizer_bytes")},
                                                      "activation_peak_bytes": peak["activation_peak_bytes"],
