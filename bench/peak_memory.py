@@ -9,8 +9,8 @@ and data parallel over both ranks under ZeRO-0, 1, 2 and 3 (the ZeRO settings `c
 (``instrument.peak``: torch.profiler with ``profile_memory=True``, the tensors alive at the step's start
 counted apart, kinds from the tensors the engine and autograd hold).  Step 2 warms the trace.
 
-Predicted: ``costs.zero.rank_memory`` of the layout, the rule every command reads (model states at the
-optimizer step + the schedule's saved activations + ZeRO-3's gathered layers).  Nothing is fitted.
+Predicted, for now: what `compare` predicts (``compare.predict``: ZeRO's model states at the optimizer
+step + the schedule's saved activations), the at-step rule the peak rule is to replace.  Nothing is fitted.
 
 Ends with ``RESULT peak_memory_max_error_pct=X peak_memory_kind_max_error_pct=Y`` (targets X <= 5 over the
 total peak, Y <= 1 over the kinds DeepSpeed holds: parameters, gradients, optimizer states, buffers).
@@ -156,7 +156,7 @@ def main() -> None:
                      f"{r['peak']['peak_bytes'] / MIB:.2f}", f"{pred['total_bytes'] / MIB:.2f}", f"{err:+.1f}",
                      " ".join(kind_err)])
     print(f"\nlive-tensor peak of step {PEAK_STEP}, MiB, measured by kind (torch.profiler allocation events), "
-          f"against the memory rule (costs.zero.rank_memory)")
+          f"against the at-step rule (compare.predict)")
     print("\n".join(render_table(["dtype", "cell", "rank", "peak in", "params", "grads", "optimizer", "buffers",
                                   "gathered", "activations", "temporary", "other", "peak meas", "pred", "err %",
                                   "p/g/o err %"], rows)))
