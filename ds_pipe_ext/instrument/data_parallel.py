@@ -35,11 +35,9 @@ class DataParallelRecorder:
         self.step = 0
         self._t0 = 0.0
         self.tracer = PeakTracer(engine.module, engine.optimizer, self.device, peak_step) if peak_step else None
-        self._count: dict[str, int] = defaultdict(int)  # phases entered this step, by kind
 
     def begin_step(self) -> None:
         self.times.clear()
-        self._count.clear()
         self.meter.reset_peak()
         if self.tracer is not None:
             self.tracer.step_starting(self.step + 1)
@@ -50,8 +48,7 @@ class DataParallelRecorder:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.tracer is not None:
-            self.tracer.phase(f"{kind} {self._count[kind]}")
-            self._count[kind] += 1
+            self.tracer.enter(kind)
         t0 = time.perf_counter()
         with self.meter.forward(0) if kind == "forward" else contextlib.nullcontext():
             yield

@@ -80,12 +80,10 @@ class StageRecorder:
         self.times: dict[str, list[float]] = defaultdict(list)
         self.states = ModelStateProbe(module, engine.optimizer)  # counted at the optimizer step
         self.tracer = PeakTracer(module, engine.optimizer, self.device, peak_step) if peak_step else None
-        self._count: dict[str, int] = defaultdict(int)  # instructions run this step, by kind
 
     def _enter(self, kind: str) -> None:
         if self.tracer is not None:
-            self.tracer.phase(f"{kind} {self._count[kind]}")
-            self._count[kind] += 1
+            self.tracer.enter(kind)
 
     def wrap_instruction(self, kind: str, fn):
         recorder = self
@@ -134,7 +132,6 @@ class StageRecorder:
 
         def run(*args, **kwargs):
             recorder.times.clear()
-            recorder._count.clear()
             recorder.meter.reset_peak()
             if recorder.tracer is not None:
                 recorder.tracer.step_starting(recorder.step + 1)

@@ -145,9 +145,9 @@ def step_peak(events: list[Alloc], markers: list[Marker], *, start_ns: int, star
 _MARK = "ds_pipe_ext.mark."
 
 
-def live_tensor_bytes(device) -> tuple[int, dict[int, int]]:
-    """Every tensor storage alive on ``device`` that Python can reach, ``(total, {data_ptr: nbytes})``:
-    the count at a step's start, apart from any model (between steps autograd holds no graph)."""
+def live_tensor_bytes(device) -> int:
+    """Bytes of every tensor storage alive on ``device`` that Python can reach, each storage once: the
+    count at a step's start, apart from any model (between steps autograd holds no graph)."""
     import gc
 
     import torch
@@ -161,7 +161,7 @@ def live_tensor_bytes(device) -> tuple[int, dict[int, int]]:
                     seen[(s.data_ptr(), s.nbytes())] = s.nbytes()
         except (RuntimeError, ReferenceError):  # a tensor without storage (sparse, functorch wrappers)
             continue
-    return sum(seen.values()), {ptr: n for (ptr, n) in seen}
+    return sum(seen.values())
 
 
 class StepTrace:
@@ -223,7 +223,7 @@ class StepTrace:
             import torch
 
             torch.cuda.synchronize(self.device)
-        total, _ = live_tensor_bytes(self.device)
+        total = live_tensor_bytes(self.device)
         start_held = {ptr: (n, kind) for kind, storages in held.items() for (ptr, n) in storages}
         self._mark("step", ())
         self._start = (len(self._markers) - 1, total, start_held)
@@ -254,8 +254,9 @@ class PeakTracer:
     """Traces step ``peak_step`` of a run (the step before it warms the trace) for a rank's engine.
 
     The recorders call ``step_starting(n)`` before step n and ``step_ended(n)`` after it (the traced
-    step's ``StepPeak`` as a dict, else None), ``phase(name)`` as a phase begins and ``sight_held()`` /
-    ``sight_ptrs`` where tensors of a kind are alive; outside the two steps every call returns at once.
+    step's ``StepPeak`` as a dict, else None), ``enter(kind)`` as a phase begins (numbered within the
+    step: "forward 0", "forward 1", ...) and ``sight_held()`` / ``sight_ptrs`` where tensors of a kind
+    are alive; outside the two steps every call returns at once.
     While tracing, every parameter's gradient is sighted as it is accumulated (before ZeRO reduces and
     frees it) and, under ZeRO-3, every gathered parameter as its module runs forward."""
 
@@ -265,6 +266,7 @@ class PeakTracer:
         self.module, self.optimizer, self.device, self.peak_step = module, optimizer, device, peak_step
         self.trace: StepTrace | None = None
         self._handles: list = []
+        self._entered: dict[str, int] = {}  # phases entered this step, by kind
 
     def _held(self):
         from ..compat.zero import held_storages
@@ -272,6 +274,7 @@ class PeakTracer:
         return held_storages(self.module, self.optimizer)
 
     def step_starting(self, step: int) -> None:
+        self._entered.clear()
         if step == self.peak_step - 1:
             self.trace = StepTrace(self.device).__enter__()
             self._install()
@@ -289,9 +292,11 @@ class PeakTracer:
         self._handles.clear()
         return trace.peak().to_dict()
 
-    def phase(self, name: str) -> None:
+    def enter(self, kind: str) -> None:
         if self.trace is not None:
-            self.trace.phase(name)
+            n = self._entered.get(kind, 0)
+            self._entered[kind] = n + 1
+            self.trace.phase(f"{kind} {n}")
 
     def sight_held(self) -> None:
         if self.trace is not None:
