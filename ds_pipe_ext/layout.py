@@ -244,6 +244,11 @@ class Layout:
             schedule=pipe.get("schedule", "1f1b") if "pipeline" in ds else NO_PIPELINE,
             offload=offload, overlap_comm=_overlap_comm(zero))
 
+    def zero_section(self) -> dict:
+        """ds.json's ``zero_optimization`` for this layout's stage (offload aside): what the memory rules
+        read, for any runtime."""
+        return {"stage": self.zero, **ZERO_SETTINGS, "overlap_comm": self.overlap_comm}
+
     def ds_config(self, *, train: dict | None = None, pipeline: dict | None = None, **top) -> dict:
         """The ds.json that runs this layout (the one writer): the sections a layout decides, with
         ``train`` and ``pipeline`` keys of the caller's merged in, and other top-level keys as given."""
@@ -260,7 +265,7 @@ class Layout:
         if self.tp > 1:
             ds["tensor_parallel"] = {"size": self.tp, "sequence_parallel": self.sp}
         if self.zero:
-            ds["zero_optimization"] = {"stage": self.zero, **ZERO_SETTINGS, "overlap_comm": self.overlap_comm}
+            ds["zero_optimization"] = self.zero_section()
             if self.offload:  # the optimizer's states at any stage; the parameters too under ZeRO-3
                 ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
                 if self.zero == 3:

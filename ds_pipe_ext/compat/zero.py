@@ -25,8 +25,12 @@ import torch
 from .optimizer import unwrap_optimizer
 
 # ZeRO's gradient buffers (a missing or None attribute is skipped)
-_GRAD_BUFFERS = ("grads_in_partition", "ipg_buffer", "grad_partitions_flat_buffer", "averaged_gradients")
-_BUCKETS = ("ipg_buffer",)  # of those, the reduction bucket (a buffer, not a gradient, at the peak)
+# (BF16_Optimizer's flat accumulation buffer, in the gradients' accumulation dtype, included)
+_GRAD_BUFFERS = ("grads_in_partition", "grad_partitions_flat_buffer", "averaged_gradients",
+                 "fp32_groups_gradients_flat")
+# ZeRO's fp32 master partitions: the inner optimizer's parameters at its step, but ZeRO-3 swaps them
+# out of its param_groups between steps
+_MASTER_PARTITIONS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
 
 
 def _storages(obj, out: dict) -> None:
@@ -46,7 +50,7 @@ def _storages(obj, out: dict) -> None:
 def held_storages(module: torch.nn.Module, optimizer) -> dict[str, dict[tuple[int, int], int]]:
     """The storages this rank holds by kind, ``{kind: {(data_ptr, nbytes): nbytes}}``: ``param_bytes``,
     ``optimizer_bytes``, ``grad_bytes`` (ZeRO's gradient partitions included) and ``buffer_bytes`` (its
-    reduction bucket).  A storage counts once, under the first kind that holds it (an fp32 model's
+    reduction buckets).  A storage counts once, under the first kind that holds it (an fp32 model's
     master "copy" under ZeRO-0 is the parameter itself)."""
     params = list({id(p): p for p in module.parameters()}.values())
     held: dict[str, dict] = {"param_bytes": {}, "optimizer_bytes": {}, "grad_bytes": {}, "buffer_bytes": {}}
@@ -54,6 +58,8 @@ def held_storages(module: torch.nn.Module, optimizer) -> dict[str, dict[tuple[in
         _storages(p.data, held["param_bytes"])
         _storages(getattr(p, "ds_tensor", None), held["param_bytes"])
     inner = unwrap_optimizer(optimizer)
+    for name in _MASTER_PARTITIONS:
+        _storages(getattr(optimizer, name, None), held["optimizer_bytes"])
     for group in getattr(inner, "param_groups", []):
         _storages(group["params"], held["optimizer_bytes"])
         for q in group["params"]:
@@ -63,7 +69,11 @@ def held_storages(module: torch.nn.Module, optimizer) -> dict[str, dict[tuple[in
     for p in params:
         _storages(p.grad, held["grad_bytes"])
     for name in _GRAD_BUFFERS:
-        _storages(getattr(optimizer, name, None), held["buffer_bytes" if name in _BUCKETS else "grad_bytes"])
+        _storages(getattr(optimizer, name, None), held["grad_bytes"])
+    # the reduction buckets (``ipg_buckets``: a list of buffers per dtype under ZeRO-1/2, made at a
+    # step's first gradient and freed at its end; one buffer allocated once under ZeRO-3)
+    for bucket in (getattr(optimizer, "ipg_buckets", None) or {}).values():
+        _storages(getattr(bucket, "buffer", None), held["buffer_bytes"])
     seen: set = set()
     for storages in held.values():
         for key in [k for k in storages if k in seen]:
@@ -73,9 +83,10 @@ def held_storages(module: torch.nn.Module, optimizer) -> dict[str, dict[tuple[in
 
 
 def held_model_state_bytes(module: torch.nn.Module, optimizer) -> dict[str, int]:
-    """``held_storages`` summed: parameters, gradients (with ZeRO's buckets) and optimizer states."""
+    """``held_storages`` summed over the model states: parameters, gradients and optimizer states (not
+    the reduction buckets, which the peak counts apart)."""
     held = {kind: sum(storages.values()) for kind, storages in held_storages(module, optimizer).items()}
-    held["grad_bytes"] += held.pop("buffer_bytes")
+    del held["buffer_bytes"]
     return held
 
 

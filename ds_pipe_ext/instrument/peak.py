@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # what a sighted tensor is; anything else made in the step is "temporary"
+LARGEST = 12  # blocks listed from the peak, to say what filled it
 KINDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "gathered_bytes", "activation_bytes")
 
 
@@ -52,11 +53,12 @@ class StepPeak:
     temporary_by_phase: dict[str, int] = field(default_factory=dict)  # phase kind -> temporaries made in it
     start_bytes: int = 0  # alive when the step began
     unmatched_free_bytes: int = 0  # frees of blocks the trace never saw allocated (kept alive in the count)
+    largest: list[tuple[int, str, str]] = field(default_factory=list)  # the step's blocks alive at the peak, largest first: (nbytes, kind, phase made)
 
     def to_dict(self) -> dict:
         return {"peak_bytes": self.peak_bytes, "phase": self.phase, "by_kind": dict(self.by_kind),
                 "temporary_by_phase": dict(self.temporary_by_phase), "start_bytes": self.start_bytes,
-                "unmatched_free_bytes": self.unmatched_free_bytes}
+                "unmatched_free_bytes": self.unmatched_free_bytes, "largest": [list(b) for b in self.largest]}
 
 
 def _phase_kind(phase: str) -> str:
@@ -124,8 +126,10 @@ def step_peak(events: list[Alloc], markers: list[Marker], *, start_ns: int, star
     by_kind["other"] = start_bytes - sum(n for n, _ in start_held.values()) - sum(
         b["nbytes"] for b in from_before if b["freed"] <= peak_t and b["ptr"] not in start_held)
     temporary: dict[str, int] = {}
+    alive = []
     for b in blocks:
         if in_step(b["made"]) and b["made"] <= peak_t and (b["freed"] is None or b["freed"] > peak_t):
+            alive.append((b["nbytes"], b["kind"] or "temporary", b["phase"]))
             if b["kind"] is not None:
                 by_kind[b["kind"]] += b["nbytes"]
             else:
@@ -137,7 +141,8 @@ def step_peak(events: list[Alloc], markers: list[Marker], *, start_ns: int, star
         if start_ns <= m.t_ns <= peak_t and m.phase is not None:
             at = m.phase
     return StepPeak(peak_bytes=int(peak), phase=at, by_kind={k: int(v) for k, v in by_kind.items()},
-                    temporary_by_phase=temporary, start_bytes=int(start_bytes), unmatched_free_bytes=int(unmatched))
+                    temporary_by_phase=temporary, start_bytes=int(start_bytes), unmatched_free_bytes=int(unmatched),
+                    largest=sorted(alive, reverse=True)[:LARGEST])
 
 
 # -- the trace: torch.profiler's allocation events, markers and sightings on a running step ------------
@@ -297,6 +302,8 @@ class PeakTracer:
             n = self._entered.get(kind, 0)
             self._entered[kind] = n + 1
             self.trace.phase(f"{kind} {n}")
+            # ZeRO-1/2 make their reduction buckets inside a phase and free them before the step ends
+            self.trace.sight_held({"buffer_bytes": self._held()["buffer_bytes"]})
 
     def sight_held(self) -> None:
         if self.trace is not None:
@@ -319,6 +326,10 @@ class PeakTracer:
                     self.trace.sight("gathered_bytes", [p.data])
 
         self._handles = [p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad]
+        # the gradients the inner optimizer steps on (a 16-bit engine's fp32 copies, made inside its step)
+        from ..compat.optimizer import unwrap_optimizer
+
+        self._handles.append(unwrap_optimizer(self.optimizer).register_step_pre_hook(lambda *_: self.sight_held()))
         if zero3:
             def on_forward(module, args, out):
                 if self.trace is not None:

@@ -1,0 +1,110 @@
+"""The peak rule (costs.peak) on hand-worked steps: every figure below is worked out in the comments."""
+
+import pytest
+
+from ds_pipe_ext.costs.analytic import OpCost
+from ds_pipe_ext.costs.peak import RankStep, ZeroSettings, _overlapping_partition, rank_steps, step_peak
+from ds_pipe_ext.layout import Layout
+
+# layer A: a linear op of one 10-element weight, saves 100 B, outputs 50 B forward, writes its input's
+# gradient (60 B) and its weight's (40 B) backward.  Layer B: the loss, saves 200 B, outputs 80 B forward,
+# writes two 300 B gradients backward.  fp32 (e = 4).
+LINEAR = OpCost("a", "matrix", activation_bytes=100, weights=(10,), fwd_allocs=(50,), bwd_allocs=(60, 40))
+LOSS = OpCost("loss", "vector", activation_bytes=200, fwd_allocs=(80,), bwd_allocs=(300, 300))
+DP_ORDER = (("F", 0), ("B", 0), ("F", 1), ("B", 1))
+
+
+def kinds(peak) -> dict:
+    return {k: v for k, v in peak.by_kind.items() if v}
+
+
+def test_zero0_peaks_in_the_last_backward_at_the_loss():
+    # states (fp32 ZeRO-0): params 40, optimizer 80 (two moments).  A micro-batch saves 300; its backward's
+    # worst moment is the loss's: all 300 saved + 600 of gradients = 900.  The first backward has no
+    # gradients yet (1020 in all); by the second every gradient (40) is kept: 120 + 40 + 900 = 1060
+    peak = step_peak(RankStep([[LINEAR], [LOSS]], DP_ORDER, 4, ZeroSettings(stage=0)))
+    assert peak.phase == "backward 1"
+    assert kinds(peak) == {"param_bytes": 40, "grad_bytes": 40, "optimizer_bytes": 80, "activation_bytes": 300,
+                           "temporary_bytes": 600}
+    assert peak.total_bytes == 1060
+
+
+def test_zero1_holds_every_gradient_and_its_bucket_from_the_first_gradient():
+    # ZeRO-1 over 2 ranks: the 10 elements pad to 12, each rank owns 6: params 48, optimizer 12 x 6 = 72.
+    # The bucket (25 elements, 100 B) is made at the first weight gradient (op a, first backward) and held
+    # to the step; every gradient (40) is kept until the boundary.  Second backward at the loss:
+    # 48 + 72 + 40 + 100 + 300 + 600 = 1160
+    peak = step_peak(RankStep([[LINEAR], [LOSS]], DP_ORDER, 4, ZeroSettings(stage=1, reduce_bucket_size=25), dp=2))
+    assert peak.phase == "backward 1"
+    assert kinds(peak) == {"param_bytes": 48, "grad_bytes": 40, "optimizer_bytes": 72, "buffer_bytes": 100,
+                           "activation_bytes": 300, "temporary_bytes": 600}
+
+
+def test_zero2_keeps_only_the_partitions_buffer_between_micro_batches():
+    # ZeRO-2: the bucket lives only inside a backward (from the first gradient) and is freed by the
+    # micro-batch's reduction, which leaves the buffer of the parameters overlapping the rank's partition
+    # (all 10 elements: 40 B).  At the second backward's loss no bucket exists yet: 48 + 72 + 40 + 900
+    peak = step_peak(RankStep([[LINEAR], [LOSS]], DP_ORDER, 4, ZeroSettings(stage=2, reduce_bucket_size=25), dp=2))
+    assert kinds(peak) == {"param_bytes": 48, "grad_bytes": 40, "optimizer_bytes": 72, "activation_bytes": 300,
+                           "temporary_bytes": 600}
+
+
+def test_zero3_holds_its_gradient_partitions_bucket_and_the_gathered_layers():
+    # ZeRO-3 over 2 ranks: each rank's partition is 5 elements: params 20, gradient partitions 20, optimizer
+    # 12 x 5 = 60, bucket 100 from the start; the forward gathers the layer whole (40) and keeps it to its
+    # backward.  Second backward at the loss: 20 + 20 + 60 + 100 + 40 + 300 + 600 = 1140
+    peak = step_peak(RankStep([[LINEAR], [LOSS]], DP_ORDER, 4, ZeroSettings(stage=3, reduce_bucket_size=25,
+                                                                              persistence_threshold=0), dp=2))
+    assert kinds(peak) == {"param_bytes": 20, "grad_bytes": 20, "optimizer_bytes": 60, "buffer_bytes": 100,
+                           "gathered_bytes": 40, "activation_bytes": 300, "temporary_bytes": 600}
+
+
+def test_a_pipeline_stage_keeps_two_buffers_of_inputs_and_outputs():
+    # the last stage (1 in flight, 2 micro-batches: DeepSpeed keeps max(2, 1) = 2 buffers): at the second
+    # backward both micro-batches' received inputs (7 each) and outputs (1000 each) are alive beside the
+    # profile's 600 of temporaries: 2614
+    step = RankStep([[LINEAR], [LOSS]], DP_ORDER, 4, ZeroSettings(), pipe_buffers=2, output_bytes=1000, input_bytes=7)
+    peak = step_peak(step)
+    assert peak.phase == "backward 1" and peak.by_kind["temporary_bytes"] == 2614
+
+
+def test_the_optimizer_step_can_hold_the_peak():
+    # with nothing saved, the step is the peak: 16-bit ZeRO-0 (2-byte params 20, gradients 2 + 4 per
+    # element: 60, master and moments 120) plus Adam's two fp32 temporaries of the flat master (2 x 40)
+    idle = OpCost("w", "matrix", weights=(10,))
+    peak = step_peak(RankStep([[idle]], DP_ORDER, 2, ZeroSettings()))
+    assert peak.phase == "optimizer_step"
+    assert kinds(peak) == {"param_bytes": 20, "grad_bytes": 60, "optimizer_bytes": 120, "temporary_bytes": 80}
+
+
+def test_grads_in_partition_counts_every_parameter_overlapping_the_partition_whole():
+    # tensors of 3 and 5 elements over 2 ranks: padded to 8, partitions [0, 4) and [4, 8); rank 0 overlaps
+    # both (8 elements), rank 1 only the second (5)
+    assert _overlapping_partition([3, 5], 2, 0) == 8
+    assert _overlapping_partition([3, 5], 2, 1) == 5
+
+
+def test_rank_steps_read_the_zero_settings_the_layout_writes():
+    from ds_pipe_ext.layout import ZERO_SETTINGS
+    from ds_pipe_ext.models.registry import load_model
+
+    cfg = load_model("compare-cpu")
+    [dp] = rank_steps(cfg, Layout(dp=2, zero=3, micro_batch=2, micro_batches=2))
+    assert dp.zero.stage == 3 and dp.zero.reduce_bucket_size == int(ZERO_SETTINGS["reduce_bucket_size"])
+    assert dp.zero.persistence_threshold == int(ZERO_SETTINGS["stage3_param_persistence_threshold"])
+    assert [k for k, _ in dp.order] == ["F", "B", "F", "B"]
+    pipe = rank_steps(cfg, Layout(pp=2, micro_batch=2, micro_batches=2), parts=[0, 3, 6], dtype="bf16")
+    assert [s.pipe_buffers for s in pipe] == [2, 2] and all(s.flat_grad_accumulation for s in pipe)
+    assert pipe[1].output_bytes == 2 * 256 * 8192 * 2  # the logits, in bf16
+    with pytest.raises(ValueError, match="needs its split"):
+        rank_steps(cfg, Layout(pp=2, micro_batch=2, micro_batches=2))
+
+
+def test_full_recompute_keeps_layer_inputs_and_replays_one_layer_at_a_time():
+    # each layer keeps only its input (0 for the first, 30 for the loss layer); the loss layer's backward
+    # first replays its forward (200 saved again): 230 alive beside its 600 of gradients.  Second backward:
+    # 40 + 80 (states) + 40 (gradients) + 230 + 600 = 990
+    step = RankStep([[LINEAR], [LOSS]], DP_ORDER, 4, ZeroSettings(), checkpoint_bytes=(0.0, 30.0))
+    peak = step_peak(step)
+    assert kinds(peak) == {"param_bytes": 40, "grad_bytes": 40, "optimizer_bytes": 80, "activation_bytes": 230,
+                           "temporary_bytes": 600}
