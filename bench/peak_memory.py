@@ -94,7 +94,8 @@ def predicted(cell: dict, model: str, world: int, micro_batch: int, micro_batche
     at-step rule's total beside it (``compare.predict``: ZeRO's states at the step + saved activations)."""
     from ds_pipe_ext.compare.configs import CompareConfig
     from ds_pipe_ext.compare.predict import layer_activation_bytes, model_shape, predicted_ranks
-    from ds_pipe_ext.costs.peak import rank_steps, step_peak
+    from ds_pipe_ext.costs.estimate import rank_steps
+    from ds_pipe_ext.costs.peak import step_peak
     from ds_pipe_ext.models.registry import load_model
 
     _, pp, zero = next(c for c in CELLS if c[0] == cell["cell"])

@@ -35,8 +35,11 @@ def test_configs_share_one_global_batch():
     ds = ds_config(configs[-2], model="tiny", steps=2, memory_cap_gib=1.0)
     assert ds["zero_optimization"] == {"stage": 3, **ZERO_SETTINGS, "overlap_comm": False} and "pipeline" not in ds
     assert ds["train"]["memory_cap_gib"] == 1.0
+    # the last step's live-tensor peak is traced: the pipeline's instrument section, or the top-level one
     assert ds_config(configs[0], model="tiny", steps=2)["pipeline"] == {"stages": 4, "schedule": "1f1b",
-                                                                         "partition_method": "profiled"}
+                                                                         "partition_method": "profiled",
+                                                                         "instrument": {"peak_step": 2}}
+    assert ds["instrument"] == {"peak_step": 2}
 
 
 def test_zero_allocation_rules():

@@ -105,7 +105,7 @@ def test_simulate_agrees_with_plan(model, pp, schedule, capfd):
                            "--json"])
     assert sim["parts"] == plan["parts"]
     assert sim["step_ms"] / 1e3 == pytest.approx(plan["step_s"], rel=1e-9)
-    assert sim["rank_held_peak_bytes"] == pytest.approx([r["activation_bytes"] for r in plan["ranks"]], rel=1e-9)
+    assert sim["rank_held_peak_bytes"] == pytest.approx([r["held_activation_bytes"] for r in plan["ranks"]], rel=1e-9)
 
 
 @pytest.mark.parametrize("model", list(MODELS))

@@ -3,7 +3,8 @@
 import pytest
 
 from ds_pipe_ext.costs.analytic import OpCost
-from ds_pipe_ext.costs.peak import RankStep, ZeroSettings, _overlapping_partition, rank_steps, step_peak
+from ds_pipe_ext.costs.estimate import rank_steps
+from ds_pipe_ext.costs.peak import RankStep, ZeroSettings, _overlapping_partition, step_peak
 from ds_pipe_ext.layout import Layout
 
 # layer A: a linear op of one 10-element weight, saves 100 B, outputs 50 B forward, writes its input's
@@ -108,3 +109,41 @@ def test_full_recompute_keeps_layer_inputs_and_replays_one_layer_at_a_time():
     peak = step_peak(step)
     assert kinds(peak) == {"param_bytes": 40, "grad_bytes": 40, "optimizer_bytes": 80, "activation_bytes": 230,
                            "temporary_bytes": 600}
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_the_partitioners_form_bounds_the_peak_and_equals_it_on_the_last_stage(zero):
+    # compare-cpu on 2 stages, 2 micro-batches: the partitioner's stage memory (its layers' states as held in
+    # a backward, the in-flight activations, the stage's reserve, or its optimizer step's bytes) is the peak
+    # rule's on the last stage (whose peak is the loss's backward, every gradient made), and above it on
+    # stage 0 (whose peak falls in its first backward, before its gradients are all made)
+    from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs
+    from ds_pipe_ext.costs.hardware import get_device
+    from ds_pipe_ext.costs.peak import PipelinePeakRule
+    from ds_pipe_ext.costs.stage import held_activation_bytes
+    from ds_pipe_ext.models.registry import load_model
+    from ds_pipe_ext.partition.problem import make_problem
+
+    cfg = load_model("compare-cpu")
+    costs = analytic_layer_costs(cfg, EstimateRequest(micro_batch=2, seq=256, dtype="fp32", mask_bytes=4),
+                                 get_device("cpu"))
+    lay = Layout(pp=2, zero=zero, micro_batch=2, micro_batches=2)
+    rule = PipelinePeakRule(ZeroSettings.from_ds_config({"zero_optimization": lay.zero_section()} if zero else {}))
+    pb = make_problem([1.0] * 6, 2, static_bytes=[c.static_bytes for c in rule.layer_states(costs)],
+                      activation_bytes=held_activation_bytes(costs), micro_batches=2,
+                      stage_reserve_bytes=rule.stage_reserves(costs, 2, micro_batches=2), step_bytes=rule.step_bytes(costs))
+    first, last = (step_peak(s).total_bytes for s in rank_steps(cfg, lay, parts=[0, 3, 6], mask_bytes=4))
+    assert pb.stage_memory(1, 3, 6) == pytest.approx(last, rel=1e-12)
+    assert first < pb.stage_memory(0, 0, 3) < 1.25 * first
+
+
+def test_zero3_releases_a_module_whose_reuse_is_farther_than_the_max_reuse_distance():
+    # two 10-element linears then the loss, ZeRO-3 over 2 ranks.  The first linear's reuse (its backward)
+    # comes after 2 x 10 elements of the second's gathers: beyond a max reuse distance of 15 it is released
+    # after its forward and gathered again for its backward; with DeepSpeed's default (1e9) both stay.  At
+    # the loss's backward: one gathered layer (40 B) against two (80 B)
+    second = OpCost("b", "matrix", weights=(10,), bwd_allocs=(60, 40))
+    layers, z = [[LINEAR], [second], [LOSS]], dict(stage=3, reduce_bucket_size=25, persistence_threshold=0)
+    near = step_peak(RankStep(layers, DP_ORDER, 4, ZeroSettings(**z, max_reuse_distance=15), dp=2))
+    far = step_peak(RankStep(layers, DP_ORDER, 4, ZeroSettings(**z), dp=2))
+    assert (near.by_kind["gathered_bytes"], far.by_kind["gathered_bytes"]) == (40, 80)

@@ -16,6 +16,9 @@ from ds_pipe_ext.plan.bounds import layout_step_bound, split_step_bound
 from ds_pipe_ext.cli.plan import build_model
 from ds_pipe_ext.costs.cpu_comm import fit
 from ds_pipe_ext.costs.hardware import adam_step_s
+from ds_pipe_ext.costs.stage import held_activation_bytes
+from ds_pipe_ext.costs.zero import state_bytes_per_param
+from ds_pipe_ext.partition.algorithms import partition_min_max_lists, smallest_feasible_cap_lists
 from ds_pipe_ext.plan.model import OutOfMemory
 from ds_pipe_ext.plan.render import MegatronLayoutChecker, check_in_process, ds_config, megatron_layout
 from ds_pipe_ext.plan.search import search
@@ -222,7 +225,8 @@ def test_deepspeed_passes_over_the_gradients_are_counted_even_with_one_dp_rank()
 
 
 def test_memory_is_the_cap_of_the_exact_partition():
-    """Recompute and more stages are what let a big model fit: without them nothing does."""
+    """Recompute and more stages are what let a big model fit: without them nothing does; and the cap is the
+    peak's (costs.peak): a split the at-step rule admits, the peak rule refuses."""
     cfg, model = plan_model("gpt3-175b", gpus=64, global_batch=64)
     fits = model.evaluate(_layout(8, 8, 1, 0, 1, 64, "full", True, "1f1b"))
     assert fits.peak_memory_bytes <= model.memory_cap and fits.parts[0] == 0 and fits.parts[-1] == 98
@@ -230,8 +234,19 @@ def test_memory_is_the_cap_of_the_exact_partition():
         model.evaluate(_layout(1, 8, 8, 1, 1, 8, "full", True, "none"))
     with pytest.raises(OutOfMemory):  # nor any split into 2 stages without ZeRO: 11 G parameters x 20 B
         model.partition(_layout(2, 8, 4, 0, 1, 16, "full", True, "1f1b"))
-    # with ZeRO-1 over the 4 data-parallel ranks the same split fits (2 + 16 / 4 bytes a parameter)
-    assert model.evaluate(_layout(2, 8, 4, 1, 1, 16, "full", True, "1f1b")).peak_memory_bytes <= model.memory_cap
+    # ZeRO-1 over the 4 data-parallel ranks: at the step a stage holds 2 + 16 / 4 bytes a parameter, and the
+    # at-step rule admits the even split (61.9 GiB against the 72 GiB cap); during the backward it holds
+    # every 16-bit gradient until the boundary's reduction (2 + 2 + 12 / 4 bytes) and its bucket, and the
+    # peak rule refuses every split (the least is 72.5 GiB)
+    zero1 = _layout(2, 8, 4, 1, 1, 16, "full", True, "1f1b")
+    costs = model.layer_costs(8, True, 1, "full")
+    at_step = dict(static_bytes=[c.param_bytes / 2 * state_bytes_per_param(1, 4, 2) for c in costs],
+                   activation_bytes=held_activation_bytes(costs, recompute=True), micro_batches=16)
+    times = [c.time_s(recompute=True) for c in costs]
+    assert partition_min_max_lists(times, 2, memory_cap=model.memory_cap, **at_step) == [0, 49, 98]
+    with pytest.raises(OutOfMemory):
+        model.partition(zero1)
+    assert model.least_memory(zero1) > model.memory_cap > smallest_feasible_cap_lists(times, 2, **at_step)
 
 
 def test_megatron_layout_strings_are_checked_by_megatron_core():

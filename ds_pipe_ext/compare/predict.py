@@ -72,9 +72,11 @@ def data_parallel_rank(cfg: CompareConfig, rank: int) -> int:
 
 
 def predicted_ranks(cfg: CompareConfig, shape: ModelShape, activations: list[float], *,
-                    parts: list[int] | None = None, element_bytes: int = 4, dp_rank: int | None = None) -> list[dict]:
-    """One entry per pipeline stage (a data-parallel run is one stage): bytes by kind and in total,
-    for data-parallel rank ``dp_rank`` (None: the heaviest)."""
+                    parts: list[int] | None = None, element_bytes: int = 4, dp_rank: int | None = None,
+                    model_cfg=None) -> list[dict]:
+    """One entry per pipeline stage (a data-parallel run is one stage): bytes by kind at the step and in
+    total, for data-parallel rank ``dp_rank`` (None: the heaviest); with ``model_cfg``, the peak over the
+    step too (``costs.peak``: ``peak_bytes``, its ``peak_phase`` and ``peak_by_kind``)."""
     if cfg.kind == "pipeline":
         if parts is None:
             raise ValueError(f"{cfg.name}: a pipeline's prediction needs its partition (parts)")
@@ -94,4 +96,14 @@ def predicted_ranks(cfg: CompareConfig, shape: ModelShape, activations: list[flo
                  **_states(numels, cfg, element_bytes, dp_rank), "activation_bytes": int(sum(activations))}]
     for r in rows:
         r["total_bytes"] = sum(r[k] for k in KINDS)
+    if model_cfg is not None and cfg.layout.tp == 1:  # the peak rule's op lists are per TP rank: tp 1 here
+        from ..costs.estimate import rank_steps
+        from ..costs.peak import step_peak
+
+        dtype = "fp32" if element_bytes == 4 else "bf16"
+        steps = rank_steps(model_cfg, cfg.layout, parts=parts, dtype=dtype, dp_rank=dp_rank,
+                           mask_bytes=4 if element_bytes == 4 else 1)
+        for r, step in zip(rows, steps):
+            peak = step_peak(step)
+            r.update(peak_bytes=peak.total_bytes, peak_phase=peak.phase, peak_by_kind=peak.by_kind)
     return rows

@@ -28,8 +28,8 @@ def layout(row: dict) -> str:
 
 def render_rows(rows: list[dict]) -> str:
     headers = ["config", "pp x tp x dp", "ZeRO", "mb x acc", "global", "status", "samples/s", "step ms",
-               "rank", "params MiB meas/pred", "grads", "optimizer", "activations", "peak MiB meas/pred", "RSS MiB",
-               "max mb fit/fail"]
+               "rank", "params MiB meas/pred", "grads", "optimizer", "activations", "at step MiB meas/pred",
+               "peak MiB meas/pred", "peak in meas/pred", "RSS MiB", "max mb fit/fail"]
     body = []
     for r in rows:
         mx = r.get("max_micro_batch")
@@ -40,7 +40,9 @@ def render_rows(rows: list[dict]) -> str:
             "-" if r.get("step_ms") is None else f"{r['step_ms']:.0f}",
             "-" if r.get("heaviest_rank") is None else str(r["heaviest_rank"]),
             _pair(r, "param_bytes"), _pair(r, "grad_bytes"), _pair(r, "optimizer_bytes"), _pair(r, "activation_bytes"),
+            f"{_mib(r.get('at_step_bytes'))} / {_mib(r.get('predicted_at_step_bytes'))}",
             f"{_mib(r.get('peak_memory_bytes'))} / {_mib(r.get('predicted_peak_memory_bytes'))}",
+            f"{r.get('peak_phase') or '-'} / {r.get('predicted_peak_phase') or '-'}",
             _mib(r.get("process_peak_bytes")),
             "-" if not mx else f"{mx['fits'] if mx['fits'] is not None else 'none'} / {mx['fails'] or '-'}",
         ])
@@ -56,12 +58,17 @@ def notes(rows: list[dict], *, world: int, cores: int | None, cpu_only: bool,
     out.append("memory: the heaviest rank (largest peak); params/grads/optimizer are the tensors it holds at the "
                "optimizer step, measured / predicted from DeepSpeed's allocation rules; activations are the saved "
                "tensors' peak, measured / analytic (x the stage's 1F1B in-flight count)")
+    out.append("at step MiB: the four kinds' sum (the states at the step + the activations' peak).  peak MiB: the "
+               "most bytes alive at once over the last step, measured / predicted (costs.peak: every tensor, "
+               "including the gradients held during the backward, ZeRO's reduction buckets and gathered parameters, "
+               "the pipeline's buffers, the loss's and Adam's temporaries), with the moment it falls in")
     if cpu_only:
-        out.append("peak MiB: on CPU, the tensors the rank held (the sum of the four kinds, what a GPU's allocator "
-                   "peak would show); a memory cap applies to it after every step and a rank above it stops the run "
-                   "cleanly: that is an OOM row.  RSS MiB is the process's resident-set peak since the model was "
-                   "built: ~0.5 GiB of Python, torch and DeepSpeed plus allocator slack, shown but not capped, "
-                   "because at these sizes it varies more than the layouts differ")
+        out.append("peak MiB on CPU: the live tensors' peak from torch.profiler's allocation events (the figure a "
+                   "GPU's max_memory_allocated gives); the memory cap applies to the at-step sum after every step "
+                   "and a rank above it stops the run cleanly: that is an OOM row.  RSS MiB is the process's "
+                   "resident-set peak since the model was built: ~0.5 GiB of Python, torch and DeepSpeed plus "
+                   "allocator slack, shown but not capped, because at these sizes it varies more than the layouts "
+                   "differ")
         out.append("malloc: compact (glibc returns blocks above 128 KiB at once, so RSS follows the tensors held, "
                    "and every large allocation pays its page faults: samples/s are slower than in training)"
                    if compact_malloc else
@@ -96,7 +103,9 @@ def write_png(rows: list[dict], path: str | Path, *, title: str = "") -> Path:
         ax_mem.bar(names, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
     peaks = [(r.get("predicted_peak_memory_bytes") or 0) / MIB for r in shown]
-    ax_mem.scatter(names, peaks, marker="_", s=400, color="black", label="predicted", zorder=3)
+    ax_mem.scatter(names, [(r.get("peak_memory_bytes") or 0) / MIB for r in shown], marker="o", s=30,
+                   color="tab:red", label="peak measured", zorder=3)
+    ax_mem.scatter(names, peaks, marker="_", s=400, color="black", label="peak predicted", zorder=3)
     cap = next((r.get("memory_cap_gib") for r in shown if r.get("memory_cap_gib")), None)
     if cap:
         ax_mem.axhline(cap * 1024, color="red", linestyle="--", label=f"cap {cap} GiB")
@@ -104,7 +113,7 @@ def write_png(rows: list[dict], path: str | Path, *, title: str = "") -> Path:
         if r["status"] != "ok":
             ax_mem.annotate(r["status"].upper(), (i, max(bottom[i], peaks[i])), ha="center", va="bottom", color="red")
     ax_mem.set_ylabel("MiB, heaviest rank")
-    ax_mem.set_title("memory per rank by kind")
+    ax_mem.set_title("memory per rank: at the step by kind, and the peak")
     ax_mem.legend(fontsize=8)
     ax_tput.bar(names, [r.get("samples_per_s") or 0 for r in shown], color="tab:green")
     ax_tput.set_ylabel("samples/s")

@@ -105,32 +105,40 @@ def build_row(cfg: CompareConfig, result: LaunchResult, shape: ModelShape, model
     ranks = (result.run_summary or {}).get("ranks") or []
     acts = layer_activation_bytes(model_cfg, cfg)
     try:
-        predicted = predicted_ranks(cfg, shape, acts, parts=row["parts"])
+        predicted = predicted_ranks(cfg, shape, acts, parts=row["parts"], model_cfg=model_cfg)
     except ValueError:
         predicted = []  # a pipeline that stopped before it was partitioned: nothing to predict against
-    # ZeRO-1/2 in fp32 can differ between data-parallel ranks (costs.zero): predict each one's own
+    # ZeRO-1/2 can differ between data-parallel ranks (costs.zero, costs.peak): predict each one's own
     by_rank = {(d, p["stage"]): p for d in range(cfg.layout.dp) if predicted
-               for p in predicted_ranks(cfg, shape, acts, parts=row["parts"], dp_rank=d)}
+               for p in predicted_ranks(cfg, shape, acts, parts=row["parts"], dp_rank=d, model_cfg=model_cfg)}
     row["ranks"] = []
     for r in sorted(ranks, key=lambda r: r["rank"]):
         measured = {k: int(r[k]) for k in ("param_bytes", "grad_bytes", "optimizer_bytes")}
         measured["activation_bytes"] = int(r["activation_peak_bytes"])
         counted = sum(measured.values())
-        row["ranks"].append({"rank": r["rank"], "stage": r["stage"], "measured": measured,
-                             "peak_bytes": _peak(r, counted), "process_peak_bytes": r.get("peak_rss_bytes"),
+        traced = r.get("step_peak") or {}
+        row["ranks"].append({"rank": r["rank"], "stage": r["stage"], "measured": measured, "at_step_bytes": counted,
+                             "peak_bytes": _peak(r, traced.get("peak_bytes", counted)),
+                             "peak_phase": traced.get("phase"), "peak_by_kind": traced.get("by_kind"),
+                             "process_peak_bytes": r.get("peak_rss_bytes"),
                              "predicted": by_rank.get((data_parallel_rank(cfg, r["rank"]), r["stage"]))})
     if row["ranks"]:
         heaviest = max(row["ranks"], key=lambda r: r["peak_bytes"])
         row["heaviest_rank"] = heaviest["rank"]
         row["peak_memory_bytes"] = heaviest["peak_bytes"]
+        row["peak_phase"] = heaviest["peak_phase"]
+        row["at_step_bytes"] = heaviest["at_step_bytes"]
         row["measured_bytes"] = heaviest["measured"]
         row["process_peak_bytes"] = heaviest["process_peak_bytes"]
         pred = heaviest["predicted"] or {}
     else:
-        row.update(heaviest_rank=None, peak_memory_bytes=None, measured_bytes=None, process_peak_bytes=None)
-        pred = max(predicted, key=lambda p: p["total_bytes"]) if predicted else {}
+        row.update(heaviest_rank=None, peak_memory_bytes=None, measured_bytes=None, process_peak_bytes=None,
+                   peak_phase=None, at_step_bytes=None)
+        pred = max(predicted, key=lambda p: p.get("peak_bytes", p["total_bytes"])) if predicted else {}
     row["predicted_bytes"] = {k: pred[k] for k in KINDS} if pred else None
-    row["predicted_peak_memory_bytes"] = pred.get("total_bytes")
+    row["predicted_at_step_bytes"] = pred.get("total_bytes")
+    row["predicted_peak_memory_bytes"] = pred.get("peak_bytes", pred.get("total_bytes"))
+    row["predicted_peak_phase"] = pred.get("peak_phase")
     row["predicted_ranks"] = predicted
     return row
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from ..arch import as_description
 from . import analytic as A
 from .hardware import DeviceSpec
+from .peak import RankStep, ZeroSettings, layer_peak_bytes
 from .types import LayerCost
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -86,6 +87,8 @@ def estimate_layers(model, req: EstimateRequest, device: DeviceSpec) -> list[dic
             "param_bytes": params * shp.e, "params": params,
             "tensors": [int(n) for op in ops for n in op.weights],
             "output_bytes": 0 if kind == "head" else shp.replicated_sbh * shp.e,
+            "loss_input_bytes": shp.tokens * -(-shp.V // shp.t) * shp.e if kind == "head" else 0,
+            "peak_bytes": layer_peak_bytes(ops, shp.e, selective=req.selective_recompute),
             "comm_bytes": sum(r["comm_fwd_bytes"] + r["comm_bwd_bytes"] for r in rows),
             "fwd_s": sum(r["fwd_s"] for r in rows), "bwd_s": sum(r["bwd_s"] for r in rows) + recompute_fwd,
             # W: an embedding's backward is all weight gradient (token ids take none); a GEMM with a
@@ -109,5 +112,53 @@ def analytic_layer_costs(model, req: EstimateRequest, device: DeviceSpec) -> lis
             optimizer_bytes=params * per_param,
             activation_bytes=int(row["activation_bytes"]), output_bytes=int(row["output_bytes"]),
             weight_grad_s=row["wgrad_s"], param_numels=tuple(row["tensors"]),
+            peak_bytes=int(row["peak_bytes"]), loss_input_bytes=int(row["loss_input_bytes"]),
         ))
     return costs
+
+
+def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = None, dtype: str = "fp32",
+               dp_rank: int | None = None, mask_bytes: int | None = None, fused_adam: bool = False) -> list[RankStep]:
+    """Every pipeline rank's ``RankStep`` for ``model`` under ``lay`` (a ``Layout``; one rank without a
+    pipeline), its layers' ops from the analytic model and its ZeRO settings from the ds.json the layout
+    writes.  ``parts``: the pipeline's split (required with pp > 1); ``fused_adam``: the optimizer makes no
+    temporaries (GPUs' FusedAdam; train.py's torch AdamW on CPU does)."""
+    desc = as_description(model)
+    req = EstimateRequest(micro_batch=lay.micro_batch, seq=seq or desc.seq_len, tp=lay.tp, sp=lay.sp, dtype=dtype,
+                          mask_bytes=mask_bytes, selective_recompute=lay.recompute == "selective")
+    shp = shape_for(desc, req)
+    selective = lay.recompute == "selective"  # the attention core's activations are not kept
+    ops = [[replace(op, activation_bytes=0.0) if selective and op.recompute else op for op in layer]
+           for _, _, layer in layer_ops(desc, shp)]
+    def checkpoint(start: int, stop: int) -> tuple | None:
+        # full recompute keeps each layer's input: the hidden states (the embedding's token ids: ~nothing)
+        if lay.recompute != "full":
+            return None
+        return tuple(0.0 if i == 0 else float(shp.replicated_sbh * e) for i in range(start, stop))
+
+    zero = ZeroSettings.from_ds_config({"zero_optimization": lay.zero_section()} if lay.zero else {})
+    e = DTYPE_BYTES[dtype]
+    if not lay.pipelined:
+        order = tuple((kind, mb) for mb in range(lay.micro_batches) for kind in ("F", "B"))
+        return [RankStep(ops, order, e, zero, dp=lay.dp, dp_rank=dp_rank, checkpoint_bytes=checkpoint(0, len(ops)),
+                         offload=lay.offload, fused_adam=fused_adam)]
+    spec = lay.schedule_spec
+    if spec.chunks_per_rank > 1 or spec.kind == "zb-h1":
+        raise NotImplementedError(f"the peak rule walks one model chunk a rank with whole backwards; "
+                                  f"{spec.name} runs {spec.chunks_per_rank} chunks or splits them")
+    if parts is None or len(parts) != lay.pp + 1:
+        raise ValueError(f"a pipeline of {lay.pp} stages needs its split: parts of {lay.pp + 1} boundaries")
+    schedule = spec.for_ranks(lay.pp, lay.micro_batches)
+    boundary = float(shp.tokens * shp.h * e)  # a block's output, sent between stages
+    logits = float(shp.tokens * -(-shp.V // shp.t) * e)  # the last stage's output, kept for the loss
+    steps = []
+    for s in range(lay.pp):
+        order = tuple((w.kind, w.micro_batch) for w in schedule.orders[s] if w.kind in ("F", "B"))
+        last = s == lay.pp - 1
+        steps.append(RankStep(ops[parts[s]:parts[s + 1]], order, e, zero, dp=lay.dp, dp_rank=dp_rank,
+                              pipe_buffers=max(2, min(lay.pp - s, lay.micro_batches)),
+                              output_bytes=logits if last else boundary, input_bytes=boundary if s else 0.0,
+                              flat_grad_accumulation=e < 4 and lay.zero == 0,
+                              checkpoint_bytes=checkpoint(parts[s], parts[s + 1]), offload=lay.offload,
+                              fused_adam=fused_adam))
+    return steps

@@ -16,9 +16,11 @@ keeps, at every moment, the bytes alive by kind as DeepSpeed 0.19 allocates them
 - **buffers**: the reduction bucket of ``reduce_bucket_size`` elements in the gradients' dtype.
   ZeRO-1 makes it at a step's first gradient and frees it at the step, ZeRO-2 at each micro-batch's
   first gradient and frees it after that micro-batch's reduction, ZeRO-3 holds it always.
-- **gathered** (ZeRO-3): a layer's parameters whole from its forward until its backward (each is
-  reused within ``stage3_max_reuse_distance`` elements, DeepSpeed's default 1e9, so it is not released
-  between), except parameters at or below the persistence threshold, kept whole anyway.
+- **gathered** (ZeRO-3): a module's parameters whole for its forward and its backward, and in between
+  too when the parameters fetched between the two uses (every later module's, forward and back) stay
+  within ``stage3_max_reuse_distance`` elements (DeepSpeed's default 1e9: a small model stays gathered
+  from its forward to its backward); parameters at or below the persistence threshold are whole always.
+  Prefetching and ``stage3_max_live_parameters`` are not modelled.
 - **activations**: what each op saves for its backward (the analytic ``OpCost.activation_bytes``),
   from its forward until its own backward, for every micro-batch the schedule holds.
 - **temporaries**: an op's outputs forward, its input and weight gradients backward
@@ -26,18 +28,18 @@ keeps, at every moment, the bytes alive by kind as DeepSpeed 0.19 allocates them
   stage's buffers of sent outputs and received inputs (``max(2, min(stages - stage, micro_batches))``
   of each, DeepSpeed's ``num_pipe_buffers``); the loss's vocabulary-wide gradients on the last layer.
 - **the optimizer step**: gradients as at the step, plus Adam's temporaries: two fp32 tensors the size
-  of the largest tensor the inner optimizer steps (torch's single-tensor AdamW computes the square
-  root of the second moment, then its quotient), which under ZeRO-1/2/3 and 16-bit ZeRO-0 is the flat
-  partition.
+  of the largest tensor the inner optimizer steps (torch's single-tensor AdamW, train.py's on CPU,
+  computes the square root of the second moment, then its quotient), which under ZeRO-1/2/3 and 16-bit
+  ZeRO-0 is the flat partition; none for a fused Adam (DeepSpeed's FusedAdam on GPUs).
 
 Pure arithmetic on ``OpCost`` lists: no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .zero import zero_model_states
+from .zero import layer_tensors, zero_model_states
 
 PEAK_KINDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "gathered_bytes",
               "activation_bytes", "temporary_bytes")
@@ -90,6 +92,8 @@ class RankStep:
     # full recompute: each layer keeps only its input (these bytes, per layer) and replays its forward,
     # saving its activations again, at the start of its backward (None: no recompute)
     checkpoint_bytes: tuple | None = None
+    offload: bool = False  # ZeRO-Offload: optimizer states (and ZeRO-3's partitions) and Adam in host memory
+    fused_adam: bool = False  # a fused Adam (DeepSpeed's FusedAdam, apex) makes no temporaries; torch's unfused does
 
 
 @dataclass
@@ -158,16 +162,24 @@ def _profile(layers: list, numels: list[int], e: int, z: ZeroSettings, persisten
             k += len(op.weights)
     kept = [op.activation_bytes for op in ops] if checkpoint is None else [0.0] * len(ops)
     replay = [sum(op.activation_bytes for op in layer) for layer in layers]
+    # ZeRO-3 keeps a module gathered from its forward to its backward when the parameters fetched in
+    # between (every later module's, forward and back) stay within stage3_max_reuse_distance elements
+    after, stays = 0.0, [False] * len(ops)
+    for i in range(len(ops) - 1, -1, -1):
+        stays[i] = 2 * after <= z.max_reuse_distance
+        after += gather[i] / e
 
     forward: dict = {}
     saved = gathered = 0.0
     for i, (op, g) in enumerate(zip(ops, gather)):
         if checkpoint is not None and (i == 0 or layer_of[i] != layer_of[i - 1]):
             saved += checkpoint[layer_of[i]]  # the layer's input, kept for its replay
-        gathered += g  # gathered for its forward and kept for its backward
+        gathered += g  # gathered for its forward
         forward = _most(forward, {"activation_bytes": saved, "gathered_bytes": gathered,
                                   "temporary_bytes": float(sum(op.fwd_allocs))})
         saved += kept[i]
+        if not stays[i]:
+            gathered -= g
 
     # backward, ops in reverse: what stays saved and gathered (ops not yet run back), the gradients made so
     # far (the first backward under ZeRO-0/1), the bucket once a gradient exists
@@ -187,6 +199,8 @@ def _profile(layers: list, numels: list[int], e: int, z: ZeroSettings, persisten
         op, g = ops[i], gather[i]
         if checkpoint is not None and (i == len(ops) - 1 or layer_of[i] != layer_of[i + 1]):
             remaining += replay[layer_of[i]]  # the layer's forward replayed: its activations saved again
+        if not stays[i]:
+            held += g  # gathered again for its backward
         allocs = list(op.bwd_allocs) or [upstream]  # an elementwise op writes its input's gradient
         weight_grad = float(e * sum(op.weights))
         if op.weights and not op.bwd_allocs:  # a norm's weight gradients, beside its input's
@@ -206,6 +220,29 @@ def _profile(layers: list, numels: list[int], e: int, z: ZeroSettings, persisten
     return _Profile(forward, first, later, saved, gathered, any(op.weights for op in ops))
 
 
+def layer_peak_bytes(ops: list, element_bytes: int, *, selective: bool = False) -> float:
+    """The most one layer alone holds above its resting memory over its forward and backward (what a GPU
+    profile of the layer measures as its allocator peak): its saved activations, the gradients its
+    backward has made and the moment's temporaries.  ``selective``: the ops marked ``recompute`` keep
+    nothing."""
+    saved = [0.0 if selective and op.recompute else op.activation_bytes for op in ops]
+    most, held = 0.0, 0.0
+    for op, a in zip(ops, saved):
+        most = max(most, held + sum(op.fwd_allocs))
+        held += a
+    made = upstream = 0.0
+    for op, a in zip(reversed(ops), reversed(saved)):
+        allocs = list(op.bwd_allocs) or [upstream]
+        weight_grad = float(element_bytes * sum(op.weights))
+        if op.weights and not op.bwd_allocs:
+            allocs.append(weight_grad)
+        most = max(most, held + made + upstream + sum(allocs))
+        made += weight_grad
+        held -= a
+        upstream = op.bwd_allocs[0] if op.bwd_allocs else upstream
+    return most
+
+
 def step_peak(rank: RankStep) -> PeakMemory:
     """The peak of ``rank``'s step (see the module's docstring for each kind's rule).  One micro-batch's
     pass is profiled once (``_Profile``); the schedule's order then says, at each forward and backward,
@@ -222,7 +259,8 @@ def step_peak(rank: RankStep) -> PeakMemory:
     flat = float(e * sum(numels)) if rank.flat_grad_accumulation else 0.0
 
     # held the whole step: the states; under ZeRO-3 the persistent parameters whole
-    fixed = {"param_bytes": float(states.param_bytes), "optimizer_bytes": float(states.optimizer_bytes),
+    fixed = {"param_bytes": 0.0 if rank.offload and z.stage == 3 else float(states.param_bytes),
+             "optimizer_bytes": 0.0 if rank.offload else float(states.optimizer_bytes),
              "gathered_bytes": float(e * sum(numels[i] for i in persistent))}
     # gradients and buffers before the step's first backward: ZeRO-3's flat gradient partitions and
     # bucket, BF16_Optimizer's accumulation buffer
@@ -267,40 +305,75 @@ def step_peak(rank: RankStep) -> PeakMemory:
     # parameter (8 bytes of moments per element); every other rule one flat fp32 partition (12 bytes per
     # element: master, two moments)
     largest = 4.0 * max(numels, default=0) if z.stage == 0 and e == 4 else states.optimizer_bytes / 3
-    see("optimizer_step", {"temporary_bytes": 2.0 * largest}, grad_bytes=float(states.grad_bytes) + flat)
+    see("optimizer_step", {"temporary_bytes": 0.0 if rank.offload or rank.fused_adam else 2.0 * largest},
+        grad_bytes=float(states.grad_bytes) + flat)
     return best
 
 
-def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = None, dtype: str = "fp32",
-               dp_rank: int | None = None, mask_bytes: int | None = None) -> list[RankStep]:
-    """Every pipeline rank's ``RankStep`` for ``model`` under ``lay`` (a ``Layout``; one rank without a
-    pipeline), its layers' ops from the analytic model and its ZeRO settings from the ds.json the layout
-    writes.  ``parts``: the pipeline's split (required with pp > 1)."""
-    from ..arch import as_description
-    from ..simulate.schedules import build_schedule
-    from .estimate import DTYPE_BYTES, EstimateRequest, layer_ops, shape_for
+@dataclass(frozen=True)
+class PipelinePeakRule:
+    """The peak rule in the form a partitioner's memory cap can use for any split: a stage's peak is at
+    most the sum of its layers' states as held during a backward (``layer_states``), its in-flight
+    micro-batches' saved activations, and a reserve that depends only on the stage's position
+    (``stage_reserves``): ZeRO-1's reduction bucket, the pipe buffers of received inputs and sent outputs
+    (the last stage's hold the loss's input, ``LayerCost.loss_input_bytes``), and the largest temporaries
+    of any layer the stage can hold (``LayerCost.peak_bytes`` over its saved activations).  Equal to
+    ``step_peak`` for the last stage of alike blocks; above it where the peak falls in a first backward
+    (gradients not yet all made) or the largest temporaries are not the stage's last layer's."""
 
-    desc = as_description(model)
-    req = EstimateRequest(micro_batch=lay.micro_batch, seq=seq or desc.seq_len, tp=lay.tp, sp=lay.sp, dtype=dtype,
-                          mask_bytes=mask_bytes, selective_recompute=lay.recompute == "selective")
-    shp = shape_for(desc, req)
-    ops = [list(o) for _, _, o in layer_ops(desc, shp)]
-    zero = ZeroSettings.from_ds_config({"zero_optimization": lay.zero_section()} if lay.zero else {})
-    e = DTYPE_BYTES[dtype]
-    if not lay.pipelined:
-        order = tuple((kind, mb) for mb in range(lay.micro_batches) for kind in ("F", "B"))
-        return [RankStep(ops, order, e, zero, dp=lay.dp, dp_rank=dp_rank)]
-    if parts is None or len(parts) != lay.pp + 1:
-        raise ValueError(f"a pipeline of {lay.pp} stages needs its split: parts of {lay.pp + 1} boundaries")
-    schedule = build_schedule("1f1b", lay.pp, lay.micro_batches)
-    boundary = float(shp.tokens * shp.h * e)  # a block's output, sent between stages
-    logits = float(shp.tokens * -(-shp.V // shp.t) * e)  # the last stage's output, kept for the loss
-    steps = []
-    for s in range(lay.pp):
-        order = tuple((w.kind, w.micro_batch) for w in schedule.orders[s] if w.kind in ("F", "B"))
-        last = s == lay.pp - 1
-        steps.append(RankStep(ops[parts[s]:parts[s + 1]], order, e, zero, dp=lay.dp, dp_rank=dp_rank,
-                              pipe_buffers=max(2, min(lay.pp - s, lay.micro_batches)),
-                              output_bytes=logits if last else boundary, input_bytes=boundary if s else 0.0,
-                              flat_grad_accumulation=e < 4 and lay.zero == 0))
-    return steps
+    zero: ZeroSettings = ZeroSettings()
+    dp: int = 1
+    element_bytes: int = 4
+    fused_adam: bool = False  # the optimizer step makes no temporaries
+
+    def step_bytes(self, costs: list) -> list[float]:
+        """Per layer, what its stage holds for it at the optimizer step: the states as at the step (ZeRO's
+        rule), 16-bit ZeRO-0's flat accumulation buffer, and Adam's two fp32 temporaries (of the flat
+        partition, its share per layer; of the layer's largest tensor where torch steps each parameter,
+        fp32 ZeRO-0: a bound, the stage's largest being at most the sum)."""
+        from .zero import layer_states_by_rule
+
+        e, z = self.element_bytes, self.zero.stage
+        out = []
+        for c, ruled in zip(costs, layer_states_by_rule(costs, stage=z, dp=self.dp, element_bytes=e)):
+            params = c.param_bytes / e
+            trainable = c.grad_bytes > 0
+            flat = e * params if e < 4 and z == 0 and trainable else 0.0
+            if self.fused_adam or not trainable:
+                adam = 0.0
+            elif z == 0 and e == 4:
+                adam = 8.0 * max(layer_tensors(c, e), default=0)
+            else:
+                adam = 8.0 * params / (self.dp if z else 1)
+            out.append(float(ruled.static_bytes) + flat + adam)
+        return out
+
+    def layer_states(self, costs: list) -> list:
+        """``LayerCost`` records whose states are what a stage holds during its backward: parameters and
+        optimizer states by ZeRO's rule, every gradient in the parameters' dtype (ZeRO-0 and -1 keep them
+        to the step), and 16-bit ZeRO-0's flat accumulation buffer beside them."""
+        from .zero import layer_states_by_rule
+
+        e = self.element_bytes
+        per_grad = e * (2 if e < 4 and self.zero.stage == 0 else 1)
+        out = []
+        for c, ruled in zip(costs, layer_states_by_rule(costs, stage=self.zero.stage, dp=self.dp, element_bytes=e)):
+            params = c.param_bytes / e
+            out.append(replace(ruled, grad_bytes=round(per_grad * params) if c.grad_bytes > 0 else 0))
+        return out
+
+    def stage_reserves(self, costs: list, num_stages: int, *, micro_batches: int) -> list[float]:
+        """Per stage, the bytes it holds beside its layers' states and saved activations at its peak, for
+        any split of ``costs`` into ``num_stages`` (stage s holds layers among [s, n - (p - s)])."""
+        n, p = len(costs), num_stages
+        bucket = float(self.element_bytes * self.zero.reduce_bucket_size) if self.zero.stage == 1 else 0.0
+        transient = [max(0.0, float(c.peak_bytes - c.activation_bytes)) for c in costs]
+        out = []
+        for s in range(p):
+            lo, hi = s, n - (p - s)  # the layers stage s can hold
+            buffers = max(2, min(p - s, micro_batches))  # DeepSpeed's TrainSchedule.num_pipe_buffers
+            received = max((float(costs[i - 1].output_bytes) for i in range(max(lo, 1), hi + 1)), default=0.0) if s else 0.0
+            sent = (float(costs[-1].loss_input_bytes) if s == p - 1
+                    else max(float(costs[i].output_bytes) for i in range(lo, hi + 1)))
+            out.append(bucket + buffers * (received + sent) + max(transient[lo:hi + 1]))
+        return out

@@ -153,9 +153,15 @@ def measure_layer(
     params = list({id(p): p for p in module.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
 
+    handed_to_loss = []  # the bytes of what the layer hands the loss (its logits), measured once
+
     def forward(inp):
         out = call(inp)
-        return loss_fn(out, labels) if loss_fn is not None else out
+        if loss_fn is None:
+            return out
+        if not handed_to_loss:
+            handed_to_loss.append(sum(t.numel() * t.element_size() for t in _tensors(out)))
+        return loss_fn(out, labels)
 
     grad_out = None
     fwd_times, bwd_times = [], []
@@ -201,6 +207,7 @@ def measure_layer(
         activation_bytes=act_bytes,
         output_bytes=sum(t.numel() * t.element_size() for t in _tensors(out)),
         peak_bytes=max(int(peak), 0),
+        loss_input_bytes=handed_to_loss[0] if handed_to_loss else 0,
     )
     return cost, _detach_input(out)
 

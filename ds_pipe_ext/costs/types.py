@@ -30,7 +30,13 @@ class LayerCost:
     optimizer_bytes: int = 0
     activation_bytes: int = 0
     output_bytes: int = 0
-    peak_bytes: int = 0  # GPU allocator peak above the layer's resting memory during fwd+bwd (0 where unmeasured)
+    # the most this layer alone holds above its resting memory during its forward + backward: its saved
+    # activations and its temporaries (the GPU allocator's peak where profiled, 0 where unmeasured; the
+    # peak rule's where analytic, ``costs.peak.layer_peak_bytes``)
+    peak_bytes: int = 0
+    # the last layer: the tensor it hands the loss (the logits), which a pipeline's last stage keeps in
+    # its buffers (0 elsewhere, and where unknown)
+    loss_input_bytes: int = 0
     # the weight-gradient part of backward_s, which zero-bubble schedules run apart (W after the input
     # gradient B); None where neither measured nor modelled: the schedules then take half
     weight_grad_s: float | None = None

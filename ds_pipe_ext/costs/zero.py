@@ -138,19 +138,25 @@ def layer_states_by_rule(costs: list, *, stage: int, dp: int, element_bytes: int
 
 # -- a rank's memory by kind: the one rule every memory figure of a layout reads ------------------
 
-MEMORY_KINDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "gathered_bytes")
+MEMORY_KINDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "gathered_bytes",
+                "activation_bytes", "temporary_bytes")
 
 
 @dataclass(frozen=True)
 class RankMemory:
-    """What one rank holds at its peak, by kind: model states (at the optimizer step), the activations its
-    schedule holds, and under ZeRO-3 the parameters it gathers whole for the layer it computes."""
+    """What one rank holds at its peak, by kind, and when (``phase``): model states, ZeRO's buckets,
+    ZeRO-3's gathered parameters, saved activations and the moment's temporaries (``costs.peak``), with
+    the model states at the optimizer step beside (``at_step_bytes``, what ZeRO's rule alone says)."""
 
     param_bytes: float
     grad_bytes: float
     optimizer_bytes: float
     activation_bytes: float
     gathered_bytes: float = 0.0
+    buffer_bytes: float = 0.0
+    temporary_bytes: float = 0.0
+    phase: str = "optimizer_step"
+    at_step_bytes: float = 0.0
 
     @property
     def states_bytes(self) -> float:
@@ -158,10 +164,17 @@ class RankMemory:
 
     @property
     def total_bytes(self) -> float:
-        return self.states_bytes + self.activation_bytes + self.gathered_bytes
+        return sum(getattr(self, k) for k in MEMORY_KINDS)
 
-    def to_dict(self) -> dict[str, float]:
-        return {**{k: getattr(self, k) for k in MEMORY_KINDS}, "total_bytes": self.total_bytes}
+    def to_dict(self) -> dict:
+        return {**{k: getattr(self, k) for k in MEMORY_KINDS}, "total_bytes": self.total_bytes, "phase": self.phase,
+                "at_step_bytes": self.at_step_bytes}
+
+    @classmethod
+    def from_peak(cls, peak, at_step_bytes: float) -> "RankMemory":
+        """A ``costs.peak.PeakMemory`` (its kinds are these)."""
+        return cls(**{k: float(peak.by_kind.get(k, 0.0)) for k in MEMORY_KINDS}, phase=peak.phase,
+                   at_step_bytes=float(at_step_bytes))
 
 
 def layer_tensors(cost, element_bytes: int) -> list[int]:
@@ -176,7 +189,9 @@ def layer_tensors(cost, element_bytes: int) -> list[int]:
 def rank_memory(layers, *, activation_bytes: float, zero: int, dp: int, element_bytes: int,
                 persistence_threshold: int = 0, dp_rank: int | None = None, offload: bool = False) -> RankMemory:
     """The memory of a rank that holds ``layers`` (``LayerCost`` records, one per pipeline layer it
-    runs: every chunk's) and whose schedule holds ``activation_bytes`` at its peak.
+    runs: every chunk's) and whose schedule holds ``activation_bytes`` at its peak, in the additive form
+    used where the peak rule (``costs.peak``) does not walk the schedule: several model chunks a rank
+    (interleaved, DualPipeV) or a split backward (zero-bubble).
 
     Model states: ``zero_model_states`` over the layers' tensors.  Under ZeRO-3 the layer being computed
     and the next one, prefetched, are gathered whole: twice the rank's largest layer.  ``offload``:
@@ -192,4 +207,5 @@ def rank_memory(layers, *, activation_bytes: float, zero: int, dp: int, element_
         optimizer = 0
         if zero == 3:
             params = 0
-    return RankMemory(params, states.grad_bytes, optimizer, float(activation_bytes), gathered)
+    return RankMemory(params, states.grad_bytes, optimizer, float(activation_bytes), gathered,
+                      at_step_bytes=params + states.grad_bytes + optimizer)

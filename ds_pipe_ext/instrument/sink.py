@@ -42,6 +42,9 @@ def summarize(records: list[dict], *, skip_warmup: bool = True) -> dict:
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
         out[key] = last[key]
     out["activation_peak_bytes"] = max(r["activation_peak_bytes"] for r in steady)
+    traced = [r["peak"] for r in records if r.get("peak")]
+    if traced:  # the live-tensor peak of the traced step (instrument.peak_step), by kind
+        out["step_peak"] = traced[-1]
     for key in ("peak_rss_bytes", "max_allocated_bytes", "max_reserved_bytes"):
         if key in last:
             out[key] = max(r[key] for r in records)

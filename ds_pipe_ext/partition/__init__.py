@@ -45,6 +45,7 @@ def partition_min_max(
     link_bandwidth: float | None = None,
     recompute: bool = False,
     schedule: str = "1f1b",
+    peak_rule=None,
 ) -> list[int]:
     """Optimal contiguous split of ``costs`` into ``num_stages`` stages (min of the slowest stage).
 
@@ -60,6 +61,9 @@ def partition_min_max(
         recompute: activation checkpointing: time includes the replayed forward and
             a layer keeps no activations in flight.
         schedule: "1f1b" (DeepSpeed's) or "gpipe": how many micro-batches a stage holds.
+        peak_rule: a ``costs.peak.PipelinePeakRule``: the cap applies to each stage's peak over the step
+            (its layers' states as held during a backward, its in-flight activations and its reserve:
+            buckets, pipe buffers, temporaries) instead of the states at the step plus activations.
 
     Returns:
         ``parts``: num_stages + 1 boundaries; stage s owns layers parts[s]:parts[s+1].
@@ -82,6 +86,11 @@ def partition_min_max(
         boundary = [b / link_bandwidth for b in lists["output_bytes"]]
     if cap is not None and "static_bytes" not in lists:
         raise PartitionError("a memory cap needs LayerCost records (bytes per layer), not plain times")
+    reserve = step = None
+    if cap is not None and peak_rule is not None:
+        lists["static_bytes"] = [float(c.static_bytes) for c in peak_rule.layer_states(list(costs))]
+        reserve = peak_rule.stage_reserves(list(costs), num_stages, micro_batches=micro_batches or num_stages)
+        step = peak_rule.step_bytes(list(costs))
     return partition_min_max_lists(
         lists["times"],
         num_stages,
@@ -91,4 +100,6 @@ def partition_min_max(
         memory_cap=cap,
         boundary_time=boundary,
         schedule=schedule,
+        stage_reserve_bytes=reserve,
+        step_bytes=step,
     )

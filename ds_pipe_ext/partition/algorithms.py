@@ -16,12 +16,14 @@ so each boundary costs the stage ``2 * boundary_time``.
 
 Memory.  With a cap, stage s must also fit
 
-    stage_memory(s, i, j) = sum(static[i:j]) + inflight(s) * sum(activation[i:j])
+    stage_memory(s, i, j) = sum(static[i:j]) + inflight(s) * sum(activation[i:j]) + reserve(s)
 
 where static = parameter + gradient + optimizer-state bytes, and stage s holds
 ``inflight(s)`` micro-batches of activations, as the stage model
 (``ds_pipe_ext.costs.stage.in_flight``) says for the schedule: min(p - s, m)
-under 1F1B (stage 0 holds the most), m under GPipe.
+under 1F1B (stage 0 holds the most), m under GPipe.  ``reserve(s)`` (0 unless given) is what the
+stage holds whatever its layers: the peak rule's buckets, pipe buffers and largest temporaries.  With
+per-layer ``step`` bytes (the peak rule's optimizer step) a stage must also fit sum(step[i:j]).
 
 Method.  Bisection on the bottleneck B over floats, where each probe is an exact
 feasibility test that also returns the bottleneck it actually achieved.  The
@@ -98,7 +100,9 @@ def _probe_monotone(pb: Problem, bound: float, cap: float | None) -> list[int] |
         start = _first_start(pb.prefix_time, end, bound, s)
         if cap is not None:
             mem = pb.memory_prefix(pb.inflight(s))
-            start = max(start, _first_start(mem, end, cap, s))
+            start = max(start, _first_start(mem, end, pb.stage_budget(s, cap), s))
+            if pb.step is not None:  # the optimizer step's moment fits too
+                start = max(start, _first_start(pb.step, end, cap, s))
         if start >= end:  # not even one layer fits this stage
             return None
         parts[s] = start
@@ -176,7 +180,9 @@ def _probe_general(pb: Problem, bound: float, cap: float | None) -> list[int] | 
         masked = np.where(reach[s + 1], end_key, np.inf)
         table = _range_min_table(masked)
         if cap is not None:
-            last_end[s] = _last_ends(pb.memory_prefix(pb.inflight(s)), cap)
+            last_end[s] = _last_ends(pb.memory_prefix(pb.inflight(s)), pb.stage_budget(s, cap))
+            if pb.step is not None:
+                last_end[s] = np.minimum(last_end[s], _last_ends(pb.step, cap))
         best = _range_min(table, idx + 1, last_end[s])
         ok = np.isfinite(best) & (best - start_key <= bound)  # inf = no reachable end in range
         # room for one layer per earlier stage and per later stage
@@ -269,7 +275,10 @@ def _solve_dense(pb: Problem) -> list[int]:
         if cap is None:
             return times[rows]
         mem = pb.memory_prefix(pb.inflight(s))
-        return np.where(mem[None, :] - mem[rows, None] <= cap, times[rows], np.inf)
+        fits = mem[None, :] - mem[rows, None] <= pb.stage_budget(s, cap)
+        if pb.step is not None:
+            fits &= pb.step[None, :] - pb.step[rows, None] <= cap
+        return np.where(fits, times[rows], np.inf)
 
     best = [np.empty(0)] * p + [np.full(n + 1, np.inf)]
     best[p][n] = -np.inf

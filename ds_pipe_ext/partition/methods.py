@@ -26,6 +26,7 @@ class PartitionRequest:
     arg: str = ""  # the text after "name:" for prefix methods
     schedule: str = "1f1b"  # how many micro-batches each stage holds (``costs.stage.in_flight``)
     step_model: object = None  # simulate.step_model.StepModel: what a step costs beyond the layers (None: nothing)
+    peak_rule: object = None  # costs.peak.PipelinePeakRule: the memory cap applies to each stage's peak
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ def _min_max(req: PartitionRequest, source: str) -> list[int]:
 
         return partition_min_step(req.costs(source), req.num_stages, micro_batches=req.micro_batches,
                                   model=req.step_model, schedule=req.schedule, recompute=req.recompute,
-                                  memory_cap_gib=req.memory_cap_gib, link_bandwidth=req.link_bandwidth).parts
+                                  memory_cap_gib=req.memory_cap_gib, link_bandwidth=req.link_bandwidth,
+                                  peak_rule=req.peak_rule).parts
     return partition_min_max(
         req.costs(source),
         req.num_stages,
@@ -118,6 +120,7 @@ def _min_max(req: PartitionRequest, source: str) -> list[int]:
         link_bandwidth=req.link_bandwidth,
         recompute=req.recompute,
         schedule=req.schedule,
+        peak_rule=req.peak_rule,
     )
 
 
@@ -153,6 +156,7 @@ def decide_offline(
     recompute: bool = False,
     schedule: str = "1f1b",
     step_model=None,
+    peak_rule=None,
 ) -> list[int]:
     """The parts any registered method would choose, without a process group (CLI, benches).
 
@@ -167,7 +171,7 @@ def decide_offline(
         raise PartitionError(f"{num_stages} stages but only {len(costs)} layers: use at most {len(costs)} stages")
     if not spec.deepspeed_builtin:
         request = PartitionRequest(num_stages, len(costs), lambda source: costs, micro_batches,
-                                   memory_cap_gib, link_bandwidth, recompute, arg, schedule, step_model)
+                                   memory_cap_gib, link_bandwidth, recompute, arg, schedule, step_model, peak_rule)
         return [int(b) for b in spec.solve(request)]
     import re
 

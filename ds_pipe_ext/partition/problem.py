@@ -49,6 +49,8 @@ class Problem:
     memory_cap: float | None
     boundary: np.ndarray | None  # boundary[k] = one-way p2p time across boundary k (k=0..n); 0 at 0 and n
     schedule: str = "1f1b"  # decides how many micro-batches of activations each stage holds
+    reserve: np.ndarray | None = None  # per stage: bytes it holds beside its layers' (the peak rule's reserve)
+    step: np.ndarray | None = None  # prefix sums of bytes per layer at the optimizer step (the peak rule's)
     _memory_prefix_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -81,11 +83,16 @@ class Problem:
             cache[inflight] = self.static + inflight * self.activation
         return cache[inflight]
 
+    def stage_budget(self, stage: int, cap: float) -> float:
+        """What of ``cap`` the stage's layers may take: the cap less the stage's reserve."""
+        return cap if self.reserve is None else cap - float(self.reserve[stage])
+
     def stage_memory(self, stage: int, i: int, j: int) -> float:
         if self.static is None:
             return 0.0
         mem = self.memory_prefix(self.inflight(stage))
-        return float(mem[j] - mem[i])
+        during = float(mem[j] - mem[i]) + (0.0 if self.reserve is None else float(self.reserve[stage]))
+        return during if self.step is None else max(during, float(self.step[j] - self.step[i]))
 
 
 def _as_array(name: str, values: Sequence[float] | None, n: int | None) -> np.ndarray | None:
@@ -112,8 +119,15 @@ def make_problem(
     memory_cap: float | None = None,
     boundary_time: Sequence[float] | None = None,
     schedule: str = "1f1b",
+    stage_reserve_bytes: Sequence[float] | None = None,
+    step_bytes: Sequence[float] | None = None,
 ) -> Problem:
     """Validate the inputs and precompute prefix sums.
+
+    ``stage_reserve_bytes[s]``: what stage s holds beside its layers' states and activations whatever
+    its layers (the peak rule's reserve, ``costs.peak.PipelinePeakRule``), counted in its memory.
+    ``step_bytes``: per layer, what its stage holds for it at the optimizer step (states as at the step,
+    Adam's temporaries); a stage's memory is then the larger of its backward's and its step's.
 
     ``boundary_time[k]`` is the one-way p2p time of layer k's output (length n; the
     last entry is ignored because the last layer's output never leaves its stage).
@@ -147,6 +161,15 @@ def make_problem(
     if b is not None and np.any(b[:-1] > 0):
         boundary = np.zeros(n + 1)
         boundary[1:n] = b[:-1]  # boundary k sits between layer k-1 and layer k
+    reserve = None
+    if stage_reserve_bytes is not None:
+        reserve = _as_array("stage_reserve_bytes", stage_reserve_bytes, None)
+        if len(reserve) != num_stages:
+            raise PartitionError(f"stage_reserve_bytes has {len(reserve)} entries for {num_stages} stages; "
+                                 f"give one per stage")
+        if static is None:
+            static, act = np.zeros(n), np.zeros(n)
+    step = _as_array("step_bytes", step_bytes, n)
     prefix = lambda a: None if a is None else np.concatenate(([0.0], np.cumsum(a)))  # noqa: E731
     return Problem(
         times=t,
@@ -158,4 +181,6 @@ def make_problem(
         memory_cap=None if memory_cap is None else float(memory_cap),
         boundary=boundary,
         schedule=schedule,
+        reserve=reserve,
+        step=prefix(step),
     )

@@ -60,6 +60,7 @@ def partition_min_step(
     memory_cap_gib: float | None = None,
     link_bandwidth: float | None = None,
     max_leaves: int | None = None,
+    peak_rule=None,
 ) -> StepSearch:
     """The split of ``costs`` (``LayerCost`` list) into ``num_stages`` stages with the smallest step
     ``model`` predicts under ``schedule`` (one chunk per rank: 1f1b, gpipe, zb-h1).  ``max_leaves``:
@@ -71,7 +72,7 @@ def partition_min_step(
     if max_leaves is None:
         max_leaves = max(100, SIMULATED_INSTRUCTIONS // (2 * p * max(m, 1)))
     start = partition_min_max(costs, p, memory_cap_gib=memory_cap_gib, micro_batches=m, link_bandwidth=link_bandwidth,
-                              recompute=recompute, schedule=schedule)  # validates, and raises on an infeasible cap
+                              recompute=recompute, schedule=schedule, peak_rule=peak_rule)  # raises on an infeasible cap
 
     def step(parts: Sequence[int]) -> float:
         stages = stage_costs(costs, parts, micro_batches=m, recompute=recompute, schedule=schedule)
@@ -85,7 +86,11 @@ def partition_min_step(
     P = prefix([c.param_bytes for c in costs])
     R = (model.forward_per_layer_s + model.recompute_per_layer_s) * prefix(  # per replayed layer
         [float(replayed(c, recompute=recompute)) for c in costs])
-    S = prefix([c.static_bytes for c in costs])
+    held = peak_rule.layer_states(list(costs)) if peak_rule is not None and memory_cap_gib is not None else costs
+    S = prefix([c.static_bytes for c in held])
+    ruled = peak_rule is not None and memory_cap_gib is not None
+    reserve = peak_rule.stage_reserves(list(costs), p, micro_batches=m) if ruled else [0.0] * p
+    T = prefix(peak_rule.step_bytes(list(costs)) if ruled else [0.0] * n)  # bytes at the optimizer step
     A = prefix(held_activation_bytes(costs, recompute=recompute))
     cap = None if memory_cap_gib is None else memory_cap_gib * 2.0**30
     inflight = [in_flight(s, p, m, schedule) for s in range(p)]
@@ -121,7 +126,7 @@ def partition_min_step(
     def search(k: int, i: int, fixed: FixedStages) -> None:
         nonlocal best, best_parts, leaves
         if k == p - 1:  # the last stage takes the rest
-            if cap is not None and S[n] - S[i] + inflight[k] * (A[n] - A[i]) > cap:
+            if cap is not None and max(S[n] - S[i] + inflight[k] * (A[n] - A[i]) + reserve[k], T[n] - T[i]) > cap:
                 return
             whole = step_lower_bound(extend(i, n, fixed), drains=drains, fixed_s=model.step_fixed_s)  # the split's
             if whole >= best:
@@ -140,7 +145,7 @@ def partition_min_step(
             return
         children = []
         for j in range(i + 1, n - (p - k - 1) + 1):
-            if cap is not None and S[j] - S[i] + inflight[k] * (A[j] - A[i]) > cap:
+            if cap is not None and max(S[j] - S[i] + inflight[k] * (A[j] - A[i]) + reserve[k], T[j] - T[i]) > cap:
                 break  # longer stages only hold more
             nxt = extend(i, j, fixed)
             children.append((bound(k + 1, j, nxt), j, nxt))

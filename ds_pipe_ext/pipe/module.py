@@ -24,6 +24,7 @@ from ..costs.frozen import freeze_costs
 from ..costs.model import CostModel
 from ..costs.profiler import profile_layers
 from ..costs.estimate import DTYPE_BYTES
+from ..costs.peak import PipelinePeakRule, ZeroSettings
 from ..costs.zero import layer_states_by_rule
 from ..layout import Layout, LayoutError
 from ..partition import PartitionError
@@ -55,6 +56,9 @@ class PipelineModule(_DeepSpeedPipelineModule):
         zero_stage: DeepSpeed's ZeRO stage (0 or 1 under a pipeline; ``zero_optimization.stage``):
             each layer's model-state bytes follow DeepSpeed's allocation rule for it over this
             topology's data-parallel ranks (``costs.zero``), which the memory cap then counts.
+        zero_optimization: ds.json's ``zero_optimization`` section (its reduction bucket): the memory
+            cap applies to each stage's peak over the step (``costs.peak.PipelinePeakRule``); None:
+            DeepSpeed's defaults for ``zero_stage``.
         cost_model: a ``costs.model.CostModel`` describing the layers analytically;
             required by "analytic".  It is the one hook for parallel degrees: the TP
             degree comes from the topology and is passed to it; sequence parallelism
@@ -76,6 +80,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         cost_key: dict | None = None,
         cost_model: CostModel | None = None,
         zero_stage: int = 0,
+        zero_optimization: dict | None = None,
         **deepspeed_kwargs,
     ):
         settings = settings or PipelineSettings(stages=num_stages or 1)
@@ -109,6 +114,8 @@ class PipelineModule(_DeepSpeedPipelineModule):
         except LayoutError as e:
             raise PartitionError(f"zero_stage={zero_stage!r}: {e}") from None
         self._ext_zero_stage = zero_stage
+        self._ext_zero = ZeroSettings.from_ds_config({"zero_optimization": {**(zero_optimization or {}),
+                                                                             "stage": zero_stage}})
         self._ext_recompute = interval > 0
         if interval > 0 and settings.use_reentrant is not True and "activation_checkpoint_func" not in deepspeed_kwargs:
             # DeepSpeed's default (reentrant) checkpoint drops the gradient of a first layer whose input
@@ -202,6 +209,12 @@ class PipelineModule(_DeepSpeedPipelineModule):
             device = self._ext_cost_model.calibrate(inputs, tp=tp, device=device, dtype=dtype, cache_dir=cache_dir)
         return self._ext_cost_model.layer_costs(inputs, tp=tp, device=device, dtype=dtype)
 
+    def _peak_rule(self, spec) -> PipelinePeakRule:
+        """The memory cap's rule: each stage's peak over the step, for this run's ZeRO settings, data-parallel
+        degree and the costs' element size (fp32 profiles; the analytic source's own dtype)."""
+        element = DTYPE_BYTES[self._ext_settings.analytic.dtype] if spec.cost_source == "analytic" else 4
+        return PipelinePeakRule(self._ext_zero, ds_engine.data_parallel_degree(self), element)
+
     def _decide(self, spec, arg: str, method: str) -> tuple[list[int], PartitionPlan | None, list | None]:
         settings = self._ext_settings
         bandwidth = settings.link_bandwidth
@@ -228,6 +241,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
             arg=arg,
             schedule=self.schedule_name,
             step_model=step_model,
+            peak_rule=self._peak_rule(spec),
         )
         parts = [int(b) for b in spec.solve(request)]
         if "costs" not in cache:

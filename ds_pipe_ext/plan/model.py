@@ -40,10 +40,11 @@ from functools import lru_cache
 
 from ..arch import as_description
 from ..costs import analytic as A
-from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs, layer_ops, shape_for
+from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs, layer_ops, rank_steps, shape_for
 from ..costs.hardware import DEVICES, DeviceSpec, adam_step_s, get_device
 from ..costs.stage import held_activation_bytes, stage_costs
-from ..costs.zero import layer_states_by_rule, rank_memory, state_bytes_per_param
+from ..costs.peak import PipelinePeakRule, ZeroSettings, step_peak
+from ..costs.zero import RankMemory, layer_states_by_rule, rank_memory, state_bytes_per_param
 from ..layout import ZERO_SETTINGS, Layout
 from ..partition.algorithms import InfeasibleMemoryCap, partition_min_max_lists, smallest_feasible_cap_lists
 from ..partition.methods import decide_offline
@@ -94,11 +95,12 @@ class Cluster:
 
 @lru_cache(maxsize=256)
 def _analytic_split(states: tuple, chunks: int, micro_batches: int, recompute: bool, schedule: str,
-                    step_model: StepModel, link_bandwidth: float | None, memory_cap_gib: float | None) -> list[int]:
+                    step_model: StepModel, link_bandwidth: float | None, memory_cap_gib: float | None,
+                    peak_rule: PipelinePeakRule | None = None) -> list[int]:
     """``decide_offline("analytic", ...)`` under the cap where a split fits it, else with none.  Cached: the
     step search takes seconds on a large model, and `plan` and `estimate` ask it of the same layout."""
     kw = dict(micro_batches=micro_batches, recompute=recompute, schedule=schedule, step_model=step_model,
-              link_bandwidth=link_bandwidth)
+              link_bandwidth=link_bandwidth, peak_rule=peak_rule)
     if memory_cap_gib is not None:
         try:
             return decide_offline("analytic", list(states), chunks, memory_cap_gib=memory_cap_gib, **kw)
@@ -307,6 +309,30 @@ class PlanModel:
         return tuple(4.0 * p for p in layer_params if 4.0 * p > self.device.fresh_alloc_min_bytes)
 
     # -- one layout ----------------------------------------------------------------------------
+    def peak_rule(self, lay: Layout) -> PipelinePeakRule | None:
+        """The partitioner's form of the peak rule for this layout (``costs.peak.PipelinePeakRule``), where
+        it applies: one model chunk a rank; None elsewhere (the additive form at the step)."""
+        if lay.chunks_per_rank > 1 or lay.schedule_spec.kind == "zb-h1":
+            return None
+        zero = ZeroSettings.from_ds_config({"zero_optimization": lay.zero_section()} if lay.zero else {})
+        return PipelinePeakRule(zero, lay.dp, self.e, fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES)
+
+    def _memory_lists(self, lay: Layout, costs) -> dict:
+        """The partitioner's memory lists for ``lay``: the peak rule's where it applies, else the states at
+        the step by ZeRO's additive form, and the activations a layer keeps per micro-batch."""
+        full = lay.recompute == "full"
+        rule = self.peak_rule(lay)
+        if rule is None:
+            per_param = state_bytes_per_param(lay.zero, lay.dp, self.e)
+            static = [c.param_bytes / self.e * per_param for c in costs]
+            reserve = step = None
+        else:
+            static = [float(c.static_bytes) for c in rule.layer_states(list(costs))]
+            reserve = rule.stage_reserves(list(costs), lay.num_chunks, micro_batches=lay.micro_batches)
+            step = rule.step_bytes(list(costs))
+        return dict(static_bytes=static, activation_bytes=held_activation_bytes(costs, recompute=full),
+                    stage_reserve_bytes=reserve, step_bytes=step)
+
     def partition(self, lay: Layout, *, capped: bool = True) -> list[int]:
         """The exact min-max split under the memory cap (``capped=False``: with none)."""
         costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
@@ -314,13 +340,10 @@ class PlanModel:
         chunks = lay.num_chunks
         if chunks == 1:
             return [0, len(costs)]
-        per_param = state_bytes_per_param(lay.zero, lay.dp, self.e)
         link = self.split_link(lay)
         try:  # a rank holds chunks_per_rank chunks: each gets its share of the cap
             return partition_min_max_lists(
-                [c.time_s(recompute=full) for c in costs], chunks,
-                static_bytes=[c.param_bytes / self.e * per_param for c in costs],
-                activation_bytes=held_activation_bytes(costs, recompute=full),
+                [c.time_s(recompute=full) for c in costs], chunks, **self._memory_lists(lay, costs),
                 micro_batches=lay.micro_batches, memory_cap=self.memory_cap / lay.chunks_per_rank if capped else None,
                 boundary_time=[link.latency_s + c.output_bytes / link.bandwidth for c in costs], schedule=lay.schedule_spec.name,
                 explain_infeasible=False)
@@ -336,11 +359,8 @@ class PlanModel:
         if chunks == 1:
             return self.evaluate(lay, [0, len(costs)], check_memory=False).peak_memory_bytes
         full = lay.recompute == "full"
-        per_param = state_bytes_per_param(lay.zero, lay.dp, self.e)
         return lay.chunks_per_rank * smallest_feasible_cap_lists(
-            [c.time_s(recompute=full) for c in costs], chunks,
-            static_bytes=[c.param_bytes / self.e * per_param for c in costs],
-            activation_bytes=held_activation_bytes(costs, recompute=full),
+            [c.time_s(recompute=full) for c in costs], chunks, **self._memory_lists(lay, costs),
             micro_batches=lay.micro_batches, schedule=lay.schedule_spec.name)
 
     def run_split(self, lay: Layout) -> list[int]:
@@ -357,7 +377,31 @@ class PlanModel:
         return list(_analytic_split(states, lay.num_chunks, lay.micro_batches, lay.recompute == "full",
                                lay.schedule_spec.name, self.step_model,
                                None if dualpipev else self.split_link(lay).bandwidth,
-                               None if dualpipev else self.memory_cap / lay.chunks_per_rank / 2**30))
+                               None if dualpipev else self.memory_cap / lay.chunks_per_rank / 2**30,
+                               None if dualpipev else self.peak_rule(lay)))
+
+    def rank_peaks(self, lay: Layout, parts: list[int], rank_layers: list[list], held: list[float]) -> list[dict]:
+        """Every pipeline rank's memory at its peak (``costs.peak``: its step walked op by op in the
+        schedule's order), the model states at the step beside; where the rule does not walk the schedule
+        (several chunks a rank, a split backward), the additive form (``costs.zero.rank_memory``) over the
+        schedule's held activations."""
+        threshold = int(ZERO_SETTINGS["stage3_param_persistence_threshold"])
+        # beside each: the activations its schedule holds at most (the simulator's ``held_peak_bytes``)
+        try:
+            steps = rank_steps(self.cfg, lay, parts=parts, seq=self.seq, dtype=self.dtype,
+                               mask_bytes=self.e if self.device.name == "cpu" else 1,
+                               fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES)
+        except NotImplementedError:
+            return [{**rank_memory(layers, activation_bytes=held[r], zero=lay.zero, dp=lay.dp, element_bytes=self.e,
+                                   persistence_threshold=threshold, offload=lay.offload).to_dict(),
+                     "held_activation_bytes": held[r]}
+                    for r, layers in enumerate(rank_layers)]
+        out = []
+        for r, (step, layers) in enumerate(zip(steps, rank_layers)):
+            at_step = rank_memory(layers, activation_bytes=0.0, zero=lay.zero, dp=lay.dp, element_bytes=self.e,
+                                  persistence_threshold=threshold, offload=lay.offload).at_step_bytes
+            out.append({**RankMemory.from_peak(step_peak(step), at_step).to_dict(), "held_activation_bytes": held[r]})
+        return out
 
     def evaluate_named(self, lay: Layout) -> LayoutCost:
         """A layout the user named, evaluated whatever its memory, on the split an ``analytic`` run
@@ -402,10 +446,7 @@ class PlanModel:
                       for p, lp, t in zip(rank_params, rank_layer_params, rank_time)])
         pipeline_s, bubble = pred.step_s, pred.simulation.bubble_fraction
         held = pred.simulation.held_peak_bytes  # per rank: what its schedule holds at its peak
-        memory = [rank_memory(layers, activation_bytes=held[r], zero=lay.zero, dp=lay.dp, element_bytes=self.e,
-                              persistence_threshold=int(ZERO_SETTINGS["stage3_param_persistence_threshold"]),
-                              offload=lay.offload).to_dict()
-                  for r, layers in enumerate(rank_layers)]
+        memory = self.rank_peaks(lay, list(parts), rank_layers, held)
         heaviest = max(memory, key=lambda mem: mem["total_bytes"])
         if check_memory and heaviest["total_bytes"] > self.memory_cap:
             raise OutOfMemory(heaviest["total_bytes"])

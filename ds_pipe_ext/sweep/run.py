@@ -56,7 +56,7 @@ def cell_ds_config(cell: Layout, *, model: str, steps: int, method: str, step_mo
     return ds
 
 
-def cell_row(cell: Layout, result: LaunchResult, run_dir: Path, step_model) -> dict:
+def cell_row(cell: Layout, result: LaunchResult, run_dir: Path, step_model, model_cfg=None) -> dict:
     """What one launch measured beside what was predicted for it."""
     from ..instrument.report import build_report
 
@@ -87,9 +87,20 @@ def cell_row(cell: Layout, result: LaunchResult, run_dir: Path, step_model) -> d
             "stage": st["stage"], "layers": st["layers"],
             **{f"meas_{k}": st[f"meas_{k}"] for k in keys},
             **{f"pred_{k}": st[f"pred_{k}"] for k in keys if k != "backward_ms"}, "pred_backward_ms": pred_bwd})
-    heaviest = max(row["stage_rows"], key=lambda s: s["meas_memory_bytes"])
-    row["peak_memory_bytes"] = heaviest["meas_memory_bytes"]
-    row["predicted_peak_memory_bytes"] = max(s["pred_memory_bytes"] for s in row["stage_rows"])
+    # memory: the peak over the traced last step (measured) and the peak rule's (predicted), heaviest
+    # rank; the at-step sums (states at the step + activations' peak) beside
+    row["at_step_bytes"] = max(s["meas_memory_bytes"] for s in row["stage_rows"])
+    row["predicted_at_step_bytes"] = max(s["pred_memory_bytes"] for s in row["stage_rows"])
+    traced = [r["step_peak"]["peak_bytes"] for r in json.loads((run_dir / "summary.json").read_text())["ranks"]
+              if r.get("step_peak")]
+    row["peak_memory_bytes"] = max(traced) if traced else row["at_step_bytes"]
+    row["predicted_peak_memory_bytes"] = row["predicted_at_step_bytes"]
+    if model_cfg is not None and row["parts"]:
+        from ..costs.estimate import rank_steps
+        from ..costs.peak import step_peak
+
+        steps = rank_steps(model_cfg, cell, parts=row["parts"], dtype="fp32", mask_bytes=4)
+        row["predicted_peak_memory_bytes"] = max(step_peak(s).total_bytes for s in steps)
     return row
 
 
@@ -122,7 +133,9 @@ class Sweep:
         self.launched.append(name)
         work = self.out / "launches" / name
         result = self.launcher(CompareConfig(name, cell, self.method), ds, work)
-        row = cell_row(cell, result, work / "run", self.predict_with)
+        from ..models.registry import load_model
+
+        row = cell_row(cell, result, work / "run", self.predict_with, load_model(self.model))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(row, indent=1))  # written last: a cell on disk is a finished cell
         return row

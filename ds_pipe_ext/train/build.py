@@ -106,7 +106,7 @@ def build_pipeline(cfg: RunConfig, model_cfg, layout: Layout, specs, loss_fn, im
         specs, num_stages=None if topology is not None else layout.pp, topology=topology, loss_fn=loss_fn,
         settings=cfg.pipeline, profile_batch=profile_batch, micro_batches=cfg.grad_accum,
         cost_key={"model": model_cfg.to_dict()}, cost_model=family_of(model_cfg).cost_model(model_cfg, impl),
-        zero_stage=layout.zero,
+        zero_stage=layout.zero, zero_optimization=cfg.deepspeed.get("zero_optimization"),
         seed_layers=True,  # layer i starts from seed + i: the same weights under any partition
         base_seed=cfg.train.seed,
     )

@@ -138,7 +138,10 @@ def summarize(built: Built, losses: list[float], step_times: list[float]) -> dic
     from ..compat.engine import coordinates, local_layer_range
 
     cfg, layout = built.cfg, built.layout
-    timed = (step_times[1:] if len(step_times) > 1 else step_times) or [float("nan")]  # step 1 pays for warm-up
+    # step 1 pays for warm-up; a step whose allocations were traced (instrument.peak_step) for profiling
+    traced = cfg.instrument.peak_step if cfg.instrument.enabled else 0
+    timed = [t for n, t in enumerate(step_times, start=1) if n != traced]  # the recorders count this run's steps
+    timed = (timed[1:] if len(timed) > 1 else timed) or [float("nan")]
     global_batch = cfg.micro_batch * cfg.grad_accum * layout.dp
     pipelined = cfg.pipelined
     return {
