@@ -165,6 +165,14 @@ def test_compare_launches(tmp_path):
         for rank in r["ranks"]:
             for kind in ("param_bytes", "grad_bytes", "optimizer_bytes"):
                 assert rank["measured"][kind] == rank["predicted"][kind], (r["config"], rank["rank"], kind)
+    # the pipelines' last step is traced: its peak follows the peak rule (costs.peak), exactly by held kind
+    for name in ("pipe-profiled-pp2-dp1-z0", "pipe-uniform-pp2-dp1-z0"):
+        for rank in by[name]["ranks"]:
+            pred = rank["predicted"]
+            for kind in ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "gathered_bytes"):
+                assert rank["peak_by_kind"][kind] == pred["peak_by_kind"][kind], (name, rank["rank"], kind)
+            assert rank["peak_bytes"] == pytest.approx(pred["peak_bytes"], rel=0.05), (name, rank["rank"])
+            assert rank["peak_phase"] == pred["peak_phase"]
     z3 = by["zero3"]["measured_bytes"]
     assert z3["grad_bytes"] == 2 * z3["param_bytes"] and z3["optimizer_bytes"] == 3 * z3["param_bytes"]
     assert (out / "compare.png").stat().st_size > 0

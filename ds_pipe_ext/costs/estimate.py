@@ -118,11 +118,13 @@ def analytic_layer_costs(model, req: EstimateRequest, device: DeviceSpec) -> lis
 
 
 def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = None, dtype: str = "fp32",
-               dp_rank: int | None = None, mask_bytes: int | None = None, fused_adam: bool = False) -> list[RankStep]:
+               dp_rank: int | None = None, mask_bytes: int | None = None, fused_adam: bool = False,
+               zero: ZeroSettings | None = None) -> list[RankStep]:
     """Every pipeline rank's ``RankStep`` for ``model`` under ``lay`` (a ``Layout``; one rank without a
     pipeline), its layers' ops from the analytic model and its ZeRO settings from the ds.json the layout
     writes.  ``parts``: the pipeline's split (required with pp > 1); ``fused_adam``: the optimizer makes no
-    temporaries (GPUs' FusedAdam; train.py's torch AdamW on CPU does)."""
+    temporaries (GPUs' FusedAdam; train.py's torch AdamW on CPU does); ``zero``: the run's ZeRO settings where
+    its ds.json has its own (``ZeroSettings.from_ds_config``), else those the layout writes."""
     desc = as_description(model)
     req = EstimateRequest(micro_batch=lay.micro_batch, seq=seq or desc.seq_len, tp=lay.tp, sp=lay.sp, dtype=dtype,
                           mask_bytes=mask_bytes, selective_recompute=lay.recompute == "selective")
@@ -136,7 +138,8 @@ def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = 
             return None
         return tuple(0.0 if i == 0 else float(shp.replicated_sbh * e) for i in range(start, stop))
 
-    zero = ZeroSettings.from_ds_config({"zero_optimization": lay.zero_section()} if lay.zero else {})
+    if zero is None:
+        zero = ZeroSettings.from_ds_config({"zero_optimization": lay.zero_section()} if lay.zero else {})
     e = DTYPE_BYTES[dtype]
     if not lay.pipelined:
         order = tuple((kind, mb) for mb in range(lay.micro_batches) for kind in ("F", "B"))

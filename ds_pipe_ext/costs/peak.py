@@ -26,7 +26,8 @@ keeps, at every moment, the bytes alive by kind as DeepSpeed 0.19 allocates them
 - **temporaries**: an op's outputs forward, its input and weight gradients backward
   (``fwd_allocs`` / ``bwd_allocs``) and the gradient arriving from the op after it; a pipeline
   stage's buffers of sent outputs and received inputs (``max(2, min(stages - stage, micro_batches))``
-  of each, DeepSpeed's ``num_pipe_buffers``); the loss's vocabulary-wide gradients on the last layer.
+  of each, DeepSpeed's ``num_pipe_buffers``, kept through the optimizer step until the next step reuses
+  them); the loss's vocabulary-wide gradients on the last layer.
 - **the optimizer step**: gradients as at the step, plus Adam's temporaries: two fp32 tensors the size
   of the largest tensor the inner optimizer steps (torch's single-tensor AdamW, train.py's on CPU,
   computes the square root of the second moment, then its quotient), which under ZeRO-1/2/3 and 16-bit
@@ -100,7 +101,7 @@ class RankStep:
 class PeakMemory:
     """The most bytes a rank holds at once over a step, when, and what they are."""
 
-    phase: str  # "forward 1", "backward 0", "optimizer_step"
+    phase: str  # "forward 1", "backward 0", "optimizer_step 0" (numbered as the measured trace numbers them)
     by_kind: dict = field(default_factory=dict)  # PEAK_KINDS
 
     @property
@@ -258,10 +259,9 @@ def step_peak(rank: RankStep) -> PeakMemory:
     prof = _profile(rank.layers, numels, e, z, persistent, bucket, rank.checkpoint_bytes)
     flat = float(e * sum(numels)) if rank.flat_grad_accumulation else 0.0
 
-    # held the whole step: the states; under ZeRO-3 the persistent parameters whole
+    # held the whole step: the states (ZeRO-3's persistent parameters whole among the parameters)
     fixed = {"param_bytes": 0.0 if rank.offload and z.stage == 3 else float(states.param_bytes),
-             "optimizer_bytes": 0.0 if rank.offload else float(states.optimizer_bytes),
-             "gathered_bytes": float(e * sum(numels[i] for i in persistent))}
+             "optimizer_bytes": 0.0 if rank.offload else float(states.optimizer_bytes)}
     # gradients and buffers before the step's first backward: ZeRO-3's flat gradient partitions and
     # bucket, BF16_Optimizer's accumulation buffer
     grads = flat + (float(e * sum(-(-n // dp) for n in numels)) if z.stage == 3 else 0.0)
@@ -305,7 +305,8 @@ def step_peak(rank: RankStep) -> PeakMemory:
     # parameter (8 bytes of moments per element); every other rule one flat fp32 partition (12 bytes per
     # element: master, two moments)
     largest = 4.0 * max(numels, default=0) if z.stage == 0 and e == 4 else states.optimizer_bytes / 3
-    see("optimizer_step", {"temporary_bytes": 0.0 if rank.offload or rank.fused_adam else 2.0 * largest},
+    # (the pipe buffers keep the last micro-batches' inputs and outputs until the next step reuses them)
+    see("optimizer_step 0", {"temporary_bytes": sum(pipe) + (0.0 if rank.offload or rank.fused_adam else 2.0 * largest)},
         grad_bytes=float(states.grad_bytes) + flat)
     return best
 

@@ -155,7 +155,7 @@ class RankMemory:
     gathered_bytes: float = 0.0
     buffer_bytes: float = 0.0
     temporary_bytes: float = 0.0
-    phase: str = "optimizer_step"
+    phase: str = "optimizer_step 0"
     at_step_bytes: float = 0.0
 
     @property
