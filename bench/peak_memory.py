@@ -170,6 +170,10 @@ def main() -> None:
     print("\n".join(render_table(["dtype", "cell", "rank", "peak in", "params", "grads", "optimizer", "buffers",
                                   "gathered", "activations", "temporary+other", "peak", "err %", "at-step",
                                   "at-step err %"], rows)))
+    unseen = [f"{r['dtype']} {r['cell']} rank {r['rank']}: {r['peak'].get('unseen_free_bytes', 0) / MIB:.2f}"
+              for r in results if r["peak"].get("unseen_free_bytes")]
+    print("blocks freed where the trace could not see it (on gloo's thread), dated by the first phase at which "
+          "Python no longer reached them, MiB: " + ("; ".join(unseen) if unseen else "none"))
     print(f"calibrated: nothing (every figure is predicted); at-step rule's worst error {at_step_worst:.1f}%")
     print(f"RESULT peak_memory_max_error_pct={worst:.1f} peak_memory_kind_max_error_pct={worst_kind:.1f}")
 

@@ -30,6 +30,26 @@ def test_the_peak_in_the_backward_holds_the_gradient_and_the_saved_activations()
     assert peak.unmatched_free_bytes == 10
 
 
+def test_a_free_the_trace_did_not_see_is_dated_by_the_first_phase_where_python_lets_go():
+    # a 500-byte reduction buffer made in the forward (t=14, at 0x800) is freed on another thread: the
+    # trace never sees the free.  The backward's marker (t=16) finds Python no longer reaching it, so it
+    # was freed by then, and the backward (1,700 as above) does not hold it; the peak is the forward's,
+    # at t=14: 1,000 + 300 (saved) + 100 (temporary) + 500
+    unseen = events(250) + [Alloc(14, 0x800, 500)]
+    looked = [Marker(m.t_ns, m.phase, m.sightings, frozenset({0x100, 0x200, 0x400}) if m.phase == "backward 0" else None)
+              for m in MARKERS]
+    peak = step_peak(unseen, looked, **START)
+    assert peak.peak_bytes == 1900 and peak.phase == "forward 0"
+    assert peak.unseen_free_bytes == 500
+    # the saved tensor at 0x400 is not reached either at t=16 (autograd holds it): its free, seen at t=20, stands
+    assert peak.by_kind["activation_bytes"] == 300
+    # with no marker that looked, a later allocation at its address dates the free (t=19): the backward
+    # then holds it, 1,700 + 500 = 2,200 at t=17
+    reused = unseen + [Alloc(19, 0x800, 20), Alloc(19, 0x800, -20)]
+    peak = step_peak(reused, MARKERS, **START)
+    assert peak.unseen_free_bytes == 500 and peak.peak_bytes == 2200
+
+
 def test_a_large_optimizer_temporary_moves_the_peak_to_the_step():
     # after the backward: 1,700 - 50 - 300 = 1,350; the temporary of 450 makes 1,800
     peak = step_peak(events(450), MARKERS, **START)

@@ -74,12 +74,13 @@ def cmd_estimate(args) -> int:
               f"m={stages['micro_batches']} micro-batches, dp={args.dp}, ZeRO-{args.zero}"
               + (", full recompute" if args.full_recompute else "") + ":")
         emit("\n".join(render_table(
-            ["stage", "layers", "params GiB", "grads GiB", "optimizer GiB", "act GiB x inflight", "gathered GiB",
-             "total GiB"],
-            [[str(r["stage"]), f"{r['layers'][0]}-{r['layers'][1] - 1}", f"{r['param_bytes'] / gib:.2f}",
-              f"{r['grad_bytes'] / gib:.2f}", f"{r['optimizer_bytes'] / gib:.2f}",
-              f"{r['activation_bytes'] / r['inflight'] / gib:.2f} x {r['inflight']}", f"{r['gathered_bytes'] / gib:.2f}",
-              f"{r['total_bytes'] / gib:.2f}"] for r in stages["stages"]])))
+            ["stage", "layers", "in flight", "peak in", "params GiB", "grads", "optimizer", "buffers", "gathered",
+             "activations", "temporaries", "peak GiB", "at step GiB"],
+            [[str(r["stage"]), f"{r['layers'][0]}-{r['layers'][1] - 1}", str(r["inflight"]), r.get("phase", "-"),
+              *(f"{r.get(k, 0.0) / gib:.2f}" for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes",
+                                                       "gathered_bytes", "activation_bytes", "temporary_bytes")),
+              f"{r['total_bytes'] / gib:.2f}", f"{r.get('at_step_bytes', 0.0) / gib:.2f}"] for r in stages["stages"]])))
+        emit("  (each rank's peak over the step by kind and when, costs/peak.py; at step: its model states then)")
         for note in stages["notes"]:
             emit(f"  - {note}")
     return 0

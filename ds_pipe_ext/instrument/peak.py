@@ -41,6 +41,7 @@ class Marker:
     t_ns: int
     phase: str | None = None
     sightings: tuple[tuple[int, str], ...] = ()
+    reachable: frozenset | None = None  # the storage addresses Python reached there (None: not looked)
 
 
 @dataclass
@@ -53,12 +54,14 @@ class StepPeak:
     temporary_by_phase: dict[str, int] = field(default_factory=dict)  # phase kind -> temporaries made in it
     start_bytes: int = 0  # alive when the step began
     unmatched_free_bytes: int = 0  # frees of blocks the trace never saw allocated (kept alive in the count)
+    unseen_free_bytes: int = 0  # blocks made in the step whose free the trace did not see (see step_peak)
     largest: list[tuple[int, str, str]] = field(default_factory=list)  # the step's blocks alive at the peak, largest first: (nbytes, kind, phase made)
 
     def to_dict(self) -> dict:
         return {"peak_bytes": self.peak_bytes, "phase": self.phase, "by_kind": dict(self.by_kind),
                 "temporary_by_phase": dict(self.temporary_by_phase), "start_bytes": self.start_bytes,
-                "unmatched_free_bytes": self.unmatched_free_bytes, "largest": [list(b) for b in self.largest]}
+                "unmatched_free_bytes": self.unmatched_free_bytes, "unseen_free_bytes": self.unseen_free_bytes,
+                "largest": [list(b) for b in self.largest]}
 
 
 def _phase_kind(phase: str) -> str:
@@ -73,7 +76,14 @@ def step_peak(events: list[Alloc], markers: list[Marker], *, start_ns: int, star
     ``events`` and ``markers`` may begin earlier (a warm-up step traced before it): an allocation made
     then and freed in the step is a free the trace can match.  ``start_bytes`` were alive at ``start_ns``
     (every tensor, counted apart from the events); ``start_held`` maps the addresses of those of them
-    that are model states or buffers to ``(nbytes, kind)``."""
+    that are model states or buffers to ``(nbytes, kind)``.
+
+    A free the trace does not see (the profiler records only the threads it profiles, and gloo's worker
+    thread may drop a collective's buffer last) leaves a block that never dies, or whose address a later
+    allocation takes.  Such a block was freed by the first phase marker after it was made at which
+    Python no longer reached it (``Marker.reachable``), else by the allocation that took its address
+    (``unseen_free_bytes`` counts them).  A block freed where the trace sees it keeps that free: autograd
+    holds saved tensors where Python does not reach them."""
     events = sorted(events, key=lambda e: e.t_ns)
     markers = sorted(markers, key=lambda m: m.t_ns)
     end_ns = end_ns if end_ns is not None else max([e.t_ns for e in events] + [start_ns])
@@ -83,6 +93,16 @@ def step_peak(events: list[Alloc], markers: list[Marker], *, start_ns: int, star
     blocks: list[dict] = []
     live: dict[int, dict] = {}
     phase = "before"
+    looked = [m for m in markers if m.reachable is not None]
+    unseen: list[dict] = []
+
+    def unreached(b: dict, limit: int | None) -> int | None:
+        """The first marker after ``b`` was made where Python no longer reached it, before ``limit``."""
+        for m in looked:
+            if m.t_ns > b["made"] and (limit is None or m.t_ns <= limit) and b["ptr"] not in m.reachable:
+                return m.t_ns
+        return limit
+
     timeline = sorted([(e.t_ns, 1, e) for e in events] + [(m.t_ns, 0, m) for m in markers], key=lambda x: (x[0], x[1]))
     for t, is_event, item in timeline:
         if not is_event:
@@ -91,6 +111,10 @@ def step_peak(events: list[Alloc], markers: list[Marker], *, start_ns: int, star
                 if ptr in live and live[ptr]["kind"] is None:
                     live[ptr]["kind"] = kind
         elif item.nbytes > 0:
+            if item.ptr in live:  # the block there was freed unseen
+                old = live.pop(item.ptr)
+                old["freed"] = unreached(old, t)
+                unseen.append(old)
             live[item.ptr] = {"made": t, "freed": None, "nbytes": item.nbytes, "phase": phase, "kind": None,
                               "ptr": item.ptr}
             blocks.append(live[item.ptr])
@@ -100,6 +124,10 @@ def step_peak(events: list[Alloc], markers: list[Marker], *, start_ns: int, star
             blocks.append({"made": None, "freed": t, "nbytes": -item.nbytes, "phase": phase, "kind": None,
                            "ptr": item.ptr})
 
+    for ptr, b in list(live.items()):  # never freed in the trace: freed unseen if Python let it go
+        if b["made"] is not None and b["made"] >= start_ns and (gone := unreached(b, None)) is not None:
+            b["freed"] = gone
+            unseen.append(live.pop(ptr))
     in_step = lambda t: t is not None and start_ns <= t <= end_ns  # noqa: E731
     from_before = [b for b in blocks if (b["made"] is None or b["made"] < start_ns) and in_step(b["freed"])]
     # a free of a block nobody counted at the start (made before the trace, not a held tensor): the
@@ -142,7 +170,8 @@ def step_peak(events: list[Alloc], markers: list[Marker], *, start_ns: int, star
             at = m.phase
     return StepPeak(peak_bytes=int(peak), phase=at, by_kind={k: int(v) for k, v in by_kind.items()},
                     temporary_by_phase=temporary, start_bytes=int(start_bytes), unmatched_free_bytes=int(unmatched),
-                    largest=sorted(alive, reverse=True)[:LARGEST])
+                    largest=sorted(alive, reverse=True)[:LARGEST],
+                    unseen_free_bytes=int(sum(b["nbytes"] for b in unseen if in_step(b["made"]))))
 
 
 # -- the trace: torch.profiler's allocation events, markers and sightings on a running step ------------
@@ -150,23 +179,28 @@ def step_peak(events: list[Alloc], markers: list[Marker], *, start_ns: int, star
 _MARK = "ds_pipe_ext.mark."
 
 
-def live_tensor_bytes(device) -> int:
-    """Bytes of every tensor storage alive on ``device`` that Python can reach, each storage once: the
-    count at a step's start, apart from any model (between steps autograd holds no graph)."""
+def live_storages(device) -> dict[int, int]:
+    """Every tensor storage alive on ``device`` that Python can reach, ``{data_ptr: nbytes}``, each once."""
     import gc
 
     import torch
 
-    seen: dict[tuple[int, int], int] = {}
+    seen: dict[int, int] = {}
     for obj in gc.get_objects():
         try:
             if issubclass(type(obj), torch.Tensor) and obj.device.type == device.type and not obj.is_meta:
                 s = obj.untyped_storage()
                 if s.nbytes():
-                    seen[(s.data_ptr(), s.nbytes())] = s.nbytes()
+                    seen[s.data_ptr()] = s.nbytes()
         except (RuntimeError, ReferenceError):  # a tensor without storage (sparse, functorch wrappers)
             continue
-    return sum(seen.values())
+    return seen
+
+
+def live_tensor_bytes(device) -> int:
+    """Bytes of every tensor storage alive on ``device`` that Python can reach, each storage once: the
+    count at a step's start, apart from any model (between steps autograd holds no graph)."""
+    return sum(live_storages(device).values())
 
 
 class StepTrace:
@@ -198,7 +232,9 @@ class StepTrace:
     def _mark(self, phase: str | None, sightings: tuple) -> None:
         from torch.profiler import record_function
 
-        self._markers.append((phase, sightings))
+        # in the measured step, each phase says which storages Python still reaches (for frees the trace misses)
+        reach = frozenset(live_storages(self.device)) if phase is not None and self._start is not None else None
+        self._markers.append((phase, sightings, reach))
         with record_function(f"{_MARK}{len(self._markers) - 1}"):
             pass
 
@@ -250,7 +286,8 @@ class StepTrace:
             if e.name.startswith(_MARK):
                 times[int(e.name[len(_MARK):])] = e.start_time_ns
             stack.extend(e.children)
-        markers = [Marker(times[i], phase, sightings) for i, (phase, sightings) in enumerate(self._markers) if i in times]
+        markers = [Marker(times[i], phase, sightings, reach) for i, (phase, sightings, reach) in enumerate(self._markers)
+                   if i in times]
         index, total, start_held = self._start
         return step_peak(allocs, markers, start_ns=times[index], start_held=start_held, start_bytes=total)
 
