@@ -36,10 +36,10 @@ def test_configs_share_one_global_batch():
     assert ds["zero_optimization"] == {"stage": 3, **ZERO_SETTINGS, "overlap_comm": False} and "pipeline" not in ds
     assert ds["train"]["memory_cap_gib"] == 1.0
     # the last step's live-tensor peak is traced: the pipeline's instrument section, or the top-level one
-    assert ds_config(configs[0], model="tiny", steps=2)["pipeline"] == {"stages": 4, "schedule": "1f1b",
+    assert ds_config(configs[0], model="tiny", steps=3)["pipeline"] == {"stages": 4, "schedule": "1f1b",
                                                                          "partition_method": "profiled",
-                                                                         "instrument": {"peak_step": 2}}
-    assert ds["instrument"] == {"peak_step": 2}
+                                                                         "instrument": {"peak_step": 3}}
+    assert ds["instrument"] == {}  # 2 steps: the warm-up and one timed, none to trace
 
 
 def test_zero_allocation_rules():
@@ -139,7 +139,7 @@ def test_resume_runs_only_unfinished_rows(tmp_path):
 def _compare(*args, out):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     cmd = [str(Path(sys.executable).with_name("ds-pipe-ext")), "compare", "--model", "compare-mem", "--world", "2",
-           "--micro-batch", "2", "--steps", "2", "--memory-cap-gib", "0.295", "--out", str(out), "--json", *args]
+           "--micro-batch", "2", "--steps", "3", "--memory-cap-gib", "0.295", "--out", str(out), "--json", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout), proc.stderr
@@ -156,7 +156,7 @@ def test_compare_launches(tmp_path):
     assert {r["global_batch"] for r in rows} == {8}  # 2 x 4 micro-batches, 2 x 2 x dp 2
     assert by["pipe-uniform-pp2-dp1-z0"]["parts"] == [0, 2, 4]
     for name in ("pipe-profiled-pp2-dp1-z0", "pipe-uniform-pp2-dp1-z0"):
-        assert by[name]["status"] == "ok" and by[name]["steps"] == 2 and by[name]["samples_per_s"] > 0
+        assert by[name]["status"] == "ok" and by[name]["steps"] == 3 and by[name]["samples_per_s"] > 0
     assert by["zero3"]["status"] == "oom" and by["zero3"]["oom"]["after_step"] == 1
     assert by["zero3"]["oom"]["peak_bytes"] > 0.295 * 2**30 and by["zero3"]["samples_per_s"] is None
     # measured model states equal DeepSpeed's allocation rules exactly, on every rank of every row

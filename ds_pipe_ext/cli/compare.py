@@ -54,7 +54,7 @@ def cmd_compare(args) -> int:
         emit(render.rows_json(rows))
         return 0
     emit(f"{model_cfg.name}: {len(rows)} configurations on {args.world} ranks, {args.steps} steps each "
-         f"(samples/s: median of steps 2..{args.steps})")
+         f"(samples/s: median of steps 2..{args.steps - 1 if args.steps >= 3 else 2}{f'; step {args.steps} traced for the memory peak' if args.steps >= 3 else ', no peak traced: use --steps 3 or more'})")
     emit(render.render_rows(rows))
     for line in render.notes(rows, world=args.world, cores=os.cpu_count(), cpu_only=cpu_only,
                              compact_malloc=args.compact_malloc):

@@ -54,7 +54,7 @@ def cmd_sweep(args) -> int:
         emit(render.rows_json(rows))
         return 0
     emit(f"{model_cfg.name}: {len(rows)} cells, global batch {global_batch} (M micro-batches of {global_batch}/M), "
-         f"K stages on K ranks, {args.steps} steps each (samples/s: median of steps 2..{args.steps}); "
+         f"K stages on K ranks, {args.steps} steps each (samples/s: median of steps 2..{args.steps - 1 if args.steps >= 3 else 2}{f'; step {args.steps} traced for the memory peak' if args.steps >= 3 else ', no peak traced: use --steps 3 or more'}); "
          f"memory measured by the instrumentation (tensors held), predicted by the partitioner; "
          + (f"times predicted by the step model {args.step_model}" if args.step_model else
             f"times predicted with this machine's engine terms {shipped[0]} (fitted on "

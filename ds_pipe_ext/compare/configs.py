@@ -89,9 +89,10 @@ def comparison_configs(world: int, *, global_batch: int, micro_batch: int, tp: i
 
 def ds_config(cfg: CompareConfig, *, model: str, steps: int, seed: int = 1234,
               memory_cap_gib: float | None = None) -> dict:
-    """The ds.json that trains ``cfg`` (the layout's own writer, with the run's settings).  The last step's
-    live-tensor peak is traced (``instrument.peak_step``; its time is left out of the run's median)."""
-    instrument = {"peak_step": steps} if steps >= 2 else {}
+    """The ds.json that trains ``cfg`` (the layout's own writer, with the run's settings).  With 3 steps or
+    more the last step's live-tensor peak is traced (``instrument.peak_step``; its time is left out of the
+    run's median, which then has the steps between the warm-up and it)."""
+    instrument = {"peak_step": steps} if steps >= 3 else {}
     pipelined = cfg.layout.pipelined
     return cfg.layout.ds_config(
         train={"model": model, "steps": steps, "seed": seed, "log": "json", "memory_cap_gib": memory_cap_gib},

@@ -84,9 +84,11 @@ def launch_status(result: LaunchResult) -> str:
     return "failed"
 
 
-def _peak(rank: dict, counted: int) -> int:
-    """The figure the memory cap applies to: the allocator peak on GPU, the counted tensors on CPU."""
-    return int(rank.get("max_allocated_bytes", counted))
+def _peak(rank: dict, traced: int | None) -> int | None:
+    """The measured peak over the step: the allocator's on GPU, the traced live tensors' on CPU (None:
+    not traced)."""
+    peak = rank.get("max_allocated_bytes", traced)
+    return None if peak is None else int(peak)
 
 
 def build_row(cfg: CompareConfig, result: LaunchResult, shape: ModelShape, model_cfg, *,
@@ -116,14 +118,14 @@ def build_row(cfg: CompareConfig, result: LaunchResult, shape: ModelShape, model
         measured = {k: int(r[k]) for k in ("param_bytes", "grad_bytes", "optimizer_bytes")}
         measured["activation_bytes"] = int(r["activation_peak_bytes"])
         counted = sum(measured.values())
-        traced = r.get("step_peak") or {}
+        traced = r.get("step_peak") or {}  # none where the run stopped first, or ran under 3 steps
         row["ranks"].append({"rank": r["rank"], "stage": r["stage"], "measured": measured, "at_step_bytes": counted,
-                             "peak_bytes": _peak(r, traced.get("peak_bytes", counted)),
+                             "peak_bytes": _peak(r, traced.get("peak_bytes")),
                              "peak_phase": traced.get("phase"), "peak_by_kind": traced.get("by_kind"),
                              "process_peak_bytes": r.get("peak_rss_bytes"),
                              "predicted": by_rank.get((data_parallel_rank(cfg, r["rank"]), r["stage"]))})
     if row["ranks"]:
-        heaviest = max(row["ranks"], key=lambda r: r["peak_bytes"])
+        heaviest = max(row["ranks"], key=lambda r: r["peak_bytes"] or r["at_step_bytes"])
         row["heaviest_rank"] = heaviest["rank"]
         row["peak_memory_bytes"] = heaviest["peak_bytes"]
         row["peak_phase"] = heaviest["peak_phase"]
