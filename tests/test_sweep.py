@@ -50,7 +50,7 @@ def test_sweep_runs_the_grid_and_resumes_without_rerunning(tmp_path):
     for k in (1, 2):
         off, on = by[f"pp{k}-m2-nockpt"]["stage_rows"], by[f"pp{k}-m2-ckpt"]["stage_rows"]
         assert all(b["meas_activation_peak_bytes"] < a["meas_activation_peak_bytes"] for a, b in zip(off, on))
-    assert "total MiB meas/pred" in table and "pp2-m2-ckpt" in table
+    assert "at step MiB meas/pred" in table and "peak MiB meas/pred" in table and "pp2-m2-ckpt" in table
     assert (out / "sweep.png").stat().st_size > 0
 
     # interrupted: one cell never finished; a re-run launches only it
