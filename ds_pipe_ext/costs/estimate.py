@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from ..arch import as_description
 from . import analytic as A
 from .hardware import DeviceSpec
-from .peak import RankStep, ZeroSettings, layer_peak_bytes
+from .peak import RankStep, ZeroSettings, layer_peak_bytes, walks_schedule
 from .types import LayerCost
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -138,15 +138,14 @@ def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = 
             return None
         return tuple(0.0 if i == 0 else float(shp.replicated_sbh * e) for i in range(start, stop))
 
-    if zero is None:
-        zero = ZeroSettings.from_ds_config({"zero_optimization": lay.zero_section()} if lay.zero else {})
+    zero = zero or ZeroSettings.of_layout(lay)
     e = DTYPE_BYTES[dtype]
     if not lay.pipelined:
         order = tuple((kind, mb) for mb in range(lay.micro_batches) for kind in ("F", "B"))
         return [RankStep(ops, order, e, zero, dp=lay.dp, dp_rank=dp_rank, checkpoint_bytes=checkpoint(0, len(ops)),
                          offload=lay.offload, fused_adam=fused_adam)]
     spec = lay.schedule_spec
-    if spec.chunks_per_rank > 1 or spec.kind == "zb-h1":
+    if not walks_schedule(spec):
         raise NotImplementedError(f"the peak rule walks one model chunk a rank with whole backwards; "
                                   f"{spec.name} runs {spec.chunks_per_rank} chunks or splits them")
     if parts is None or len(parts) != lay.pp + 1:

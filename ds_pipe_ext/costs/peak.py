@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .zero import layer_tensors, zero_model_states
+from .zero import layer_states_by_rule, layer_tensors, zero_model_states
 
 PEAK_KINDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "gathered_bytes",
               "activation_bytes", "temporary_bytes")
@@ -59,7 +59,6 @@ class ZeroSettings:
     persistence_threshold: int = int(DEEPSPEED_ZERO_DEFAULTS["stage3_param_persistence_threshold"])
     max_reuse_distance: int = int(DEEPSPEED_ZERO_DEFAULTS["stage3_max_reuse_distance"])
     contiguous_gradients: bool = True
-    overlap_comm: bool = False
 
     @classmethod
     def from_ds_config(cls, ds: dict) -> "ZeroSettings":
@@ -69,8 +68,18 @@ class ZeroSettings:
         return cls(stage=stage, reduce_bucket_size=int(get("reduce_bucket_size")),
                    persistence_threshold=int(get("stage3_param_persistence_threshold")),
                    max_reuse_distance=int(get("stage3_max_reuse_distance")),
-                   contiguous_gradients=bool(get("contiguous_gradients")),
-                   overlap_comm=bool(z.get("overlap_comm", stage == 3)))
+                   contiguous_gradients=bool(get("contiguous_gradients")))
+
+    @classmethod
+    def of_layout(cls, lay) -> "ZeroSettings":
+        """The settings a ``Layout`` writes into its ds.json (``Layout.zero_section``)."""
+        return cls.from_ds_config({"zero_optimization": lay.zero_section()} if lay.zero else {})
+
+
+def walks_schedule(spec) -> bool:
+    """Whether ``step_peak`` walks this schedule (a ``ScheduleSpec``): one model chunk a rank, whole
+    backwards (not interleaved, DualPipeV or ZB-H1)."""
+    return spec.chunks_per_rank == 1 and spec.kind != "zb-h1"
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,7 @@ class PeakMemory:
 
     phase: str  # "forward 1", "backward 0", "optimizer_step 0" (numbered as the measured trace numbers them)
     by_kind: dict = field(default_factory=dict)  # PEAK_KINDS
+    at_step_bytes: float = 0.0  # the model states at the optimizer step (ZeRO's rule), for comparison
 
     @property
     def total_bytes(self) -> float:
@@ -110,10 +120,6 @@ class PeakMemory:
 
     def to_dict(self) -> dict:
         return {"phase": self.phase, **self.by_kind, "total_bytes": self.total_bytes}
-
-
-def _tensors(ops) -> list[int]:
-    return [n for op in ops for n in op.weights]
 
 
 def _overlapping_partition(numels: list[int], dp: int, rank: int) -> int:
@@ -224,24 +230,12 @@ def _profile(layers: list, numels: list[int], e: int, z: ZeroSettings, persisten
 def layer_peak_bytes(ops: list, element_bytes: int, *, selective: bool = False) -> float:
     """The most one layer alone holds above its resting memory over its forward and backward (what a GPU
     profile of the layer measures as its allocator peak): its saved activations, the gradients its
-    backward has made and the moment's temporaries.  ``selective``: the ops marked ``recompute`` keep
-    nothing."""
-    saved = [0.0 if selective and op.recompute else op.activation_bytes for op in ops]
-    most, held = 0.0, 0.0
-    for op, a in zip(ops, saved):
-        most = max(most, held + sum(op.fwd_allocs))
-        held += a
-    made = upstream = 0.0
-    for op, a in zip(reversed(ops), reversed(saved)):
-        allocs = list(op.bwd_allocs) or [upstream]
-        weight_grad = float(element_bytes * sum(op.weights))
-        if op.weights and not op.bwd_allocs:
-            allocs.append(weight_grad)
-        most = max(most, held + made + upstream + sum(allocs))
-        made += weight_grad
-        held -= a
-        upstream = op.bwd_allocs[0] if op.bwd_allocs else upstream
-    return most
+    backward has made and the moment's temporaries (``_profile``'s first backward, without ZeRO).
+    ``selective``: the ops marked ``recompute`` keep nothing."""
+    ops = [replace(op, activation_bytes=0.0) if selective and op.recompute else op for op in ops]
+    numels = [n for op in ops for n in op.weights]
+    prof = _profile([ops], numels, element_bytes, ZeroSettings(), set(), 0.0, None)
+    return max(sum(prof.forward.values()), sum(prof.first_backward.values()))
 
 
 def step_peak(rank: RankStep) -> PeakMemory:
@@ -277,6 +271,8 @@ def step_peak(rank: RankStep) -> PeakMemory:
     held_mbs = forwards = backwards = 0  # micro-batches whose activations are saved
     pipe: list[float] = []  # sent outputs and received inputs in the pipe buffers, oldest first
     for kind, _ in rank.order:
+        if kind == "B":
+            held_mbs -= 1  # the backward's own activations are in its profile
         others = {"activation_bytes": held_mbs * prof.saved, "grad_bytes": grads, "buffer_bytes": buffer}
         if kind == "F":
             if rank.pipe_buffers:
@@ -288,8 +284,6 @@ def step_peak(rank: RankStep) -> PeakMemory:
                 pipe.append(rank.output_bytes)
                 del pipe[:max(0, len(pipe) - 2 * rank.pipe_buffers)]  # a buffer is reused by a later micro-batch
             continue
-        held_mbs -= 1
-        others = {"activation_bytes": held_mbs * prof.saved, "grad_bytes": grads, "buffer_bytes": buffer}
         see(f"backward {backwards}", prof.first_backward if backwards == 0 else prof.backward, **others,
             temporary_bytes=sum(pipe))
         backwards += 1
@@ -308,6 +302,7 @@ def step_peak(rank: RankStep) -> PeakMemory:
     # (the pipe buffers keep the last micro-batches' inputs and outputs until the next step reuses them)
     see("optimizer_step 0", {"temporary_bytes": sum(pipe) + (0.0 if rank.offload or rank.fused_adam else 2.0 * largest)},
         grad_bytes=float(states.grad_bytes) + flat)
+    best.at_step_bytes = fixed["param_bytes"] + float(states.grad_bytes) + fixed["optimizer_bytes"]
     return best
 
 
@@ -332,8 +327,6 @@ class PipelinePeakRule:
         rule), 16-bit ZeRO-0's flat accumulation buffer, and Adam's two fp32 temporaries (of the flat
         partition, its share per layer; of the layer's largest tensor where torch steps each parameter,
         fp32 ZeRO-0: a bound, the stage's largest being at most the sum)."""
-        from .zero import layer_states_by_rule
-
         e, z = self.element_bytes, self.zero.stage
         out = []
         for c, ruled in zip(costs, layer_states_by_rule(costs, stage=z, dp=self.dp, element_bytes=e)):
@@ -353,8 +346,6 @@ class PipelinePeakRule:
         """``LayerCost`` records whose states are what a stage holds during its backward: parameters and
         optimizer states by ZeRO's rule, every gradient in the parameters' dtype (ZeRO-0 and -1 keep them
         to the step), and 16-bit ZeRO-0's flat accumulation buffer beside them."""
-        from .zero import layer_states_by_rule
-
         e = self.element_bytes
         per_grad = e * (2 if e < 4 and self.zero.stage == 0 else 1)
         out = []

@@ -171,10 +171,10 @@ class RankMemory:
                 "at_step_bytes": self.at_step_bytes}
 
     @classmethod
-    def from_peak(cls, peak, at_step_bytes: float) -> "RankMemory":
+    def from_peak(cls, peak) -> "RankMemory":
         """A ``costs.peak.PeakMemory`` (its kinds are these)."""
         return cls(**{k: float(peak.by_kind.get(k, 0.0)) for k in MEMORY_KINDS}, phase=peak.phase,
-                   at_step_bytes=float(at_step_bytes))
+                   at_step_bytes=float(peak.at_step_bytes))
 
 
 def layer_tensors(cost, element_bytes: int) -> list[int]:

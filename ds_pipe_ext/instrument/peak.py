@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# what a sighted tensor is; anything else made in the step is "temporary"
 LARGEST = 12  # blocks listed from the peak, to say what filled it
+# what a sighted tensor is; anything else made in the step is "temporary"
 KINDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "gathered_bytes", "activation_bytes")
 
 

@@ -43,7 +43,7 @@ from ..costs import analytic as A
 from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs, layer_ops, rank_steps, shape_for
 from ..costs.hardware import DEVICES, DeviceSpec, adam_step_s, get_device
 from ..costs.stage import held_activation_bytes, stage_costs
-from ..costs.peak import PipelinePeakRule, ZeroSettings, step_peak
+from ..costs.peak import PipelinePeakRule, ZeroSettings, step_peak, walks_schedule
 from ..costs.zero import RankMemory, layer_states_by_rule, rank_memory, state_bytes_per_param
 from ..layout import ZERO_SETTINGS, Layout
 from ..partition.algorithms import InfeasibleMemoryCap, partition_min_max_lists, smallest_feasible_cap_lists
@@ -312,10 +312,10 @@ class PlanModel:
     def peak_rule(self, lay: Layout) -> PipelinePeakRule | None:
         """The partitioner's form of the peak rule for this layout (``costs.peak.PipelinePeakRule``), where
         it applies: one model chunk a rank; None elsewhere (the additive form at the step)."""
-        if lay.chunks_per_rank > 1 or lay.schedule_spec.kind == "zb-h1":
+        if not walks_schedule(lay.schedule_spec):
             return None
-        zero = ZeroSettings.from_ds_config({"zero_optimization": lay.zero_section()} if lay.zero else {})
-        return PipelinePeakRule(zero, lay.dp, self.e, fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES)
+        return PipelinePeakRule(ZeroSettings.of_layout(lay), lay.dp, self.e,
+                                fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES)
 
     def _memory_lists(self, lay: Layout, costs) -> dict:
         """The partitioner's memory lists for ``lay``: the peak rule's where it applies, else the states at
@@ -385,23 +385,18 @@ class PlanModel:
         schedule's order), the model states at the step beside; where the rule does not walk the schedule
         (several chunks a rank, a split backward), the additive form (``costs.zero.rank_memory``) over the
         schedule's held activations."""
-        threshold = int(ZERO_SETTINGS["stage3_param_persistence_threshold"])
         # beside each: the activations its schedule holds at most (the simulator's ``held_peak_bytes``)
-        try:
-            steps = rank_steps(self.cfg, lay, parts=parts, seq=self.seq, dtype=self.dtype,
-                               mask_bytes=self.e if self.device.name == "cpu" else 1,
-                               fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES)
-        except NotImplementedError:
+        if not walks_schedule(lay.schedule_spec):
+            threshold = int(ZERO_SETTINGS["stage3_param_persistence_threshold"])
             return [{**rank_memory(layers, activation_bytes=held[r], zero=lay.zero, dp=lay.dp, element_bytes=self.e,
                                    persistence_threshold=threshold, offload=lay.offload).to_dict(),
                      "held_activation_bytes": held[r]}
                     for r, layers in enumerate(rank_layers)]
-        out = []
-        for r, (step, layers) in enumerate(zip(steps, rank_layers)):
-            at_step = rank_memory(layers, activation_bytes=0.0, zero=lay.zero, dp=lay.dp, element_bytes=self.e,
-                                  persistence_threshold=threshold, offload=lay.offload).at_step_bytes
-            out.append({**RankMemory.from_peak(step_peak(step), at_step).to_dict(), "held_activation_bytes": held[r]})
-        return out
+        steps = rank_steps(self.cfg, lay, parts=parts, seq=self.seq, dtype=self.dtype,
+                           mask_bytes=self.e if self.device.name == "cpu" else 1,
+                           fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES)
+        return [{**RankMemory.from_peak(step_peak(step)).to_dict(), "held_activation_bytes": held[r]}
+                for r, step in enumerate(steps)]
 
     def evaluate_named(self, lay: Layout) -> LayoutCost:
         """A layout the user named, evaluated whatever its memory, on the split an ``analytic`` run
