@@ -42,3 +42,19 @@ def test_partition_table_and_errors(tmp_path, capsys):
     assert "valid methods" in capsys.readouterr().err
     assert main(["partition", "--stages", "2", "--memory-cap-gib", "0.0001", *args]) == 2
     assert "smallest cap that admits a partition" in capsys.readouterr().err
+
+
+def test_the_text_outputs_of_simulate_and_estimate_compare_render(capsys):
+    """The tables people read, not only --json: simulate's per-rank timeline draws compute only (DeepSpeed's
+    engine order also times transfers on the rank), and estimate --compare has a header cell per column."""
+    assert main(["simulate", "--model", "gpt3-1.3b", "--stages", "4", "--device", "h100"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    timeline = [ln for ln in lines if ln.startswith("rank ") and "|" in ln]
+    assert len(timeline) == 4 and all(set(ln.split("|")[1]) <= set("FBbwo.") for ln in timeline)
+    assert main(["estimate", "--compare", "--model", "gpt3-1.3b", "--world", "64", "--tp", "8", "--sp",
+                 "--device", "h100", "--micro-batch", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header, rule = next((lines[i], lines[i + 1]) for i, ln in enumerate(lines) if ln.startswith("config"))
+    rows = [ln for ln in lines if ln.startswith(("pipe-", "zero"))]
+    assert header.split()[-2:] == ["GiB", "fits?"] and rows
+    assert all(len(r.split()) == len(rule.split()) + 2 for r in rows)  # a cell a column ("1 x 16": 3 words)

@@ -172,8 +172,9 @@ def cmd_estimate_compare(args) -> int:
          f"({device.memory_bytes / gib:.0f} GiB each), {args.dtype}, micro-batch {args.micro_batch}, seq {seq}"
          + (f", tp {args.tp}" + (" + sp" if args.sp else "") if args.tp > 1 else "") + "; analytic, no launch")
     emit("\n".join(render_table(
-        ["config", "pp x tp x dp", "ZeRO", "mb x acc", "heaviest stage", "params GiB", "grads GiB", "optimizer GiB",
-         "activations GiB", "gathered GiB", "total GiB", "fits?"],
+        ["config", "pp x tp x dp", "ZeRO", "mb x acc", "heaviest stage",
+         *(f"{k.removesuffix('_bytes').replace('param', 'params').replace('grad', 'grads')} GiB" for k in KINDS),
+         "peak GiB", "fits?"],
         [[r["config"], f"{r['pp']}x{r['tp']}x{r['dp']}", str(r["zero"]), f"{r['micro_batch']} x {r['grad_accum']}",
           str(r["heaviest_stage"]), *(f"{r['predicted_bytes'][k] / gib:.1f}" for k in KINDS),
           f"{r['predicted_peak_memory_bytes'] / gib:.1f}", "OOM" if r["status"] == "oom" else "yes"] for r in rows])))

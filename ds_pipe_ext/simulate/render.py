@@ -19,7 +19,8 @@ def text_timeline(sim: StepSimulation, width: int = 72) -> list[str]:
     lines = []
     for r in range(p):
         cover = [dict() for _ in range(width)]
-        slots = [(s.start_s, s.end_s, GLYPH[s.work.kind]) for s in sim.timeline if s.rank == r]
+        # compute only: DeepSpeed's engine order also times its transfers (SA, RA, SG, RG) on the rank
+        slots = [(s.start_s, s.end_s, GLYPH[s.work.kind]) for s in sim.timeline if s.rank == r and s.work.kind in GLYPH]
         last = max((s.end_s for s in sim.timeline if s.rank == r), default=0.0)
         slots.append((last, sim.stage_finish_s[r], "o"))
         for start, end, g in slots:
@@ -39,6 +40,8 @@ def write_gantt(sim: StepSimulation, path: str | Path, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(12, 0.6 * p + 1.6))
     ms = 1e3
     for s in sim.timeline:
+        if s.work.kind not in COLOR:  # a transfer of DeepSpeed's engine order
+            continue
         ax.broken_barh([(s.start_s * ms, (s.end_s - s.start_s) * ms)], (s.rank - 0.4, 0.8),
                        facecolors=COLOR[s.work.kind], edgecolor="black", linewidth=0.4)
         if (s.end_s - s.start_s) > sim.step_s / 80:
@@ -49,7 +52,7 @@ def write_gantt(sim: StepSimulation, path: str | Path, title: str) -> Path:
         if sim.stage_finish_s[r] > last:
             ax.broken_barh([(last * ms, (sim.stage_finish_s[r] - last) * ms)], (r - 0.4, 0.8), facecolors="#bdbdbd",
                            edgecolor="black", linewidth=0.4)
-    kinds = sorted({s.work.kind for s in sim.timeline}, key="FBIW".index)
+    kinds = sorted({s.work.kind for s in sim.timeline} & set(COLOR), key="FBIW".index)
     names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=COLOR[k]) for k in kinds] + [plt.Rectangle((0, 0), 1, 1,
               color="#bdbdbd")], labels=[names[k] for k in kinds] + ["optimizer"], fontsize=8, loc="upper right",
