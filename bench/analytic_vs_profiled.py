@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from ds_pipe_ext.costs.calibrate import fit_device  # noqa: E402
-from ds_pipe_ext.models.gpt_costs import calibration_points, profile_three_layers  # noqa: E402
+from ds_pipe_ext.models.costs import calibration_points, profile_three_layers  # noqa: E402
 from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers  # noqa: E402
 from ds_pipe_ext.costs.hardware import get_device, measure_cpu  # noqa: E402
 from ds_pipe_ext.costs.profiler import ProfileSettings  # noqa: E402

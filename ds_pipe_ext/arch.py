@@ -6,8 +6,9 @@ this says what a decoder-only transformer computes, so that a family-free op lib
 
     embedding  a vocabulary lookup (``vocab`` rows: padded) and its positions: learned | rotary | none
     blocks     one ``Block`` per transformer layer (they may differ: width-pruned models), each
-               a norm, attention (heads, key/value heads) and an MLP (gelu: two matrices; swiglu:
-               gate and up projections, SiLU, down projection)
+               a norm, attention (heads, key/value heads, q/k/v biases, a sliding window, the kernel:
+               eager softmax(QK^T)V or a fused one that saves no s x s probabilities) and an MLP (gelu:
+               two matrices; swiglu: gate and up projections, SiLU, down projection)
     head       the final norm, the vocabulary projection (tied to the embedding or not), the loss
 
 The pipeline's layers are the embedding, each block, and the head, in that order.  A family in
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary", "none")
 MLPS = ("gelu", "swiglu")
+ATTENTION_KERNELS = ("eager", "fused")
 
 
 class DescriptionError(ValueError):
@@ -36,6 +38,11 @@ def _positive(where: str, name: str, value) -> None:
 class Attention:
     heads: int
     kv_heads: int | None = None  # grouped-query attention: key/value heads shared by heads / kv_heads queries
+    qkv_bias: bool | None = None  # None: as the model's linears (ModelDescription.linear_bias)
+    window: int | None = None  # sliding window: each query attends to at most this many positions
+    # eager: softmax(QK^T)V written out (saves the s x s probabilities); fused: one kernel (flash or
+    # torch's SDPA) that saves its output and log-sum-exp and recomputes the probabilities backward
+    kernel: str = "eager"
 
     def __post_init__(self) -> None:
         _positive("attention", "heads", self.heads)
@@ -44,6 +51,10 @@ class Attention:
         _positive("attention", "kv_heads", self.kv_heads)
         if self.heads % self.kv_heads:
             raise DescriptionError(f"attention: kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+        if self.window is not None:
+            _positive("attention", "window", self.window)
+        if self.kernel not in ATTENTION_KERNELS:
+            raise DescriptionError(f"attention: kernel = {self.kernel!r}; use one of {', '.join(ATTENTION_KERNELS)}")
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,7 @@ class ModelDescription:
     norm: str = "layernorm"
     tied_head: bool = True
     dropout: bool = False  # dropout layers present (they save masks)
+    linear_bias: bool = True  # GPT's linears carry biases; Llama's carry none
 
     def __post_init__(self) -> None:
         for name in ("hidden", "vocab", "seq_len"):

@@ -1,15 +1,18 @@
 import pytest
 
+from ds_pipe_ext.models import load_model
 from ds_pipe_ext.models.config import GPTConfig, ModelConfigError, available_models, load_model_config
 from ds_pipe_ext.pipe.config import ConfigError, PipelineSettings
 
 
 def test_all_shipped_model_configs_load():
     names = available_models()
-    for required in ["tiny", "gpt2-small", "gpt2-medium", "gpt3-small", "gpt3-1.3b", "gpt3-175b", "bench-cpu"]:
+    for required in ["tiny", "gpt2-small", "gpt2-medium", "gpt3-small", "gpt3-1.3b", "gpt3-175b", "bench-cpu",
+                     "llama3-8b", "llama3-70b", "llama3.1-405b", "mistral-7b", "qwen2.5-7b", "llama-tiny",
+                     "bench-cpu-llama"]:
         assert required in names
     for n in names:
-        cfg = load_model_config(n)
+        cfg = load_model(n)  # each by its family
         assert cfg.name == n and cfg.hidden % cfg.heads == 0
     bench = load_model_config("bench-cpu")
     assert (bench.vocab_size, bench.hidden, bench.layers, bench.seq_len) == (50257, 512, 12, 256)

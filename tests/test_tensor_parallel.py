@@ -37,27 +37,29 @@ def train_steps(model, x, y, grad_norm_fn):
     return losses, norm
 
 
-def tiny(tied: bool):
-    from ds_pipe_ext.models.config import GPTConfig
+def tiny(tied: bool, name: str = "tiny"):
+    """``tiny`` (GPT) or ``llama-tiny`` (GQA with 2 key/value heads: one per rank at TP 2; 5 blocks), tied or not."""
+    from dataclasses import replace
 
-    return GPTConfig.from_dict({**load_model_config("tiny").to_dict(), "tie_embeddings": tied}, name="tiny")
+    from ds_pipe_ext.models import load_model
+
+    return replace(load_model(name), tie_embeddings=tied)
 
 
-def _worker(rank, world, sp, init_file, ref_path, out_path, tied=False):
+MODELS = ("tiny", "llama-tiny")  # each launch runs both, in turn
+
+
+def _worker(rank, world, sp, init_file, refs, out_path, tied=False):
     import torch.distributed as dist
 
-    from ds_pipe_ext.models.gpt import loss_fn_for
-    from ds_pipe_ext.parallel.tensor_parallel import megatron_layer_impl, shard_like
     from ds_pipe_ext.layout import Layout
+    from ds_pipe_ext.models import family_of
+    from ds_pipe_ext.parallel.tensor_parallel import shard_like
     from ds_pipe_ext.parallel.topology import initialize
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     initialize(Layout(pp=1, tp=world, dp=1, sp=sp), world)
-    cfg = tiny(tied)
-    impl = megatron_layer_impl(tp=world, sequence_parallel=sp)
-    model = SequentialGPT(gpt_layer_specs(cfg, impl), loss_fn=loss_fn_for(impl))
-    model.load_state_dict(shard_like(torch.load(ref_path), model))
 
     def grad_norm(m):
         split = torch.zeros(())
@@ -71,10 +73,18 @@ def _worker(rank, world, sp, init_file, ref_path, out_path, tied=False):
         dist.all_reduce(split)
         return float((split + replicated).sqrt())
 
-    losses, norm = train_steps(model, *batch(cfg), grad_norm)
+    got = {}
+    for name in MODELS:
+        cfg = tiny(tied, name)
+        family = family_of(cfg)
+        impl = family.tensor_parallel(world, sp)
+        model = family.sequential(family.layer_specs(cfg, impl), family.loss_fn(impl), base_seed=None, recompute=False)
+        model.load_state_dict(shard_like(torch.load(refs[name]), model))
+        losses, norm = train_steps(model, *batch(cfg), grad_norm)
+        got[name] = {"losses": losses, "grad_norm": norm}
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"losses": losses, "grad_norm": norm}, f)
+            json.dump(got, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -82,22 +92,30 @@ def _worker(rank, world, sp, init_file, ref_path, out_path, tied=False):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("sp, tied", [(False, False), (True, False), (True, True)], ids=["tp2", "tp2_sp", "tp2_sp_tied"])
 def test_tp_parity_with_single_process(tmp_path, sp, tied):
-    cfg = tiny(tied)
-    reference = SequentialGPT(gpt_layer_specs(cfg), base_seed=1234)
-    torch.save(reference.state_dict(), tmp_path / "ref.pt")
+    """The GPT and then llama-tiny (grouped-query attention split by key/value heads, [gate_r; up_r]) in
+    each launch."""
+    from ds_pipe_ext.models import family_of
 
     def norm(m):
         return float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in m.parameters())))
 
-    want_losses, want_norm = train_steps(reference, *batch(cfg), norm)
+    want, refs = {}, {}
+    for name in MODELS:
+        cfg = tiny(tied, name)
+        family = family_of(cfg)
+        reference = family.sequential(family.layer_specs(cfg), family.loss_fn(), base_seed=1234, recompute=False)
+        refs[name] = str(tmp_path / f"{name}.pt")
+        torch.save(reference.state_dict(), refs[name])
+        want[name] = train_steps(reference, *batch(cfg), norm)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_worker, args=(2, sp, str(tmp_path / "init"), str(tmp_path / "ref.pt"), str(tmp_path / "out.json"),
-                                      tied),
+    mp.start_processes(_worker, args=(2, sp, str(tmp_path / "init"), refs, str(tmp_path / "out.json"), tied),
                        nprocs=2, join=True, start_method="spawn")
     got = json.loads((tmp_path / "out.json").read_text())
-    assert got["losses"][0] == pytest.approx(want_losses[0], rel=1e-5)
-    assert got["grad_norm"] == pytest.approx(want_norm, rel=1e-5)
-    assert got["losses"] == pytest.approx(want_losses, rel=1e-4)
+    for name in MODELS:
+        want_losses, want_norm = want[name]
+        assert got[name]["losses"][0] == pytest.approx(want_losses[0], rel=1e-5), name
+        assert got[name]["grad_norm"] == pytest.approx(want_norm, rel=1e-5), name
+        assert got[name]["losses"] == pytest.approx(want_losses, rel=1e-4), name
 
 
 def serial_reference(cfg, weights_path, steps, *, micro_batch=4, gas=4, seed=1234, lr=3e-4):

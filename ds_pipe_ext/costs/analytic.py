@@ -135,7 +135,7 @@ def layer_norm(name: str, shp: Shape) -> OpCost:
                   weights=(shp.h, shp.h))
 
 
-def qkv(shp: Shape, kv_heads: int | None = None) -> OpCost:
+def qkv(shp: Shape, kv_heads: int | None = None, *, bias: bool = True) -> OpCost:
     """Column-parallel h -> (h + 2 kv h/a)/t: 3h/t with a key and value head per query head; grouped-query
     attention projects kv_heads key/value heads.  Under SP its input is all-gathered in forward; the
     sharded copy is what is saved (re-gathered in backward), so 2sbh/t."""
@@ -144,25 +144,52 @@ def qkv(shp: Shape, kv_heads: int | None = None) -> OpCost:
         raise AnalyticError(f"tensor parallel degree {shp.t} does not divide the key/value heads ({kv}); "
                             f"pick t dividing them")
     width = (shp.h + 2 * kv * (shp.h // shp.a)) // shp.t
-    op = linear("qkv", shp.tokens, shp.h, width, shp, saved_input_elems=shp.replicated_sbh)
+    op = linear("qkv", shp.tokens, shp.h, width, shp, bias=bias, saved_input_elems=shp.replicated_sbh)
     return _tp_entry_comm(op, shp)
 
 
 def rms_norm(name: str, shp: Shape) -> OpCost:
-    """RMSNorm: a scale and no bias; saves its input like LayerNorm, with fewer passes (no mean)."""
+    """RMSNorm: a scale and no bias; saves its input and each token's fp32 reciprocal RMS (as fused
+    kernels do), with fewer passes than LayerNorm (no mean)."""
     n = shp.replicated_sbh
     return OpCost(name, "vector", fwd_flops=4.0 * n, bwd_flops=8.0 * n, fwd_bytes=2 * n * shp.e,
-                  bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e, weight_bytes=shp.h * shp.e,
+                  bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e + n / shp.h * 4, weight_bytes=shp.h * shp.e,
                   weights=(shp.h,))
 
 
 def rotary(shp: Shape, kv_heads: int | None = None) -> OpCost:
     """Rotary positions on queries and keys: elementwise (x cos + rotate(x) sin); backward needs only
-    the cos/sin tables, so nothing per token is saved."""
+    the cos and sin tables of the block's s positions (2 s d elements), nothing per token."""
     kv = shp.a if kv_heads is None else kv_heads
     n = shp.tokens * (shp.h + kv * (shp.h // shp.a)) / shp.t
+    d = shp.h // shp.a
     return OpCost("rotary", "vector", fwd_flops=3.0 * n, bwd_flops=3.0 * n, fwd_bytes=3 * n * shp.e,
-                  bwd_bytes=3 * n * shp.e)
+                  bwd_bytes=3 * n * shp.e, activation_bytes=2 * shp.s * d * shp.e)
+
+
+def fused_attention(shp: Shape, kv_heads: int | None = None, window: int | None = None) -> list[OpCost]:
+    """softmax(QK^T / sqrt(d)) V in one kernel (flash attention; torch's SDPA on a CPU), grouped-query:
+    kv_heads key/value heads.  It saves q, k and v and the fp32 log-sum-exp per query row, and
+    recomputes the probabilities backward (five products against the forward's two, Dao et al. 2022);
+    its output is the projection's saved input, counted there.  Each query sees ``window`` keys at most
+    (all s otherwise, as Megatron counts causal attention); a window goes to the kernel as an s x s mask
+    in the query's dtype, which it keeps.  Two records: selective recompute reruns the kernel from the
+    q, k and v it keeps, so only the log-sum-exp goes."""
+    kv = shp.a if kv_heads is None else kv_heads
+    if kv % shp.t:
+        raise AnalyticError(f"tensor parallel degree {shp.t} does not divide the key/value heads ({kv}); "
+                            f"pick t dividing them")
+    keys = min(window, shp.s) if window else shp.s
+    flops = 4.0 * shp.b * shp.s * keys * shp.h / shp.t
+    q = shp.sbh / shp.t
+    kv_elems = 2 * shp.tokens * kv * (shp.h // shp.a) / shp.t
+    lse = shp.b * shp.a / shp.t * shp.s * 4
+    mask = shp.s * shp.s * shp.e if window and window < shp.s else 0.0
+    return [OpCost("fused_attention", "attention", fwd_flops=flops, bwd_flops=2.5 * flops,
+                   fwd_bytes=(2 * q + kv_elems) * shp.e, bwd_bytes=(3 * q + 2 * kv_elems) * shp.e,
+                   activation_bytes=(q + kv_elems) * shp.e + mask,
+                   fwd_allocs=(q * shp.e,), bwd_allocs=(q * shp.e, kv_elems * shp.e)),
+            OpCost("fused_attention_lse", "attention", activation_bytes=lse, recompute=True)]
 
 
 def attention_logits(shp: Shape) -> OpCost:
@@ -206,21 +233,22 @@ def attend(shp: Shape) -> list[OpCost]:
                    recompute=True)]
 
 
-def out_proj(shp: Shape) -> OpCost:
+def out_proj(shp: Shape, *, bias: bool = True) -> OpCost:
     """Row-parallel h/t -> h, then an all-reduce (TP) or reduce-scatter (SP) of b*s*h."""
-    op = linear("out_proj", shp.tokens, shp.h // shp.t, shp.h, shp)
+    op = linear("out_proj", shp.tokens, shp.h // shp.t, shp.h, shp, bias=bias)
     return _tp_exit_comm(op, shp)
 
 
-def mlp_fc1(shp: Shape) -> OpCost:
-    op = linear("fc1", shp.tokens, shp.h, shp.f // shp.t, shp, saved_input_elems=shp.replicated_sbh)
+def mlp_fc1(shp: Shape, *, bias: bool = True) -> OpCost:
+    op = linear("fc1", shp.tokens, shp.h, shp.f // shp.t, shp, bias=bias, saved_input_elems=shp.replicated_sbh)
     return _tp_entry_comm(op, shp)
 
 
-def mlp_gate_up(shp: Shape) -> OpCost:
+def mlp_gate_up(shp: Shape, *, bias: bool = True) -> OpCost:
     """A gated MLP's gate and up projections as one column-parallel h -> 2f/t (megatron-core's
     gated_linear_unit)."""
-    op = linear("fc1_gate_up", shp.tokens, shp.h, 2 * shp.f // shp.t, shp, saved_input_elems=shp.replicated_sbh)
+    op = linear("fc1_gate_up", shp.tokens, shp.h, 2 * shp.f // shp.t, shp, bias=bias,
+                saved_input_elems=shp.replicated_sbh)
     return _tp_entry_comm(op, shp)
 
 
@@ -238,8 +266,8 @@ def gelu(shp: Shape) -> OpCost:
                   bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e)
 
 
-def mlp_fc2(shp: Shape) -> OpCost:
-    op = linear("fc2", shp.tokens, shp.f // shp.t, shp.h, shp)
+def mlp_fc2(shp: Shape, *, bias: bool = True) -> OpCost:
+    op = linear("fc2", shp.tokens, shp.f // shp.t, shp.h, shp, bias=bias)
     return _tp_exit_comm(op, shp)
 
 
@@ -299,24 +327,29 @@ def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
 
 
 def transformer_block(shp: Shape, *, kv_heads: int | None = None, mlp: str = "gelu", norm: str = "layernorm",
-                      positions: str = "learned") -> list[OpCost]:
+                      positions: str = "learned", bias: bool = True, qkv_bias: bool | None = None,
+                      kernel: str = "eager", window: int | None = None) -> list[OpCost]:
     """A pre-norm decoder block, op by op, in execution order (``shp.a`` heads, ``shp.f`` ffn): GPT's with
     the defaults; ``kv_heads`` for grouped-query attention, a gated ``mlp="swiglu"``, ``norm="rmsnorm"``,
-    rotary ``positions`` applied to queries and keys."""
+    rotary ``positions`` applied to queries and keys, linears without ``bias`` (q/k/v's as ``qkv_bias``
+    says), the attention core as one fused ``kernel`` (with a sliding ``window``) or written out."""
     norm_op = {"layernorm": layer_norm, "rmsnorm": rms_norm}[norm]
     if mlp == "gelu":
-        mlp_ops = [mlp_fc1(shp), gelu(shp), mlp_fc2(shp)]
+        mlp_ops = [mlp_fc1(shp, bias=bias), gelu(shp), mlp_fc2(shp, bias=bias)]
     else:
-        mlp_ops = [mlp_gate_up(shp), swiglu(shp), mlp_fc2(shp)]
+        mlp_ops = [mlp_gate_up(shp, bias=bias), swiglu(shp), mlp_fc2(shp, bias=bias)]
+    if kernel == "fused":
+        core = fused_attention(shp, kv_heads, window)
+    else:
+        core = [attention_logits(shp), softmax(shp),
+                dropout("attn_prob_dropout", shp.a * shp.s * shp.s * shp.b / shp.t, shp, recompute=True),
+                *attend(shp)]
     return [
         norm_op("ln_1", shp),
-        qkv(shp, kv_heads),
+        qkv(shp, kv_heads, bias=bias if qkv_bias is None else qkv_bias),
         *([rotary(shp, kv_heads)] if positions == "rotary" else []),
-        attention_logits(shp),
-        softmax(shp),
-        dropout("attn_prob_dropout", shp.a * shp.s * shp.s * shp.b / shp.t, shp, recompute=True),
-        *attend(shp),
-        out_proj(shp),
+        *core,
+        out_proj(shp, bias=bias),
         dropout("attn_dropout", shp.replicated_sbh, shp),
         residual_add("residual_1", shp),
         norm_op("ln_2", shp),

@@ -50,7 +50,9 @@ def layer_ops(model, shp: A.Shape) -> list[tuple[str, str, list[A.OpCost]]]:
         if block not in built:
             att, mlp = block.attention, block.mlp
             built[block] = A.transformer_block(replace(shp, a=att.heads, f=mlp.ffn), kv_heads=att.kv_heads,
-                                               mlp=mlp.kind, norm=desc.norm, positions=desc.positions)
+                                               mlp=mlp.kind, norm=desc.norm, positions=desc.positions,
+                                               bias=desc.linear_bias, qkv_bias=att.qkv_bias, kernel=att.kernel,
+                                               window=att.window)
         layers.append(("Block", "block", built[block]))
     layers.append(("HeadPipe", "head", A.lm_head(shp, norm=desc.norm)))
     return layers

@@ -2,7 +2,7 @@
 
 The core never imports a model.  A model that wants ``partition_method: "analytic"``
 hands the ``PipelineModule`` an object with this protocol (``cost_model=...``); ours,
-for the GPT in ``models/``, is ``models.gpt_costs.GPTCostModel``.
+for the families in ``models/``, is ``models.costs.DescribedCostModel``.
 
 This is also the one hook through which parallel degrees reach the analytic costs:
 the tensor-parallel degree comes from the pipeline's topology and is passed in as

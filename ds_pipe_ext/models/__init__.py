@@ -1,64 +1,76 @@
 """Model families, each registered here (``registry``): the core and the commands never import a model.
 
-The GPT (``gpt.py``, its config in ``config.py``, its analytic cost model in ``gpt_costs.py``, its
-megatron-core tensor parallelism in ``parallel/tensor_parallel.py``) is the family ``gpt``.  Each
-callable imports its module when first called: loading a config needs no torch.
+    gpt     GPT-2/3 (``gpt.py``, its config in ``config.py``)
+    llama   Llama 2/3, Mistral, Qwen2 (``llama.py``, its config in ``llama_config.py``)
+
+Both build their layers from a ``layers.LayerImpl`` (megatron-core's tensor parallelism in
+``parallel/tensor_parallel.py`` for either) and are costed from their description (``costs.py``).
+Each callable imports its module when first called: loading a config needs no torch.
 """
 
 from .config import GPTConfig, load_model_config
+from .llama_config import LlamaConfig, load_llama_config
 from .registry import ModelFamily, family_of, get_family, load_model, register_family
 
 
-def _gpt_layer_specs(cfg, impl=None, *, selective_recompute: bool = False):
-    from .gpt import LOCAL, gpt_layer_specs
+def _local(impl):
+    from .layers import LOCAL
 
-    return gpt_layer_specs(cfg, impl or LOCAL, selective_recompute=selective_recompute)
-
-
-def _gpt_loss_fn(impl=None):
-    from .gpt import LOCAL, loss_fn_for
-
-    return loss_fn_for(impl or LOCAL)
+    return impl or LOCAL
 
 
-def _gpt_sequential(specs, loss_fn, *, base_seed: int, recompute: bool):
-    from .gpt import SequentialGPT
-
-    return SequentialGPT(specs, loss_fn, base_seed=base_seed, recompute=recompute)
-
-
-def _gpt_tensor_parallel(tp: int, sp: bool = False):
-    from .gpt import LOCAL
-
+def _tensor_parallel(tp: int, sp: bool = False):
     if tp == 1:
-        return LOCAL
+        return _local(None)
     from ..parallel.tensor_parallel import megatron_layer_impl
 
     return megatron_layer_impl(tp=tp, sequence_parallel=sp)
 
 
-def _gpt_cost_model(cfg, impl=None):
-    from .gpt import LOCAL
-    from .gpt_costs import gpt_cost_model
+def _loss_fn(impl=None):
+    from .layers import loss_fn_for
 
-    return gpt_cost_model(cfg, impl or LOCAL)
-
-
-def _gpt_profile(cfg, micro_batch: int, settings, key_fields: dict | None = None):
-    from .gpt_costs import profile_gpt_layers
-
-    return profile_gpt_layers(cfg, micro_batch, settings, key_fields)
+    return loss_fn_for(_local(impl))
 
 
-def _gpt_calibrate(cfg, request, device, **kwargs):
-    from .gpt_costs import profile_and_calibrate
+def _family(name: str, config_type: type, load_config, specs_module: str, specs_name: str, sequential_name: str):
+    """A family whose layers come from ``specs_module.specs_name`` and are costed from their description."""
 
-    return profile_and_calibrate(cfg, request, device, **kwargs)
+    def specs_fn(cfg, impl=None, *, selective_recompute: bool = False):
+        from importlib import import_module
+
+        return getattr(import_module(specs_module, __name__), specs_name)(
+            cfg, _local(impl), selective_recompute=selective_recompute)
+
+    def sequential(specs, loss_fn, *, base_seed: int, recompute: bool):
+        from importlib import import_module
+
+        return getattr(import_module(specs_module, __name__), sequential_name)(
+            specs, loss_fn, base_seed=base_seed, recompute=recompute)
+
+    def cost_model(cfg, impl=None):
+        from .costs import described_cost_model
+
+        return described_cost_model(cfg, _local(impl), specs_fn)
+
+    def profile(cfg, micro_batch: int, settings, key_fields: dict | None = None):
+        from .costs import profile_family_layers
+
+        return profile_family_layers(cfg, micro_batch, settings, key_fields, specs_fn=specs_fn)
+
+    def calibrate(cfg, request, device, **kwargs):
+        from .costs import profile_and_calibrate
+
+        return profile_and_calibrate(cfg, request, device, specs_fn=specs_fn, **kwargs)
+
+    return register_family(ModelFamily(
+        name=name, config_type=config_type, load_config=load_config, layer_specs=specs_fn, loss_fn=_loss_fn,
+        sequential=sequential, tensor_parallel=_tensor_parallel, cost_model=cost_model, profile=profile,
+        calibrate=calibrate))
 
 
-GPT = register_family(ModelFamily(
-    name="gpt", config_type=GPTConfig, load_config=load_model_config, layer_specs=_gpt_layer_specs,
-    loss_fn=_gpt_loss_fn, sequential=_gpt_sequential, tensor_parallel=_gpt_tensor_parallel,
-    cost_model=_gpt_cost_model, profile=_gpt_profile, calibrate=_gpt_calibrate))
+GPT = _family("gpt", GPTConfig, load_model_config, ".gpt", "gpt_layer_specs", "SequentialGPT")
+LLAMA = _family("llama", LlamaConfig, load_llama_config, ".llama", "llama_layer_specs", "SequentialLlama")
 
-__all__ = ["GPT", "GPTConfig", "ModelFamily", "family_of", "get_family", "load_model", "register_family"]
+__all__ = ["GPT", "LLAMA", "GPTConfig", "LlamaConfig", "ModelFamily", "family_of", "get_family", "load_model",
+           "register_family"]

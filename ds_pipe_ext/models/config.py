@@ -149,12 +149,14 @@ def load_model_config(name_or_path: str | Path, **overrides) -> GPTConfig:
     ``overrides`` replace fields after loading (e.g. ``seq_len=128``).
     """
     path = Path(name_or_path)
+    if path.is_dir() and (path / "config.json").is_file():  # a save_pretrained directory
+        path = path / "config.json"
     if path.suffix not in (".toml", ".json"):
         path = CONFIG_DIR / f"{name_or_path}.toml"
     if not path.is_file():
         raise ModelConfigError(
             f"unknown model {str(name_or_path)!r}: no file {path}; use one of {available_models()}, "
-            f"a path to a .toml file or a Hugging Face GPT-2 config.json"
+            f"a path to a .toml file, a Hugging Face config.json or a save_pretrained directory"
         )
     if path.suffix == ".json":
         import json
@@ -170,7 +172,7 @@ def load_model_config(name_or_path: str | Path, **overrides) -> GPTConfig:
     except tomllib.TOMLDecodeError as e:
         raise ModelConfigError(f"model config {path}: not valid TOML ({e}); fix the syntax") from None
     family = data.pop("family", "gpt")
-    if family != "gpt":
+    if family != "gpt":  # pragma: no cover - load_model picks the family first
         raise ModelConfigError(f"model config {path}: family = {family!r} is not the GPT's; load it with "
                                f"ds_pipe_ext.models.load_model, which picks the family")
     data.update({k: v for k, v in overrides.items() if v is not None})

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
@@ -28,61 +27,7 @@ from torch import nn
 
 from ..pipe.sequential import SequentialLayers
 from .config import GPTConfig
-
-INIT_STD = 0.02  # GPT-2's initialiser
-
-
-def _normal_init(module: nn.Module) -> nn.Module:
-    for name, p in module.named_parameters():
-        if name.endswith("bias"):
-            nn.init.zeros_(p)
-        elif p.dim() > 1:
-            nn.init.normal_(p, mean=0.0, std=INIT_STD)
-    return module
-
-
-def _local_linear(in_features: int, out_features: int, *, bias: bool = True) -> nn.Module:
-    return _normal_init(nn.Linear(in_features, out_features, bias=bias))
-
-
-def _local_embedding(num: int, dim: int) -> nn.Module:
-    return _normal_init(nn.Embedding(num, dim))
-
-
-@dataclass(frozen=True)
-class LayerImpl:
-    """What builds the model's linears, vocabulary embedding and norms.
-
-    ``column_linear`` may split its output features across tensor-parallel ranks
-    and ``row_linear`` its input features (reducing the output), as in Megatron.
-    """
-
-    name: str
-    column_linear: Callable[..., nn.Module]
-    row_linear: Callable[..., nn.Module]
-    embedding: Callable[[int, int], nn.Module]
-    layer_norm: Callable[[int, float], nn.Module]
-    tp_size: int = 1
-    sequence_parallel: bool = False
-    # (s, b, h) embeddings -> what the blocks see: the rank's sequence shard under SP
-    enter_blocks: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
-    # (s, b, V or V/t) logits, (b, s) labels -> mean loss (vocab-parallel under TP)
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    # hidden states, the embedding matrix -> logits, for a head tied to the embedding
-    tied_head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda x, weight: F.linear(x, weight)
-
-    def __repr__(self) -> str:  # stable, address-free: LayerSpec reprs feed the profile cache key
-        return f"LayerImpl({self.name}, tp={self.tp_size}, sp={self.sequence_parallel})"
-
-
-LOCAL = LayerImpl(
-    name="local",
-    column_linear=_local_linear,
-    row_linear=_local_linear,
-    embedding=_local_embedding,
-    layer_norm=lambda dim, eps: nn.LayerNorm(dim, eps=eps),
-)
-
+from .layers import INIT_STD, LOCAL, LayerImpl, lm_loss, local_embedding, loss_fn_for  # noqa: F401 (re-exported)
 
 class EmbeddingPipe(nn.Module):
     """tokens (b, s) int64 -> hidden states (s, b, h)."""
@@ -90,7 +35,7 @@ class EmbeddingPipe(nn.Module):
     def __init__(self, cfg: GPTConfig, impl: LayerImpl = LOCAL):
         super().__init__()
         self.word_embeddings = impl.embedding(cfg.padded_vocab, cfg.hidden)
-        self.position_embeddings = _local_embedding(cfg.seq_len, cfg.hidden)
+        self.position_embeddings = local_embedding(cfg.seq_len, cfg.hidden)
         self.drop = nn.Dropout(cfg.dropout)
         self.enter_blocks = impl.enter_blocks
         self.tied_head = impl.tied_head
@@ -189,16 +134,6 @@ def tied_lm_head(embedding: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
     column-parallel linear: the implementation's ``tied_head`` does it.
     """
     return embedding.tied_head(x, embedding.word_embeddings.weight)
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of (s, b, V) logits; ``labels`` (b, s) are the inputs shifted by one."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.t().reshape(-1))
-
-
-def loss_fn_for(impl: LayerImpl) -> Callable:
-    """The loss that matches an implementation's logits (vocab-parallel under TP)."""
-    return impl.loss or lm_loss
 
 
 def gpt_layer_specs(cfg: GPTConfig, impl: LayerImpl = LOCAL, *, selective_recompute: bool = False) -> list:

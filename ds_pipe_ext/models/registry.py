@@ -66,10 +66,39 @@ def family_of(config) -> ModelFamily:
     raise ModelConfigError(f"{type(config).__name__} belongs to no registered model family ({families()})")
 
 
-def _family_name(name_or_path) -> str:
+# a Hugging Face config.json's model_type -> the family that models it
+HF_MODEL_TYPES = {"gpt2": "gpt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+
+
+def hf_config_path(name_or_path) -> Path | None:
+    """The config.json a name points at: the file itself, or a ``save_pretrained`` directory's."""
     path = Path(name_or_path)
-    if path.suffix == ".json":  # a Hugging Face config.json: GPT-2's is the GPT family's
-        return "gpt"
+    if path.suffix == ".json":
+        return path
+    if path.is_dir() and (path / "config.json").is_file():
+        return path / "config.json"
+    return None
+
+
+def _hf_family_name(path: Path) -> str:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return "gpt"  # the family's own loader reports the missing or malformed file
+    kind = data.get("model_type", "gpt2") if isinstance(data, dict) else "gpt2"
+    if kind not in HF_MODEL_TYPES:
+        raise ModelConfigError(f"model config {path}: model_type {kind!r} is not supported; supported Hugging Face "
+                               f"model types: {sorted(HF_MODEL_TYPES)}")
+    return HF_MODEL_TYPES[kind]
+
+
+def _family_name(name_or_path) -> str:
+    hf = hf_config_path(name_or_path)
+    if hf is not None:
+        return _hf_family_name(hf)
+    path = Path(name_or_path)
     if path.suffix != ".toml":
         path = CONFIG_DIR / f"{name_or_path}.toml"
     try:

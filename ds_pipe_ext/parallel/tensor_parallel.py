@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models.gpt import INIT_STD, LayerImpl
+from ..models.layers import INIT_STD, LayerImpl, RMSNorm
 
 
 def _init(weight: torch.Tensor) -> torch.Tensor:
@@ -86,12 +86,17 @@ def megatron_layer_impl(*, tp: int, sequence_parallel: bool = False) -> LayerImp
     def embedding(num: int, dim: int) -> nn.Module:
         return mtp.VocabParallelEmbedding(num, dim, init_method=_init, config=cfg)
 
-    def layer_norm(dim: int, eps: float) -> nn.Module:
-        norm = _layer_norm_class()(dim, eps=eps)
+    def replicated_norm(norm: nn.Module) -> nn.Module:
         if sequence_parallel:
             for p in norm.parameters():
                 _sum_grads_over_tp(p)
         return norm
+
+    def layer_norm(dim: int, eps: float) -> nn.Module:
+        return replicated_norm(_layer_norm_class()(dim, eps=eps))
+
+    def rms_norm(dim: int, eps: float) -> nn.Module:
+        return replicated_norm(RMSNorm(dim, eps=eps))
 
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return mtp.vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous()).mean()
@@ -106,7 +111,7 @@ def megatron_layer_impl(*, tp: int, sequence_parallel: bool = False) -> LayerImp
 
     enter = mtp.scatter_to_sequence_parallel_region if sequence_parallel else (lambda x: x)
     return LayerImpl(name="megatron", column_linear=column_linear, row_linear=row_linear, embedding=embedding,
-                     layer_norm=layer_norm, tp_size=tp, sequence_parallel=sequence_parallel,
+                     layer_norm=layer_norm, rms_norm=rms_norm, tp_size=tp, sequence_parallel=sequence_parallel,
                      enter_blocks=enter, loss=loss, tied_head=tied_head)
 
 
@@ -114,7 +119,9 @@ def shard_like(full_state: dict[str, torch.Tensor], model: nn.Module) -> dict[st
     """This rank's slice of a full (single-process) state dict, for a model built with TP layers.
 
     Parameters megatron marks ``tensor_model_parallel`` are split along their
-    ``partition_dim`` into tp equal chunks; everything else is replicated.
+    ``partition_dim`` into tp equal chunks; everything else is replicated.  A parameter whose output
+    holds several projections side by side (``models.layers.mark_sections``: q, k, v; gate, up) gets
+    its share of each section, concatenated.
     """
     from megatron.core import parallel_state
 
@@ -128,7 +135,9 @@ def shard_like(full_state: dict[str, torch.Tensor], model: nn.Module) -> dict[st
         full = full_state[name]
         p = params.get(name)
         if p is not None and getattr(p, "tensor_model_parallel", False):
-            full = full.chunk(size, dim=p.partition_dim)[rank]
+            sections = getattr(p, "shard_sections", None) or (full.shape[p.partition_dim],)
+            full = torch.cat([part.chunk(size, dim=p.partition_dim)[rank]
+                              for part in full.split(list(sections), dim=p.partition_dim)], dim=p.partition_dim)
         if full.shape != tensor.shape:
             raise ValueError(f"{name}: full {tuple(full_state[name].shape)} does not shard to {tuple(tensor.shape)}")
         out[name] = full.clone()

@@ -62,7 +62,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         cost_model: a ``costs.model.CostModel`` describing the layers analytically;
             required by "analytic".  It is the one hook for parallel degrees: the TP
             degree comes from the topology and is passed to it; sequence parallelism
-            is the cost model's to know (``models.gpt_costs.gpt_cost_model(cfg, impl)``).
+            is the cost model's to know (a family's ``cost_model(cfg, impl)``, ``models.costs``).
     """
 
     def __init__(
@@ -102,8 +102,8 @@ class PipelineModule(_DeepSpeedPipelineModule):
                                  f"got {type(profile_batch).__name__}")
         if spec.cost_source == "analytic" and not isinstance(cost_model, CostModel):
             raise PartitionError(f"partition_method={method!r} computes costs from a description of the model: pass "
-                                 f"cost_model= (a ds_pipe_ext.costs.model.CostModel; for the GPT in models/, "
-                                 f"gpt_cost_model(cfg, impl)), or use 'profiled'")
+                                 f"cost_model= (a ds_pipe_ext.costs.model.CostModel; for a family in models/, "
+                                 f"get_family(name).cost_model(cfg, impl)), or use 'profiled'")
         self._ext_settings = settings
         self._ext_profile_batch = profile_batch
         self._ext_micro_batches = micro_batches or stages or 1

@@ -1,14 +1,15 @@
-"""The GPT's analytic description: a ``costs.model.CostModel`` for ``partition_method: "analytic"``.
+"""A family's analytic cost model, profile and calibration, from its description and layer specs.
 
-The per-op formulas live in ``costs/analytic.py`` and ``costs/estimate.py`` (a
-transformer's ops, no model import); this file says which of them make up this
-model's pipeline layers, reads (b, s) from a micro-batch of tokens, and knows
-whether its layers are sequence-parallel (from the ``LayerImpl`` they were built with).
+Every family's ``CostModel`` (``partition_method: "analytic"``) is its config's description costed by the
+op library (``costs/analytic.py``, ``costs/estimate.py``): this file reads (b, s) from a micro-batch of
+tokens and knows whether the layers are sequence-parallel (from the ``LayerImpl`` they were built with).
+Profiling builds the family's own layers (``specs_fn``) and runs them on this machine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,16 +17,22 @@ from ..costs.calibrate import fit_device
 from ..costs.estimate import EstimateRequest, analytic_layer_costs, layer_ops, shape_for
 from ..costs.hardware import DeviceSpec
 from ..costs.types import LayerCost
-from .config import GPTConfig
-from .gpt import LOCAL, LayerImpl, gpt_layer_specs, lm_loss
+from .layers import LOCAL, LayerImpl, lm_loss
+
+
+def _gpt_specs(cfg, impl=LOCAL):
+    from .gpt import gpt_layer_specs
+
+    return gpt_layer_specs(cfg, impl)
 
 
 @dataclass(frozen=True)
-class GPTCostModel:
-    """Analytic per-layer costs of a ``GPTConfig`` built with ``gpt_layer_specs``."""
+class DescribedCostModel:
+    """Analytic per-layer costs of a config that describes itself, built by ``specs_fn``."""
 
-    config: GPTConfig
+    config: object
     sequence_parallel: bool = False
+    specs_fn: Callable = _gpt_specs
 
     def request(self, inputs, *, tp: int, dtype: str) -> EstimateRequest:
         tokens = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
@@ -36,39 +43,46 @@ class GPTCostModel:
         return analytic_layer_costs(self.config.describe(), self.request(inputs, tp=tp, dtype=dtype), device)
 
     def calibrate(self, inputs, *, tp: int, device: DeviceSpec, dtype: str, cache_dir: str | None) -> DeviceSpec:
-        return profile_and_calibrate(self.config, self.request(inputs, tp=tp, dtype=dtype), device, cache_dir=cache_dir)
+        return profile_and_calibrate(self.config, self.request(inputs, tp=tp, dtype=dtype), device,
+                                     cache_dir=cache_dir, specs_fn=self.specs_fn)
 
 
-def gpt_cost_model(cfg: GPTConfig, impl: LayerImpl = LOCAL) -> GPTCostModel:
-    """The cost model of ``gpt_layer_specs(cfg, impl)``."""
-    return GPTCostModel(cfg, sequence_parallel=impl.sequence_parallel)
+def described_cost_model(cfg, impl: LayerImpl = LOCAL, specs_fn: Callable = _gpt_specs) -> DescribedCostModel:
+    """The cost model of ``specs_fn(cfg, impl)``."""
+    return DescribedCostModel(cfg, sequence_parallel=impl.sequence_parallel, specs_fn=specs_fn)
 
 
-def profile_gpt_layers(cfg: GPTConfig, micro_batch: int, settings, key_fields: dict | None = None):
+def _tokens(cfg, micro_batch: int, seq: int) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), generator=torch.Generator().manual_seed(0))
+
+
+def profile_family_layers(cfg, micro_batch: int, settings, key_fields: dict | None = None, *,
+                          specs_fn: Callable = _gpt_specs):
     """Every pipeline layer of ``cfg`` profiled on this machine with one micro-batch of tokens (cached)."""
     from ..costs.profiler import profile_layers
 
-    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    return profile_layers(gpt_layer_specs(cfg), tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss,
+    tokens = _tokens(cfg, micro_batch, cfg.seq_len)
+    return profile_layers(specs_fn(cfg), tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss,
                           settings=settings, key_fields={"model": cfg.to_dict(), **(key_fields or {})})
 
 
-def profile_three_layers(cfg: GPTConfig, micro_batch: int, seq: int, settings, key_fields: dict):
+def profile_three_layers(cfg, micro_batch: int, seq: int, settings, key_fields: dict, *,
+                         specs_fn: Callable = _gpt_specs):
     """The embedding, one block and the head (+ loss) of ``cfg`` (untied, at sequence ``seq``) profiled
     alone on this machine: (the config as profiled, their ``LayerCost``)."""
     from ..costs.profiler import profile_layers
 
-    cfg = GPTConfig.from_dict({**cfg.to_dict(), "seq_len": seq, "tie_embeddings": False}, name=cfg.name)
-    specs = gpt_layer_specs(cfg)
-    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    cfg = replace(cfg, seq_len=seq, tie_embeddings=False)
+    specs = specs_fn(cfg)
+    tokens = _tokens(cfg, micro_batch, seq)
     measured = profile_layers([specs[0], specs[1], specs[-1]], tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss,
                               settings=settings, key_fields={"model": cfg.to_dict(), **key_fields})
     return cfg, measured
 
 
-def profile_and_calibrate(cfg: GPTConfig, req: EstimateRequest, device: DeviceSpec, *,
+def profile_and_calibrate(cfg, req: EstimateRequest, device: DeviceSpec, *,
                           cache_dir: str | None = ".ds_pipe_ext_cache", warmup: int = 1, repeats: int = 3,
-                          also: tuple[EstimateRequest, ...] = ()) -> DeviceSpec:
+                          also: tuple[EstimateRequest, ...] = (), specs_fn: Callable = _gpt_specs) -> DeviceSpec:
     """Profile one embedding, one block and the head (+ loss) of ``cfg`` on this machine at ``req``
     (and at each shape in ``also``: more shapes separate the factors), then fit."""
     from ..costs.profiler import ProfileSettings
@@ -76,12 +90,13 @@ def profile_and_calibrate(cfg: GPTConfig, req: EstimateRequest, device: DeviceSp
     settings = ProfileSettings(warmup=warmup, repeats=repeats, cache_dir=cache_dir, progress=False)
     layers = []
     for r in (req, *also):
-        shaped, measured = profile_three_layers(cfg, r.micro_batch, r.seq, settings, {"purpose": "calibration"})
+        shaped, measured = profile_three_layers(cfg, r.micro_batch, r.seq, settings, {"purpose": "calibration"},
+                                                specs_fn=specs_fn)
         layers += calibration_points(shaped, r, device, [(m.forward_s, m.backward_s) for m in measured])
     return fit_device(device, layers, dtype=req.dtype)
 
 
-def calibration_points(cfg: GPTConfig, req: EstimateRequest, device: DeviceSpec,
+def calibration_points(cfg, req: EstimateRequest, device: DeviceSpec,
                        measured: list[tuple[float, float]]) -> list[tuple]:
     """(ops, forward s, backward s) of the embedding, a block and the head, measured at ``req``."""
     ops = layer_ops(cfg, shape_for(cfg, req, device))

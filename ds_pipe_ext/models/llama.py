@@ -1,0 +1,210 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) as a list of pipeline layers.  Read top-down:
+
+    tokens ─► LlamaEmbedding ─► LlamaBlock × L ─► LlamaHead (final RMSNorm + LM head) ─► lm_loss
+
+Hidden states are sequence-first, (s, b, h), as in the GPT and Megatron, so the same ``LayerImpl``
+gives the family megatron-core's tensor and sequence parallelism:
+
+* q, k and v are one column-parallel linear whose output is [q; k; v]; under TP each rank holds
+  heads / t query heads and kv_heads / t key/value heads ([q_r; k_r; v_r], so t must divide the
+  key/value heads).  SwiGLU's gate and up projections are one column-parallel linear, [gate_r; up_r]
+  per rank, as megatron-core's ``gated_linear_unit`` lays them out.
+* Attention is torch's fused ``scaled_dot_product_attention`` (grouped-query natively): on a CPU it
+  saves q, k, v, its output and the log-sum-exp, no s x s probabilities.  Rotary positions are
+  recomputed from 0..s-1 in every block, so only hidden states cross a stage boundary.
+* SiLU(gate) * up is one autograd function that keeps only its input (megatron-core's fused
+  ``bias_swiglu`` does the same): eager torch would also keep SiLU(gate), a third f-wide tensor.
+
+Weights follow transformers' naming inside each layer (``q``/``k``/``v`` stacked as ``qkv``), so a
+Hugging Face checkpoint maps onto it by concatenation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from torch import nn
+
+from ..pipe.sequential import SequentialLayers
+from .layers import LOCAL, LayerImpl, lm_loss, mark_sections
+from .llama_config import LlamaConfig, rotary_inv_freq
+
+
+class LlamaEmbedding(nn.Module):
+    """tokens (b, s) int64 -> hidden states (s, b, h); no position embedding (rotary is in the blocks)."""
+
+    def __init__(self, cfg: LlamaConfig, impl: LayerImpl = LOCAL):
+        super().__init__()
+        self.embed_tokens = impl.embedding(cfg.padded_vocab, cfg.hidden)
+        self.enter_blocks = impl.enter_blocks
+        self.tied_head = impl.tied_head
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.enter_blocks(self.embed_tokens(tokens).transpose(0, 1).contiguous())
+
+
+class Rotary(nn.Module):
+    """cos and sin of positions 0..s-1 x the head's frequencies, (s, head_dim), as transformers computes
+    them (fp32, each frequency twice: [f; f])."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.tensor(rotary_inv_freq(cfg), dtype=torch.float32), persistent=False)
+
+    def forward(self, s: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(s, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x cos + rotate_half(x) sin over the last dimension (transformers' ``apply_rotary_pos_emb``)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention with rotary positions, causal or in a sliding window.
+
+    ``selective_recompute``: keep q, k and v only and rerun the attention kernel in backward (the
+    kernel's output and log-sum-exp are not kept)."""
+
+    def __init__(self, cfg: LlamaConfig, impl: LayerImpl, selective_recompute: bool = False):
+        super().__init__()
+        t, d = impl.tp_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.heads // t, cfg.kv_heads // t, d
+        self.selective_recompute = selective_recompute
+        sections = (cfg.heads * d, cfg.kv_heads * d, cfg.kv_heads * d)
+        self.qkv = mark_sections(impl.column_linear(cfg.hidden, sum(sections), bias=cfg.qkv_bias), sections)
+        self.o_proj = impl.row_linear(cfg.heads * d, cfg.hidden, bias=False)
+        self.rotary = Rotary(cfg)
+        window = cfg.window
+        if window is not None:  # query i sees keys i - window + 1 .. i, as transformers' sliding-window mask
+            i = torch.arange(cfg.seq_len)
+            allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+            self.register_buffer("window_mask", allowed, persistent=False)
+        else:
+            self.window_mask = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # under SP the input is a sequence shard; the column-parallel linear gathers it
+        s, b, _ = qkv.shape
+        d = self.head_dim
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        cos, sin = self.rotary(s, x.dtype)
+        # (s, b, n * d) -> (b, n, s, d); v is copied so that the kernel keeps v alone, not all of qkv
+        q = rotate(q.view(s, b, self.heads, d).permute(1, 2, 0, 3), cos, sin)
+        k = rotate(k.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3), cos, sin)
+        v = v.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3).contiguous()
+        if self.selective_recompute and torch.is_grad_enabled():
+            y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            y = self._core(q, k, v)
+        return self.o_proj(y.permute(2, 0, 1, 3).reshape(s, b, self.heads * d))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s = q.shape[2]
+        gqa = self.kv_heads != self.heads
+        if self.window_mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.window_mask[:s, :s], enable_gqa=gqa)
+
+
+class SwiGLU(torch.autograd.Function):
+    """SiLU(gate) * up of [gate; up] along the last dimension, keeping only its input for backward."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        return torch.cat((grad * up * sig * (1 + gate * (1 - sig)), grad * silu), dim=-1)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig, impl: LayerImpl):
+        super().__init__()
+        self.gate_up = mark_sections(impl.column_linear(cfg.hidden, 2 * cfg.ffn, bias=False), (cfg.ffn, cfg.ffn))
+        self.down = impl.row_linear(cfg.ffn, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(SwiGLU.apply(self.gate_up(x)))
+
+
+class LlamaBlock(nn.Module):
+    """Pre-RMSNorm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: LlamaConfig, impl: LayerImpl = LOCAL, selective_recompute: bool = False):
+        super().__init__()
+        self.input_norm = impl.rms_norm(cfg.hidden, cfg.rms_norm_eps)
+        self.attn = LlamaAttention(cfg, impl, selective_recompute)
+        self.post_attention_norm = impl.rms_norm(cfg.hidden, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg, impl)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x))
+        return x + self.mlp(self.post_attention_norm(x))
+
+
+class LlamaFinalNorm(nn.Module):
+    def __init__(self, cfg: LlamaConfig, impl: LayerImpl = LOCAL):
+        super().__init__()
+        self.norm = impl.rms_norm(cfg.hidden, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+
+class LlamaHead(nn.Module):
+    """Final RMSNorm + LM head: (s, b, h) -> logits (s, b, V)."""
+
+    def __init__(self, cfg: LlamaConfig, impl: LayerImpl = LOCAL):
+        super().__init__()
+        self.norm = impl.rms_norm(cfg.hidden, cfg.rms_norm_eps)
+        self.lm_head = impl.column_linear(cfg.hidden, cfg.padded_vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))
+
+
+def tied_lm_head(embedding: LlamaEmbedding, x: torch.Tensor) -> torch.Tensor:
+    """The LM head that reuses the input embedding matrix (``TiedLayerSpec`` forward_fn)."""
+    return embedding.tied_head(x, embedding.embed_tokens.weight)
+
+
+def llama_layer_specs(cfg: LlamaConfig, impl: LayerImpl = LOCAL, *, selective_recompute: bool = False) -> list:
+    """The model as DeepSpeed layer specs, in pipeline order.
+
+    Untied: [embedding, L blocks, final norm + head]            (L + 2 layers)
+    Tied:   [embedding, L blocks, final norm, tied head]        (L + 3 layers)
+    """
+    extra = (True,) if selective_recompute else ()
+    blocks = [LayerSpec(LlamaBlock, cfg, impl, *extra) for _ in range(cfg.layers)]
+    if not cfg.tie_embeddings:
+        return [LayerSpec(LlamaEmbedding, cfg, impl), *blocks, LayerSpec(LlamaHead, cfg, impl)]
+    return [
+        TiedLayerSpec("embed", LlamaEmbedding, cfg, impl, tied_weight_attr="embed_tokens.weight"),
+        *blocks,
+        LayerSpec(LlamaFinalNorm, cfg, impl),
+        TiedLayerSpec("embed", LlamaEmbedding, cfg, impl, forward_fn=tied_lm_head, tied_weight_attr="embed_tokens.weight"),
+    ]
+
+
+class SequentialLlama(SequentialLayers):
+    """The family's layers in one process (data parallelism, parity checks); see ``SequentialLayers``."""
+
+    def __init__(self, specs: list, loss_fn: Callable = lm_loss, *, base_seed: int | None = None,
+                 recompute: bool = False):
+        super().__init__(specs, loss_fn, base_seed=base_seed, recompute=recompute)

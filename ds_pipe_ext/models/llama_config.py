@@ -1,0 +1,267 @@
+"""`LlamaConfig`: the Llama family's validated config (Llama 2/3, Mistral, Qwen2), from `model_configs/*.toml`
+or a Hugging Face ``config.json`` (``model_type`` llama, mistral or qwen2).
+
+What the family models, and what it refuses by name rather than cost wrongly:
+
+    RMSNorm, a SwiGLU MLP (gate, up, down; no biases), grouped-query attention (kv_heads key/value heads
+    shared by heads / kv_heads queries), rotary positions (``rope_theta``; Llama 3.1's ``llama3`` frequency
+    scaling), optional q/k/v biases (Qwen2), an optional sliding window on every layer (Mistral 7B v0.1),
+    a head tied to the embedding or not, the vocabulary padded to a multiple (Megatron's
+    make_vocab_size_divisible_by).
+    Refused: other rope scalings (linear, dynamic, yarn, longrope), a head_dim other than hidden / heads,
+    biases on o_proj or the MLP, attention dropout, per-layer window patterns.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from functools import lru_cache
+from pathlib import Path
+
+from ..arch import MLP, Attention, Block, ModelDescription
+from .config import CONFIG_DIR, ModelConfigError
+
+ROPE_SCALINGS = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's frequency scaling: wavelengths longer than ``original_max_position_embeddings /
+    low_freq_factor`` are stretched by ``factor``, shorter than ``... / high_freq_factor`` kept, and those
+    between interpolated (transformers' ``_compute_llama3_parameters``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+
+    def __post_init__(self) -> None:
+        if self.rope_type != "llama3":
+            raise ModelConfigError(f"rope scaling {self.rope_type!r} is not modelled; supported: {list(ROPE_SCALINGS)}")
+        if not (self.factor > 0 and self.high_freq_factor > self.low_freq_factor > 0
+                and self.original_max_position_embeddings > 0):
+            raise ModelConfigError(f"rope scaling llama3: factor, low_freq_factor < high_freq_factor and "
+                                   f"original_max_position_embeddings must be positive (got {self})")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    name: str
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    seq_len: int  # the training sequence (the model's own limit may be longer)
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2's q/k/v projections carry biases
+    sliding_window: int = 0  # 0: none; else every layer attends to at most this many past positions
+    vocab_pad_to: int = 1
+
+    def __post_init__(self) -> None:
+        where = f"model config {self.name!r}"
+        for f in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "seq_len", "vocab_pad_to"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ModelConfigError(f"{where}: {f} = {v!r}; it must be a positive integer")
+        if self.hidden % self.heads:
+            raise ModelConfigError(f"{where}: heads ({self.heads}) do not divide hidden ({self.hidden})")
+        if self.heads % self.kv_heads:
+            raise ModelConfigError(f"{where}: kv_heads ({self.kv_heads}) must divide heads ({self.heads}): each "
+                                   f"key/value head serves heads / kv_heads query heads")
+        if self.head_dim % 2:
+            raise ModelConfigError(f"{where}: rotary positions need an even head_dim (hidden / heads = {self.head_dim})")
+        if not isinstance(self.rope_theta, (int, float)) or isinstance(self.rope_theta, bool) or self.rope_theta <= 0:
+            raise ModelConfigError(f"{where}: rope_theta = {self.rope_theta!r}; a positive number is required")
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", rope_scaling_from(self.rope_scaling, where))
+        if not isinstance(self.rms_norm_eps, (int, float)) or not self.rms_norm_eps > 0:
+            raise ModelConfigError(f"{where}: rms_norm_eps must be > 0")
+        for f in ("tie_embeddings", "qkv_bias"):
+            if not isinstance(getattr(self, f), bool):
+                raise ModelConfigError(f"{where}: {f} must be true or false")
+        w = self.sliding_window
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ModelConfigError(f"{where}: sliding_window = {w!r}; 0 (none) or a positive window")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // self.vocab_pad_to) * self.vocab_pad_to
+
+    @property
+    def window(self) -> int | None:
+        """The attention window where it is shorter than the sequence (else attention is plainly causal)."""
+        return self.sliding_window if 0 < self.sliding_window < self.seq_len else None
+
+    @property
+    def num_pipeline_layers(self) -> int:
+        """Embedding, the blocks, final norm + LM head (as the description counts them)."""
+        return self.layers + 2
+
+    def describe(self) -> ModelDescription:
+        """What the model computes: rotary positions, RMSNorm, grouped-query attention through a fused
+        kernel, a SwiGLU MLP, no biases but Qwen2's q/k/v ones."""
+        return _describe(self)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, *, name: str = "<dict>") -> "LlamaConfig":
+        data = dict(data)
+        data.setdefault("name", name)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ModelConfigError(f"model config {data['name']!r}: unknown field(s) {unknown}; valid fields "
+                                   f"are {sorted(known)}")
+        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.default is MISSING)
+        if missing:
+            raise ModelConfigError(f"model config {data['name']!r}: missing field(s) {missing}")
+        return cls(**data)
+
+
+def rope_scaling_from(data: dict | None, where: str) -> RopeScaling | None:
+    """A ``rope_scaling`` table (or transformers 5's ``rope_parameters``) as a ``RopeScaling``; None for none."""
+    if not data:
+        return None
+    kind = data.get("rope_type", data.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ROPE_SCALINGS:
+        raise ModelConfigError(f"{where}: rope scaling {kind!r} is not modelled; supported: {list(ROPE_SCALINGS)} "
+                               f"(drop the scaling, or train at the original context)")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise ModelConfigError(f"{where}: rope scaling llama3 lacks {missing}")
+    return RopeScaling(**{k: data[k] for k in keys})
+
+
+@lru_cache(maxsize=64)
+def _describe(cfg: LlamaConfig) -> ModelDescription:
+    block = Block(Attention(cfg.heads, cfg.kv_heads, qkv_bias=cfg.qkv_bias, window=cfg.window, kernel="fused"),
+                  MLP(cfg.ffn, "swiglu"))
+    return ModelDescription(name=cfg.name, hidden=cfg.hidden, vocab=cfg.padded_vocab, seq_len=cfg.seq_len,
+                            blocks=(block,) * cfg.layers, positions="rotary", norm="rmsnorm",
+                            tied_head=cfg.tie_embeddings, dropout=False, linear_bias=False)
+
+
+def rotary_inv_freq(cfg: LlamaConfig) -> list[float]:
+    """The rotary frequencies of one head (head_dim / 2 of them), scaled as ``cfg.rope_scaling`` says."""
+    d = cfg.head_dim
+    inv = [1.0 / cfg.rope_theta ** (i / d) for i in range(0, d, 2)]
+    r = cfg.rope_scaling
+    if r is None:
+        return inv
+    low_wavelen = r.original_max_position_embeddings / r.low_freq_factor
+    high_wavelen = r.original_max_position_embeddings / r.high_freq_factor
+    out = []
+    for f in inv:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(f)
+        elif wavelen > low_wavelen:
+            out.append(f / r.factor)
+        else:
+            smooth = (r.original_max_position_embeddings / wavelen - r.low_freq_factor) / (
+                r.high_freq_factor - r.low_freq_factor)
+            out.append((1 - smooth) * f / r.factor + smooth * f)
+    return out
+
+
+# ---------------------------------------------------------------------------- Hugging Face config.json
+
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def from_hf_llama(data: dict, *, name: str) -> LlamaConfig:
+    """A Hugging Face ``config.json`` of ``model_type`` llama, mistral or qwen2 (read as JSON).
+
+    ``max_position_embeddings`` becomes ``seq_len`` (override it with the sequence you train at);
+    transformers 5 keeps rope_theta and the scaling in ``rope_parameters``, 4.x at the top level.
+    """
+    kind = data.get("model_type")
+    where = f"model config {name!r} (model_type {kind!r})"
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+                "max_position_embeddings")
+    missing = [k for k in required if data.get(k) is None]
+    if missing:
+        raise ModelConfigError(f"{where}: config.json lacks {missing}")
+    hidden, heads = data["hidden_size"], data["num_attention_heads"]
+    head_dim = data.get("head_dim")
+    if head_dim is not None and isinstance(hidden, int) and isinstance(heads, int) and heads and head_dim * heads != hidden:
+        raise ModelConfigError(f"{where}: head_dim {head_dim} x {heads} heads != hidden_size {hidden}: a head "
+                               f"width other than hidden / heads is not modelled")
+    for key in ("attention_bias", "mlp_bias"):
+        if kind == "llama" and data.get(key):
+            raise ModelConfigError(f"{where}: {key} = true (biases on o_proj or the MLP) is not modelled; the "
+                                   f"Llama family models q/k/v biases only (Qwen2's)")
+    if data.get("attention_dropout"):
+        raise ModelConfigError(f"{where}: attention_dropout = {data['attention_dropout']} is not modelled; use 0")
+    act = data.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"{where}: hidden_act {act!r}: the family's MLP is SwiGLU (silu)")
+    rope = data.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
+    scaling = rope if rope.get("rope_type", "default") != "default" else data.get("rope_scaling")
+    window = 0
+    if kind == "mistral":
+        window = data.get("sliding_window") or 0
+    elif kind == "qwen2" and data.get("use_sliding_window"):
+        raise ModelConfigError(f"{where}: use_sliding_window = true (a window on layers from max_window_layers "
+                               f"on) is not modelled; Qwen2/2.5 releases train with it off")
+    layer_types = data.get("layer_types")
+    if layer_types and len(set(layer_types)) > 1:
+        raise ModelConfigError(f"{where}: layer_types mixes {sorted(set(layer_types))}; a per-layer attention "
+                               f"pattern is not modelled")
+    return LlamaConfig.from_dict({
+        "vocab_size": data["vocab_size"], "hidden": hidden, "layers": data["num_hidden_layers"], "heads": heads,
+        "kv_heads": data.get("num_key_value_heads") or heads, "ffn_hidden": data["intermediate_size"],
+        "seq_len": data["max_position_embeddings"], "rope_theta": float(theta),
+        "rope_scaling": rope_scaling_from(scaling, where), "rms_norm_eps": data.get("rms_norm_eps", 1e-6),
+        "tie_embeddings": bool(data.get("tie_word_embeddings", False)), "qkv_bias": kind == "qwen2",
+        "sliding_window": int(window)}, name=name)
+
+
+def load_llama_config(name_or_path: str | Path, **overrides) -> LlamaConfig:
+    """A Llama-family config: a name in model_configs/ (``family = "llama"``), a .toml path, a Hugging Face
+    config.json or a ``save_pretrained`` directory.  ``overrides`` replace fields (e.g. ``seq_len=4096``)."""
+    import json
+
+    from .registry import hf_config_path
+
+    path = hf_config_path(name_or_path) or Path(name_or_path)
+    if path.suffix not in (".toml", ".json"):
+        path = CONFIG_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise ModelConfigError(f"unknown model {str(name_or_path)!r}: no file {path}")
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if path.suffix == ".json":
+        try:
+            cfg = from_hf_llama(json.loads(path.read_text()), name=path.parent.name or path.stem)
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"model config {path}: not valid JSON ({e})") from None
+        return replace(cfg, **overrides) if overrides else cfg
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ModelConfigError(f"model config {path}: not valid TOML ({e}); fix the syntax") from None
+    data.pop("family", None)
+    data.update(overrides)
+    return LlamaConfig.from_dict(data, name=path.stem)
