@@ -8,6 +8,8 @@ STAMP  := $(VENV)/.installed
 # one thread per rank: ranks share the 2 cores of the CI machine
 export OMP_NUM_THREADS ?= 1
 export DS_BUILD_OPS ?= 0
+# the Hugging Face tests build their small models here: nothing is downloaded
+export HF_HUB_OFFLINE ?= 1
 
 .PHONY: install demo test test-fast bench clean
 

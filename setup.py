@@ -25,7 +25,9 @@ setup(
         "tqdm>=4.66,<5",
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],
+        # Hugging Face models as pipelines (ds_pipe_ext.hf); the tested range is compat.TRANSFORMERS_TESTED
+        "hf": ["transformers>=5.23,<5.30", "safetensors>=0.4"],
+        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "transformers>=5.23,<5.30", "safetensors>=0.4"],
         # apex is not on PyPI: build it from NVIDIA's repository for fused LayerNorm/Adam on GPU.
     },
     entry_points={"console_scripts": ["ds-pipe-ext=ds_pipe_ext.cli:main"]},

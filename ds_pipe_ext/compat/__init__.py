@@ -51,28 +51,35 @@ glibc's malloc, in ``compat.cpu_shims`` (CPU only):
 megatron-core, in ``compat.cpu_shims`` (CPU only):
     the module-level name ``torch`` of ``tensor_parallel.mappings``, ``tensor_parallel.layers``
     and ``utils``, whose ``torch.cuda.current_device()`` must name the CPU
+
+transformers (optional: ``ds_pipe_ext.hf``, the ``hf`` extra), public names whose behaviour ``hf/`` relies on:
+    ``masking_utils.create_causal_mask`` / ``create_sliding_window_causal_mask`` (keyword ``cache``), the
+    decoder layers' ``position_embeddings`` / ``position_ids`` / ``attention_mask`` keywords, a ``*ForCausalLM``'s
+    module paths (``hf/source.ARCHITECTURES``), the rotary module built from ``config=``
 """
 
 DEEPSPEED_TESTED = ">=0.19.0,<0.20"
 MEGATRON_CORE_TESTED = ">=0.16.0,<=0.16.1"
+TRANSFORMERS_TESTED = ">=5.23,<5.30"
 
 
 def _warn_untested_versions() -> None:
-    """Warn once, at import, for an installed DeepSpeed or megatron-core outside the tested range:
-    the private names above may have moved."""
+    """Warn once, at import, for an installed DeepSpeed, megatron-core or transformers outside the tested
+    range: the names above may have moved."""
     import warnings
     from importlib.metadata import PackageNotFoundError, version
 
     from packaging.specifiers import SpecifierSet
 
-    for package, tested in (("deepspeed", DEEPSPEED_TESTED), ("megatron-core", MEGATRON_CORE_TESTED)):
+    for package, tested in (("deepspeed", DEEPSPEED_TESTED), ("megatron-core", MEGATRON_CORE_TESTED),
+                            ("transformers", TRANSFORMERS_TESTED)):
         try:
             installed = version(package)
         except PackageNotFoundError:
             continue  # its absence is reported where it is first needed
         if installed not in SpecifierSet(tested):
             warnings.warn(f"ds_pipe_ext was tested with {package} {tested}, this is {package} {installed}: its "
-                          f"private names that ds_pipe_ext/compat relies on may have changed", stacklevel=2)
+                          f"names that ds_pipe_ext/compat relies on may have changed", stacklevel=2)
 
 
 _warn_untested_versions()

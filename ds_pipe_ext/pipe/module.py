@@ -21,6 +21,7 @@ from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineMo
 
 from ..compat import engine as ds_engine
 from ..costs.frozen import freeze_costs
+from ..costs.layers import is_layer_spec
 from ..costs.model import CostModel
 from ..costs.profiler import profile_layers
 from ..costs.estimate import DTYPE_BYTES
@@ -104,6 +105,14 @@ class PipelineModule(_DeepSpeedPipelineModule):
             raise PartitionError(f"partition_method={method!r} computes costs from a description of the model: pass "
                                  f"cost_model= (a ds_pipe_ext.costs.model.CostModel; for a family in models/, "
                                  f"get_family(name).cost_model(cfg, impl)), or use 'profiled'")
+        tp = topology.get_dim("model") if topology is not None and "model" in topology.get_axis_names() else 1
+        whole = sorted({layer.typename.__name__ for layer in layers
+                        if is_layer_spec(layer) and getattr(layer.typename, "tensor_parallel", True) is False})
+        if tp > 1 and whole:
+            raise PartitionError(f"{whole[0]} layers hold whole (unsharded) weights: tensor parallelism inside the "
+                                 f"pipeline (a 'model' axis of {tp} in the topology, DeepSpeed's AutoTP) is out of "
+                                 f"scope for them; run them as PP x DP (model axis 1), or train the model as one of "
+                                 f"ds_pipe_ext's families (models/), which run megatron-core TP")
         self._ext_settings = settings
         self._ext_profile_batch = profile_batch
         self._ext_micro_batches = micro_batches or stages or 1

@@ -1,0 +1,179 @@
+"""Hugging Face causal LMs as DeepSpeed pipelines (``ds_pipe_ext.hf``): the pipeline's loss equals the model's
+own ``labels=`` loss, layers see the masks and positions the model would give them, a stage reads only its
+own tensors, a checkpoint goes back to a save_pretrained directory, and what cannot run is refused by name.
+Nothing is downloaded: every model is a small one built and saved here."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
+
+from ds_pipe_ext import hf  # noqa: E402
+from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
+from ds_pipe_ext.hf.source import HFPipelineError  # noqa: E402
+from ds_pipe_ext.pipe.sequential import SequentialLayers  # noqa: E402
+
+COMMON = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**COMMON),
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=6),  # a window shorter than the batch's 16 tokens
+    "qwen2-tied": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "gpt2": lambda: GPT2Config(vocab_size=256, n_embd=32, n_layer=3, n_head=4, n_positions=64, resid_pdrop=0.0,
+                               embd_pdrop=0.0, attn_pdrop=0.0),
+}
+TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def saved(tmp_path, name: str, impl: str = "sdpa", seed: int = 0, **changes):
+    torch.manual_seed(seed)
+    config = CONFIGS[name]()
+    for k, v in changes.items():
+        setattr(config, k, v)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
+    path = tmp_path / f"{name}-{impl}"
+    model.save_pretrained(path)
+    return model, path
+
+
+def pipeline_loss(layers, tokens=TOKENS, labels=None) -> float:
+    return SequentialLayers(layers, hf.causal_lm_loss)(tokens, tokens if labels is None else labels).item()
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_pipelines_loss_is_the_models_own(tmp_path, name, impl):
+    model, path = saved(tmp_path, name, impl)
+    want = model(TOKENS, labels=TOKENS).loss.item()
+    assert pipeline_loss(hf.pipeline_layers(path, attn_implementation=impl)) == pytest.approx(want, rel=1e-5)
+    assert pipeline_loss(hf.pipeline_layers(model)) == pytest.approx(want, rel=1e-5)  # an instance in memory
+    labels = TOKENS.clone()
+    labels[:, :5] = -100  # positions without a loss, as transformers ignores them
+    assert pipeline_loss(hf.pipeline_layers(model), labels=labels) == pytest.approx(
+        model(TOKENS, labels=labels).loss.item(), rel=1e-5)
+
+
+def test_each_layer_gets_the_mask_its_model_builds(tmp_path, monkeypatch):
+    """Without the mask an eager layer attends to the future, and Mistral's layers without the window see
+    too far: either changes the loss, so the parity above depends on both."""
+    from ds_pipe_ext.hf import layers
+
+    model, path = saved(tmp_path, "mistral", "eager")
+    want = model(TOKENS, labels=TOKENS).loss.item()
+    monkeypatch.setattr(layers, "attention_type", lambda source, index: "full_attention")
+    assert abs(pipeline_loss(hf.pipeline_layers(path, attn_implementation="eager")) - want) > 1e-4 * want  # parity: 1e-5
+    monkeypatch.undo()
+    import transformers.masking_utils as masks
+
+    monkeypatch.setattr(masks, "create_sliding_window_causal_mask", lambda **kw: None)
+    assert abs(pipeline_loss(hf.pipeline_layers(path, attn_implementation="eager")) - want) > 1e-4 * want  # parity: 1e-5
+
+
+def test_a_stage_reads_only_its_own_tensors(tmp_path, monkeypatch):
+    model, path = saved(tmp_path, "llama")
+    asked = []
+    real = hf.HFSource.tensors
+    monkeypatch.setattr(hf.HFSource, "tensors", lambda self, prefix: asked.append(prefix) or real(self, prefix))
+    layer = hf.pipeline_layers(path)[2].build()  # decoder layer 1
+    assert asked == ["model.layers.1."]
+    want = dict(model.model.layers[1].named_parameters())
+    assert {k.removeprefix("layer."): v for k, v in layer.named_parameters()}.keys() == want.keys()
+    assert all(torch.equal(p, want[k.removeprefix("layer.")]) for k, p in layer.named_parameters())
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-tied", "gpt2"])
+def test_a_pipeline_checkpoint_goes_back_to_save_pretrained(tmp_path, name):
+    """Per-layer files as DeepSpeed's PipelineModule writes them (layer_NN-model_00-model_states.pt) -> a
+    save_pretrained directory that transformers loads with every weight, tied head included."""
+    model, path = saved(tmp_path, name, seed=3)
+    layers = hf.pipeline_layers(path)
+    built = SequentialLayers(layers, hf.causal_lm_loss)
+    with torch.no_grad():
+        for p in built.parameters():
+            p.add_(0.01)  # "trained": the export must carry these weights, not the original ones
+    ckpt = tmp_path / "ckpt" / "global_step1"
+    ckpt.mkdir(parents=True)
+    (ckpt.parent / "latest").write_text("global_step1")
+    for index, (module_index, _) in enumerate(built._calls):
+        torch.save(built.layers[module_index].state_dict(), ckpt / f"layer_{index:02d}-model_00-model_states.pt")
+    out = hf.save_pretrained(ckpt.parent, path, tmp_path / "exported")
+    back = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert back(TOKENS, labels=TOKENS).loss.item() == pytest.approx(built(TOKENS, TOKENS).item(), rel=1e-5)
+
+
+def test_the_analytic_cost_model_reads_the_models_config(tmp_path):
+    _, path = saved(tmp_path, "mistral")
+    costs = hf.cost_model(path).layer_costs(TOKENS, tp=1, device=get_device("a100"), dtype="fp32")
+    assert len(costs) == len(hf.pipeline_layers(path)) == 5
+    block = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).model.layers[0].parameters())
+    assert costs[1].param_bytes == 4 * block
+
+
+def test_what_the_pipeline_cannot_run_is_refused_by_name(tmp_path):
+    model, path = saved(tmp_path, "llama")
+    padded = torch.ones_like(TOKENS)
+    padded[:, -4:] = 0
+    with pytest.raises(HFPipelineError, match=r"a padded batch \(an attention_mask with zeros\) cannot cross"):
+        SequentialLayers(hf.pipeline_layers(path), hf.causal_lm_loss)((TOKENS, padded), TOKENS)
+    unpadded = SequentialLayers(hf.pipeline_layers(path), hf.causal_lm_loss)((TOKENS, torch.ones_like(TOKENS)), TOKENS)
+    assert unpadded.item() == pytest.approx(model(TOKENS, labels=TOKENS).loss.item(), rel=1e-5)
+    model.gradient_checkpointing_enable()
+    with pytest.raises(HFPipelineError, match=r"gradient checkpointing switched on; switch it off"):
+        hf.pipeline_layers(model)
+    with pytest.raises(HFPipelineError, match=r"attn_implementation 'flash_attention_2': the pipeline runs 'sdpa' or 'eager'"):
+        hf.pipeline_layers(path, attn_implementation="flash_attention_2")
+    other = tmp_path / "neox"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
+    with pytest.raises(HFPipelineError, match=r"model_type 'gpt_neox' is not supported as a pipeline; supported: "
+                                              r"\['gpt2', 'llama', 'mistral', 'qwen2'\]"):
+        hf.pipeline_layers(other)
+
+
+@pytest.mark.multiprocess
+def test_deepspeed_trains_a_save_pretrained_directory_on_2_ranks(tmp_path):
+    """deepspeed --num_gpus 2, "profiled", a Llama with 5 decoder layers (7 pipeline layers on 2 stages): the
+    first step's loss is the model's own labels= loss; a padded profile batch fails on every rank with the
+    same error, no hang; the checkpoint exports to a directory transformers loads with the trained weights."""
+    from ds_pipe_ext.runner import launch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from hf_pipeline import MICRO_BATCHES, batches
+
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**COMMON, "num_hidden_layers": 5})).eval()
+    path = tmp_path / "llama5"
+    model.save_pretrained(path)
+    data = batches(256, 1234)
+    want_first = sum(model(x, labels=y).loss.item() for x, y in (next(data) for _ in range(MICRO_BATCHES))) / MICRO_BATCHES
+    proc, ranks = launch(2, None, "--model", str(path), "--steps", "2", "--checkpoint", str(tmp_path / "ckpt"),
+                         out_dir=tmp_path, cwd=tmp_path, script="tests/hf_pipeline.py", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(ranks) == [0, 1]
+    for r in ranks.values():
+        assert r["padded_error"] is not None and "a padded batch (an attention_mask with zeros)" in r["padded_error"]
+        assert r["losses"][0] == pytest.approx(want_first, rel=1e-5)
+        assert r["parts"] == ranks[0]["parts"] and r["parts"][0] == 0 and r["parts"][-1] == 7
+    back = AutoModelForCausalLM.from_pretrained(hf.save_pretrained(tmp_path / "ckpt", path, tmp_path / "exported")).eval()
+    evals = batches(256, 99)
+    exported = sum(back(x, labels=y).loss.item() for x, y in (next(evals) for _ in range(MICRO_BATCHES))) / MICRO_BATCHES
+    assert exported == pytest.approx(ranks[0]["eval_loss"], rel=1e-5)
+    assert exported != pytest.approx(want_first, rel=1e-3)  # trained weights, not the saved ones
+
+
+def test_tensor_parallelism_inside_the_pipeline_is_refused_for_hf_layers(tmp_path):
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    from ds_pipe_ext import PipelineModule
+    from ds_pipe_ext.partition import PartitionError
+
+    _, path = saved(tmp_path, "llama")
+    with pytest.raises(PartitionError, match=r"HFDecoderLayerPipe layers hold whole \(unsharded\) weights: tensor "
+                                             r"parallelism inside the pipeline \(a 'model' axis of 2"):
+        PipelineModule(hf.pipeline_layers(path), topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
+                       loss_fn=hf.causal_lm_loss, partition_method="uniform")
