@@ -160,6 +160,12 @@ def _plan(args, checker) -> int:
         _emit(f"{label}: {cost.layout.name}, parts {cost.parts}")
         _emit(f"  Megatron pipeline_model_parallel_layout: {text!r} ({why})" if text else
               f"  Megatron pipeline_model_parallel_layout: none ({why})")
+    if args.only:
+        from ..plan.published import beside, matching
+
+        lay = res.top[0].layout
+        for run in matching(cfg.name, d.name, args.gpus, lay, model.seq, model.global_batch):
+            _emit("\n".join(beside(run, res.top[0], d.matrix_flops[model.dtype])))
     if best is None:
         _emit("no layout DeepSpeed runs (1F1B, GPipe, DualPipeV or no pipeline) fits: the plan has simulated "
               "alternatives only")

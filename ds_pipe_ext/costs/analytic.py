@@ -92,6 +92,7 @@ class OpCost:
     comm_type: str = ""
     recompute: bool = False  # dropped from saved activations under selective recompute
     gemm_dim: float = 0.0  # a GEMM's smallest dimension on this rank (kernels fill the device less when small)
+    gemm_out: int = 0  # a GEMM's output width (its rows' length): an unaligned one is slower forward on a CPU
     # sizes of the large buffers the op allocates (outputs forward; input and weight gradients backward):
     # on a CPU each one above the allocator's mmap threshold arrives as fresh pages (see DeviceSpec)
     fwd_allocs: tuple = ()
@@ -103,7 +104,8 @@ class OpCost:
     def __add__(self, other: "OpCost") -> "OpCost":
         # numbers add; allocation and tensor lists concatenate
         num = {f.name: getattr(self, f.name) + getattr(other, f.name)
-               for f in fields(self) if f.name not in ("name", "kind", "comm_type", "recompute", "gemm_dim")}
+               for f in fields(self)
+               if f.name not in ("name", "kind", "comm_type", "recompute", "gemm_dim", "gemm_out")}
         return OpCost(name=self.name, kind=self.kind, comm_type=self.comm_type, **num)
 
 
@@ -123,6 +125,7 @@ def linear(name: str, tokens: float, k: int, n: int, shp: Shape, *, bias: bool =
         fwd_bytes=(tokens * k + tokens * n) * shp.e + w,
         bwd_bytes=(2 * tokens * n + 2 * tokens * k) * shp.e + 2 * w,
         activation_bytes=saved * shp.e, weight_bytes=w, weights=tensors, gemm_dim=float(min(tokens, k, n)),
+        gemm_out=int(n),
         fwd_allocs=(tokens * n * shp.e,), bwd_allocs=(tokens * k * shp.e, w),
     )
 

@@ -28,9 +28,8 @@ def _layer_time(ops: list[OpCost], device: DeviceSpec, dtype: str, backward: boo
         flops = op.bwd_flops if backward else op.fwd_flops
         moved = op.bwd_bytes if backward else op.fwd_bytes
         peak = device.vector_flops[dtype] if op.kind == "vector" else device.matrix_flops[dtype]
-        # the spec's efficiency for this op with the fitted factor in place of its class's own
-        # (``DeviceSpec.efficiency``: small GEMMs fill the device less)
-        size = device.efficiency(op.kind, op.gemm_dim) / device.efficiency(op.kind) if op.kind == "matrix" else 1.0
+        # the fitted factor in place of its class's own, times what the op's shape lets it reach
+        size = device.shape_factor(op, dtype=dtype, backward=backward)
         total = total + np.maximum(flops / (peak * eff[op.kind] * size),
                                    moved / (device.hbm_bandwidth * eff["memory"]))
         # page faults scale with the memory factor: both are the memory system's speed against the

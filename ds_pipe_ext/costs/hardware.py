@@ -51,6 +51,11 @@ class DeviceSpec:
     # row backward): a CPU waits on memory for each, ~0.35 us, beyond the bytes' streaming time (bench-cpu
     # at 1,024 tokens: 0.35 ms each way, 5% of the layer); 0: none (a GPU keeps thousands in flight)
     row_op_s: float = 0.0
+    # A forward GEMM whose output rows are not 64-byte aligned (a width that is not a multiple of 16 fp32
+    # elements: GPT-2's 50,257-token vocabulary) runs at this fraction of an aligned one's speed on a CPU
+    # (0.67-0.75 measured here, at any size; its backward, whose outputs are the input and weight widths,
+    # does not).  Measured by ``measure_cpu``; 1: not measured (Megatron pads vocabularies to 128 on GPUs).
+    misaligned_output_efficiency: float = 1.0
     # Measured collectives, {kind: [latency_s, bus bandwidth]} for "all-reduce", "all-gather",
     # "reduce-scatter" and "p2p"; None: the ring formulas on the link bandwidth.  CPU ranks talk
     # through gloo at a tenth of a memory copy's speed (``cpu_comm.measure_cpu_ranks``).
@@ -69,7 +74,7 @@ class DeviceSpec:
         peak = (self.vector_flops if op.kind == "vector" else self.matrix_flops).get(dtype)
         if peak is None:
             raise AnalyticError(f"device {self.name} has no {op.kind} peak for dtype {dtype!r}")
-        compute = flops / (peak * self.efficiency(op.kind, op.gemm_dim))
+        compute = flops / (peak * self.efficiency(op.kind) * self.shape_factor(op, dtype=dtype, backward=backward))
         filled = op.bwd_fill_bytes if backward else 0.0
         memory = ((moved - filled) / self.hbm_bandwidth
                   + filled / (self.fill_bandwidth or self.hbm_bandwidth)) / self.memory_efficiency
@@ -96,6 +101,17 @@ class DeviceSpec:
             latency, busbw = self.collectives[kind]
             return latency + (payload_bytes / busbw if kind == "p2p" else ring_time(payload_bytes, kind, n, busbw))
         return payload_bytes / bandwidth if kind == "p2p" else ring_time(payload_bytes, kind, n, bandwidth)
+
+    def shape_factor(self, op: OpCost, *, dtype: str, backward: bool = False) -> float:
+        """The share of its class's efficiency an op's shape lets it reach: a GEMM with a small dimension
+        fills the device less (``matrix_half_dim``); a forward GEMM whose output rows are not 64-byte
+        aligned is slower on a CPU (``misaligned_output_efficiency``)."""
+        factor = 1.0
+        if op.kind == "matrix" and self.matrix_half_dim > 0 and op.gemm_dim > 0:
+            factor = op.gemm_dim / (op.gemm_dim + self.matrix_half_dim)
+        if not backward and op.gemm_out and op.gemm_out * (2 if dtype in ("bf16", "fp16") else 4) % 64:
+            factor *= self.misaligned_output_efficiency
+        return factor
 
     def efficiency(self, kind: str, gemm_dim: float = 0.0) -> float:
         if kind == "matrix" and self.matrix_half_dim > 0 and gemm_dim > 0:
@@ -162,7 +178,8 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     fresh anonymous 64 MiB mapping (what glibc returns above its mmap threshold) against filling a
     warm buffer; the difference is the page faults.  Zeroing a warm 256 MiB buffer (``fill_bandwidth``),
     drawing a dropout mask of 2^20 elements (``random_rate``) and looking up rows of a table beyond the
-    caches at random (``row_op_s``).  Faults are charged above the threshold the
+    caches at random (``row_op_s``), and a forward GEMM whose output width breaks 64-byte row alignment
+    (4,097 against 4,096 columns: ``misaligned_output_efficiency``).  Faults are charged above the threshold the
     training processes run with (``training_mmap_threshold``: train.py fixes it at 1 GiB).
     """
     import mmap
@@ -177,7 +194,7 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     steady_host_allocator()
     threads = torch.get_num_threads()
     mmap_min = training_mmap_threshold()  # what train.py's ranks map afresh (steady_host_allocator)
-    path = Path(cache_dir) / f"cpu-spec-v10-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
+    path = Path(cache_dir) / f"cpu-spec-v11-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
     if path is not None and path.exists():
         try:
             return DeviceSpec(**json.loads(path.read_text()))
@@ -241,11 +258,16 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
 
     row_op = min(cold_lookup() for _ in range(12)) / tokens
     del lookup_table, flush
+    # the same forward GEMM with its output one column wider: rows no longer 64-byte aligned
+    inputs, aligned, ragged = torch.randn(512, 1024), torch.randn(4096, 1024), torch.randn(4097, 1024)
+    misaligned = (seconds_per_call(lambda: torch.nn.functional.linear(inputs, aligned)) * 4097 / 4096
+                  / seconds_per_call(lambda: torch.nn.functional.linear(inputs, ragged)))
     ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     spec = DeviceSpec("cpu", {"fp32": mm, "bf16": mm}, {"fp32": vec, "bf16": vec}, bw, bw, bw, ram, gpus_per_node=1,
                       matrix_efficiency=1.0, attention_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0,
                       comm_efficiency=1.0, fresh_page_bandwidth=faults, fresh_alloc_min_bytes=mmap_min,
-                      fill_bandwidth=fill, random_rate=random, row_op_s=row_op)
+                      fill_bandwidth=fill, random_rate=random, row_op_s=row_op,
+                      misaligned_output_efficiency=min(misaligned, 1.0))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(spec)))

@@ -77,6 +77,9 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, impl: LayerImpl, selective_recompute: bool = False):
         super().__init__()
         t, d = impl.tp_size, cfg.head_dim
+        if cfg.kv_heads % t:  # each rank holds whole key/value heads (megatron-core's rule too)
+            raise ValueError(f"tensor parallel degree {t} does not divide the key/value heads ({cfg.kv_heads}) of "
+                             f"model {cfg.name!r}; choose tp dividing them")
         self.heads, self.kv_heads, self.head_dim = cfg.heads // t, cfg.kv_heads // t, d
         self.selective_recompute = selective_recompute
         sections = (cfg.heads * d, cfg.kv_heads * d, cfg.kv_heads * d)

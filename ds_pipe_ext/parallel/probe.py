@@ -1,7 +1,7 @@
 """Saved-activation bytes of TP-sharded layers, measured inside a tensor-parallel group.
 
 Used by the analytic-vs-profiled bench and test: spawns ``tp`` gloo processes on
-this machine, builds the GPT's embedding, one block and the head with megatron's
+this machine, builds a family's embedding, one block and the head with megatron's
 TP (and SP) layers, and profiles them as a rank runs them.
 """
 
@@ -20,10 +20,8 @@ def _worker(rank, world, init_file, cases, out_path):
     import torch.distributed as dist
 
     from ..costs.profiler import ProfileSettings, profile_layers
-    from ..models.config import GPTConfig
-    from ..models.gpt import gpt_layer_specs, loss_fn_for
-    from .tensor_parallel import megatron_layer_impl
     from ..layout import Layout
+    from ..models import get_family
     from .topology import initialize
 
     torch.set_num_threads(1)
@@ -31,12 +29,13 @@ def _worker(rank, world, init_file, cases, out_path):
     initialize(Layout(tp=world), world)
     rows = []
     for case in cases:
-        cfg = GPTConfig.from_dict(case["model"], name=case["model"]["name"])
-        impl = megatron_layer_impl(tp=world, sequence_parallel=case["sp"])
-        specs = gpt_layer_specs(cfg, impl)
+        family = get_family(case.get("family", "gpt"))
+        cfg = family.config_type.from_dict(case["model"], name=case["model"]["name"])
+        impl = family.tensor_parallel(world, case["sp"])
+        specs = family.layer_specs(cfg, impl)
         tokens = torch.randint(0, cfg.vocab_size, (case["b"], cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
         costs = profile_layers([specs[0], specs[1], specs[-1]], tokens[:, :-1], labels=tokens[:, 1:],
-                               loss_fn=loss_fn_for(impl),
+                               loss_fn=family.loss_fn(impl),
                                settings=ProfileSettings(cache_dir=None, warmup=0, repeats=1, progress=False))
         rows.append([c.activation_bytes for c in costs])
     if rank == 0:
@@ -46,7 +45,8 @@ def _worker(rank, world, init_file, cases, out_path):
 
 
 def tp_activation_bytes(cases: list[dict], tp: int = 2) -> list[list[int]]:
-    """For each case {"model": GPTConfig dict, "b": int, "sp": bool}: [embedding, block, head] bytes on TP rank 0."""
+    """For each case {"model": a config's dict, "family": its family (default gpt), "b": int, "sp": bool}:
+    [embedding, block, head] bytes on TP rank 0."""
     with tempfile.TemporaryDirectory() as d:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         mp.start_processes(_worker, args=(tp, str(Path(d) / "init"), cases, str(Path(d) / "out.json")),
