@@ -249,3 +249,18 @@ def test_dualpipev_pairs_are_balanced_exactly_against_brute_force():
                                                                    0.3, 0.2, 0.1 * 3])]
     brute = min(max(pair_times(t, [0, *c, 18])) for c in itertools.combinations(range(1, 18), 9))
     assert max(pair_times(t, partition_pairs_min_max(t, 5))) == pytest.approx(brute, rel=1e-12)
+
+
+def test_the_hand_rules_people_set():
+    from ds_pipe_ext.partition import PartitionError
+    from ds_pipe_ext.partition.hand_rules import fewer_at_the_ends, megatron_accounting
+
+    # Llama 3 405B: 126 blocks on 16 stages, 7 on the first and the last, 8 between (Dubey et al. 2024)
+    parts = megatron_accounting(126, 16)
+    blocks = [b - a for a, b in zip(parts, parts[1:])]
+    assert blocks[0] == 1 + 7 and blocks[-1] == 7 + 1 and set(blocks[1:-1]) == {8} and parts[-1] == 128
+    assert megatron_accounting(16, 2) == [0, 9, 18]  # at 2 stages: DeepSpeed's uniform over 18 layers
+    with pytest.raises(PartitionError, match=r"stages \(4\) to divide blocks \+ 2 \(34\)"):
+        megatron_accounting(32, 4)  # llama3-8b
+    assert fewer_at_the_ends(32, 4) == [0, 8, 17, 26, 34]  # 7, 9, 9, 7 blocks
+    assert fewer_at_the_ends(32, 8) == [0, 2, 7, 12, 17, 22, 27, 32, 34]  # 1, 5 x 6, 1: 3 and 2 leave a remainder

@@ -13,7 +13,6 @@ import torch
 import torch.multiprocessing as mp
 
 from ds_pipe_ext.models.config import load_model_config
-from ds_pipe_ext.models.gpt import SequentialGPT, gpt_layer_specs
 
 STEPS, LR = 3, 1e-3
 
@@ -120,9 +119,11 @@ def test_tp_parity_with_single_process(tmp_path, sp, tied):
 
 def serial_reference(cfg, weights_path, steps, *, micro_batch=4, gas=4, seed=1234, lr=3e-4):
     """What train.py computes in one process: same data stream as DP rank 0, mean of the micro-batch losses."""
+    from ds_pipe_ext.models import family_of
     from ds_pipe_ext.train.data import SyntheticTokens
 
-    model = SequentialGPT(gpt_layer_specs(cfg))
+    family = family_of(cfg)
+    model = family.sequential(family.layer_specs(cfg), family.loss_fn(), base_seed=None, recompute=False)
     model.load_state_dict(torch.load(weights_path))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
     data = SyntheticTokens(cfg.vocab_size, micro_batch, cfg.seq_len, seed=seed + 1000)
@@ -144,22 +145,33 @@ def serial_reference(cfg, weights_path, steps, *, micro_batch=4, gas=4, seed=123
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("sp", [True, False], ids=["pp2_tp2_sp", "pp2_tp2"])
 def test_pp2_tp2_parity_through_deepspeed(tmp_path, sp):
-    """deepspeed --num_gpus 4: PP=2 x TP=2 (SP on/off), "profiled", against one process, same weights."""
+    """deepspeed --num_gpus 4: PP=2 x TP=2 (SP on/off), "profiled", against one process, same weights: train.py's
+    build and loop for the GPT and then llama-tiny (GQA with 2 key/value heads split over TP 2, 5 blocks: 7
+    pipeline layers on 2 stages) in one launch."""
+    from ds_pipe_ext.models import family_of
     from ds_pipe_ext.runner import launch, write_config
 
-    cfg = load_model_config("tiny")
-    torch.save(SequentialGPT(gpt_layer_specs(cfg), base_seed=99).state_dict(), tmp_path / "init.pt")
-    want_losses, want_norms = serial_reference(cfg, tmp_path / "init.pt", STEPS)
+    runs, want = [], {}
+    for name in MODELS:
+        cfg = tiny(False, name)
+        family = family_of(cfg)
+        init = tmp_path / f"init-{name}.pt"
+        torch.save(family.sequential(family.layer_specs(cfg), family.loss_fn(), base_seed=99,
+                                     recompute=False).state_dict(), init)
+        want[name] = serial_reference(cfg, init, STEPS)
+        runs += ["--run", f"{name}={init}"]
     ds = write_config(tmp_path / "ds.json", base="ds_pp2_tp2_sp.json", tensor_parallel={"size": 2, "sequence_parallel": sp})
-    proc, ranks = launch(4, ds, "--steps", str(STEPS), "--init-from", str(tmp_path / "init.pt"),
-                         out_dir=tmp_path, cwd=tmp_path)
+    proc, ranks = launch(4, ds, "--steps", str(STEPS), *runs, out_dir=tmp_path, cwd=tmp_path,
+                         script="tests/models_in_turn.py", timeout=360)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = ranks[0]
-    assert (got["tensor_parallel"], got["sequence_parallel"]) == (2, sp)
-    assert got["losses"][0] == pytest.approx(want_losses[0], rel=1e-5)
-    assert got["grad_norms"][0] == pytest.approx(want_norms[0], rel=1e-5)
-    assert got["losses"] == pytest.approx(want_losses, rel=1e-4)
-    assert all(r["parts"] == got["parts"] for r in ranks.values())
+    for name in MODELS:
+        got = ranks[0]["runs"][name]
+        want_losses, want_norms = want[name]
+        assert (got["model"], got["tensor_parallel"], got["sequence_parallel"]) == (name, 2, sp)
+        assert got["losses"][0] == pytest.approx(want_losses[0], rel=1e-5), name
+        assert got["grad_norms"][0] == pytest.approx(want_norms[0], rel=1e-5), name
+        assert got["losses"] == pytest.approx(want_losses, rel=1e-4), name
+        assert all(r["runs"][name]["parts"] == got["parts"] for r in ranks.values())
 
 
 @pytest.mark.multiprocess

@@ -1,0 +1,56 @@
+"""Launched by tests: train.py's own build and loop for several models in turn, in one launch.
+
+    deepspeed --num_gpus 4 tests/models_in_turn.py --deepspeed_config DS --metrics-out OUT/metrics.json \
+        --steps 3 --run tiny=INIT.pt --run llama-tiny=INIT2.pt
+
+Each ``--run MODEL=INIT`` is ``train.py --model MODEL --init-from INIT`` on the same ds.json; megatron's
+groups are torn down between models (each build makes them again).  Every rank writes
+OUT/metrics.rankR.json: {"rank": R, "runs": {MODEL: train.py's summary}}.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import train  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--deepspeed_config", required=True)
+    ap.add_argument("--metrics-out", required=True)
+    ap.add_argument("--steps", default="3")
+    ap.add_argument("--run", action="append", required=True, metavar="MODEL=INIT")
+    ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    args = ap.parse_args()
+
+    from ds_pipe_ext.train.build import build
+    from ds_pipe_ext.train.trainer import Trainer
+
+    runs = {}
+    for run in args.run:
+        model, init = run.split("=", 1)
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        cfg = train.run_config(train.parse_args(["--deepspeed_config", args.deepspeed_config, "--steps", args.steps,
+                                                 "--model", model, "--init-from", init]))
+        built = build(cfg)
+        runs[model] = Trainer(built).run()
+        rank = built.rank
+        del built
+    out = Path(args.metrics_out)
+    out.with_name(f"{out.stem}.rank{rank}.json").write_text(json.dumps({"rank": rank, "runs": runs}))
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
