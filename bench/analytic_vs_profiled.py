@@ -12,9 +12,13 @@
    2-stage benchmark (3 rounds of two real launches, alternating which goes first).
 
     python bench/analytic_vs_profiled.py     [--times-only | --launches-only: one part alone]
+    python bench/analytic_vs_profiled.py --family llama
 
 Last line: RESULT activation_bytes_worst_error_pct=X analytic_vs_profiled_throughput=Y layer_time_worst_error_pct=Z
-(targets: Y >= 0.95, Z <= 15)
+(targets: Y >= 0.95, Z <= 15).  ``--family llama``: parts 1 and 2 for two Llama shapes (bench-cpu-llama and
+an h 768 one; grouped-query attention through torch's fused SDPA, RMSNorm, SwiGLU) with the GPT's
+calibration (the family is predicted, not fitted): RESULT llama_activation_bytes_worst_error_pct=A
+llama_layer_time_worst_error_pct=B (targets A <= 3, B <= 15)
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from ds_pipe_ext.models.costs import calibration_points, profile_three_layers  #
 from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers  # noqa: E402
 from ds_pipe_ext.costs.hardware import get_device, measure_cpu  # noqa: E402
 from ds_pipe_ext.costs.profiler import ProfileSettings  # noqa: E402
-from ds_pipe_ext.models.config import GPTConfig, load_model_config  # noqa: E402
+from ds_pipe_ext.models import family_of, load_model  # noqa: E402
 from ds_pipe_ext.parallel.probe import tp_activation_bytes  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
 from ds_pipe_ext.runner import ROOT, launch  # noqa: E402
@@ -42,13 +46,30 @@ CACHE = str(ROOT / ".ds_pipe_ext_cache")
 
 
 def three_layers(cfg, b, seq, repeats=0, cache_dir=CACHE):
+    """The embedding, a block and the head + loss of ``cfg``, built by its own family, profiled here."""
     settings = ProfileSettings(warmup=1 if repeats else 0, repeats=max(repeats, 1), cache_dir=cache_dir, progress=False)
-    return profile_three_layers(cfg, b, seq, settings, {"bench": "analytic_vs_profiled"})
+    return profile_three_layers(cfg, b, seq, settings, {"bench": "analytic_vs_profiled"},
+                                specs_fn=family_of(cfg).layer_specs)
 
 
 # Calibrated on bench-cpu at three (micro-batch, sequence) shapes, checked on a grid that excludes them
 FIT = [("bench-cpu", 3, 192), ("bench-cpu", 1, 64), ("bench-cpu", 6, 96)]
 GRID = [(name, b, s) for name in ("bench-cpu", "gpt2-small") for b in (1, 2, 4) for s in (128, 256)]
+# --family llama: the same calibration (GPT shapes: the family is not fitted), predicting two Llama shapes,
+# bench-cpu-llama (h 512) and one at h 768 with Mistral 7B's ratios (V 32,000, ffn 3.5 h, 4 query heads a
+# key/value head; 16 heads of 48 so that TP 2 splits the 4 key/value heads), fixed before measuring
+LLAMA_H768 = {"family": "llama", "vocab_size": 32000, "hidden": 768, "layers": 12, "heads": 16, "kv_heads": 4,
+              "ffn_hidden": 2688, "seq_len": 256, "rope_theta": 10000.0}
+LLAMA_GRID = [(name, b, s) for name in ("bench-cpu-llama", "llama-h768") for b in (1, 2, 4) for s in (128, 256)]
+
+
+def bench_model(name: str):
+    """A model of the grids: a shipped config, or the h 768 Llama shape above."""
+    if name == "llama-h768":
+        from ds_pipe_ext.models.llama_config import LlamaConfig
+
+        return LlamaConfig.from_dict({k: v for k, v in LLAMA_H768.items() if k != "family"}, name=name)
+    return load_model(name)
 PASSES = 6
 
 
@@ -65,7 +86,7 @@ def fastest_spec(specs):
                    fresh_page_bandwidth=best("fresh_page_bandwidth"))
 
 
-def layer_times() -> float:
+def layer_times(grid=GRID) -> float:
     """Per-layer fwd+bwd: analytic on the cpu spec calibrated at FIT, against profiled on GRID.
 
     A shared machine's speed drifts by more than the target, within minutes (one morning: the same
@@ -78,10 +99,10 @@ def layer_times() -> float:
     specs = []
     for k in range(PASSES):
         specs.append(measure_cpu(None))
-        for name, b, seq in FIT + GRID:
-            cfg, measured = three_layers(load_model_config(name), b, seq, repeats=1, cache_dir=None)
+        for name, b, seq in FIT + grid:
+            cfg, measured = three_layers(bench_model(name), b, seq, repeats=1, cache_dir=None)
             passes.setdefault((name, b, seq), []).append((cfg, [(m.forward_s, m.backward_s) for m in measured]))
-        print(f"  pass {k + 1}/{PASSES} over {len(FIT + GRID)} shapes (matmul "
+        print(f"  pass {k + 1}/{PASSES} over {len(FIT + grid)} shapes (matmul "
               f"{specs[-1].matrix_flops['fp32'] / 1e9:.0f} GFLOP/s)", flush=True)
     cpu = fastest_spec(specs)
 
@@ -104,7 +125,7 @@ def layer_times() -> float:
           f"a GEMM dimension of {calibrated.matrix_half_dim:.0f}; a gradient table zeroed at "
           f"{calibrated.fill_bandwidth / 1e9:.1f} GB/s", flush=True)
     rows, worst = [], 0.0
-    for name, b, seq in GRID:
+    for name, b, seq in grid:
         cfg, measured = fastest((name, b, seq))
         est = estimate_layers(cfg, EstimateRequest(b, seq, dtype="fp32"), calibrated)
         for (mf, mb), e in zip(measured, (est[0], est[1], est[-1])):
@@ -145,19 +166,16 @@ def launch_rounds(rounds: int = 3) -> float:
     return ratio
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    cpu = get_device("cpu", cache_dir=CACHE)
-    if "--times-only" in sys.argv:  # iterate on the time model without the activation and launch parts
-        print(f"RESULT layer_time_worst_error_pct={layer_times():.1f}")
-        return
-    if "--launches-only" in sys.argv:  # the throughput part alone
-        print(f"RESULT analytic_vs_profiled_throughput={launch_rounds():.3f}")
-        return
+def activation_bytes(names: tuple[str, ...], cpu) -> float:
+    """Saved-activation bytes, analytic vs the profiler's hooks, for the embedding, a block and the head of
+    each model at seq 256, micro-batch 1-4: TP 1 here, TP 2 with SP off and on on TP rank 0 of a 2-process
+    group (vocabulary padded to a multiple of 128 as Megatron does).  Prints the table; the worst |error| %."""
+    from dataclasses import replace
+
     rows, worst = [], 0.0
-    for name in ("bench-cpu", "gpt2-small"):
+    for name in names:
         for b in (1, 2, 3, 4):
-            cfg, measured = three_layers(load_model_config(name), b, 256)
+            cfg, measured = three_layers(bench_model(name), b, 256)
             est = estimate_layers(cfg, EstimateRequest(b, 256, dtype="fp32"), cpu)
             for m, e in zip(measured, (est[0], est[1], est[-1])):
                 err = 100 * (e["activation_bytes"] - m.activation_bytes) / m.activation_bytes
@@ -165,14 +183,12 @@ def main() -> None:
                 rows.append([name, str(b), "1", "off", e["name"], str(m.activation_bytes), str(int(e["activation_bytes"])),
                              f"{err:+.2f}"])
             print(f"  profiled {name} b={b}", flush=True)
-    # TP 2, SP off and on: measured on TP rank 0 of a 2-process group (vocabulary padded as Megatron does)
     cases, shapes = [], []
-    for name in ("bench-cpu", "gpt2-small"):
-        cfg = GPTConfig.from_dict({**load_model_config(name).to_dict(), "seq_len": 256, "tie_embeddings": False,
-                                   "vocab_pad_to": 128}, name=name)
+    for name in names:
+        cfg = replace(bench_model(name), seq_len=256, tie_embeddings=False, vocab_pad_to=128)
         for sp in (False, True):
             for b in (1, 2, 3, 4):
-                cases.append({"model": cfg.to_dict(), "b": b, "sp": sp})
+                cases.append({"model": cfg.to_dict(), "family": family_of(cfg).name, "b": b, "sp": sp})
                 shapes.append((cfg, b, sp))
     for (cfg, b, sp), measured in zip(shapes, tp_activation_bytes(cases, tp=2)):
         est = estimate_layers(cfg, EstimateRequest(b, 256, tp=2, sp=sp, dtype="fp32"), cpu)
@@ -181,13 +197,33 @@ def main() -> None:
             worst = max(worst, abs(err))
             rows.append([cfg.name, str(b), "2", "on" if sp else "off", e["name"], str(m), str(int(e["activation_bytes"])),
                          f"{err:+.2f}"])
-    print("\nsaved-activation bytes per layer (fp32, seq 256; per TP rank): analytic vs profiled")
+    print("\nsaved-activation bytes per layer (fp32, seq 256; per TP rank): analytic vs profiled (nothing fitted)")
     print("\n".join(render_table(["model", "b", "tp", "sp", "layer", "profiled B", "analytic B", "err %"], rows)))
+    return worst
 
+
+def main() -> None:
+    torch.set_num_threads(1)
+    cpu = get_device("cpu", cache_dir=CACHE)
+    if "--family" in sys.argv and sys.argv[sys.argv.index("--family") + 1] == "llama":
+        # the family is predicted, never fitted: the calibration is the GPT's (FIT)
+        worst = activation_bytes(("bench-cpu-llama", "llama-h768"), cpu)
+        time_worst = layer_times(LLAMA_GRID)
+        print(f"calibrated: {FIT} (GPT shapes; the Llama family is not refitted); predicted: {LLAMA_GRID}")
+        print(f"RESULT llama_activation_bytes_worst_error_pct={worst:.2f} llama_layer_time_worst_error_pct={time_worst:.1f}")
+        return
+    if "--times-only" in sys.argv:  # iterate on the time model without the activation and launch parts
+        print(f"RESULT layer_time_worst_error_pct={layer_times():.1f}")
+        return
+    if "--launches-only" in sys.argv:  # the throughput part alone
+        print(f"RESULT analytic_vs_profiled_throughput={launch_rounds():.3f}")
+        return
+    worst = activation_bytes(("bench-cpu", "gpt2-small"), cpu)
     time_worst = layer_times()
     ratio = launch_rounds()
     print(f"RESULT activation_bytes_worst_error_pct={worst:.2f} analytic_vs_profiled_throughput={ratio:.3f} "
           f"layer_time_worst_error_pct={time_worst:.1f}")
+
 
 if __name__ == "__main__":
     main()

@@ -175,6 +175,16 @@ def report(results: list[dict], layers: list[list[str]]) -> str:
     lines += ["## One 22B layer (Korthikanti et al. 2022, Table 4), predicted with the A100 fit (not fitted)", "", "```"]
     lines += render_table(["variant", "fwd ms pub", "fwd ms pred", "bwd ms pub", "bwd ms pred", "total err %"], layers)
     lines += ["```", ""]
+    from ds_pipe_ext.plan.published import PUBLISHED
+
+    lines += ["## Published runs set beside `plan --only` (predicted, never fitted)", "",
+              "No parameter above was fitted to these rows; `plan --only` with a row's layout prints the prediction "
+              "beside the published figure (docs/RESULTS.md has them, with the assumed schedule).", "", "```"]
+    lines += render_table(["run", "model", "GPUs", "layout", "precision", "published TFLOP/s", "source"],
+                          [[r.name, r.model, str(r.gpus), f"tp{r.tp} pp{r.pp} dp{r.dp}", r.precision,
+                            f"{r.tflops_per_gpu:.0f}" if r.tflops_per_gpu else f"not modelled: {r.not_modelled}",
+                            r.source] for r in PUBLISHED])
+    lines += ["```", ""]
     return "\n".join(lines)
 
 

@@ -32,6 +32,8 @@ Scores: `profiled` by its own builds (a fresh profile and decision each, as a us
 DeepSpeed's `uniform` and `parameters` by the splits their own functions choose.
 
     python bench/partition_speedup.py [--rounds 2] [--cycles 6] [--micro-batch 1] [--micro-batches 16] [--out runs/partition-speedup-v9]
+    python bench/partition_speedup.py --model bench-cpu-llama    (Llama: adds Megatron's accounting to the
+        built-ins, and a simulated 4- and 8-stage comparison of the hand rules on llama3-8b)
 
 At few micro-batches per step a 2-stage pipeline's fill and drain are a large share of the step
 whatever the split, and a step's fixed costs (engine, optimizer, p2p) weigh more at small micro-
@@ -41,7 +43,8 @@ bubble is 1/17 of the step, and a step long enough that 3 timed steps a playoff 
 
 Resumable: a launch whose metrics exist in --out is not run again.
 Last line: RESULT profiled_vs_builtin=X profiled_vs_best_split=Y second_model_profiled_vs_best_split=Z
-(targets: X >= 1.25 on bench-cpu, Y and Z >= 0.98)
+(targets: X >= 1.25 on bench-cpu, Y and Z >= 0.98); with --model bench-cpu-llama: RESULT
+llama_profiled_vs_best_heuristic=X llama_profiled_vs_best_split=Y (targets X >= 1.08, Y >= 0.97)
 """
 
 from __future__ import annotations
@@ -54,8 +57,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds_pipe_ext.models.config import load_model_config  # noqa: E402
-from ds_pipe_ext.models.gpt import gpt_layer_specs  # noqa: E402
+from ds_pipe_ext.models import family_of, load_model  # noqa: E402
+from ds_pipe_ext.partition.hand_rules import fewer_at_the_ends, megatron_accounting  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
 from ds_pipe_ext.runner import ROOT, measure_in_one_launch  # noqa: E402
 
@@ -65,14 +68,59 @@ SCREEN_STEPS = 2  # per build: step 1 is warm-up, step 2 is timed
 SCREEN_TOP = 3  # the screen's best splits that go on to the playoff
 
 
+def layer_specs(model: str) -> list:
+    cfg = load_model(model)
+    return family_of(cfg).layer_specs(cfg)
+
+
 def builtin_parts(model: str) -> dict[str, str]:
-    """What DeepSpeed's uniform and parameters choose (its own functions, trainable parameters), as methods."""
+    """What DeepSpeed's uniform and parameters choose (its own functions, trainable parameters), and, for the
+    Llama family, Megatron's embedding-and-loss accounting (= Llama 3's one layer fewer at the ends), as methods."""
     from deepspeed.runtime import utils as ds_utils
 
-    specs = gpt_layer_specs(load_model_config(model))
+    specs = layer_specs(model)
     params = [sum(p.numel() for p in spec.build().parameters()) for spec in specs]
     parts = {"uniform": ds_utils.partition_uniform(len(specs), 2), "parameters": ds_utils.partition_balanced(params, 2)}
+    if family_of(load_model(model)).name == "llama":
+        parts["megatron"] = megatron_accounting(len(specs) - 2, 2)
     return {name: split_method(p) for name, p in parts.items()}
+
+
+def simulated_rules(model: str = "llama3-8b", stages=(4, 8), micro_batches: int = 32) -> list[list[str]]:
+    """Predicted steps (no launch) of the hand rules against the analytic split on ``model``'s analytic costs:
+    H100, TP 1, micro-batch 1 x ``micro_batches``, 1F1B under DeepSpeed's engine order, the step model's
+    terms; memory not checked (the split is what is compared)."""
+    from deepspeed.runtime import utils as ds_utils
+
+    import ds_pipe_ext.pipe.schedules  # noqa: F401 - hands the step model DeepSpeed's order of instructions
+    from ds_pipe_ext.costs.hardware import get_device
+    from ds_pipe_ext.layout import Layout
+    from ds_pipe_ext.partition import PartitionError
+    from ds_pipe_ext.plan.model import PlanModel
+
+    cfg = load_model(model)
+    rows = []
+    for p in stages:
+        lay = Layout(pp=p, micro_batch=1, micro_batches=micro_batches)
+        plan = PlanModel.on_its_cluster(cfg, get_device("h100"), seq=cfg.seq_len, global_batch=micro_batches,
+                                        dtype="bf16")
+        costs = plan.layer_costs(1, False, 1, "none")
+        splits = {"analytic (ours)": plan.run_split(lay),
+                  "uniform (DeepSpeed)": ds_utils.partition_uniform(len(costs), p),
+                  "parameters (DeepSpeed)": ds_utils.partition_balanced([c.param_bytes for c in costs], p)}
+        try:
+            splits["Megatron accounting = Llama 3 rule"] = megatron_accounting(cfg.layers, p)
+        except PartitionError as e:
+            splits[f"Megatron accounting: not applicable ({e})"] = None
+        splits["first/last stage one fewer, as Megatron runs it"] = fewer_at_the_ends(cfg.layers, p)
+        best = plan.evaluate(lay, splits["analytic (ours)"], check_memory=False).step_s
+        for name, parts in splits.items():
+            if parts is None:
+                rows.append([str(p), name, "-", "-", "-"])
+                continue
+            step = plan.evaluate(lay, [int(b) for b in parts], check_memory=False).step_s
+            rows.append([str(p), name, ",".join(str(int(b)) for b in parts), f"{step:.3f}", f"{best / step:.3f}"])
+    return rows
 
 
 def split_method(parts) -> str:
@@ -160,32 +208,51 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=6, help="playoff cycles (every contender once a cycle)")
     ap.add_argument("--playoff-steps", type=int, default=4,
                     help="steps per playoff build: 1 warm-up, the median of the others (one timed step moves by 5-10%%)")
-    ap.add_argument("--out", default="runs/partition-speedup-v9")
+    ap.add_argument("--out", default=None, help="default runs/partition-speedup-v9 (runs/partition-speedup-MODEL)")
+    ap.add_argument("--model", default=None, help="one model (bench-cpu-llama) instead of the GPT pair")
     args = ap.parse_args()
-    out = Path(args.out).resolve()
-    n = len(gpt_layer_specs(load_model_config(MODELS[0])))
+    models = [args.model] if args.model else MODELS
+    out = Path(args.out or ("runs/partition-speedup-" + args.model if args.model else "runs/partition-speedup-v9")).resolve()
+    n = len(layer_specs(models[0]))
     methods = ["profiled"] + [f"parts:0,{k},{n}" for k in range(1, n)]
-    print(f"{len(MODELS)} models: screen of {len(methods)} methods x {args.rounds} rounds, then a playoff of "
+    print(f"{len(models)} models: screen of {len(methods)} methods x {args.rounds} rounds, then a playoff of "
           f"{args.cycles} cycles; micro-batch {args.micro_batch} x {args.micro_batches}; in {out}", flush=True)
-    screened: dict[str, dict[str, list[dict]]] = {model: {} for model in MODELS}
+    screened: dict[str, dict[str, list[dict]]] = {model: {} for model in models}
     for rnd in range(args.rounds):  # rounds outermost, the models interleaved, so drift hits both alike
         order = methods if rnd % 2 == 0 else methods[::-1]
-        for model in (MODELS if rnd % 2 == 0 else MODELS[::-1]):
+        for model in (models if rnd % 2 == 0 else models[::-1]):
             print(f"screen round {rnd}: {model}", flush=True)
             for r in run_launch(model, order, out / f"round{rnd}" / model, args, SCREEN_STEPS):
                 screened[model].setdefault(r["method"], []).append(r)
     results = {}
-    for model in MODELS:
+    for model in models:
         builtin = builtin_parts(model)
         contenders = playoff_contenders(screened[model], builtin)
         cycles = playoff(model, contenders, args, out)
         results[model] = score(model, {m: screened[model][m] for m in methods}, cycles, builtin, args.rounds)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"screen": screened, "scores": results}, indent=1))
+    if args.model:
+        return report_one(args.model, results[args.model], builtin_parts(args.model))
     a, b = results[MODELS[0]], results[MODELS[1]]
     print(f"\nsecond model: profiled / best built-in {b['vs_builtin']:.3f}")
     print(f"RESULT profiled_vs_builtin={a['vs_builtin']:.3f} profiled_vs_best_split={a['vs_best']:.3f} "
           f"second_model_profiled_vs_best_split={b['vs_best']:.3f}")
+
+
+def report_one(model: str, result: dict, builtin: dict[str, str]) -> None:
+    """--model: the heuristics' names and the simulated 4- and 8-stage comparison, then the RESULT line."""
+    same = [k for k, v in builtin.items() if v == builtin["uniform"] and k != "uniform"]
+    if same:
+        print(f"\nat 2 stages {', '.join(same)} = DeepSpeed's uniform ({builtin['uniform']}): Megatron's "
+              f"embedding-and-loss accounting and Llama 3's one layer fewer at the ends give each stage "
+              f"(blocks + 2) / 2 units")
+    print("\nsimulated (no launch), llama3-8b's analytic costs on H100, 1F1B, micro-batch 1 x 32: predicted step")
+    print("\n".join(render_table(["stages", "rule", "parts", "step s", "analytic / it"], simulated_rules())))
+    print(f"calibrated: the step model {STEP_MODEL.name} (bench/prediction_transfer.py's two GPT calibration runs) "
+          f"and the cpu spec; predicted: every {model} measurement above")
+    print(f"RESULT llama_profiled_vs_best_heuristic={result['vs_builtin']:.3f} "
+          f"llama_profiled_vs_best_split={result['vs_best']:.3f}")
 
 
 if __name__ == "__main__":

@@ -342,10 +342,12 @@ def test_smallest_need_is_the_least_over_layouts():
 
 @pytest.mark.multiprocess
 def test_emitted_ds_config_trains_with_train_py_on_2_ranks(tmp_path, capfd):
+    """A plan for llama-tiny (the Llama family: 7 pipeline layers, grouped-query attention) emitted as a ds.json
+    trains under train.py on 2 ranks with the plan's split, micro-batching and recompute."""
     from ds_pipe_ext.runner import launch
 
     ds = tmp_path / "plan.json"
-    assert main(["plan", "--model", "tiny", "--gpus", "2", "--device", "cpu", "--global-batch", "8",
+    assert main(["plan", "--model", "llama-tiny", "--gpus", "2", "--device", "cpu", "--global-batch", "8",
                  "--only", "pp=2,mb=2,recompute=full", "--emit-ds-config", str(ds)]) == 0
     out = capfd.readouterr().out
     emitted = json.loads(ds.read_text())
@@ -355,6 +357,7 @@ def test_emitted_ds_config_trains_with_train_py_on_2_ranks(tmp_path, capfd):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(ranks) == [0, 1] and all(r["parts"] == parts for r in ranks.values())
     assert (ranks[0]["micro_batch"], ranks[0]["grad_accum"], ranks[0]["recompute"]) == (2, 4, "full")
+    assert ranks[0]["model"] == "llama-tiny" and parts[-1] == 7
 
 
 def test_only_evaluates_a_layout_over_the_cap_and_marks_it(capfd):

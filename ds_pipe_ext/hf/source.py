@@ -119,19 +119,16 @@ class HFSource:
             return get_path(self.model, dotted)
         import copy
 
-        import torch
-
         module = copy.deepcopy(get_path(_meta_model(self), dotted)).to_empty(device="cpu")
         state = self.tensors(dotted + ".")
         missing = sorted(set(module.state_dict()) - set(state))
         if missing:
             raise HFPipelineError(f"{self.directory}: no weights for {dotted}.{missing[0]} in the safetensors files")
         module.load_state_dict(state, strict=True)
-        with torch.no_grad():  # buffers outside the state dict would be uninitialised memory
-            for name, buf in module.named_buffers():
-                if name not in state:
-                    raise HFPipelineError(f"{dotted}.{name} is a buffer the checkpoint does not hold; such a "
-                                          f"layer cannot be built from the meta device")
+        for name, _ in module.named_buffers():  # one outside the state dict would be uninitialised memory
+            if name not in state:
+                raise HFPipelineError(f"{dotted}.{name} is a buffer the checkpoint does not hold; such a layer "
+                                      f"cannot be built from the meta device")
         return module
 
     def rotary(self):

@@ -94,18 +94,22 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, data: dict, *, name: str = "<dict>") -> "GPTConfig":
-        data = dict(data)
-        data.setdefault("name", name)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ModelConfigError(
-                f"model config {data['name']!r}: unknown field(s) {unknown}; valid fields are {sorted(known)}"
-            )
-        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.default is MISSING)
-        if missing:
-            raise ModelConfigError(f"model config {data['name']!r}: missing field(s) {missing}")
-        return cls(**data)
+        return config_from_dict(cls, data, name=name)
+
+
+def config_from_dict(cls, data: dict, *, name: str):
+    """A family's config dataclass from a dict: unknown fields and missing required ones are named."""
+    data = dict(data)
+    data.setdefault("name", name)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ModelConfigError(f"model config {data['name']!r}: unknown field(s) {unknown}; valid fields are "
+                               f"{sorted(known)}")
+    missing = sorted(f.name for f in fields(cls) if f.name not in data and f.default is MISSING)
+    if missing:
+        raise ModelConfigError(f"model config {data['name']!r}: missing field(s) {missing}")
+    return cls(**data)
 
 
 @lru_cache(maxsize=64)

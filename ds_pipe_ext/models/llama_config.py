@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
 from ..arch import MLP, Attention, Block, ModelDescription
-from .config import CONFIG_DIR, ModelConfigError
+from .config import CONFIG_DIR, ModelConfigError, config_from_dict
 
 ROPE_SCALINGS = ("default", "llama3")
 
@@ -123,17 +123,7 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, data: dict, *, name: str = "<dict>") -> "LlamaConfig":
-        data = dict(data)
-        data.setdefault("name", name)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ModelConfigError(f"model config {data['name']!r}: unknown field(s) {unknown}; valid fields "
-                                   f"are {sorted(known)}")
-        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.default is MISSING)
-        if missing:
-            raise ModelConfigError(f"model config {data['name']!r}: missing field(s) {missing}")
-        return cls(**data)
+        return config_from_dict(cls, data, name=name)
 
 
 def rope_scaling_from(data: dict | None, where: str) -> RopeScaling | None:
