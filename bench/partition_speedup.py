@@ -89,7 +89,7 @@ def builtin_parts(model: str) -> dict[str, str]:
 def simulated_rules(model: str = "llama3-8b", stages=(4, 8), micro_batches: int = 32) -> list[list[str]]:
     """Predicted steps (no launch) of the hand rules against the analytic split on ``model``'s analytic costs:
     H100, TP 1, micro-batch 1 x ``micro_batches``, 1F1B under DeepSpeed's engine order, the step model's
-    terms; memory not checked (the split is what is compared)."""
+    terms; each split's heaviest rank at its peak against the cap (0.9 of 80 GiB), which a run's split honours."""
     from deepspeed.runtime import utils as ds_utils
 
     import ds_pipe_ext.pipe.schedules  # noqa: F401 - hands the step model DeepSpeed's order of instructions
@@ -116,10 +116,13 @@ def simulated_rules(model: str = "llama3-8b", stages=(4, 8), micro_batches: int 
         best = plan.evaluate(lay, splits["analytic (ours)"], check_memory=False).step_s
         for name, parts in splits.items():
             if parts is None:
-                rows.append([str(p), name, "-", "-", "-"])
+                rows.append([str(p), name, "-", "-", "-", "-"])
                 continue
-            step = plan.evaluate(lay, [int(b) for b in parts], check_memory=False).step_s
-            rows.append([str(p), name, ",".join(str(int(b)) for b in parts), f"{step:.3f}", f"{best / step:.3f}"])
+            cost = plan.evaluate(lay, [int(b) for b in parts], check_memory=False)
+            peak = max(r["total_bytes"] for r in cost.ranks)
+            rows.append([str(p), name, ",".join(str(int(b)) for b in parts), f"{cost.step_s:.3f}",
+                         f"{best / cost.step_s:.3f}",
+                         f"{peak / 2**30:.1f}" + ("" if peak <= plan.memory_cap else " (over)")])
     return rows
 
 
@@ -248,7 +251,8 @@ def report_one(model: str, result: dict, builtin: dict[str, str]) -> None:
               f"embedding-and-loss accounting and Llama 3's one layer fewer at the ends give each stage "
               f"(blocks + 2) / 2 units")
     print("\nsimulated (no launch), llama3-8b's analytic costs on H100, 1F1B, micro-batch 1 x 32: predicted step")
-    print("\n".join(render_table(["stages", "rule", "parts", "step s", "analytic / it"], simulated_rules())))
+    print("\n".join(render_table(["stages", "rule", "parts", "step s", "analytic / it", "peak GiB"],
+                                  simulated_rules())))
     print(f"calibrated: the step model {STEP_MODEL.name} (bench/prediction_transfer.py's two GPT calibration runs) "
           f"and the cpu spec; predicted: every {model} measurement above")
     print(f"RESULT llama_profiled_vs_best_heuristic={result['vs_builtin']:.3f} "
