@@ -75,11 +75,12 @@ def op_rows(ops: list[A.OpCost], device: DeviceSpec, req: EstimateRequest) -> li
 def estimate_layers(model, req: EstimateRequest, device: DeviceSpec) -> list[dict]:
     shp = shape_for(model, req, device)
     out = []
-    rows_of: dict = {}  # alike blocks share one op list: time it once
+    done: dict = {}  # alike blocks share one op list: cost it once
     for name, kind, ops in layer_ops(model, shp):
-        if id(ops) not in rows_of:
-            rows_of[id(ops)] = op_rows(ops, device, req)
-        rows = rows_of[id(ops)]
+        if (id(ops), kind) in done:
+            out.append({**done[id(ops), kind], "name": name})
+            continue
+        rows = op_rows(ops, device, req)
         params = sum(op.weight_bytes for op in ops) / shp.e
         recompute_fwd = sum(r["fwd_s"] for r, op in zip(rows, ops) if op.recompute) if req.selective_recompute else 0.0
         out.append({
@@ -98,6 +99,7 @@ def estimate_layers(model, req: EstimateRequest, device: DeviceSpec) -> list[dic
             "wgrad_s": (sum(r["bwd_s"] for r in rows) if kind == "embedding" else
                         sum(0.5 * r["bwd_s"] for r, op in zip(rows, ops) if op.kind == "matrix" and op.weight_bytes)),
         })
+        done[id(ops), kind] = out[-1]
     return out
 
 

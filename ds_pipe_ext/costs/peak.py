@@ -39,6 +39,7 @@ Pure arithmetic on ``OpCost`` lists: no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from .zero import layer_states_by_rule, layer_tensors, zero_model_states
 
@@ -350,8 +351,7 @@ class PipelinePeakRule:
         per_grad = e * (2 if e < 4 and self.zero.stage == 0 else 1)
         out = []
         for c, ruled in zip(costs, layer_states_by_rule(costs, stage=self.zero.stage, dp=self.dp, element_bytes=e)):
-            params = c.param_bytes / e
-            out.append(replace(ruled, grad_bytes=round(per_grad * params) if c.grad_bytes > 0 else 0))
+            out.append(_with_grads(ruled, round(per_grad * c.param_bytes / e) if c.grad_bytes > 0 else 0))
         return out
 
     def stage_reserves(self, costs: list, num_stages: int, *, micro_batches: int) -> list[float]:
@@ -369,3 +369,8 @@ class PipelinePeakRule:
                     else max(float(costs[i].output_bytes) for i in range(lo, hi + 1)))
             out.append(bucket + buffers * (received + sent) + max(transient[lo:hi + 1]))
         return out
+
+
+@lru_cache(maxsize=4096)  # alike blocks are equal records
+def _with_grads(c, grad_bytes: int):
+    return replace(c, grad_bytes=grad_bytes)

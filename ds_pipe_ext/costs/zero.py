@@ -39,6 +39,7 @@ a working set of the largest module in 32 bits (4 bytes x its parameters) and le
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 
 @dataclass(frozen=True)
@@ -127,13 +128,15 @@ def layer_states_by_rule(costs: list, *, stage: int, dp: int, element_bytes: int
     ``element_bytes`` each).  A frozen layer (no gradient bytes) keeps only its weights, partitioned
     under ZeRO-3.  The states are Adam's, whatever the profile's ``optimizer_bytes_per_param`` said."""
     p, g, o = state_bytes_by_kind(stage, dp, element_bytes)
-    out = []
-    for c in costs:
-        n = c.param_bytes / element_bytes
-        trainable = c.grad_bytes > 0
-        out.append(replace(c, param_bytes=round(n * p), grad_bytes=round(n * g) if trainable else 0,
-                           optimizer_bytes=round(n * o) if trainable else 0))
-    return out
+    return [_by_rule(c, p, g, o, element_bytes) for c in costs]
+
+
+@lru_cache(maxsize=4096)  # alike blocks are equal records: the planner's thousands of layouts share a few
+def _by_rule(c, p: float, g: float, o: float, element_bytes: int):
+    n = c.param_bytes / element_bytes
+    trainable = c.grad_bytes > 0
+    return replace(c, param_bytes=round(n * p), grad_bytes=round(n * g) if trainable else 0,
+                   optimizer_bytes=round(n * o) if trainable else 0)
 
 
 # -- a rank's memory by kind: the one rule every memory figure of a layout reads ------------------

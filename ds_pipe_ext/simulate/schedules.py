@@ -193,6 +193,7 @@ class ScheduleSpec:
                              f"num_stages={num_chunks} is not a multiple of {self.chunks_per_rank}")
         return self.for_ranks(num_chunks // self.chunks_per_rank, micro_batches)
 
+    @lru_cache(maxsize=512)  # the partitioner asks it per stage of every split it probes
     def in_flight(self, num_chunks: int, micro_batches: int) -> tuple[int, ...]:
         """Per chunk, the most micro-batches whose activations it holds at once, read off the order."""
         return self.for_chunks(num_chunks, micro_batches).chunk_held_peak_counts
