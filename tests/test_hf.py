@@ -177,3 +177,11 @@ def test_tensor_parallelism_inside_the_pipeline_is_refused_for_hf_layers(tmp_pat
                                              r"parallelism inside the pipeline \(a 'model' axis of 2"):
         PipelineModule(hf.pipeline_layers(path), topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
                        loss_fn=hf.causal_lm_loss, partition_method="uniform")
+
+
+def test_in_memory_models_of_different_shapes_do_not_share_a_profile_cache_key(tmp_path):
+    small, _ = saved(tmp_path, "llama")
+    torch.manual_seed(0)
+    wide = AutoModelForCausalLM.from_config(LlamaConfig(**{**COMMON, "intermediate_size": 128}))
+    assert repr(hf.as_source(small)) != repr(hf.as_source(wide))
+    assert repr(hf.as_source(small)) == repr(hf.as_source(small))  # stable

@@ -53,7 +53,8 @@ class HFSource:
 
     ``directory``: a ``save_pretrained`` directory (config.json and *.safetensors).  ``model``: a
     ``PreTrainedModel`` in memory instead (every rank then holds the whole model).  ``attn_implementation``:
-    "sdpa" or "eager" (default: the model's own, else sdpa)."""
+    "sdpa" or "eager" (default: the model's own, else sdpa); given for an instance, it switches the
+    instance's own attention (its config is the model's)."""
 
     def __init__(self, directory: str | Path | None = None, *, model=None, attn_implementation: str | None = None):
         if (directory is None) == (model is None):
@@ -85,8 +86,14 @@ class HFSource:
         self.config._attn_implementation = impl
         self.arch = ARCHITECTURES[kind]
 
-    def __repr__(self) -> str:  # stable: LayerSpec reprs feed the profile cache key
-        where = str(self.directory) if self.directory is not None else f"memory:{self.config.model_type}"
+    def __repr__(self) -> str:  # stable and shape-specific: LayerSpec reprs feed the profile cache key
+        if self.directory is not None:
+            where = str(self.directory)
+        else:
+            import hashlib
+
+            shape = json.dumps(self.config.to_dict(), sort_keys=True, default=str).encode()
+            where = f"memory:{self.config.model_type}:{hashlib.sha1(shape).hexdigest()[:12]}"
         return f"HFSource({where}, attn={self.config._attn_implementation})"
 
     @property
