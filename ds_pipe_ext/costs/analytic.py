@@ -27,6 +27,9 @@ class AnalyticError(ValueError):
     """Shapes or degrees the analytic model cannot use; the message names the fix."""
 
 
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
 @dataclass(frozen=True)
 class Shape:
     """One micro-batch of a GPT layer on one TP rank."""
@@ -142,13 +145,19 @@ def qkv(shp: Shape, kv_heads: int | None = None, *, bias: bool = True) -> OpCost
     """Column-parallel h -> (h + 2 kv h/a)/t: 3h/t with a key and value head per query head; grouped-query
     attention projects kv_heads key/value heads.  Under SP its input is all-gathered in forward; the
     sharded copy is what is saved (re-gathered in backward), so 2sbh/t."""
+    kv = _kv_heads(shp, kv_heads)
+    width = (shp.h + 2 * kv * (shp.h // shp.a)) // shp.t
+    op = linear("qkv", shp.tokens, shp.h, width, shp, bias=bias, saved_input_elems=shp.replicated_sbh)
+    return _tp_entry_comm(op, shp)
+
+
+def _kv_heads(shp: Shape, kv_heads: int | None) -> int:
+    """The key/value heads (None: one per query head), each TP rank holding whole ones."""
     kv = shp.a if kv_heads is None else kv_heads
     if kv % shp.t:
         raise AnalyticError(f"tensor parallel degree {shp.t} does not divide the key/value heads ({kv}); "
                             f"pick t dividing them")
-    width = (shp.h + 2 * kv * (shp.h // shp.a)) // shp.t
-    op = linear("qkv", shp.tokens, shp.h, width, shp, bias=bias, saved_input_elems=shp.replicated_sbh)
-    return _tp_entry_comm(op, shp)
+    return kv
 
 
 def rms_norm(name: str, shp: Shape) -> OpCost:
@@ -163,7 +172,7 @@ def rms_norm(name: str, shp: Shape) -> OpCost:
 def rotary(shp: Shape, kv_heads: int | None = None) -> OpCost:
     """Rotary positions on queries and keys: elementwise (x cos + rotate(x) sin); backward needs only
     the cos and sin tables of the block's s positions (2 s d elements), nothing per token."""
-    kv = shp.a if kv_heads is None else kv_heads
+    kv = _kv_heads(shp, kv_heads)
     n = shp.tokens * (shp.h + kv * (shp.h // shp.a)) / shp.t
     d = shp.h // shp.a
     return OpCost("rotary", "vector", fwd_flops=3.0 * n, bwd_flops=3.0 * n, fwd_bytes=3 * n * shp.e,
@@ -178,10 +187,7 @@ def fused_attention(shp: Shape, kv_heads: int | None = None, window: int | None 
     (all s otherwise, as Megatron counts causal attention); a window goes to the kernel as an s x s mask
     in the query's dtype, which it keeps.  Two records: selective recompute reruns the kernel from the
     q, k and v it keeps, so only the log-sum-exp goes."""
-    kv = shp.a if kv_heads is None else kv_heads
-    if kv % shp.t:
-        raise AnalyticError(f"tensor parallel degree {shp.t} does not divide the key/value heads ({kv}); "
-                            f"pick t dividing them")
+    kv = _kv_heads(shp, kv_heads)
     keys = min(window, shp.s) if window else shp.s
     flops = 4.0 * shp.b * shp.s * keys * shp.h / shp.t
     q = shp.sbh / shp.t

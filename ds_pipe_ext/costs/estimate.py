@@ -7,11 +7,11 @@ from dataclasses import dataclass, replace
 
 from ..arch import as_description
 from . import analytic as A
+from .analytic import DTYPE_BYTES
 from .hardware import DeviceSpec
 from .peak import RankStep, ZeroSettings, layer_peak_bytes, walks_schedule
 from .types import LayerCost
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)

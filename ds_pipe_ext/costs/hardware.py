@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .analytic import AnalyticError, OpCost
+from .analytic import DTYPE_BYTES, AnalyticError, OpCost
 
 
 @dataclass(frozen=True)
@@ -109,13 +109,12 @@ class DeviceSpec:
         factor = 1.0
         if op.kind == "matrix" and self.matrix_half_dim > 0 and op.gemm_dim > 0:
             factor = op.gemm_dim / (op.gemm_dim + self.matrix_half_dim)
-        if not backward and op.gemm_out and op.gemm_out * (2 if dtype in ("bf16", "fp16") else 4) % 64:
+        if not backward and op.gemm_out and op.gemm_out * DTYPE_BYTES.get(dtype, 4) % 64:
             factor *= self.misaligned_output_efficiency
         return factor
 
-    def efficiency(self, kind: str, gemm_dim: float = 0.0) -> float:
-        if kind == "matrix" and self.matrix_half_dim > 0 and gemm_dim > 0:
-            return self.matrix_efficiency * gemm_dim / (gemm_dim + self.matrix_half_dim)
+    def efficiency(self, kind: str) -> float:
+        """The class's share of its peak (what an op's shape allows beside it: ``shape_factor``)."""
         return {"matrix": self.matrix_efficiency, "attention": self.attention_efficiency,
                 "vector": self.vector_efficiency}[kind]
 
