@@ -14,7 +14,6 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..config_model import ConfigError
-from ..models.registry import HF_MODEL_TYPES
 
 
 class HFPipelineError(ConfigError):
@@ -106,17 +105,9 @@ class HFSource:
 
     def family_config(self):
         """The model as one of ds_pipe_ext's families (``models``): its description, for "analytic"."""
-        from ..models import get_family
+        from ..models.registry import from_hf_config
 
-        data = self.config.to_dict()
-        family = get_family(HF_MODEL_TYPES[self.config.model_type])
-        if family.name == "gpt":
-            from ..models.config import from_hf_gpt2
-
-            return from_hf_gpt2(data, name=self.config.model_type)
-        from ..models.llama_config import from_hf_llama
-
-        return from_hf_llama(data, name=self.config.model_type)
+        return from_hf_config(self.config.to_dict(), name=self.config.model_type)
 
     # -- building parts ---------------------------------------------------------------------------
     def part(self, dotted: str):

@@ -8,8 +8,8 @@ Both build their layers from a ``layers.LayerImpl`` (megatron-core's tensor para
 Each callable imports its module when first called: loading a config needs no torch.
 """
 
-from .config import GPTConfig, load_model_config
-from .llama_config import LlamaConfig, load_llama_config
+from .config import GPTConfig, from_hf_gpt2, load_model_config
+from .llama_config import LlamaConfig, from_hf_llama, load_llama_config
 from .registry import ModelFamily, family_of, get_family, load_model, register_family
 
 
@@ -33,7 +33,8 @@ def _loss_fn(impl=None):
     return loss_fn_for(_local(impl))
 
 
-def _family(name: str, config_type: type, load_config, specs_module: str, specs_name: str, sequential_name: str):
+def _family(name: str, config_type: type, load_config, from_hf, specs_module: str, specs_name: str,
+            sequential_name: str):
     """A family whose layers come from ``specs_module.specs_name`` and are costed from their description."""
 
     def specs_fn(cfg, impl=None, *, selective_recompute: bool = False):
@@ -66,11 +67,12 @@ def _family(name: str, config_type: type, load_config, specs_module: str, specs_
     return register_family(ModelFamily(
         name=name, config_type=config_type, load_config=load_config, layer_specs=specs_fn, loss_fn=_loss_fn,
         sequential=sequential, tensor_parallel=_tensor_parallel, cost_model=cost_model, profile=profile,
-        calibrate=calibrate))
+        calibrate=calibrate, from_hf=from_hf))
 
 
-GPT = _family("gpt", GPTConfig, load_model_config, ".gpt", "gpt_layer_specs", "SequentialGPT")
-LLAMA = _family("llama", LlamaConfig, load_llama_config, ".llama", "llama_layer_specs", "SequentialLlama")
+GPT = _family("gpt", GPTConfig, load_model_config, from_hf_gpt2, ".gpt", "gpt_layer_specs", "SequentialGPT")
+LLAMA = _family("llama", LlamaConfig, load_llama_config, from_hf_llama, ".llama", "llama_layer_specs",
+                "SequentialLlama")
 
 __all__ = ["GPT", "LLAMA", "GPTConfig", "LlamaConfig", "ModelFamily", "family_of", "get_family", "load_model",
            "register_family"]

@@ -16,6 +16,16 @@ class ModelConfigError(ValueError):
     """A model config that cannot be used; the message names the field and the fix."""
 
 
+def hf_config_path(name_or_path) -> Path | None:
+    """The config.json a name points at: the file itself, or a ``save_pretrained`` directory's."""
+    path = Path(name_or_path)
+    if path.suffix == ".json":
+        return path
+    if path.is_dir() and (path / "config.json").is_file():
+        return path / "config.json"
+    return None
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     name: str
@@ -152,9 +162,7 @@ def load_model_config(name_or_path: str | Path, **overrides) -> GPTConfig:
 
     ``overrides`` replace fields after loading (e.g. ``seq_len=128``).
     """
-    path = Path(name_or_path)
-    if path.is_dir() and (path / "config.json").is_file():  # a save_pretrained directory
-        path = path / "config.json"
+    path = hf_config_path(name_or_path) or Path(name_or_path)
     if path.suffix not in (".toml", ".json"):
         path = CONFIG_DIR / f"{name_or_path}.toml"
     if not path.is_file():
@@ -176,7 +184,7 @@ def load_model_config(name_or_path: str | Path, **overrides) -> GPTConfig:
     except tomllib.TOMLDecodeError as e:
         raise ModelConfigError(f"model config {path}: not valid TOML ({e}); fix the syntax") from None
     family = data.pop("family", "gpt")
-    if family != "gpt":  # pragma: no cover - load_model picks the family first
+    if family != "gpt":
         raise ModelConfigError(f"model config {path}: family = {family!r} is not the GPT's; load it with "
                                f"ds_pipe_ext.models.load_model, which picks the family")
     data.update({k: v for k, v in overrides.items() if v is not None})

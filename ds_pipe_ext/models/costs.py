@@ -17,13 +17,7 @@ from ..costs.calibrate import fit_device
 from ..costs.estimate import EstimateRequest, analytic_layer_costs, layer_ops, shape_for
 from ..costs.hardware import DeviceSpec
 from ..costs.types import LayerCost
-from .layers import LOCAL, LayerImpl, lm_loss
-
-
-def _gpt_specs(cfg, impl=LOCAL):
-    from .gpt import gpt_layer_specs
-
-    return gpt_layer_specs(cfg, impl)
+from .layers import LayerImpl, lm_loss
 
 
 @dataclass(frozen=True)
@@ -31,8 +25,8 @@ class DescribedCostModel:
     """Analytic per-layer costs of a config that describes itself, built by ``specs_fn``."""
 
     config: object
+    specs_fn: Callable  # the family's layer_specs (what calibration profiles)
     sequence_parallel: bool = False
-    specs_fn: Callable = _gpt_specs
 
     def request(self, inputs, *, tp: int, dtype: str) -> EstimateRequest:
         tokens = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
@@ -47,17 +41,16 @@ class DescribedCostModel:
                                      cache_dir=cache_dir, specs_fn=self.specs_fn)
 
 
-def described_cost_model(cfg, impl: LayerImpl = LOCAL, specs_fn: Callable = _gpt_specs) -> DescribedCostModel:
+def described_cost_model(cfg, impl: LayerImpl, specs_fn: Callable) -> DescribedCostModel:
     """The cost model of ``specs_fn(cfg, impl)``."""
-    return DescribedCostModel(cfg, sequence_parallel=impl.sequence_parallel, specs_fn=specs_fn)
+    return DescribedCostModel(cfg, specs_fn, sequence_parallel=impl.sequence_parallel)
 
 
 def _tokens(cfg, micro_batch: int, seq: int) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), generator=torch.Generator().manual_seed(0))
 
 
-def profile_family_layers(cfg, micro_batch: int, settings, key_fields: dict | None = None, *,
-                          specs_fn: Callable = _gpt_specs):
+def profile_family_layers(cfg, micro_batch: int, settings, key_fields: dict | None = None, *, specs_fn: Callable):
     """Every pipeline layer of ``cfg`` profiled on this machine with one micro-batch of tokens (cached)."""
     from ..costs.profiler import profile_layers
 
@@ -66,8 +59,7 @@ def profile_family_layers(cfg, micro_batch: int, settings, key_fields: dict | No
                           settings=settings, key_fields={"model": cfg.to_dict(), **(key_fields or {})})
 
 
-def profile_three_layers(cfg, micro_batch: int, seq: int, settings, key_fields: dict, *,
-                         specs_fn: Callable = _gpt_specs):
+def profile_three_layers(cfg, micro_batch: int, seq: int, settings, key_fields: dict, *, specs_fn: Callable):
     """The embedding, one block and the head (+ loss) of ``cfg`` (untied, at sequence ``seq``) profiled
     alone on this machine: (the config as profiled, their ``LayerCost``)."""
     from ..costs.profiler import profile_layers
@@ -82,7 +74,7 @@ def profile_three_layers(cfg, micro_batch: int, seq: int, settings, key_fields: 
 
 def profile_and_calibrate(cfg, req: EstimateRequest, device: DeviceSpec, *,
                           cache_dir: str | None = ".ds_pipe_ext_cache", warmup: int = 1, repeats: int = 3,
-                          also: tuple[EstimateRequest, ...] = (), specs_fn: Callable = _gpt_specs) -> DeviceSpec:
+                          also: tuple[EstimateRequest, ...] = (), specs_fn: Callable) -> DeviceSpec:
     """Profile one embedding, one block and the head (+ loss) of ``cfg`` on this machine at ``req``
     (and at each shape in ``also``: more shapes separate the factors), then fit."""
     from ..costs.profiler import ProfileSettings

@@ -29,6 +29,7 @@ import torch.utils.checkpoint
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
+from ..layout import Layout
 from ..pipe.sequential import SequentialLayers
 from .layers import LOCAL, LayerImpl, lm_loss, mark_sections
 from .llama_config import LlamaConfig, rotary_inv_freq
@@ -77,9 +78,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, impl: LayerImpl, selective_recompute: bool = False):
         super().__init__()
         t, d = impl.tp_size, cfg.head_dim
-        if cfg.kv_heads % t:  # each rank holds whole key/value heads (megatron-core's rule too)
-            raise ValueError(f"tensor parallel degree {t} does not divide the key/value heads ({cfg.kv_heads}) of "
-                             f"model {cfg.name!r}; choose tp dividing them")
+        Layout(tp=t, sp=impl.sequence_parallel).check(cfg)  # the layout's rules: TP splits whole heads
         self.heads, self.kv_heads, self.head_dim = cfg.heads // t, cfg.kv_heads // t, d
         self.selective_recompute = selective_recompute
         sections = (cfg.heads * d, cfg.kv_heads * d, cfg.kv_heads * d)

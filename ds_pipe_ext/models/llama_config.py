@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..arch import MLP, Attention, Block, ModelDescription
-from .config import CONFIG_DIR, ModelConfigError, config_from_dict
+from .config import CONFIG_DIR, ModelConfigError, config_from_dict, hf_config_path
 
 ROPE_SCALINGS = ("default", "llama3")
 
@@ -233,8 +233,6 @@ def load_llama_config(name_or_path: str | Path, **overrides) -> LlamaConfig:
     """A Llama-family config: a name in model_configs/ (``family = "llama"``), a .toml path, a Hugging Face
     config.json or a ``save_pretrained`` directory.  ``overrides`` replace fields (e.g. ``seq_len=4096``)."""
     import json
-
-    from .registry import hf_config_path
 
     path = hf_config_path(name_or_path) or Path(name_or_path)
     if path.suffix not in (".toml", ".json"):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import CONFIG_DIR, ModelConfigError
+from .config import CONFIG_DIR, ModelConfigError, hf_config_path
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class ModelFamily:
     cost_model: Callable
     profile: Callable
     calibrate: Callable
+    from_hf: Callable | None = None  # a Hugging Face config.json's dict, name= -> the family's config
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -70,34 +71,32 @@ def family_of(config) -> ModelFamily:
 HF_MODEL_TYPES = {"gpt2": "gpt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
 
 
-def hf_config_path(name_or_path) -> Path | None:
-    """The config.json a name points at: the file itself, or a ``save_pretrained`` directory's."""
-    path = Path(name_or_path)
-    if path.suffix == ".json":
-        return path
-    if path.is_dir() and (path / "config.json").is_file():
-        return path / "config.json"
-    return None
+def _hf_family_name(kind: str, where) -> str:
+    if kind not in HF_MODEL_TYPES:
+        raise ModelConfigError(f"model config {where}: model_type {kind!r} is not supported; supported Hugging Face "
+                               f"model types: {sorted(HF_MODEL_TYPES)}")
+    return HF_MODEL_TYPES[kind]
 
 
-def _hf_family_name(path: Path) -> str:
+def from_hf_config(data: dict, *, name: str):
+    """A Hugging Face config.json's dict as the config of the family that models its ``model_type``."""
+    return get_family(_hf_family_name(data.get("model_type", "gpt2"), name)).from_hf(data, name=name)
+
+
+def _hf_file_family_name(path: Path) -> str:
     import json
 
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return "gpt"  # the family's own loader reports the missing or malformed file
-    kind = data.get("model_type", "gpt2") if isinstance(data, dict) else "gpt2"
-    if kind not in HF_MODEL_TYPES:
-        raise ModelConfigError(f"model config {path}: model_type {kind!r} is not supported; supported Hugging Face "
-                               f"model types: {sorted(HF_MODEL_TYPES)}")
-    return HF_MODEL_TYPES[kind]
+    return _hf_family_name(data.get("model_type", "gpt2") if isinstance(data, dict) else "gpt2", path)
 
 
 def _family_name(name_or_path) -> str:
     hf = hf_config_path(name_or_path)
     if hf is not None:
-        return _hf_family_name(hf)
+        return _hf_file_family_name(hf)
     path = Path(name_or_path)
     if path.suffix != ".toml":
         path = CONFIG_DIR / f"{name_or_path}.toml"
