@@ -9,29 +9,31 @@ Two models, 2 pipeline stages on 2 ranks (OMP_NUM_THREADS=1 each), micro-batch 1
 predicted by the fitted step model `launch_scripts/step_model_cpu.json` (calibrated on
 bench/prediction_transfer.py's two calibration runs; none of these measurements calibrated it).
 
-Two phases, each launch measuring several methods one after another (bench/splits_in_one_launch.py:
-each built afresh, 1 warm-up step, then timed steps), so the methods it compares sit a minute apart:
+Two phases (bench/splits_in_one_launch.py: each method built afresh, 1 warm-up step, then timed steps):
 
-1. **Screen**: every split [0, k, 14] (k = 1..13) and `profiled`, one launch per model and round,
+1. **Screen**: every split [0, k, n] (k = 1..n-1) and `profiled`, one launch per model and round (so
+   the methods it compares sit a minute apart),
    rounds alternating the order (forward, backward, ...); each split's median and spread over the
    rounds.  This is the whole curve, and it says which splits contend for the top.
 2. **Playoff**: `profiled`, DeepSpeed's built-in splits, the screen's three best splits and the
-   splits `profiled` chose in the screen, measured in turn for ``--cycles`` cycles, one launch a
-   cycle (A B C .., then B C .. A, ...), each build trained ``--playoff-steps`` steps (the median
-   of all but the first).  The splits near the top differ by 1-3%, about what one timed step of a
-   build moves on this machine, so a build times several steps.  Scores are ratios *within a cycle*
-   (profiled's build against the best split's build beside it), medians over the cycles: a build of
-   one split moves by a few percent in a playoff launch, and 6 cycles (the default) are a median one
-   such build cannot move alone; each cycle is its own launch (see ``playoff``: a long launch's
-   later builds ran slower).  The best split is the contender with the highest playoff median; a
-   split outside the screen's top three could only beat it by being under-measured by more than the
-   screen's spread, which the screen table shows.  Each record keeps its step times (``step_s_each``,
-   step 1 the warm-up).  docs/RESULTS.md has the measurements behind each of these choices.
+   splits `profiled` chose in the screen, for ``--cycles`` cycles (A B C .., then B C .. A, ...).
+   Each build is its own launch (``--playoff-launch build``, the default), measured as a user's
+   launch runs it: step 1 the warm-up, the median of the other ``--playoff-steps`` - 1.  A launch of
+   several builds favours splits unevenly: its later builds slow down, the balanced ones most (one
+   rank's slowdown is on the critical path of a balanced split and hidden in the idle time of an
+   unbalanced one; bench-cpu-llama's best split ran 11.9 s a step as a later build and 11.4 s alone,
+   while the uniform split ran 12.5 s either way).  ``--playoff-launch cycle`` keeps the older form
+   (a cycle's builds in one launch).  Scores are ratios *within a cycle* (profiled's build against
+   the best split's build beside it), medians over the cycles.  The best split is the contender with
+   the highest playoff median; a split outside the screen's top three could only beat it by being
+   under-measured by more than the screen's spread, which the screen table shows.  Each record keeps
+   its step times (``step_s_each``, step 1 the warm-up).  docs/RESULTS.md has the measurements behind
+   each of these choices.
 
 Scores: `profiled` by its own builds (a fresh profile and decision each, as a user's launch would),
 DeepSpeed's `uniform` and `parameters` by the splits their own functions choose.
 
-    python bench/partition_speedup.py [--rounds 2] [--cycles 6] [--micro-batch 1] [--micro-batches 16] [--out runs/partition-speedup-v9]
+    python bench/partition_speedup.py [--rounds 2] [--cycles 6] [--playoff-steps 4] [--playoff-launch build|cycle] [--out DIR]
     python bench/partition_speedup.py --model bench-cpu-llama    (Llama: adds Megatron's accounting to the
         built-ins, and a simulated 4- and 8-stage comparison of the hand rules on llama3-8b)
 
@@ -130,14 +132,18 @@ def split_method(parts) -> str:
     return "parts:" + ",".join(str(int(b)) for b in parts)
 
 
-def run_launch(model: str, methods: list[str], out: Path, args, steps: int) -> list[dict]:
+def run_launch(model: str, methods: list[str], out: Path, args, steps: int, warm_build: bool = True) -> list[dict]:
     """One launch measuring ``methods`` in this order (a method may repeat); the records in order."""
     measured = measure_in_one_launch(out, methods, train={"model": model, "steps": steps, "seed": 1234},
                                      micro_batch=args.micro_batch, micro_batches=args.micro_batches,
-                                     step_model=STEP_MODEL, label=model)
+                                     step_model=STEP_MODEL, label=model, warm_build=warm_build)
     for r in measured:
         print(f"    {r['method']:<14} parts={r['parts']}  {r['samples_per_s']:.3f} samples/s", flush=True)
     return measured
+
+
+def slug(method: str) -> str:
+    return method.replace(":", "-").replace(",", "_")
 
 
 def spread(values: list[float]) -> str:
@@ -160,6 +166,11 @@ def playoff(model: str, contenders: list[str], args, out: Path) -> list[dict[str
     leave process state behind (5 process groups, 15 gloo threads and 23 sockets a build, and the
     last stage's heap grows), so a cycle's builds share a young process instead."""
     orders = [contenders[c % len(contenders):] + contenders[:c % len(contenders)] for c in range(args.cycles)]
+    if args.playoff_launch == "build":
+        print(f"playoff: {model}, {len(contenders)} contenders x {args.cycles} cycles, one launch a build", flush=True)
+        return [{m: run_launch(model, [m], out / "playoff-builds" / model / f"cycle{c}" / slug(m), args,
+                               args.playoff_steps, warm_build=False)[0] for m in order}
+                for c, order in enumerate(orders)]
     if (out / "playoff" / model / "metrics.json").is_file():  # v7, v8: every cycle in one launch, read back
         records = run_launch(model, [m for order in orders for m in order], out / "playoff" / model, args,
                              args.playoff_steps)
@@ -211,6 +222,9 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=6, help="playoff cycles (every contender once a cycle)")
     ap.add_argument("--playoff-steps", type=int, default=4,
                     help="steps per playoff build: 1 warm-up, the median of the others (one timed step moves by 5-10%%)")
+    ap.add_argument("--playoff-launch", choices=["build", "cycle"], default="build",
+                    help="build: each playoff build its own launch, as a user runs it (A B C .. launches); "
+                         "cycle: a cycle's builds in one launch (faster; the launch's later builds drift)")
     ap.add_argument("--out", default=None, help="default runs/partition-speedup-v9 (runs/partition-speedup-MODEL)")
     ap.add_argument("--model", default=None, help="one model (bench-cpu-llama) instead of the GPT pair")
     args = ap.parse_args()

@@ -6,7 +6,7 @@ hour apart.  Splits measured inside one launch sit a minute apart, and the launc
 engine, the optimizer, and for `profiled` a fresh profile and decision), trained for `train.steps`
 steps (step 1 pays for warm-up; the figure is the median of the others), then freed.  The first
 method is built and trained once more, unrecorded, before the others: a launch's first build is
-slower.
+slower (``--no-warm-build`` skips it, for a launch of one build whose first step is its warm-up).
 
     deepspeed --num_gpus 2 bench/splits_in_one_launch.py --deepspeed_config ds.json \\
         --methods "profiled;parts:0,1,14;parts:0,2,14" --metrics-out DIR/metrics.json
@@ -64,12 +64,15 @@ def main() -> None:
     ap.add_argument("--deepspeed_config", required=True)
     ap.add_argument("--methods", required=True, help="partition methods separated by ';', measured in this order")
     ap.add_argument("--metrics-out", required=True)
+    ap.add_argument("--no-warm-build", action="store_true",
+                    help="measure the first build as it comes, as a user's own launch would (one build a launch)")
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     args = ap.parse_args()
     ds = read_ds_json(args.deepspeed_config)
     measured = []
     methods = args.methods.split(";")
-    measure(ds, methods[0])  # unrecorded: the launch's first build pays for imports, allocator and thread warm-up
+    if not args.no_warm_build:  # unrecorded: the launch's first build pays for imports, allocator and thread warm-up
+        measure(ds, methods[0])
     for method in methods:
         measured.append(measure(ds, method))
         if int(os.environ.get("RANK", 0)) == 0:

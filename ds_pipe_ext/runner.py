@@ -62,14 +62,16 @@ def launch(num_ranks: int, config: Path | None, *args: str, out_dir: Path | None
 
 
 def measure_in_one_launch(out_dir: Path, methods: list[str], *, train: dict, micro_batch: int, micro_batches: int,
-                          step_model: Path, label: str | None = None, env: dict | None = None) -> list[dict]:
+                          step_model: Path, label: str | None = None, env: dict | None = None,
+                          warm_build: bool = True) -> list[dict]:
     """Measure partition ``methods`` one after another in one 2-rank launch of bench/splits_in_one_launch.py
     (2 stages, a fresh profile per `profiled` build, ``step_model`` for its decision); its records in order.
 
     Resumable: a launch whose metrics.json exists in ``out_dir`` is read, not run again, provided it
     measured the same methods with the same micro-batching and ``train`` section (else SystemExit:
     a stale directory never passes for this run).  ``train`` is the ds.json ``train`` section (model,
-    steps, seed, ...); ``env`` goes to the ranks' environment.
+    steps, seed, ...); ``env`` goes to the ranks' environment.  ``warm_build=False``: no unrecorded build
+    first (a launch of one build, measured as a user's own launch runs it).
     """
     out_dir = Path(out_dir)
     done = out_dir / "metrics.json"
@@ -85,7 +87,8 @@ def measure_in_one_launch(out_dir: Path, methods: list[str], *, train: dict, mic
                        pipeline={"stages": 2, "step_model": str(step_model),
                                  "profile": {"warmup": 2, "repeats": 5, "cache_dir": None, "progress": False}})
     t0 = time.perf_counter()
-    proc, ranks = launch(2, cfg, "--methods", ";".join(methods), out_dir=out_dir, cwd=out_dir, timeout=3600,
+    extra = [] if warm_build else ["--no-warm-build"]
+    proc, ranks = launch(2, cfg, "--methods", ";".join(methods), *extra, out_dir=out_dir, cwd=out_dir, timeout=3600,
                          script="bench/splits_in_one_launch.py", env=env)
     if proc.returncode != 0 or 0 not in ranks:
         raise SystemExit(f"{label}: launch failed\n{proc.stderr[-3000:]}")

@@ -36,7 +36,7 @@ class PartitionPlan:
         with a step model, its prediction (engine costs, optimizer step, shared cores)."""
         if self.step_model is not None:
             model = replace(self.step_model, p2p_bandwidth=self.link_bandwidth or self.step_model.p2p_bandwidth)
-            return 1e3 * model.predict(self.stages, self.micro_batches, schedule=self.schedule).step_s
+            return 1e3 * model.predict(self.stages, self.micro_batches, schedule=self.schedule, timeline=False).step_s
         return 1e3 * simulate_stages(self.stages, self.micro_batches, link_bandwidth=self.link_bandwidth,
                                      schedule=self.schedule).step_s
 

@@ -76,7 +76,7 @@ def partition_min_step(
 
     def step(parts: Sequence[int]) -> float:
         stages = stage_costs(costs, parts, micro_batches=m, recompute=recompute, schedule=schedule)
-        return model.predict(stages, m, schedule=schedule).step_s
+        return model.predict(stages, m, schedule=schedule, timeline=False).step_s
 
     best_parts, best = list(start), step(start)
     min_max_step = best

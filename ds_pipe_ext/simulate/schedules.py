@@ -71,6 +71,23 @@ class Schedule:
                      for order in self.orders)
 
     @cached_property
+    def explicit_items(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        """Per rank, for a schedule that places its transfers itself: a compute item as (its kind's
+        index in ``COMPUTE``, chunk, 0); a send or receive as (len(COMPUTE), its rendezvous's flat index,
+        0 for an activation or 1 for a gradient x chunks + the boundary's upstream chunk)."""
+        code, n, m = {k: i for i, k in enumerate(COMPUTE)}, self.num_chunks, self.micro_batches
+        upstream = {"SA": 0, "RA": -1, "SG": -1, "RG": 0}  # the boundary's upstream chunk, from the item's chunk
+
+        def item(w: Work) -> tuple[int, int, int]:
+            if w.kind in code:
+                return code[w.kind], w.chunk, 0
+            what = 0 if w.kind[1] == "A" else 1
+            lo = w.chunk + upstream[w.kind]
+            return len(COMPUTE), (what * m + w.micro_batch) * n + lo, what * n + lo
+
+        return tuple(tuple(item(w) for w in order) for order in self.orders)
+
+    @cached_property
     def work_counts(self) -> tuple[dict[tuple[str, int], int], ...]:
         """Per rank, how many items of each (kind, chunk) its order runs (busy time without a replay)."""
         out = []
