@@ -376,3 +376,23 @@ def test_only_evaluates_a_layout_over_the_cap_and_marks_it(capfd):
     over_all = float(re.search(r"over the cap by ([\d.]+) GiB", capfd.readouterr().out).group(1))
     assert over - over_all == pytest.approx(8.0, abs=0.02)
     assert main(["plan", "--model", "tiny", "--gpus", "2", "--memory-fraction", "1.5"]) == 2
+
+
+def test_the_best_runnable_layout_is_found_past_the_first_one(monkeypatch):
+    """The layout `plan` emits (the best one DeepSpeed runs) is the best runnable one, not the first one
+    evaluated: a runnable layout whose bound is above the top K still counts while it can beat the
+    runnable layout found so far.  Fake costs: bounds 1 < 2 < 3, steps 1 (simulated only), 10, 4."""
+    import ds_pipe_ext.plan.search as plan_search
+
+    lays = {name: SimpleNamespace(name=name, runnable=runnable, bound=bound, step=step)
+            for name, runnable, bound, step in [("sim", False, 1.0, 1.0), ("slow", True, 2.0, 10.0),
+                                                ("fast", True, 3.0, 4.0)]}
+    monkeypatch.setattr(plan_search, "memory_lower_bound", lambda model, lay: 0.0)
+    monkeypatch.setattr(plan_search, "layout_step_bound", lambda model, lay: lay.bound)
+    monkeypatch.setattr(plan_search, "split_step_bound", lambda model, lay, parts: lay.bound)
+    model = SimpleNamespace(memory_cap=1.0, partition=lambda lay: [0, 1], run_split=lambda lay: [0, 1],
+                            evaluate=lambda lay, parts, check_memory=True: SimpleNamespace(layout=lay,
+                                                                                          step_s=lay.step))
+    res = search(model, list(lays.values()), top_k=1)
+    assert [c.layout.name for c in res.top] == ["sim", "fast"]
+    assert res.best_runnable().layout.name == "fast" and res.simulated == 3

@@ -262,3 +262,22 @@ def test_blocks_of_different_widths_build_and_bad_widths_are_refused():
     assert widths == [64, 128, 256, 512]
     with pytest.raises(ModelConfigError, match="one positive width per block"):
         GPTConfig(name="x", vocab_size=8, hidden=8, layers=2, heads=2, seq_len=4, block_ffn_hidden=(8,))
+
+
+def test_the_step_search_stops_on_its_bound_budget(monkeypatch):
+    """Deep pipelines of alike layers: the bounds cut nearly every leaf without a simulation, so the leaf
+    budget alone never runs out (llama3.1-405b on 16,384 GPUs ran for over 10 minutes).  The search
+    stops after BOUNDS_PER_LEAF x max_leaves children bounded, no worse than its min-max start, its gap
+    stated."""
+    import ds_pipe_ext.partition.step_search as step_search
+
+    calls = []
+    counted = step_search.step_lower_bound
+    monkeypatch.setattr(step_search, "step_lower_bound", lambda *a, **k: calls.append(1) or counted(*a, **k))
+    costs = ([LayerCost("emb", 0.01, 0.02, param_bytes=100 * 10**6)]
+             + [LayerCost(f"block{i}", 0.1, 0.2, param_bytes=12 * 10**6) for i in range(126)]
+             + [LayerCost("head", 0.3, 0.6, param_bytes=100 * 10**6)])
+    found = partition_min_step(costs, 32, micro_batches=32, model=StepModel(), max_leaves=4)
+    n = len(costs)
+    assert len(calls) <= step_search.BOUNDS_PER_LEAF * 4 + 4 * n  # the budget, one node's children past it
+    assert found.step_s <= found.min_max_step_s and found.gap >= 0.0 and found.leaves <= 4

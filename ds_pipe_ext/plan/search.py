@@ -54,13 +54,20 @@ def search(model: PlanModel, layouts: list[Layout], *, top_k: int = 10, progress
     def kth() -> float:
         return steps[top_k - 1] if len(steps) >= top_k else float("inf")
 
-    # a runnable layout is always kept beside the top K (the ds.json to emit)
+    # the best runnable layout is always kept beside the top K (the ds.json to emit)
     runnable_best: LayoutCost | None = None
+
+    def beaten(bound: float, lay: Layout) -> bool:
+        """No split of it can enter the top K, nor (runnable) beat the best runnable layout found."""
+        if bound < kth():
+            return False
+        return not lay.runnable or (runnable_best is not None and bound >= runnable_best.step_s)
+
     for i, (bound, lay) in enumerate(bounded):
         if progress is not None:
             progress(i, len(bounded))
-        if bound >= kth() and (runnable_best is not None or not lay.runnable):
-            if runnable_best is not None:
+        if beaten(bound, lay):
+            if runnable_best is not None and bound >= runnable_best.step_s:  # so are all later ones
                 res.dropped["worse (step bound above the top K)"] += len(bounded) - i
                 break
             res.dropped["worse (step bound above the top K)"] += 1
@@ -72,8 +79,7 @@ def search(model: PlanModel, layouts: list[Layout], *, top_k: int = 10, progress
             oom.append((memory_lower_bound(model, lay), lay))
             continue
         res.partitioned += 1
-        if split_step_bound(model, lay, parts) >= kth() and (runnable_best is not None
-                                                                            or not lay.runnable):
+        if beaten(split_step_bound(model, lay, parts), lay):
             res.dropped["worse (step bound above the top K)"] += 1
             continue
         try:
