@@ -8,7 +8,8 @@ this says what a decoder-only transformer computes, so that a family-free op lib
     blocks     one ``Block`` per transformer layer (they may differ: width-pruned models), each
                a norm, attention (heads, key/value heads, q/k/v biases, a sliding window, the kernel:
                eager softmax(QK^T)V or a fused one that saves no s x s probabilities) and an MLP (gelu:
-               two matrices; swiglu: gate and up projections, SiLU, down projection)
+               two matrices; swiglu: gate and up projections, SiLU, down projection), or routed
+               ``Experts`` of that MLP (Mixture-of-Experts)
     head       the final norm, the vocabulary projection (tied to the embedding or not), the loss
 
 The pipeline's layers are the embedding, each block, and the head, in that order.  A family in
@@ -69,9 +70,39 @@ class MLP:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A block's MLP as routed experts (Mixture-of-Experts): a linear router sends each token to ``top_k``
+    of ``count`` experts, each an ``MLP`` of the block's kind and width; ``shared_ffn`` wide always-on
+    shared experts beside them (DeepSeekMoE's two, fused as one MLP; Qwen-MoE's one, whose output
+    ``shared_gate``, a sigmoid of a linear, scales).  ``capacity_factor`` 0: dropless (every routed token
+    is processed); else each expert processes at most capacity_factor x top_k x tokens / count of them."""
+
+    count: int
+    top_k: int
+    shared_ffn: int = 0
+    shared_gate: bool = False
+    capacity_factor: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("experts", "count", self.count)
+        _positive("experts", "top_k", self.top_k)
+        if self.top_k > self.count:
+            raise DescriptionError(f"experts: top_k ({self.top_k}) exceeds the experts ({self.count}); each token "
+                                   f"goes to top_k distinct experts")
+        if isinstance(self.shared_ffn, bool) or not isinstance(self.shared_ffn, int) or self.shared_ffn < 0:
+            raise DescriptionError(f"experts: shared_ffn = {self.shared_ffn!r}; 0 (none) or a positive width")
+        if self.shared_gate and not self.shared_ffn:
+            raise DescriptionError("experts: shared_gate needs shared experts (shared_ffn > 0)")
+        if not isinstance(self.capacity_factor, (int, float)) or isinstance(self.capacity_factor, bool) \
+                or self.capacity_factor < 0:
+            raise DescriptionError(f"experts: capacity_factor = {self.capacity_factor!r}; 0 (dropless) or > 0")
+
+
+@dataclass(frozen=True)
 class Block:
     attention: Attention
-    mlp: MLP
+    mlp: MLP  # with ``experts``: one expert's kind and width
+    experts: Experts | None = None  # None: a dense block
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,9 @@ def layer_ops(model, shp: A.Shape) -> list[tuple[str, str, list[A.OpCost]]]:
     layers = [("EmbeddingPipe", "embedding", A.embedding(shp, positions=desc.positions == "learned"))]
     built: dict = {}
     for block in desc.blocks:
+        if block.experts is not None:
+            raise A.AnalyticError(f"model {desc.name!r}: analytic costs of Mixture-of-Experts blocks (router, "
+                                  f"experts, all-to-all) are not modelled yet; use a dense model")
         if block not in built:
             att, mlp = block.attention, block.mlp
             built[block] = A.transformer_block(replace(shp, a=att.heads, f=mlp.ffn), kv_heads=att.kv_heads,

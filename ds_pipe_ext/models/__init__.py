@@ -2,6 +2,9 @@
 
     gpt     GPT-2/3 (``gpt.py``, its config in ``config.py``)
     llama   Llama 2/3, Mistral, Qwen2 (``llama.py``, its config in ``llama_config.py``)
+    moe     Mixture-of-Experts on Llama blocks: Mixtral, Qwen-MoE, DeepSeekMoE (``moe_config.py``): its
+            configs and description load; its layers, profile and analytic costs are not built yet, and
+            asking for them is an error that says so
 
 Both build their layers from a ``layers.LayerImpl`` (megatron-core's tensor parallelism in
 ``parallel/tensor_parallel.py`` for either) and are costed from their description (``costs.py``).
@@ -10,6 +13,8 @@ Each callable imports its module when first called: loading a config needs no to
 
 from .config import GPTConfig, from_hf_gpt2, load_model_config
 from .llama_config import LlamaConfig, from_hf_llama, load_llama_config
+from .moe_config import MoEConfig, from_hf_moe, load_moe_config
+from .config import ModelConfigError
 from .registry import ModelFamily, family_of, get_family, load_model, register_family
 
 
@@ -74,5 +79,21 @@ GPT = _family("gpt", GPTConfig, load_model_config, from_hf_gpt2, ".gpt", "gpt_la
 LLAMA = _family("llama", LlamaConfig, load_llama_config, from_hf_llama, ".llama", "llama_layer_specs",
                 "SequentialLlama")
 
-__all__ = ["GPT", "LLAMA", "GPTConfig", "LlamaConfig", "ModelFamily", "family_of", "get_family", "load_model",
+
+
+def _not_built(what: str):
+    def refuse(*args, **kwargs):
+        raise ModelConfigError(f"the moe family's {what} is not built yet: its configs and description load, "
+                               f"but it cannot be trained, profiled or costed; use a gpt or llama model")
+
+    return refuse
+
+
+MOE = register_family(ModelFamily(
+    name="moe", config_type=MoEConfig, load_config=load_moe_config, layer_specs=_not_built("layers"),
+    loss_fn=_not_built("loss"), sequential=_not_built("layers"), tensor_parallel=_tensor_parallel,
+    cost_model=_not_built("cost model"), profile=_not_built("profiler"), calibrate=_not_built("calibration"),
+    from_hf=from_hf_moe))
+
+__all__ = ["GPT", "LLAMA", "MOE", "MoEConfig", "GPTConfig", "LlamaConfig", "ModelFamily", "family_of", "get_family", "load_model",
            "register_family"]

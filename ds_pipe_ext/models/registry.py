@@ -60,15 +60,18 @@ def get_family(name: str) -> ModelFamily:
 
 
 def family_of(config) -> ModelFamily:
-    """The family a loaded config belongs to."""
-    for family in _FAMILIES.values():
+    """The family a loaded config belongs to (its own type's family first: MoEConfig is a LlamaConfig)."""
+    for family in sorted(_FAMILIES.values(), key=lambda f: type(config) is not f.config_type):
         if isinstance(config, family.config_type):
             return family
     raise ModelConfigError(f"{type(config).__name__} belongs to no registered model family ({families()})")
 
 
 # a Hugging Face config.json's model_type -> the family that models it
-HF_MODEL_TYPES = {"gpt2": "gpt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+HF_MODEL_TYPES = {"gpt2": "gpt", "llama": "llama", "mistral": "llama", "qwen2": "llama", "mixtral": "moe",
+                  "qwen2_moe": "moe", "deepseek": "moe",
+                  # the moe family names what it does not model in these
+                  "qwen3_moe": "moe", "deepseek_v2": "moe", "deepseek_v3": "moe"}
 
 
 def _hf_family_name(kind: str, where) -> str:

@@ -1,0 +1,170 @@
+"""`MoEConfig`: Mixture-of-Experts models on the Llama family's blocks (Mixtral, Qwen-MoE, DeepSeekMoE shapes),
+from `model_configs/*.toml` (``family = "moe"``) or a Hugging Face ``config.json`` (``model_type`` mixtral,
+qwen2_moe, deepseek).
+
+Each block's MLP is ``experts`` SwiGLU experts of ``expert_ffn_hidden`` of which a router picks ``top_k`` per
+token, optionally beside always-on shared experts (``shared_ffn_hidden`` wide in all; Qwen-MoE gates
+theirs), and the first ``dense_layers`` blocks keep a dense ``ffn_hidden`` MLP (DeepSeekMoE: 1).  The
+router's load-balancing loss is weighted by ``aux_loss_coef``.  ``capacity_factor`` 0 is dropless (what
+the published models train with); > 0 caps each expert at capacity_factor x top_k x tokens / experts.
+
+Refused by name: multi-head latent attention (DeepSeek-V2/V3), a routed layer pattern other than "every
+block after the dense ones" (Qwen2-MoE's decoder_sparse_step / mlp_only_layers), Qwen3-MoE's explicit
+head_dim and q/k norms; and, as for the Llama family, what ``LlamaConfig`` refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+
+from ..arch import MLP, Attention, Block, Experts, ModelDescription
+from .config import CONFIG_DIR, ModelConfigError, config_from_dict, hf_config_path
+from .llama_config import LlamaConfig, from_hf_llama
+
+
+@dataclass(frozen=True)
+class MoEConfig(LlamaConfig):
+    experts: int = 8  # routed experts per MoE block (E)
+    top_k: int = 2  # experts each token is routed to (k)
+    expert_ffn_hidden: int = 0  # one routed expert's SwiGLU width; 0: ffn_hidden
+    shared_ffn_hidden: int = 0  # the always-on shared experts' width in all (fused as one MLP); 0: none
+    shared_gate: bool = False  # Qwen-MoE: the shared experts' output scaled by sigmoid(linear(x))
+    dense_layers: int = 0  # the first blocks keep a dense ffn_hidden MLP
+    capacity_factor: float = 0.0  # 0: dropless; else an expert takes capacity_factor x k x tokens / E
+    aux_loss_coef: float = 0.01  # the router's load-balancing loss in the training loss
+    norm_topk_prob: bool = True  # the k gate weights renormalised to sum to 1 (Mixtral yes, Qwen1.5-MoE no)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        where = f"model config {self.name!r}"
+        for f in ("experts", "top_k"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ModelConfigError(f"{where}: {f} = {v!r}; it must be a positive integer")
+        if self.top_k > self.experts:
+            raise ModelConfigError(f"{where}: top_k ({self.top_k}) exceeds experts ({self.experts}); each token "
+                                   f"goes to top_k distinct experts: lower top_k or add experts")
+        for f in ("expert_ffn_hidden", "shared_ffn_hidden", "dense_layers"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ModelConfigError(f"{where}: {f} = {v!r}; it must be 0 or a positive integer")
+        if self.dense_layers >= self.layers:
+            raise ModelConfigError(f"{where}: dense_layers ({self.dense_layers}) leaves no MoE block of "
+                                   f"{self.layers}; an all-dense model is the llama family")
+        if self.shared_gate and not self.shared_ffn_hidden:
+            raise ModelConfigError(f"{where}: shared_gate needs shared experts (shared_ffn_hidden > 0)")
+        cf = self.capacity_factor
+        if isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf < 0:
+            raise ModelConfigError(f"{where}: capacity_factor = {cf!r}; 0 (dropless) or a positive factor")
+        coef = self.aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+            raise ModelConfigError(f"{where}: aux_loss_coef = {coef!r}; 0 or a positive weight")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ModelConfigError(f"{where}: norm_topk_prob must be true or false")
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.expert_ffn_hidden or self.ffn_hidden
+
+    def is_moe_block(self, i: int) -> bool:
+        return i >= self.dense_layers
+
+    def describe(self) -> ModelDescription:
+        """The Llama family's description with each block after the dense ones routed to experts."""
+        return _describe_moe(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, *, name: str = "<dict>") -> "MoEConfig":
+        return config_from_dict(cls, data, name=name)
+
+
+@lru_cache(maxsize=64)
+def _describe_moe(cfg: MoEConfig) -> ModelDescription:
+    attention = Attention(cfg.heads, cfg.kv_heads, qkv_bias=cfg.qkv_bias, window=cfg.window, kernel="fused")
+    dense = Block(attention, MLP(cfg.ffn_hidden, "swiglu"))
+    routed = Block(attention, MLP(cfg.expert_ffn, "swiglu"),
+                   Experts(cfg.experts, cfg.top_k, shared_ffn=cfg.shared_ffn_hidden, shared_gate=cfg.shared_gate,
+                           capacity_factor=float(cfg.capacity_factor)))
+    return ModelDescription(name=cfg.name, hidden=cfg.hidden, vocab=cfg.padded_vocab, seq_len=cfg.seq_len,
+                            blocks=(dense,) * cfg.dense_layers + (routed,) * (cfg.layers - cfg.dense_layers),
+                            positions="rotary", norm="rmsnorm", tied_head=cfg.tie_embeddings, dropout=False,
+                            linear_bias=False)
+
+
+# ---------------------------------------------------------------------------- Hugging Face config.json
+
+HF_MODEL_TYPES = ("mixtral", "qwen2_moe", "deepseek")
+REFUSED_MODEL_TYPES = {
+    "deepseek_v2": "multi-head latent attention (DeepSeek-V2) is not modelled",
+    "deepseek_v3": "multi-head latent attention and multi-token prediction (DeepSeek-V3) are not modelled",
+    "qwen3_moe": "Qwen3-MoE's head_dim (wider than hidden / heads) and q/k RMSNorms are not modelled yet",
+}
+
+
+def from_hf_moe(data: dict, *, name: str) -> MoEConfig:
+    """A Hugging Face ``config.json`` of ``model_type`` mixtral, qwen2_moe or deepseek (DeepSeekMoE 16B)."""
+    kind = data.get("model_type")
+    where = f"model config {name!r} (model_type {kind!r})"
+    if kind in REFUSED_MODEL_TYPES:
+        raise ModelConfigError(f"{where}: {REFUSED_MODEL_TYPES[kind]}; supported MoE model types: "
+                               f"{list(HF_MODEL_TYPES)}")
+    if kind not in HF_MODEL_TYPES:
+        raise ModelConfigError(f"{where}: not a Mixture-of-Experts model type; supported: {list(HF_MODEL_TYPES)}")
+    if kind == "mixtral":
+        moe = {"experts": data.get("num_local_experts"), "top_k": data.get("num_experts_per_tok"),
+               "expert_ffn_hidden": 0, "norm_topk_prob": True}
+        dense_like = {**data, "model_type": "mistral"}
+    elif kind == "qwen2_moe":
+        if data.get("decoder_sparse_step", 1) != 1 or data.get("mlp_only_layers"):
+            raise ModelConfigError(f"{where}: decoder_sparse_step / mlp_only_layers (dense blocks between MoE "
+                                   f"ones) is not modelled: every block routes to experts")
+        shared = data.get("shared_expert_intermediate_size") or 0
+        moe = {"experts": data.get("num_experts"), "top_k": data.get("num_experts_per_tok"),
+               "expert_ffn_hidden": data.get("moe_intermediate_size"), "shared_ffn_hidden": shared,
+               "shared_gate": bool(shared), "norm_topk_prob": bool(data.get("norm_topk_prob", False))}
+        dense_like = {**data, "model_type": "qwen2"}
+    else:  # deepseek: DeepSeekMoE 16B's remote-code config
+        if data.get("moe_layer_freq", 1) != 1:
+            raise ModelConfigError(f"{where}: moe_layer_freq {data['moe_layer_freq']} (dense blocks between "
+                                   f"MoE ones) is not modelled")
+        moe = {"experts": data.get("n_routed_experts"), "top_k": data.get("num_experts_per_tok"),
+               "expert_ffn_hidden": data.get("moe_intermediate_size"),
+               "shared_ffn_hidden": (data.get("n_shared_experts") or 0) * (data.get("moe_intermediate_size") or 0),
+               "dense_layers": data.get("first_k_dense_replace", 0),
+               "norm_topk_prob": bool(data.get("norm_topk_prob", False))}
+        dense_like = {**data, "model_type": "llama"}
+    missing = [k for k in ("experts", "top_k", "expert_ffn_hidden") if moe.get(k) is None]
+    if missing:
+        raise ModelConfigError(f"{where}: config.json lacks the expert fields for {missing}")
+    if data.get("router_aux_loss_coef") is not None or data.get("aux_loss_alpha") is not None:
+        moe["aux_loss_coef"] = float(data.get("router_aux_loss_coef", data.get("aux_loss_alpha")))
+    base = from_hf_llama(dense_like, name=name)
+    return MoEConfig.from_dict({**base.to_dict(), **moe, "rope_scaling": base.rope_scaling}, name=name)
+
+
+def load_moe_config(name_or_path: str | Path, **overrides) -> MoEConfig:
+    """An MoE config: a name in model_configs/ (``family = "moe"``), a .toml path, a Hugging Face config.json
+    or a ``save_pretrained`` directory.  ``overrides`` replace fields (e.g. ``seq_len=4096``)."""
+    path = hf_config_path(name_or_path) or Path(name_or_path)
+    if path.suffix not in (".toml", ".json"):
+        path = CONFIG_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise ModelConfigError(f"unknown model {str(name_or_path)!r}: no file {path}")
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if path.suffix == ".json":
+        try:
+            cfg = from_hf_moe(json.loads(path.read_text()), name=path.parent.name or path.stem)
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"model config {path}: not valid JSON ({e})") from None
+        return replace(cfg, **overrides) if overrides else cfg
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ModelConfigError(f"model config {path}: not valid TOML ({e}); fix the syntax") from None
+    data.pop("family", None)
+    data.update(overrides)
+    return MoEConfig.from_dict(data, name=path.stem)

@@ -1,0 +1,95 @@
+"""The Mixture-of-Experts family's configs: named shapes, Hugging Face config.json files, what it refuses.
+
+Its layers, profile and analytic costs are not built yet; asking for them is a named error (tested)."""
+
+from dataclasses import replace
+
+import pytest
+
+from ds_pipe_ext.arch import DescriptionError, Experts
+from ds_pipe_ext.costs.analytic import AnalyticError
+from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers
+from ds_pipe_ext.costs.hardware import get_device
+from ds_pipe_ext.models import MoEConfig, family_of, get_family, load_model
+from ds_pipe_ext.models.config import ModelConfigError
+from ds_pipe_ext.models.registry import from_hf_config
+
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "hidden_act": "silu",
+           "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 32768,
+           "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+           "num_key_value_heads": 8, "num_local_experts": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+           "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
+           "vocab_size": 32000}
+QWEN_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "hidden_act": "silu",
+            "hidden_size": 2048, "intermediate_size": 5632, "max_position_embeddings": 8192,
+            "max_window_layers": 21, "model_type": "qwen2_moe", "num_attention_heads": 16, "num_hidden_layers": 24,
+            "num_key_value_heads": 16, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+            "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936,
+            "decoder_sparse_step": 1, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+            "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False, "router_aux_loss_coef": 0.001}
+DEEPSEEK_MOE = {"architectures": ["DeepseekForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                "aux_loss_alpha": 0.001, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048,
+                "intermediate_size": 10944, "max_position_embeddings": 4096, "model_type": "deepseek",
+                "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_routed_experts": 64, "n_shared_experts": 2,
+                "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6,
+                "num_hidden_layers": 28, "num_key_value_heads": 16, "rms_norm_eps": 1e-06, "rope_scaling": None,
+                "rope_theta": 10000, "tie_word_embeddings": False, "vocab_size": 102400}
+
+
+def same_shape(a: MoEConfig, b: MoEConfig) -> bool:
+    """Equal but for the name and the sequence (a config.json's is its longest; a named config's, the trained)."""
+    return replace(a, name="x", seq_len=1) == replace(b, name="x", seq_len=1)
+
+
+@pytest.mark.parametrize("data, named", [(MIXTRAL, "mixtral-8x7b"), (QWEN_MOE, "qwen-moe"),
+                                         (DEEPSEEK_MOE, "deepseek-moe-16b")])
+def test_hugging_face_configs_are_the_named_shapes(data, named):
+    cfg = from_hf_config(data, name=named + "-hf")
+    assert isinstance(cfg, MoEConfig) and family_of(cfg).name == "moe"
+    assert same_shape(cfg, load_model(named))
+
+
+def test_the_description_routes_every_block_after_the_dense_ones():
+    ds = load_model("deepseek-moe-16b").describe()
+    assert ds.blocks[0].experts is None and ds.blocks[0].mlp.ffn == 10944
+    assert all(b.experts == Experts(64, 6, shared_ffn=2816) and b.mlp.ffn == 1408 for b in ds.blocks[1:])
+    qwen = load_model("qwen-moe").describe().blocks[0].experts
+    assert (qwen.count, qwen.top_k, qwen.shared_ffn, qwen.shared_gate) == (60, 4, 5632, True)
+    tiny = load_model("moe-tiny")
+    assert family_of(tiny).name == "moe" and family_of(load_model("llama-tiny")).name == "llama"
+    assert [b.experts is not None for b in tiny.describe().blocks] == [False, True, True, True]
+
+
+@pytest.mark.parametrize("data, match", [
+    ({**DEEPSEEK_MOE, "model_type": "deepseek_v2"}, "multi-head latent attention"),
+    ({**DEEPSEEK_MOE, "model_type": "deepseek_v3"}, "multi-head latent attention"),
+    ({**QWEN_MOE, "model_type": "qwen3_moe"}, "head_dim"),
+    ({**QWEN_MOE, "decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ({**DEEPSEEK_MOE, "moe_layer_freq": 2}, "moe_layer_freq"),
+    ({**MIXTRAL, "num_experts_per_tok": 9}, r"top_k \(9\) exceeds experts \(8\)"),
+    ({**MIXTRAL, "model_type": "dbrx"}, "model_type 'dbrx' is not supported"),
+])
+def test_unmodelled_features_are_named(data, match):
+    with pytest.raises(ModelConfigError, match=match):
+        from_hf_config(data, name="m")
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"top_k": 0}, "top_k = 0"),
+    ({"dense_layers": 4}, "leaves no MoE block"),
+    ({"shared_ffn_hidden": 0, "shared_gate": True}, "shared_gate needs shared experts"),
+    ({"capacity_factor": -1.0}, "capacity_factor"),
+])
+def test_bad_moe_fields_are_named(fields, match):
+    with pytest.raises(ModelConfigError, match=match):
+        load_model("moe-tiny", **fields)
+    with pytest.raises(DescriptionError, match="top_k"):
+        Experts(4, 5)
+
+
+def test_what_is_not_built_says_so():
+    cfg = load_model("moe-tiny")
+    with pytest.raises(ModelConfigError, match="moe family's layers is not built yet"):
+        get_family("moe").layer_specs(cfg)
+    with pytest.raises(AnalyticError, match="Mixture-of-Experts blocks .* not modelled yet"):
+        estimate_layers(cfg, EstimateRequest(1, 32), get_device("h100"))
