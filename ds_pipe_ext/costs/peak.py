@@ -262,12 +262,14 @@ def step_peak(rank: RankStep) -> PeakMemory:
     grads = flat + (float(e * sum(-(-n // dp) for n in numels)) if z.stage == 3 else 0.0)
     buffer = bucket if z.stage == 3 else 0.0
     best = PeakMemory("before", {})
+    best_total = None
 
-    def see(phase: str, moment: dict, **held: float) -> None:
-        nonlocal best
+    def see(phase: str, index: int, moment: dict, **held: float) -> None:
+        nonlocal best, best_total
         now = {kind: fixed.get(kind, 0.0) + moment.get(kind, 0.0) + held.get(kind, 0.0) for kind in PEAK_KINDS}
-        if not best.by_kind or sum(now.values()) >= best.total_bytes:  # of equal moments, the latest
-            best = PeakMemory(phase, now)
+        total = sum(now.values())
+        if best_total is None or total >= best_total:  # of equal moments, the latest
+            best, best_total = PeakMemory(f"{phase} {index}", now), total
 
     held_mbs = forwards = backwards = 0  # micro-batches whose activations are saved
     pipe: list[float] = []  # sent outputs and received inputs in the pipe buffers, oldest first
@@ -278,14 +280,14 @@ def step_peak(rank: RankStep) -> PeakMemory:
         if kind == "F":
             if rank.pipe_buffers:
                 pipe.append(rank.input_bytes)
-            see(f"forward {forwards}", prof.forward, **others, temporary_bytes=sum(pipe))
+            see("forward", forwards, prof.forward, **others, temporary_bytes=sum(pipe))
             held_mbs += 1
             forwards += 1
             if rank.pipe_buffers:
                 pipe.append(rank.output_bytes)
                 del pipe[:max(0, len(pipe) - 2 * rank.pipe_buffers)]  # a buffer is reused by a later micro-batch
             continue
-        see(f"backward {backwards}", prof.first_backward if backwards == 0 else prof.backward, **others,
+        see("backward", backwards, prof.first_backward if backwards == 0 else prof.backward, **others,
             temporary_bytes=sum(pipe))
         backwards += 1
         if prof.weights:
@@ -301,7 +303,7 @@ def step_peak(rank: RankStep) -> PeakMemory:
     # element: master, two moments)
     largest = 4.0 * max(numels, default=0) if z.stage == 0 and e == 4 else states.optimizer_bytes / 3
     # (the pipe buffers keep the last micro-batches' inputs and outputs until the next step reuses them)
-    see("optimizer_step 0", {"temporary_bytes": sum(pipe) + (0.0 if rank.offload or rank.fused_adam else 2.0 * largest)},
+    see("optimizer_step", 0, {"temporary_bytes": sum(pipe) + (0.0 if rank.offload or rank.fused_adam else 2.0 * largest)},
         grad_bytes=float(states.grad_bytes) + flat)
     best.at_step_bytes = fixed["param_bytes"] + float(states.grad_bytes) + fixed["optimizer_bytes"]
     return best
