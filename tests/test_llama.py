@@ -112,7 +112,7 @@ def test_hugging_face_configs_load_by_model_type(tmp_path):
 
 @pytest.mark.parametrize("changes, message", [
     ({"model_type": "gemma2"}, r"model_type 'gemma2' is not supported; supported Hugging Face model types: "
-                               r"\['gpt2', 'llama', 'mistral', 'qwen2'\]"),
+                               r"\['deepseek', 'gpt2', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_moe'\]"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope scaling 'yarn' is not modelled; supported: "
                                                              r"\['default', 'llama3'\]"),
     ({"head_dim": 32}, r"head_dim 32 x 4 heads != hidden_size 64"),

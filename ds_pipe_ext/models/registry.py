@@ -69,16 +69,18 @@ def family_of(config) -> ModelFamily:
 
 # a Hugging Face config.json's model_type -> the family that models it
 HF_MODEL_TYPES = {"gpt2": "gpt", "llama": "llama", "mistral": "llama", "qwen2": "llama", "mixtral": "moe",
-                  "qwen2_moe": "moe", "deepseek": "moe",
-                  # the moe family names what it does not model in these
-                  "qwen3_moe": "moe", "deepseek_v2": "moe", "deepseek_v3": "moe"}
+                  "qwen2_moe": "moe", "deepseek": "moe"}
+# not supported, but close to a family's: that family's loader names what it does not model in them
+HF_NEAR_MODEL_TYPES = {"qwen3_moe": "moe", "deepseek_v2": "moe", "deepseek_v3": "moe"}
 
 
 def _hf_family_name(kind: str, where) -> str:
-    if kind not in HF_MODEL_TYPES:
-        raise ModelConfigError(f"model config {where}: model_type {kind!r} is not supported; supported Hugging Face "
-                               f"model types: {sorted(HF_MODEL_TYPES)}")
-    return HF_MODEL_TYPES[kind]
+    if kind in HF_MODEL_TYPES:
+        return HF_MODEL_TYPES[kind]
+    if kind in HF_NEAR_MODEL_TYPES:
+        return HF_NEAR_MODEL_TYPES[kind]
+    raise ModelConfigError(f"model config {where}: model_type {kind!r} is not supported; supported Hugging Face "
+                           f"model types: {sorted(HF_MODEL_TYPES)}")
 
 
 def from_hf_config(data: dict, *, name: str):
