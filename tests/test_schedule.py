@@ -4,7 +4,7 @@ import pytest
 
 from ds_pipe_ext.simulate.events import ChunkCosts, Link, Network, simulate
 from ds_pipe_ext.simulate.schedule import simulate_1f1b
-from ds_pipe_ext.simulate.schedules import SCHEDULES, build_schedule
+from ds_pipe_ext.simulate.schedules import SCHEDULES, build_schedule, parse_schedule
 
 
 def _deepspeed_order(sched, m):
@@ -165,6 +165,15 @@ def test_the_explicit_replay_is_the_replay():
         slow = simulate(sched, costs, network=net, optimizer_s=opt)
         assert fast.stage_finish_s == slow.stage_finish_s and fast.step_s == slow.step_s, (name, p, m)
         assert fast.stage_busy_s == slow.stage_busy_s and fast.held_peak == slow.held_peak
+
+
+def test_in_flight_forms_are_the_orders():
+    """The closed forms the planner reads for one chunk a rank equal what the built orders hold."""
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        for p in range(1, 9):
+            for m in range(1, 20):
+                assert parse_schedule(name).in_flight(p, m) == build_schedule(name, p, m).chunk_held_peak_counts, \
+                    (name, p, m)
 
 
 def test_activations_held_follow_the_schedule():
