@@ -15,7 +15,8 @@ writer of the sections a layout decides) and prints as Megatron-LM arguments.
     schedule                  a pipeline schedule name (``simulate.schedules.parse_schedule``), or
                               "none": no pipeline engine (data parallel; pp is 1).  Left out: 1f1b
                               with pp > 1, none with pp 1 (a one-stage pipeline is asked for by name)
-    ep                        expert-parallel degree (1: no experts yet)
+    ep                        expert-parallel degree: divides dp and the experts (a Mixture-of-Experts
+                              model; tp 1 beside it, no ZeRO-3: DeepSpeed's native MoE layer)
     offload                   ZeRO's optimizer states in CPU memory (ZeRO-Offload, stage >= 1), and under
                               ZeRO-3 its parameters too
     overlap_comm              gradient reduction overlapped with the backward (DeepSpeed's
@@ -94,8 +95,13 @@ class Layout:
             raise LayoutError(f"runtime = {self.runtime!r}: use one of {', '.join(RUNTIMES)}")
         if self.sp and self.tp == 1:
             raise LayoutError("sequence parallelism needs tensor parallelism: set tp > 1 or turn sp off")
-        if self.ep != 1:
-            raise LayoutError(f"ep = {self.ep}: expert parallelism needs a Mixture-of-Experts model; use ep = 1")
+        if self.dp % self.ep:
+            raise LayoutError(f"ep = {self.ep} does not divide dp = {self.dp}: DeepSpeed builds each expert-parallel "
+                              f"group from consecutive ranks of a stage's data-parallel group; choose ep dividing dp")
+        if self.ep > 1 and self.tp > 1:
+            raise LayoutError(f"ep = {self.ep} with tp = {self.tp}: tensor and expert parallelism together are not "
+                              f"supported (DeepSpeed drops and re-gathers the TP-duplicated tokens around the "
+                              f"all-to-all, which is not modelled); use tp = 1 or ep = 1")
         if self.schedule is None:
             object.__setattr__(self, "schedule", "1f1b" if self.pp > 1 else NO_PIPELINE)
         if self.schedule == NO_PIPELINE:
@@ -161,7 +167,8 @@ class Layout:
 
     @property
     def name(self) -> str:
-        return (f"pp{self.pp}-tp{self.tp}-dp{self.dp}-z{self.zero}-mb{self.micro_batch}-{self.recompute}"
+        return (f"pp{self.pp}-tp{self.tp}-dp{self.dp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
+                + f"-z{self.zero}-mb{self.micro_batch}-{self.recompute}"
                 + ("-sp" if self.sp else "") + (f"-{self.schedule}" if self.pp > 1 else "")
                 + ("-offload" if self.offload else ""))
 
@@ -207,6 +214,21 @@ class Layout:
         if self.sp and desc.seq_len % t:
             raise LayoutError(f"sequence parallelism splits the sequence ({desc.seq_len}) {t} ways; "
                               f"choose tp dividing seq_len")
+        experts = [b.experts for b in blocks if b.experts is not None]
+        if self.ep > 1 and not experts:
+            raise LayoutError(f"ep = {self.ep}: expert parallelism needs a Mixture-of-Experts model, and model "
+                              f"{name!r} has no experts; use ep = 1")
+        for e in experts:
+            if e.count % self.ep:
+                raise LayoutError(f"ep = {self.ep} does not divide the {e.count} experts of model {name!r}: each "
+                                  f"expert-parallel rank holds experts / ep of them; choose ep dividing {e.count}")
+        if experts and t > 1:
+            raise LayoutError(f"tp = {t} on model {name!r}: tensor parallelism of a Mixture-of-Experts model is "
+                              f"not supported; use tp = 1 (and ep to split the experts)")
+        if experts and self.zero == 3:
+            raise LayoutError(f"ZeRO-3 on model {name!r}: DeepSpeed's native MoE layer refuses ZeRO-3 (\"Native "
+                              f"DeepSpeed MoE is not supported with ZeRO Stage 3\"; its AutoEP is another path); "
+                              f"use ZeRO-1 or 2")
         layers = desc.num_pipeline_layers
         if self.num_chunks > layers:
             what = f"{self.pp} stages" + (f" x {self.chunks_per_rank} chunks" if self.chunks_per_rank > 1 else "")

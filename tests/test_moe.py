@@ -93,3 +93,20 @@ def test_what_is_not_built_says_so():
         get_family("moe").layer_specs(cfg)
     with pytest.raises(AnalyticError, match="Mixture-of-Experts blocks .* not modelled yet"):
         estimate_layers(cfg, EstimateRequest(1, 32), get_device("h100"))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dp": 2, "ep": 2, "model": "llama-tiny"}, "expert parallelism needs a Mixture-of-Experts model"),
+    ({"dp": 3, "ep": 3}, r"ep = 3 does not divide the 4 experts of model 'moe-tiny'"),
+    ({"tp": 2}, "tensor parallelism of a Mixture-of-Experts model is not supported"),
+    ({"dp": 2, "zero": 3}, "Native DeepSpeed MoE is not supported with ZeRO Stage 3"),
+])
+def test_expert_parallel_layouts_the_model_refuses(kwargs, match):
+    from ds_pipe_ext.layout import Layout, LayoutError
+
+    model = load_model(kwargs.pop("model", "moe-tiny"))
+    with pytest.raises(LayoutError, match=match):
+        Layout(**kwargs).check(model)
+    ok = Layout(dp=4, ep=4, zero=2)
+    ok.check(load_model("moe-tiny"))  # 4 experts over 4 ranks: one each
+    assert ok.name == "pp1-tp1-dp4-ep4-z2-mb1-none" and Layout(dp=4).name == "pp1-tp1-dp4-z0-mb1-none"
