@@ -246,20 +246,18 @@ def _summary(schedule: Schedule, costs: ChunkCosts, clock: list[float], opt: lis
                           slots, list(met))
 
 
-_REPLAYED: dict = {}  # the planner replays a schedule with the same costs for layouts that differ in ZeRO alone
-
-
 def _replay(schedule: Schedule, durations: dict, out_bytes: Sequence[float], network: Network) -> list[float]:
-    """Each rank's clock after its last item: the fast replays, remembered by what they depend on."""
-    key = (schedule.name, schedule.micro_batches, schedule.chunk_rank,
-           tuple(tuple(durations[k]) for k in COMPUTE), tuple(out_bytes),
-           network.intra, network.inter, network.ranks_per_node, tuple(sorted(network.links.items())))
-    if key not in _REPLAYED:
-        if len(_REPLAYED) >= 4096:
-            _REPLAYED.clear()
+    """Each rank's clock after its last item: the fast replays, remembered on the schedule by what else
+    they depend on (the planner replays one pipeline for layouts that differ in their ZeRO stage alone)."""
+    key = (tuple(tuple(durations[k]) for k in COMPUTE), tuple(out_bytes), network.intra, network.inter,
+           network.ranks_per_node, tuple(sorted(network.links.items())))
+    seen = schedule.replays
+    if key not in seen:
+        if len(seen) >= 256:
+            seen.clear()
         replay = _replay_explicit if schedule.explicit_comm else _replay_compute_only
-        _REPLAYED[key] = tuple(replay(schedule, durations, out_bytes, network))
-    return list(_REPLAYED[key])
+        seen[key] = tuple(replay(schedule, durations, out_bytes, network))
+    return list(seen[key])
 
 
 def _replay_compute_only(schedule: Schedule, durations: dict, out_bytes: Sequence[float],

@@ -59,6 +59,11 @@ class Schedule:
         return any(w.kind not in COMPUTE for order in self.orders for w in order)
 
     @cached_property
+    def replays(self) -> dict:
+        """The event simulator's fast replays of this order, by their costs and links (``events._replay``)."""
+        return {}
+
+    @cached_property
     def splits_backward(self) -> bool:
         return any(w.kind == "W" for order in self.orders for w in order)
 
