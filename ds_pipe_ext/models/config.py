@@ -122,6 +122,33 @@ def config_from_dict(cls, data: dict, *, name: str):
     return cls(**data)
 
 
+def load_family_config(config_type: type, from_hf, name_or_path: str | Path, overrides: dict):
+    """A family's config (``config_type``, with ``from_dict``): a name in model_configs/, a .toml path, a
+    Hugging Face config.json (read by ``from_hf``) or a ``save_pretrained`` directory; ``overrides``
+    replace fields (None values ignored)."""
+    import json
+
+    path = hf_config_path(name_or_path) or Path(name_or_path)
+    if path.suffix not in (".toml", ".json"):
+        path = CONFIG_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise ModelConfigError(f"unknown model {str(name_or_path)!r}: no file {path}")
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if path.suffix == ".json":
+        try:
+            cfg = from_hf(json.loads(path.read_text()), name=path.parent.name or path.stem)
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"model config {path}: not valid JSON ({e})") from None
+        return replace(cfg, **overrides) if overrides else cfg
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ModelConfigError(f"model config {path}: not valid TOML ({e}); fix the syntax") from None
+    data.pop("family", None)
+    data.update(overrides)
+    return config_type.from_dict(data, name=path.stem)
+
+
 @lru_cache(maxsize=64)
 def _describe(cfg: GPTConfig) -> ModelDescription:
     widths = cfg.block_ffn_hidden or (cfg.ffn,) * cfg.layers

@@ -15,13 +15,12 @@ What the family models, and what it refuses by name rather than cost wrongly:
 from __future__ import annotations
 
 import math
-import tomllib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from ..arch import MLP, Attention, Block, ModelDescription
-from .config import CONFIG_DIR, ModelConfigError, config_from_dict, hf_config_path
+from .config import ModelConfigError, config_from_dict, load_family_config
 
 ROPE_SCALINGS = ("default", "llama3")
 
@@ -232,24 +231,4 @@ def from_hf_llama(data: dict, *, name: str) -> LlamaConfig:
 def load_llama_config(name_or_path: str | Path, **overrides) -> LlamaConfig:
     """A Llama-family config: a name in model_configs/ (``family = "llama"``), a .toml path, a Hugging Face
     config.json or a ``save_pretrained`` directory.  ``overrides`` replace fields (e.g. ``seq_len=4096``)."""
-    import json
-
-    path = hf_config_path(name_or_path) or Path(name_or_path)
-    if path.suffix not in (".toml", ".json"):
-        path = CONFIG_DIR / f"{name_or_path}.toml"
-    if not path.is_file():
-        raise ModelConfigError(f"unknown model {str(name_or_path)!r}: no file {path}")
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    if path.suffix == ".json":
-        try:
-            cfg = from_hf_llama(json.loads(path.read_text()), name=path.parent.name or path.stem)
-        except json.JSONDecodeError as e:
-            raise ModelConfigError(f"model config {path}: not valid JSON ({e})") from None
-        return replace(cfg, **overrides) if overrides else cfg
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ModelConfigError(f"model config {path}: not valid TOML ({e}); fix the syntax") from None
-    data.pop("family", None)
-    data.update(overrides)
-    return LlamaConfig.from_dict(data, name=path.stem)
+    return load_family_config(LlamaConfig, from_hf_llama, name_or_path, overrides)

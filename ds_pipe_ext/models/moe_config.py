@@ -15,14 +15,12 @@ head_dim and q/k norms; and, as for the Llama family, what ``LlamaConfig`` refus
 
 from __future__ import annotations
 
-import json
-import tomllib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from ..arch import MLP, Attention, Block, Experts, ModelDescription
-from .config import CONFIG_DIR, ModelConfigError, config_from_dict, hf_config_path
+from .config import ModelConfigError, config_from_dict, load_family_config
 from .llama_config import LlamaConfig, from_hf_llama
 
 
@@ -149,22 +147,4 @@ def from_hf_moe(data: dict, *, name: str) -> MoEConfig:
 def load_moe_config(name_or_path: str | Path, **overrides) -> MoEConfig:
     """An MoE config: a name in model_configs/ (``family = "moe"``), a .toml path, a Hugging Face config.json
     or a ``save_pretrained`` directory.  ``overrides`` replace fields (e.g. ``seq_len=4096``)."""
-    path = hf_config_path(name_or_path) or Path(name_or_path)
-    if path.suffix not in (".toml", ".json"):
-        path = CONFIG_DIR / f"{name_or_path}.toml"
-    if not path.is_file():
-        raise ModelConfigError(f"unknown model {str(name_or_path)!r}: no file {path}")
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    if path.suffix == ".json":
-        try:
-            cfg = from_hf_moe(json.loads(path.read_text()), name=path.parent.name or path.stem)
-        except json.JSONDecodeError as e:
-            raise ModelConfigError(f"model config {path}: not valid JSON ({e})") from None
-        return replace(cfg, **overrides) if overrides else cfg
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ModelConfigError(f"model config {path}: not valid TOML ({e}); fix the syntax") from None
-    data.pop("family", None)
-    data.update(overrides)
-    return MoEConfig.from_dict(data, name=path.stem)
+    return load_family_config(MoEConfig, from_hf_moe, name_or_path, overrides)
