@@ -60,7 +60,7 @@ class Schedule:
 
     @cached_property
     def replays(self) -> dict:
-        """The event simulator's fast replays of this order, by their costs and links (``events._replay``)."""
+        """The event simulator's fast replays of this order, by their costs and links (``replay.replay``)."""
         return {}
 
     @cached_property
