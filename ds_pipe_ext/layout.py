@@ -251,6 +251,7 @@ class Layout:
             return value
 
         pipe, tp_section, zero = section("pipeline"), section("tensor_parallel"), section("zero_optimization")
+        ep = section("moe").get("ep_size", 1)
         recompute = section("train").get("recompute", "none")
         if recompute == "none" and pipe.get("activation_checkpoint_interval", 0):
             recompute = "full"
@@ -264,7 +265,7 @@ class Layout:
             zero=int(zero.get("stage", 0)), micro_batch=int(ds.get("train_micro_batch_size_per_gpu", 1)),
             micro_batches=int(ds.get("gradient_accumulation_steps", 1)), recompute=recompute,
             schedule=pipe.get("schedule", "1f1b") if "pipeline" in ds else NO_PIPELINE,
-            offload=offload, overlap_comm=_overlap_comm(zero))
+            offload=offload, overlap_comm=_overlap_comm(zero), ep=ep)
 
     def zero_section(self) -> dict:
         """ds.json's ``zero_optimization`` for this layout's stage (offload aside): what the memory rules
@@ -286,6 +287,8 @@ class Layout:
             ds["train"] = train
         if self.tp > 1:
             ds["tensor_parallel"] = {"size": self.tp, "sequence_parallel": self.sp}
+        if self.ep > 1:  # ours: DeepSpeed's own "expert_parallel" section is AutoEP
+            ds["moe"] = {"ep_size": self.ep}
         if self.zero:
             ds["zero_optimization"] = self.zero_section()
             if self.offload:  # the optimizer's states at any stage; the parameters too under ZeRO-3
@@ -305,6 +308,8 @@ class Layout:
                 "--micro-batch-size", str(self.micro_batch), "--global-batch-size", str(self.global_batch)]
         if self.sp:
             args.append("--sequence-parallel")
+        if self.ep > 1:
+            args += ["--expert-model-parallel-size", str(self.ep)]
         if self.pp > 1 and self.schedule_spec.kind == "interleaved":
             args += ["--num-virtual-stages-per-pipeline-rank", str(self.chunks_per_rank)]
         if self.recompute == "selective":

@@ -44,7 +44,7 @@ def main() -> None:
     family, cfg = register(), GatedConfig()
     settings = PipelineSettings(stages=2, partition_method="analytic",
                                 analytic={"device": "a100", "dtype": "fp32"}, profile={"cache_dir": None})
-    model = PipelineModule(family.layer_specs(cfg), num_stages=2, loss_fn=family.loss_fn(), settings=settings,
+    model = PipelineModule(family.layer_specs(cfg), num_stages=2, loss_fn=family.loss_fn(cfg), settings=settings,
                            profile_batch=next(batches(cfg, 0)), micro_batches=MICRO_BATCHES,
                            cost_model=family.cost_model(cfg), seed_layers=True, base_seed=1234)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),

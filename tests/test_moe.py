@@ -1,6 +1,7 @@
 """The Mixture-of-Experts family's configs: named shapes, Hugging Face config.json files, what it refuses.
 
-Its layers, profile and analytic costs are not built yet; asking for them is a named error (tested)."""
+Its profile and analytic costs are not built yet; asking for them is a named error (tested).  Its layers
+train: tests/test_moe_training.py."""
 
 from dataclasses import replace
 
@@ -89,8 +90,10 @@ def test_bad_moe_fields_are_named(fields, match):
 
 def test_what_is_not_built_says_so():
     cfg = load_model("moe-tiny")
-    with pytest.raises(ModelConfigError, match="moe family's layers is not built yet"):
-        get_family("moe").layer_specs(cfg)
+    with pytest.raises(ModelConfigError, match="moe family's cost model is not built yet"):
+        get_family("moe").cost_model(cfg)
+    with pytest.raises(ModelConfigError, match="moe family's profiler is not built yet"):
+        get_family("moe").profile(cfg, 1, None)
     with pytest.raises(AnalyticError, match="Mixture-of-Experts blocks .* not modelled yet"):
         estimate_layers(cfg, EstimateRequest(1, 32), get_device("h100"))
 
@@ -110,3 +113,13 @@ def test_expert_parallel_layouts_the_model_refuses(kwargs, match):
     ok = Layout(dp=4, ep=4, zero=2)
     ok.check(load_model("moe-tiny"))  # 4 experts over 4 ranks: one each
     assert ok.name == "pp1-tp1-dp4-ep4-z2-mb1-none" and Layout(dp=4).name == "pp1-tp1-dp4-z0-mb1-none"
+
+
+def test_an_expert_parallel_layout_round_trips_through_its_ds_json():
+    from ds_pipe_ext.layout import Layout
+
+    layout = Layout(pp=2, dp=4, ep=2, zero=1, micro_batch=2, micro_batches=4)
+    ds = layout.ds_config()
+    assert ds["moe"] == {"ep_size": 2} and "expert_parallel" not in ds  # DeepSpeed's key is AutoEP's
+    assert Layout.from_ds_config(ds, 8) == layout
+    assert "--expert-model-parallel-size" in layout.megatron_args()

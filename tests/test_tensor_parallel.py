@@ -77,7 +77,7 @@ def _worker(rank, world, sp, init_file, refs, out_path, tied=False):
         cfg = tiny(tied, name)
         family = family_of(cfg)
         impl = family.tensor_parallel(world, sp)
-        model = family.sequential(family.layer_specs(cfg, impl), family.loss_fn(impl), base_seed=None, recompute=False)
+        model = family.sequential(family.layer_specs(cfg, impl), family.loss_fn(cfg, impl), base_seed=None, recompute=False)
         model.load_state_dict(shard_like(torch.load(refs[name]), model))
         losses, norm = train_steps(model, *batch(cfg), grad_norm)
         got[name] = {"losses": losses, "grad_norm": norm}
@@ -102,7 +102,7 @@ def test_tp_parity_with_single_process(tmp_path, sp, tied):
     for name in MODELS:
         cfg = tiny(tied, name)
         family = family_of(cfg)
-        reference = family.sequential(family.layer_specs(cfg), family.loss_fn(), base_seed=1234, recompute=False)
+        reference = family.sequential(family.layer_specs(cfg), family.loss_fn(cfg), base_seed=1234, recompute=False)
         refs[name] = str(tmp_path / f"{name}.pt")
         torch.save(reference.state_dict(), refs[name])
         want[name] = train_steps(reference, *batch(cfg), norm)
@@ -123,7 +123,7 @@ def serial_reference(cfg, weights_path, steps, *, micro_batch=4, gas=4, seed=123
     from ds_pipe_ext.train.data import SyntheticTokens
 
     family = family_of(cfg)
-    model = family.sequential(family.layer_specs(cfg), family.loss_fn(), base_seed=None, recompute=False)
+    model = family.sequential(family.layer_specs(cfg), family.loss_fn(cfg), base_seed=None, recompute=False)
     model.load_state_dict(torch.load(weights_path))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
     data = SyntheticTokens(cfg.vocab_size, micro_batch, cfg.seq_len, seed=seed + 1000)
@@ -156,7 +156,7 @@ def test_pp2_tp2_parity_through_deepspeed(tmp_path, sp):
         cfg = tiny(False, name)
         family = family_of(cfg)
         init = tmp_path / f"init-{name}.pt"
-        torch.save(family.sequential(family.layer_specs(cfg), family.loss_fn(), base_seed=99,
+        torch.save(family.sequential(family.layer_specs(cfg), family.loss_fn(cfg), base_seed=99,
                                      recompute=False).state_dict(), init)
         want[name] = serial_reference(cfg, init, STEPS)
         runs += ["--run", f"{name}={init}"]

@@ -2,9 +2,9 @@
 
     gpt     GPT-2/3 (``gpt.py``, its config in ``config.py``)
     llama   Llama 2/3, Mistral, Qwen2 (``llama.py``, its config in ``llama_config.py``)
-    moe     Mixture-of-Experts on Llama blocks: Mixtral, Qwen-MoE, DeepSeekMoE (``moe_config.py``): its
-            configs and description load; its layers, profile and analytic costs are not built yet, and
-            asking for them is an error that says so
+    moe     Mixture-of-Experts on Llama blocks: Mixtral, Qwen-MoE, DeepSeekMoE (``moe.py``, its config in
+            ``moe_config.py``): its layers train with DeepSpeed's MoE layer; its profile and analytic costs
+            are not built yet, and asking for them is an error that says so
 
 Both build their layers from a ``layers.LayerImpl`` (megatron-core's tensor parallelism in
 ``parallel/tensor_parallel.py`` for either) and are costed from their description (``costs.py``).
@@ -32,21 +32,21 @@ def _tensor_parallel(tp: int, sp: bool = False):
     return megatron_layer_impl(tp=tp, sequence_parallel=sp)
 
 
-def _loss_fn(impl=None):
+def _loss_fn(cfg, impl=None):
     from .layers import loss_fn_for
 
     return loss_fn_for(_local(impl))
 
 
 def _family(name: str, config_type: type, load_config, from_hf, specs_module: str, specs_name: str,
-            sequential_name: str):
+            sequential_name: str, loss_fn=_loss_fn, costed: bool = True, expert_parallel: bool = False):
     """A family whose layers come from ``specs_module.specs_name`` and are costed from their description."""
 
-    def specs_fn(cfg, impl=None, *, selective_recompute: bool = False):
+    def specs_fn(cfg, impl=None, *, selective_recompute: bool = False, **options):
         from importlib import import_module
 
         return getattr(import_module(specs_module, __name__), specs_name)(
-            cfg, _local(impl), selective_recompute=selective_recompute)
+            cfg, _local(impl), selective_recompute=selective_recompute, **options)
 
     def sequential(specs, loss_fn, *, base_seed: int, recompute: bool):
         from importlib import import_module
@@ -69,31 +69,34 @@ def _family(name: str, config_type: type, load_config, from_hf, specs_module: st
 
         return profile_and_calibrate(cfg, request, device, specs_fn=specs_fn, **kwargs)
 
+    if not costed:
+        cost_model, profile, calibrate = (_not_built("cost model"), _not_built("profiler"),
+                                          _not_built("calibration"))
     return register_family(ModelFamily(
-        name=name, config_type=config_type, load_config=load_config, layer_specs=specs_fn, loss_fn=_loss_fn,
+        name=name, config_type=config_type, load_config=load_config, layer_specs=specs_fn, loss_fn=loss_fn,
         sequential=sequential, tensor_parallel=_tensor_parallel, cost_model=cost_model, profile=profile,
-        calibrate=calibrate, from_hf=from_hf))
+        calibrate=calibrate, from_hf=from_hf, expert_parallel=expert_parallel, costed=costed))
+
+
+def _not_built(what: str):
+    def refuse(*args, **kwargs):
+        raise ModelConfigError(f"the moe family's {what} is not built yet: its layers train, but they cannot be "
+                               f"profiled or costed; use partition_method parts:..., uniform or parameters")
+
+    return refuse
+
+
+def _moe_loss_fn(cfg, impl=None):
+    from .moe import MoELoss
+
+    return MoELoss(cfg.aux_loss_coef, _loss_fn(cfg, impl))
 
 
 GPT = _family("gpt", GPTConfig, load_model_config, from_hf_gpt2, ".gpt", "gpt_layer_specs", "SequentialGPT")
 LLAMA = _family("llama", LlamaConfig, load_llama_config, from_hf_llama, ".llama", "llama_layer_specs",
                 "SequentialLlama")
-
-
-
-def _not_built(what: str):
-    def refuse(*args, **kwargs):
-        raise ModelConfigError(f"the moe family's {what} is not built yet: its configs and description load, "
-                               f"but it cannot be trained, profiled or costed; use a gpt or llama model")
-
-    return refuse
-
-
-MOE = register_family(ModelFamily(
-    name="moe", config_type=MoEConfig, load_config=load_moe_config, layer_specs=_not_built("layers"),
-    loss_fn=_not_built("loss"), sequential=_not_built("layers"), tensor_parallel=_tensor_parallel,
-    cost_model=_not_built("cost model"), profile=_not_built("profiler"), calibrate=_not_built("calibration"),
-    from_hf=from_hf_moe))
+MOE = _family("moe", MoEConfig, load_moe_config, from_hf_moe, ".moe", "moe_layer_specs", "SequentialMoE",
+              loss_fn=_moe_loss_fn, costed=False, expert_parallel=True)
 
 __all__ = ["GPT", "LLAMA", "MOE", "MoEConfig", "GPTConfig", "LlamaConfig", "ModelFamily", "family_of", "get_family", "load_model",
            "register_family"]

@@ -136,10 +136,13 @@ class SwiGLU(torch.autograd.Function):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, impl: LayerImpl):
+    """SwiGLU MLP, ``ffn`` wide (default: the config's); a Mixture-of-Experts block's experts are these too."""
+
+    def __init__(self, cfg: LlamaConfig, impl: LayerImpl, ffn: int | None = None):
         super().__init__()
-        self.gate_up = mark_sections(impl.column_linear(cfg.hidden, 2 * cfg.ffn, bias=False), (cfg.ffn, cfg.ffn))
-        self.down = impl.row_linear(cfg.ffn, cfg.hidden, bias=False)
+        ffn = ffn or cfg.ffn
+        self.gate_up = mark_sections(impl.column_linear(cfg.hidden, 2 * ffn, bias=False), (ffn, ffn))
+        self.down = impl.row_linear(ffn, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(SwiGLU.apply(self.gate_up(x)))

@@ -5,8 +5,9 @@ commands name a model and never import one:
 
     load_config(name_or_path, **overrides)   a validated config: ``describe()`` (``arch.ModelDescription``),
                                              ``name``, ``seq_len``, ``vocab_size``, ``to_dict()``
-    layer_specs(config, impl, *, selective_recompute)   the pipeline's layers: embedding, blocks, head
-    loss_fn(impl)                            the pipeline's loss over the last layer's output
+    layer_specs(config, impl, *, selective_recompute[, ep])  the pipeline's layers: embedding, blocks, head
+                                             (ep: experts split over ep ranks, expert_parallel families)
+    loss_fn(config, impl)                    the pipeline's loss over the last layer's output
     sequential(specs, loss_fn, *, base_seed, recompute)  the same layers as one module (data parallel)
     tensor_parallel(tp, sp)                  the layer implementation for a TP degree (1: local layers)
     cost_model(config, impl)                 a ``costs.model.CostModel`` (``partition_method: "analytic"``)
@@ -39,6 +40,8 @@ class ModelFamily:
     profile: Callable
     calibrate: Callable
     from_hf: Callable | None = None  # a Hugging Face config.json's dict, name= -> the family's config
+    expert_parallel: bool = False  # layer_specs takes ep= (DeepSpeed's MoE layers)
+    costed: bool = True  # cost_model, profile and calibrate are built (else they raise, naming what is not)
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -35,7 +35,7 @@ def _worker(rank, world, init_file, cases, out_path):
         specs = family.layer_specs(cfg, impl)
         tokens = torch.randint(0, cfg.vocab_size, (case["b"], cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
         costs = profile_layers([specs[0], specs[1], specs[-1]], tokens[:, :-1], labels=tokens[:, 1:],
-                               loss_fn=family.loss_fn(impl),
+                               loss_fn=family.loss_fn(cfg, impl),
                                settings=ProfileSettings(cache_dir=None, warmup=0, repeats=1, progress=False))
         rows.append([c.activation_bytes for c in costs])
     if rank == 0:

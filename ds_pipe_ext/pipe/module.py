@@ -146,6 +146,11 @@ class PipelineModule(_DeepSpeedPipelineModule):
         )
 
     # DeepSpeed calls this from its __init__, after the topology and groups exist.
+    def get_additional_losses(self):
+        """The loss's named terms (a Mixture-of-Experts model's lm and router losses), for DeepSpeed to report."""
+        terms = getattr(self.loss_fn, "additional_losses", None)
+        return terms() if terms is not None else None
+
     def _partition_layers(self, method: str = "parameters") -> None:
         spec, arg = lookup(method)
         if spec.deepspeed_builtin:

@@ -50,7 +50,7 @@ def run_layout(cfg: RunConfig, model_cfg, world: int) -> Layout:
     stages "auto" resolved: every rank a stage of its TP group), and checked against the model, all
     before any process group."""
     ds = {**cfg.deepspeed, "train": {"recompute": cfg.train.recompute},
-          "tensor_parallel": cfg.tensor_parallel.model_dump()}
+          "tensor_parallel": cfg.tensor_parallel.model_dump(), "moe": cfg.moe.model_dump()}
     if cfg.pipelined:
         stages = cfg.pipeline.stages
         ds["pipeline"] = {"stages": max(world // cfg.tensor_parallel.size, 1) if stages == "auto" else stages,
@@ -85,7 +85,8 @@ def build_layers(cfg: RunConfig, model_cfg, layout: Layout):
 
         topology = topo.initialize(layout, dist.get_world_size())  # megatron's groups, laid out as DeepSpeed's
     impl = family.tensor_parallel(layout.tp, layout.sp)
-    specs = family.layer_specs(model_cfg, impl, selective_recompute=cfg.train.recompute == "selective")
+    experts = {"ep": layout.ep} if family.expert_parallel else {}
+    specs = family.layer_specs(model_cfg, impl, selective_recompute=cfg.train.recompute == "selective", **experts)
     if cfg.train.frozen_layers:
         from ..pipe.freeze import freeze_layers, parse_layer_set
 
@@ -93,7 +94,7 @@ def build_layers(cfg: RunConfig, model_cfg, layout: Layout):
             specs = freeze_layers(specs, parse_layer_set(cfg.train.frozen_layers, len(specs)))
         except ValueError as e:  # the same on every rank: a clean exit, no hang
             raise ConfigError(f"train.frozen_layers: {e}") from None
-    return specs, family.loss_fn(impl), impl, topology
+    return specs, family.loss_fn(model_cfg, impl), impl, topology
 
 
 def build_pipeline(cfg: RunConfig, model_cfg, layout: Layout, specs, loss_fn, impl, topology):
@@ -102,10 +103,13 @@ def build_pipeline(cfg: RunConfig, model_cfg, layout: Layout, specs, loss_fn, im
     profile_batch = next(SyntheticTokens(model_cfg.vocab_size, cfg.micro_batch, model_cfg.seq_len, seed=0))
     # DeepSpeed runs a DualPipeVModule with its DualPipeVEngine
     module_cls = DualPipeVPipelineModule if cfg.pipeline.schedule == "dualpipev" else PipelineModule
+    family = family_of(model_cfg)
+    # a family without analytic costs says so when asked for them, and only then
+    needs_costs = family.costed or cfg.pipeline.partition_method == "analytic"
     return module_cls(
         specs, num_stages=None if topology is not None else layout.pp, topology=topology, loss_fn=loss_fn,
         settings=cfg.pipeline, profile_batch=profile_batch, micro_batches=cfg.grad_accum,
-        cost_key={"model": model_cfg.to_dict()}, cost_model=family_of(model_cfg).cost_model(model_cfg, impl),
+        cost_key={"model": model_cfg.to_dict()}, cost_model=family.cost_model(model_cfg, impl) if needs_costs else None,
         zero_stage=layout.zero, zero_optimization=cfg.deepspeed.get("zero_optimization"),
         seed_layers=True,  # layer i starts from seed + i: the same weights under any partition
         base_seed=cfg.train.seed,
@@ -126,6 +130,10 @@ def load_full_state(model: torch.nn.Module, path: str, *, tp: int, pipelined: bo
         from ..parallel.tensor_parallel import shard_like
 
         full = shard_like(full, model)
+    from ..models.moe import global_expert_names
+
+    experts = global_expert_names(model)  # EP: this rank's experts are a slice of the model's
+    full = {k: full[experts.get(k, k)] for k in model.state_dict() if experts.get(k, k) in full}
     missing = [k for k in model.state_dict() if k not in full and not k.endswith("_extra_state")]
     if missing:
         raise ConfigError(f"--init-from {path}: no weights for {missing[:3]}...; it must come from the same model")
@@ -150,14 +158,24 @@ def make_adamw(params, *, lr: float, offload: bool = False):
     return torch.optim.AdamW(params, lr=lr, foreach=False)
 
 
+def optimizer_groups(model: torch.nn.Module) -> list:
+    """The trained parameters as one group, or, with DeepSpeed MoE layers, split into DeepSpeed's MoE groups
+    (expert parameters reduce over their expert-data-parallel group; ZeRO and BF16_Optimizer need this)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not any(getattr(p, "allreduce", True) is False for p in params):  # DeepSpeed's mark on expert params
+        return params
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    return split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "dense"})
+
+
 def build_engine(cfg: RunConfig, model: torch.nn.Module, layout: Layout):
     import deepspeed
 
     ds = cfg.deepspeed_config()
     optimizer = None
     if "optimizer" not in ds:
-        optimizer = make_adamw([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr,
-                               offload=layout.offload)
+        optimizer = make_adamw(optimizer_groups(model), lr=cfg.train.lr, offload=layout.offload)
     mpu = None
     if layout.tp > 1 and not cfg.pipelined:  # data-parallel engine: reduce over the DP group only
         from ..compat.mpu import MegatronMPU
@@ -194,18 +212,23 @@ def squared_l2(t: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
 
 
 def global_grad_norm(model, layout: Layout) -> float:
-    """L2 norm of the whole model's gradient: TP shards summed, TP-replicated and DP-replicated copies once."""
+    """L2 norm of the whole model's gradient: TP shards summed, TP-replicated and DP-replicated copies once
+    (an expert's gradient lives on dp / ep ranks of a stage, a dense parameter's on all dp)."""
     tp_rank = 0
     if layout.tp > 1:
         from megatron.core import parallel_state
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    total = torch.zeros((), dtype=torch.float64)
+    dense, experts = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     for p in model.parameters():
         if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
-            total += squared_l2(p.grad)
+            if getattr(p, "allreduce", True) is False:  # DeepSpeed's mark on expert parameters
+                experts += squared_l2(p.grad)
+            else:
+                dense += squared_l2(p.grad)
+    total = torch.stack((dense / layout.dp, experts / (layout.dp // layout.ep)))
     dist.all_reduce(total)
-    return float((total / layout.dp).sqrt())
+    return float(total.sum().sqrt())
 
 
 def prediction_costs(built: Built) -> list:
@@ -296,6 +319,10 @@ def build(cfg: RunConfig) -> Built:
     overheads = refine_overheads(cfg)
     model = build_model(cfg, model_cfg, layout)
     engine = build_engine(cfg, model, layout)
+    if layout.ep > 1:
+        from ..models.moe import check_expert_groups
+
+        check_expert_groups(model)
     if cfg.pipelined:
         configure_pipeline_engine(engine, cfg.pipeline)
     parts = [int(b) for b in model.parts] if cfg.pipelined else None

@@ -5,6 +5,8 @@ ds.json holds DeepSpeed's own sections (DeepSpeed validates those) and three of 
     "train":           {"model": "tiny", "steps": 10, "seed": 1234, "lr": 3e-4, "data": null,
                         "save_interval": 0, "keep_last": 2, "recompute": "none", "log": "auto"}
     "tensor_parallel": {"size": 1, "sequence_parallel": false}
+    "moe":             {"ep_size": 1}   expert parallelism of DeepSpeed's MoE layers (DeepSpeed's own
+                       "expert_parallel" section is AutoEP, for Hugging Face models, and not ours)
     "pipeline":        see ds_pipe_ext/pipe/config.py (absent: plain data parallel, e.g. under ZeRO-3)
     "instrument":      {"enabled": false, "run_dir": "runs/latest", "every": 0}   (data-parallel runs;
                        a pipeline's is "pipeline": {"instrument": ...})
@@ -52,6 +54,10 @@ class TensorParallelSection(ConfigModel):
     sequence_parallel: bool = False
 
 
+class MoESection(ConfigModel):
+    ep_size: int = Field(1, ge=1)  # ranks of a stage's data-parallel group that split each MoE layer's experts
+
+
 class RunOptions(ConfigModel):
     """Command-line only: where things are read and written."""
 
@@ -64,6 +70,7 @@ class RunOptions(ConfigModel):
 class RunConfig(ConfigModel):
     train: TrainSection
     tensor_parallel: TensorParallelSection
+    moe: MoESection = MoESection()
     pipeline: PipelineSettings | None  # None: data parallel (no pipeline)
     data_parallel_instrument: InstrumentSettings = InstrumentSettings()  # ds.json's top-level "instrument"
     options: RunOptions
@@ -127,6 +134,7 @@ def build_run_config(ds: dict, *, train: dict | None = None, pipeline: dict | No
     ds = copy.deepcopy(ds)
     train_cfg = parse_section(TrainSection, _merge(ds.pop("train", None), train or {}, "train"), "train")
     tp_cfg = parse_section(TensorParallelSection, ds.pop("tensor_parallel", None), "tensor_parallel")
+    moe_cfg = parse_section(MoESection, ds.pop("moe", None), "moe")
     instrument_section = ds.pop("instrument", None)
     if instrument_section is not None and "pipeline" in ds:
         raise ConfigError('a pipeline run is instrumented by "pipeline": {"instrument": {...}}; '
@@ -156,6 +164,6 @@ def build_run_config(ds: dict, *, train: dict | None = None, pipeline: dict | No
     if tp_cfg.sequence_parallel and tp_cfg.size == 1:
         raise ConfigError("tensor_parallel.sequence_parallel = true needs tensor_parallel.size > 1")
     dp_instrument = _merge(instrument_section, (instrument or {}) if pipe_cfg is None else {}, "instrument")
-    return RunConfig(train=train_cfg, tensor_parallel=tp_cfg, pipeline=pipe_cfg,
+    return RunConfig(train=train_cfg, tensor_parallel=tp_cfg, moe=moe_cfg, pipeline=pipe_cfg,
                      data_parallel_instrument=parse_section(InstrumentSettings, dp_instrument, "instrument"),
                      options=parse_section(RunOptions, options or {}, "options"), deepspeed=ds)
