@@ -69,13 +69,13 @@ def _family(name: str, config_type: type, load_config, from_hf, specs_module: st
 
         return profile_and_calibrate(cfg, request, device, specs_fn=specs_fn, **kwargs)
 
-    if not costed:
-        cost_model, profile, calibrate = (_not_built("cost model"), _not_built("profiler"),
-                                          _not_built("calibration"))
+    def built(what: str, fn):
+        return fn if costed else _not_built(what)
+
     return register_family(ModelFamily(
         name=name, config_type=config_type, load_config=load_config, layer_specs=specs_fn, loss_fn=loss_fn,
-        sequential=sequential, tensor_parallel=_tensor_parallel, cost_model=cost_model, profile=profile,
-        calibrate=calibrate, from_hf=from_hf, expert_parallel=expert_parallel, costed=costed))
+        sequential=sequential, tensor_parallel=_tensor_parallel, cost_model=built("cost model", cost_model),
+        profile=built("profiler", profile), calibrate=built("calibration", calibrate), from_hf=from_hf, expert_parallel=expert_parallel, costed=costed))
 
 
 def _not_built(what: str):
