@@ -3,9 +3,12 @@
     deepspeed --num_gpus 4 tests/models_in_turn.py --deepspeed_config DS --metrics-out OUT/metrics.json \
         --steps 3 --run tiny=INIT.pt --run llama-tiny=INIT2.pt
 
-Each ``--run MODEL=INIT`` is ``train.py --model MODEL --init-from INIT`` on the same ds.json; megatron's
-groups are torn down between models (each build makes them again).  Every rank writes
-OUT/metrics.rankR.json: {"rank": R, "runs": {MODEL: train.py's summary}}.
+Each ``--run MODEL=INIT`` is ``train.py --model MODEL --init-from INIT`` on the same ds.json; a
+``--run "NAME: ARGS"`` is train.py with ARGS (their own ``--deepspeed_config`` and ``--steps`` win), and a
+run whose configuration or checkpoint is refused records {"error": the message} and the launch goes on
+(a refusal is decided on rank 0 and raised on every rank, so they stay in step).  megatron's
+groups are torn down between runs (each build makes them again; DeepSpeed keeps its expert groups by name).  Every rank writes
+OUT/metrics.rankR.json: {"rank": R, "runs": {NAME: train.py's summary}}.
 """
 
 import argparse
@@ -31,18 +34,29 @@ def main() -> None:
     from ds_pipe_ext.train.build import build
     from ds_pipe_ext.train.trainer import Trainer
 
-    runs = {}
+    from ds_pipe_ext.config_model import ConfigError
+    from ds_pipe_ext.pipe.decide import DecisionError
+    from ds_pipe_ext.train.checkpoint import CheckpointError
+
+    runs, rank = {}, int(os.environ.get("RANK", 0))
     for run in args.run:
-        model, init = run.split("=", 1)
+        if ": " in run:
+            name, rest = run.split(": ", 1)
+            argv = ["--deepspeed_config", args.deepspeed_config, "--steps", args.steps, *rest.split()]
+        else:
+            name, init = run.split("=", 1)
+            argv = ["--deepspeed_config", args.deepspeed_config, "--steps", args.steps, "--model", name,
+                    "--init-from", init]
         from megatron.core import parallel_state
 
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        cfg = train.run_config(train.parse_args(["--deepspeed_config", args.deepspeed_config, "--steps", args.steps,
-                                                 "--model", model, "--init-from", init]))
-        built = build(cfg)
-        runs[model] = Trainer(built).run()
-        rank = built.rank
+        try:
+            built = build(train.run_config(train.parse_args(argv)))
+            runs[name] = Trainer(built).run()
+        except (ConfigError, CheckpointError, DecisionError) as e:
+            runs[name] = {"error": str(e)}
+            continue
         del built
     out = Path(args.metrics_out)
     out.with_name(f"{out.stem}.rank{rank}.json").write_text(json.dumps({"rank": rank, "runs": runs}))

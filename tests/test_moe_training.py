@@ -44,6 +44,46 @@ def test_deepspeed_moe_layer_equals_the_reference_routing(top_k):
     assert gate.grad is not None and gate.grad.abs().sum() > 0  # the router learns (aux and combine weights)
 
 
+def test_a_layer_built_for_ep_is_profiled_alone_without_a_collective():
+    """No process group exists here, so any collective would raise: the EP 2 layer runs DeepSpeed's dispatch
+    with its 2 local experts taking 2 experts' tokens each, which the reference reproduces, and its profile
+    counts its own experts' bytes only."""
+    import torch.distributed as dist
+
+    from ds_pipe_ext.costs.profiler import ProfileSettings, profile_layers
+
+    assert not dist.is_initialized()
+    cfg = load_model("moe-tiny")
+    torch.manual_seed(0)
+    block = MOE.layer_specs(cfg, ep=2)[2].build()
+    x = torch.randn(cfg.seq_len, 2, cfg.hidden)
+    y, aux, counts = block.mlp(x)
+    block.mlp.reference = True
+    y_ref, aux_ref, _ = block.mlp._reference(x, fold=True)
+    assert torch.allclose(y, y_ref + block.mlp.shared(x), atol=1e-6) and aux.item() == pytest.approx(aux_ref.item())
+    assert int(counts.sum()) == cfg.top_k * x.shape[0] * x.shape[1]
+    t = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    settings = ProfileSettings(cache_dir=None, warmup=0, repeats=1, progress=False)
+    one, two = (profile_layers(MOE.layer_specs(cfg, ep=ep), t[:, :-1], labels=t[:, 1:], loss_fn=MOE.loss_fn(cfg),
+                               settings=settings)[2] for ep in (1, 2))
+    expert = 3 * cfg.hidden * cfg.expert_ffn * 4  # one SwiGLU expert's fp32 bytes
+    assert (one.expert_param_bytes, two.expert_param_bytes) == (4 * expert, 2 * expert)
+    assert one.param_bytes - two.param_bytes == 2 * expert
+    assert one.activation_bytes == two.activation_bytes  # the same tokens pass through experts either way
+
+
+def test_expert_states_partition_over_the_expert_data_parallel_group():
+    from ds_pipe_ext.costs.types import LayerCost
+    from ds_pipe_ext.costs.zero import layer_states_by_rule
+
+    layer = LayerCost("moe", 1.0, 1.0, param_bytes=4 * 1000, grad_bytes=4 * 1000, expert_param_bytes=4 * 600)
+    (z1,) = layer_states_by_rule([layer], stage=1, dp=4, ep=2)
+    assert z1.param_bytes == 4 * 1000
+    assert z1.grad_bytes == round(4 * 400 / 4 + 4 * 600 / 2)  # dense over dp 4, experts over dp / ep = 2
+    assert z1.optimizer_bytes == round(12 * 400 / 4 + 12 * 600 / 2)
+    assert layer_states_by_rule([layer], stage=1, dp=4)[0].grad_bytes == 4 * 1000 / 4
+
+
 @pytest.mark.parametrize("fields, match", [
     ({"norm_topk_prob": False}, "renormalises the top-k gate weights; set norm_topk_prob = true"),
     ({"top_k": 1, "norm_topk_prob": True}, "does not renormalise .* set norm_topk_prob = false"),
@@ -84,9 +124,12 @@ def moe_reference(cfg, weights_path, steps: int, *, dp: int, micro_batch: int, g
 
 
 @pytest.mark.multiprocess
-def test_pp2_dp2_ep2_parity_through_deepspeed(tmp_path):
-    """deepspeed --num_gpus 4: 2 stages x 2 data-parallel ranks, each MoE layer's 4 experts split over EP 2,
-    from the weights of one process: first loss and gradient norm within 1e-5, later losses within 1e-4."""
+def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path):
+    """One launch of deepspeed --num_gpus 4, four builds: 2 stages x 2 data-parallel ranks, each MoE layer's 4
+    experts split over EP 2, from the weights of one process (first loss and gradient norm within 1e-5,
+    later losses within 1e-4); 2 steps saved and resumed for the third (its loss within 1e-6 of the
+    uninterrupted run's); a resume under another split, and under another EP degree, refused naming the
+    saved one."""
     from ds_pipe_ext.runner import launch, write_config
 
     cfg = load_model("moe-tiny")
@@ -95,15 +138,29 @@ def test_pp2_dp2_ep2_parity_through_deepspeed(tmp_path):
                init)
     steps, mb, gas = 3, 2, 2
     want_losses, want_norms = moe_reference(cfg, init, steps, dp=2, micro_batch=mb, gas=gas)
-    ds = write_config(tmp_path / "ds.json", train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas,
-                      pipeline={"stages": 2, "partition_method": "parts:0,3,6"}, moe={"ep_size": 2},
-                      train={"model": "moe-tiny", "steps": steps})
-    proc, ranks = launch(4, ds, "--steps", str(steps), "--run", f"moe-tiny={init}", out_dir=tmp_path, cwd=tmp_path,
+    common = dict(train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas,
+                  train={"model": "moe-tiny", "steps": steps})
+    ds = write_config(tmp_path / "ds.json", pipeline={"stages": 2, "partition_method": "parts:0,3,6"},
+                      moe={"ep_size": 2}, **common)
+    ep1 = write_config(tmp_path / "ep1.json", pipeline={"stages": 2, "partition_method": "parts:0,3,6"},
+                       moe={"ep_size": 1}, **common)
+    ckpt = tmp_path / "ckpt"
+    runs = ["--run", f"parity: --init-from {init}",
+            "--run", f"first two: --init-from {init} --steps 2 --save {ckpt}",
+            "--run", f"resumed: --load {ckpt} --steps 1",
+            "--run", f"other split: --load {ckpt} --steps 1 --partition-method parts:0,4,6",
+            "--run", f"other ep: --load {ckpt} --steps 1 --deepspeed_config {ep1}"]
+    proc, ranks = launch(4, ds, "--steps", str(steps), *runs, out_dir=tmp_path, cwd=tmp_path,
                          script="tests/models_in_turn.py", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("pp 2 x tp 1 x dp 2") == 1
-    run = ranks[0]["runs"]["moe-tiny"]
-    assert run["parts"] == [0, 3, 6] and all(math.isfinite(x) for x in run["losses"])
+    got = ranks[0]["runs"]
+    run = got["parity"]
+    assert run["parts"] == [0, 3, 6] and run["dp"] == 2 and all(math.isfinite(x) for x in run["losses"])
     assert run["losses"][0] == pytest.approx(want_losses[0], rel=1e-5)
     assert run["grad_norms"][0] == pytest.approx(want_norms[0], rel=1e-5)
     assert run["losses"] == pytest.approx(want_losses, rel=1e-4)
+    assert got["first two"]["losses"] == pytest.approx(run["losses"][:2], rel=1e-6)
+    assert got["resumed"]["start_step"] == 2 and got["resumed"]["losses"] == pytest.approx(run["losses"][2:], rel=1e-6)
+    for name, saved in [("other split", "parts = [0, 3, 6]"), ("other ep", "ep = 2")]:
+        assert all(r["runs"][name] == got[name] for r in ranks.values()), name  # the same verdict on every rank
+        assert saved in got[name]["error"] and "stage-local MoE index" in got[name]["error"], got[name]

@@ -208,6 +208,8 @@ def measure_layer(
         output_bytes=sum(t.numel() * t.element_size() for t in _tensors(out)),
         peak_bytes=max(int(peak), 0),
         loss_input_bytes=handed_to_loss[0] if handed_to_loss else 0,
+        # DeepSpeed marks expert parameters allreduce=False (they reduce over their expert-data-parallel group)
+        expert_param_bytes=elem(p for p in params if getattr(p, "allreduce", True) is False),
     )
     return cost, _detach_input(out)
 

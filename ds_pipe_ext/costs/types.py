@@ -43,6 +43,10 @@ class LayerCost:
     # the element count of each parameter tensor, for the rules that pad or partition per tensor
     # (ZeRO-3, ``costs.zero``); empty where unknown: the layer then counts as one tensor
     param_numels: tuple[int, ...] = ()
+    # the part of param_bytes in a Mixture-of-Experts layer's experts (this rank's E / ep of them): under
+    # ZeRO-1/2 their gradients and optimizer states partition over the expert-data-parallel group (dp / ep
+    # ranks), not over dp (``costs.zero.layer_states_by_rule``)
+    expert_param_bytes: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -122,21 +122,28 @@ def state_bytes_per_param(stage: int, dp: int, element_bytes: int = 4) -> float:
     return sum(state_bytes_by_kind(stage, dp, element_bytes))
 
 
-def layer_states_by_rule(costs: list, *, stage: int, dp: int, element_bytes: int = 4) -> list:
+def layer_states_by_rule(costs: list, *, stage: int, dp: int, element_bytes: int = 4, ep: int = 1) -> list:
     """``LayerCost`` records whose parameter, gradient and optimizer bytes follow this rule for ZeRO
     ``stage`` over ``dp`` ranks (``state_bytes_by_kind``), from their parameters (``param_bytes`` in
     ``element_bytes`` each).  A frozen layer (no gradient bytes) keeps only its weights, partitioned
-    under ZeRO-3.  The states are Adam's, whatever the profile's ``optimizer_bytes_per_param`` said."""
-    p, g, o = state_bytes_by_kind(stage, dp, element_bytes)
-    return [_by_rule(c, p, g, o, element_bytes) for c in costs]
+    under ZeRO-3.  The states are Adam's, whatever the profile's ``optimizer_bytes_per_param`` said.
+    Expert parameters (``expert_param_bytes``, this rank's experts) follow the same rule over their
+    expert-data-parallel group, dp / ep ranks: DeepSpeed partitions each MoE parameter group over it."""
+    if dp % ep:
+        raise ValueError(f"ep = {ep} does not divide dp = {dp}")
+    dense = state_bytes_by_kind(stage, dp, element_bytes)
+    experts = state_bytes_by_kind(stage, dp // ep, element_bytes) if ep > 1 else dense
+    return [_by_rule(c, dense, experts, element_bytes) for c in costs]
 
 
 @lru_cache(maxsize=4096)  # alike blocks are equal records: the planner's thousands of layouts share a few
-def _by_rule(c, p: float, g: float, o: float, element_bytes: int):
-    n = c.param_bytes / element_bytes
+def _by_rule(c, dense: tuple, experts: tuple, element_bytes: int):
+    n_expert = c.expert_param_bytes / element_bytes
+    n_dense = c.param_bytes / element_bytes - n_expert
     trainable = c.grad_bytes > 0
-    return replace(c, param_bytes=round(n * p), grad_bytes=round(n * g) if trainable else 0,
-                   optimizer_bytes=round(n * o) if trainable else 0)
+    p, g, o = (n_dense * d + n_expert * x for d, x in zip(dense, experts))
+    return replace(c, param_bytes=round(p), grad_bytes=round(g) if trainable else 0,
+                   optimizer_bytes=round(o) if trainable else 0)
 
 
 # -- a rank's memory by kind: the one rule every memory figure of a layout reads ------------------

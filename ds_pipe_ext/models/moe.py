@@ -142,6 +142,8 @@ class RoutedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.reference:
             y, aux, counts = self._reference(x)
+        elif self.moe.ep_size > 1 and self.moe.deepspeed_moe.ep_group is None:
+            y, aux, counts = self._alone(x)  # profiled alone: no engine, no EP group
         else:
             y, aux, counts = self.moe(x)
         if self.shared is not None:
@@ -149,11 +151,26 @@ class RoutedMLP(nn.Module):
             y = y + (shared * torch.sigmoid(self.shared_gate(x)) if self.shared_gate is not None else shared)
         return y, aux, counts
 
-    def _reference(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _alone(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer built for EP run on one rank with no collective, as the profiler runs it: DeepSpeed's own
+        dispatch and combine at ep_size 1 hand its E / ep local experts ep experts' slots each (local expert
+        i takes global experts i x ep .. i x ep + ep - 1), the work EP's all-to-all brings a rank.  The loads
+        follow the router, which at initialisation is near-uniform."""
+        layer = self.moe.deepspeed_moe
+        layer.ep_size = 1  # MOELayer reads it for the all-to-all and the expert reshape only
+        try:
+            return self.moe(x)
+        finally:
+            layer.ep_size = self.moe.ep_size
+
+    def _reference(self, x: torch.Tensor, *, fold: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's output by ``reference_routing``; ``fold``: as ``_alone`` assigns experts."""
         layer = self.moe.deepspeed_moe
         tokens = x.reshape(-1, x.shape[-1])
         logits = F.linear(tokens.float(), layer.gate.wg.weight.float())
         chosen, weights, aux = reference_routing(logits, self.top_k)
+        if fold:
+            chosen = chosen // self.moe.ep_size
         out = torch.zeros_like(tokens)
         experts = layer.experts.deepspeed_experts
         for e, expert in enumerate(experts):

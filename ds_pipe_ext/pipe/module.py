@@ -64,6 +64,8 @@ class PipelineModule(_DeepSpeedPipelineModule):
             required by "analytic".  It is the one hook for parallel degrees: the TP
             degree comes from the topology and is passed to it; sequence parallelism
             is the cost model's to know (a family's ``cost_model(cfg, impl)``, ``models.costs``).
+        expert_parallel: the EP degree of DeepSpeed MoE layers among ``layers`` (their ``ep_size``): their
+            experts' gradients and optimizer states partition over dp / ep ranks.
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         cost_model: CostModel | None = None,
         zero_stage: int = 0,
         zero_optimization: dict | None = None,
+        expert_parallel: int = 1,
         **deepspeed_kwargs,
     ):
         settings = settings or PipelineSettings(stages=num_stages or 1)
@@ -123,6 +126,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         except LayoutError as e:
             raise PartitionError(f"zero_stage={zero_stage!r}: {e}") from None
         self._ext_zero_stage = zero_stage
+        self._ext_expert_parallel = expert_parallel
         self._ext_zero = ZeroSettings.from_ds_config({"zero_optimization": {**(zero_optimization or {}),
                                                                              "stage": zero_stage}})
         self._ext_recompute = interval > 0
@@ -198,7 +202,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         # the profile runs fp32, the analytic source its own dtype (16 bits: with fp32 masters)
         element = DTYPE_BYTES[self._ext_settings.analytic.dtype] if source == "analytic" else 4
         return layer_states_by_rule(costs, stage=self._ext_zero_stage, dp=ds_engine.data_parallel_degree(self),
-                                    element_bytes=element)
+                                    element_bytes=element, ep=self._ext_expert_parallel)
 
     def _source_costs(self, source: str, specs: list) -> list:
         inputs, labels = self._ext_profile_batch

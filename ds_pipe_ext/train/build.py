@@ -110,7 +110,7 @@ def build_pipeline(cfg: RunConfig, model_cfg, layout: Layout, specs, loss_fn, im
         specs, num_stages=None if topology is not None else layout.pp, topology=topology, loss_fn=loss_fn,
         settings=cfg.pipeline, profile_batch=profile_batch, micro_batches=cfg.grad_accum,
         cost_key={"model": model_cfg.to_dict()}, cost_model=family.cost_model(model_cfg, impl) if needs_costs else None,
-        zero_stage=layout.zero, zero_optimization=cfg.deepspeed.get("zero_optimization"),
+        zero_stage=layout.zero, zero_optimization=cfg.deepspeed.get("zero_optimization"), expert_parallel=layout.ep,
         seed_layers=True,  # layer i starts from seed + i: the same weights under any partition
         base_seed=cfg.train.seed,
     )
@@ -333,7 +333,8 @@ def build(cfg: RunConfig) -> Built:
     elif not cfg.pipelined and cfg.instrument.enabled:
         built.sink, built.recorder = start_data_parallel_instrumentation(built)
     if cfg.options.load:
-        built.start_step = int(checkpoint.load(engine, cfg.options.load, layout=layout, parts=parts)["step"])
+        built.start_step = int(checkpoint.load(engine, cfg.options.load, layout=layout, parts=parts,
+                                               experts=family_of(model_cfg).expert_parallel)["step"])
     if cfg.zero_stage == 0:  # under ZeRO the gradients are partitioned (and freed) before the inner step
         from ..compat.optimizer import unwrap_optimizer
 

@@ -44,21 +44,23 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message names the file."""
 
 
-def repartitionable(layout: Layout) -> bool:
-    """Per-layer files (a pipeline without ZeRO): weights and optimizer state load under any partition."""
-    return layout.pipelined and layout.zero == 0
+def repartitionable(layout: Layout, *, experts: bool = False) -> bool:
+    """Per-layer files (a pipeline without ZeRO): weights and optimizer state load under any partition.
+    Not with DeepSpeed MoE layers: it writes expert files keyed by the stage-local MoE index and EP rank."""
+    return layout.pipelined and layout.zero == 0 and not experts
 
 
 def _depends_on(layout: Layout, parts: list[int] | None) -> dict:
     """What a checkpoint's files depend on; a resume under another layout is refused where it matters."""
-    return {"pipelined": layout.pipelined, "zero": layout.zero, "world_size": layout.world_size, "parts": parts}
+    return {"pipelined": layout.pipelined, "zero": layout.zero, "world_size": layout.world_size, "parts": parts,
+            "ep": layout.ep}
 
 
 def _saved_depends_on(manifest: dict) -> dict:
     saved = manifest["layout"]
     if "zero_stage" in saved:  # a manifest written before the layout record: its four fields
         return {"pipelined": saved["pipelined"], "zero": saved["zero_stage"], "world_size": saved["world_size"],
-                "parts": saved["parts"]}
+                "parts": saved["parts"], "ep": 1}
     return _depends_on(Layout.from_dict(saved), manifest.get("parts"))
 
 
@@ -101,14 +103,14 @@ def _restore_rng(state: dict) -> None:
 
 
 def save(engine, save_dir: str | Path, *, step: int, layout: Layout, parts: list[int] | None, keep_last: int,
-         client_state: dict) -> Path:
+         client_state: dict, experts: bool = False) -> Path:
     rank = dist.get_rank()
     tag, root = tag_for(step), Path(save_dir)
     ckpt = root / tag
     engine.save_checkpoint(str(root), tag=tag, client_state={**client_state, "step": step}, save_latest=False)
     fault = _FaultInjector(rank, step)
     fault.check()
-    if repartitionable(layout):
+    if repartitionable(layout, experts=experts):
         save_layer_optimizer_states(engine, ckpt, after_each=fault.wrote)
     torch.save(_rng_state(), ckpt / f"rng_rank{rank:03d}.pt")
     fault.wrote()
@@ -116,7 +118,8 @@ def save(engine, save_dir: str | Path, *, step: int, layout: Layout, parts: list
     if rank == 0:
         files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()
                  and p.name != MANIFEST}
-        manifest = {"step": step, "tag": tag, "layout": layout.to_dict(), "parts": parts, "files": files}
+        manifest = {"step": step, "tag": tag, "layout": layout.to_dict(), "parts": parts, "experts": experts,
+                    "files": files}
         _atomic_write(ckpt / MANIFEST, json.dumps(manifest, indent=1))
         _atomic_write(root / LATEST, tag)
         _prune(root, keep_last=keep_last, newest=step)
@@ -155,24 +158,28 @@ def verify(load_dir: str | Path) -> dict:
     return manifest
 
 
-def _check_layout(manifest: dict, layout: Layout, parts: list[int] | None, ckpt: Path) -> None:
+def _check_layout(manifest: dict, layout: Layout, parts: list[int] | None, ckpt: Path, *, experts: bool) -> None:
     saved, ours = _saved_depends_on(manifest), _depends_on(layout, parts)
-    if repartitionable(layout) and saved["pipelined"] and saved["zero"] == 0:
+    if repartitionable(layout, experts=experts) and saved["pipelined"] and saved["zero"] == 0:
         return  # per-layer files: any partition, any data-parallel degree
-    for key in ("pipelined", "zero", "world_size", "parts"):
+    why = ("DeepSpeed writes each MoE layer's experts to files keyed by the stage-local MoE index and the EP "
+           "rank" if experts else "its optimizer state only fits the layout that wrote it")
+    for key in ("pipelined", "zero", "world_size", "parts", "ep"):
         if saved[key] != ours[key]:
-            raise CheckpointError(f"{ckpt} was written with {key} = {saved[key]}, this run has {ours[key]}: its "
-                                  f"optimizer state only fits the layout that wrote it; resume with the same {key}")
+            raise CheckpointError(f"{ckpt} was written with {key} = {saved[key]}, this run has {ours[key]}: "
+                                  f"{why}; resume with the same {key}")
 
 
-def load(engine, load_dir: str | Path, *, layout: Layout, parts: list[int] | None) -> dict:
-    """Resume from ``latest``: weights, optimizer state, this rank's RNG; returns the client state (``step``)."""
+def load(engine, load_dir: str | Path, *, layout: Layout, parts: list[int] | None, experts: bool = False) -> dict:
+    """Resume from ``latest``: weights, optimizer state, this rank's RNG; returns the client state (``step``).
+    ``experts``: the model has DeepSpeed MoE layers."""
     manifest = decide_and_broadcast(lambda: verify(load_dir), what=f"--load {load_dir}")
     ckpt = Path(load_dir) / manifest["tag"]
-    decide_and_broadcast(lambda: _check_layout(manifest, layout, parts, ckpt), what=f"--load {load_dir}")
+    decide_and_broadcast(lambda: _check_layout(manifest, layout, parts, ckpt, experts=experts),
+                         what=f"--load {load_dir}")
     _, client_state = engine.load_checkpoint(str(load_dir), tag=manifest["tag"],
-                                             load_module_only=repartitionable(layout))
-    if repartitionable(layout):
+                                             load_module_only=repartitionable(layout, experts=experts))
+    if repartitionable(layout, experts=experts):
         load_layer_optimizer_states(engine, ckpt)
     rng = ckpt / f"rng_rank{dist.get_rank():03d}.pt"
     if rng.is_file():  # absent when resuming on more ranks than wrote the checkpoint

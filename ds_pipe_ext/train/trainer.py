@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..models import family_of
 from . import checkpoint
 from .build import Built
 
@@ -99,7 +100,8 @@ class Trainer:
     def _save(self, step: int) -> None:
         cfg = self.built.cfg
         checkpoint.save(self.built.engine, cfg.options.save, step=step, layout=self.built.layout, parts=self.built.parts,
-                        keep_last=cfg.train.keep_last, client_state={"data_position": step * cfg.grad_accum})
+                        keep_last=cfg.train.keep_last, client_state={"data_position": step * cfg.grad_accum},
+                        experts=family_of(self.built.model_cfg).expert_parallel)
 
     def run(self) -> dict:
         cfg, first = self.built.cfg, self.built.start_step
