@@ -1,7 +1,6 @@
 """The Mixture-of-Experts family's configs: named shapes, Hugging Face config.json files, what it refuses.
 
-Its profile and analytic costs are not built yet; asking for them is a named error (tested).  Its layers
-train: tests/test_moe_training.py."""
+Its layers, profile and analytic costs: tests/test_moe_training.py."""
 
 from dataclasses import replace
 
@@ -11,7 +10,7 @@ from ds_pipe_ext.arch import DescriptionError, Experts
 from ds_pipe_ext.costs.analytic import AnalyticError
 from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers
 from ds_pipe_ext.costs.hardware import get_device
-from ds_pipe_ext.models import MoEConfig, family_of, get_family, load_model
+from ds_pipe_ext.models import MoEConfig, family_of, load_model
 from ds_pipe_ext.models.config import ModelConfigError
 from ds_pipe_ext.models.registry import from_hf_config
 
@@ -88,14 +87,15 @@ def test_bad_moe_fields_are_named(fields, match):
         Experts(4, 5)
 
 
-def test_what_is_not_built_says_so():
-    cfg = load_model("moe-tiny")
-    with pytest.raises(ModelConfigError, match="moe family's cost model is not built yet"):
-        get_family("moe").cost_model(cfg)
-    with pytest.raises(ModelConfigError, match="moe family's profiler is not built yet"):
-        get_family("moe").profile(cfg, 1, None)
-    with pytest.raises(AnalyticError, match="Mixture-of-Experts blocks .* not modelled yet"):
-        estimate_layers(cfg, EstimateRequest(1, 32), get_device("h100"))
+def test_analytic_costs_of_expert_parallelism_are_refused_until_its_all_to_all_is_timed():
+    from ds_pipe_ext.costs.analytic import Shape
+    from ds_pipe_ext.costs.moe_ops import routed_mlp
+
+    experts = load_model("moe-tiny").describe().blocks[1].experts
+    with pytest.raises(AnalyticError, match="all-to-all of expert parallelism is not timed yet"):
+        routed_mlp(Shape(b=1, s=32, h=64, a=4, f=96, V=512), experts, ep=2)
+    rows = estimate_layers(load_model("moe-tiny"), EstimateRequest(1, 32), get_device("h100"))
+    assert [r["expert_params"] > 0 for r in rows] == [False, False, True, True, True, False]
 
 
 @pytest.mark.parametrize("kwargs, match", [

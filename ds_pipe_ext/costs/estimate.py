@@ -9,6 +9,7 @@ from ..arch import as_description
 from . import analytic as A
 from .analytic import DTYPE_BYTES
 from .hardware import DeviceSpec
+from .moe_ops import expert_weight_bytes, moe_block
 from .peak import RankStep, ZeroSettings, layer_peak_bytes, walks_schedule
 from .types import LayerCost
 
@@ -24,6 +25,9 @@ class EstimateRequest:
     selective_recompute: bool = False
     optimizer_bytes_per_param: int | None = None  # None: 8 in fp32 (Adam m, v), 12 in 16-bit (+ fp32 master)
     mask_bytes: int | None = None  # dropout mask element; None: 1 on GPUs (fused, bool), e on "cpu" (float mask)
+    # dropless Mixture-of-Experts: the largest expert load over the mean (DeepSpeed pads every expert to
+    # it); 1: a balanced router, which one at initialisation nearly is.  Measured, e.g. from a run's loads
+    expert_imbalance: float = 1.0
 
 
 def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None) -> A.Shape:
@@ -40,22 +44,21 @@ def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None) -> 
                    e=e, m=m, t=req.tp, sp=req.sp, dropout=desc.dropout)
 
 
-def layer_ops(model, shp: A.Shape) -> list[tuple[str, str, list[A.OpCost]]]:
+def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0) -> list[tuple[str, str, list[A.OpCost]]]:
     """(name, kind, ops) per pipeline layer, as the description says: the embedding, each block (alike
-    blocks share one op list), the head."""
+    blocks share one op list), the head.  ``expert_imbalance``: ``EstimateRequest``'s."""
     desc = as_description(model)
     layers = [("EmbeddingPipe", "embedding", A.embedding(shp, positions=desc.positions == "learned"))]
     built: dict = {}
     for block in desc.blocks:
-        if block.experts is not None:
-            raise A.AnalyticError(f"model {desc.name!r}: analytic costs of Mixture-of-Experts blocks (router, "
-                                  f"experts, all-to-all) are not modelled yet; use a dense model")
         if block not in built:
             att, mlp = block.attention, block.mlp
-            built[block] = A.transformer_block(replace(shp, a=att.heads, f=mlp.ffn), kv_heads=att.kv_heads,
-                                               mlp=mlp.kind, norm=desc.norm, positions=desc.positions,
-                                               bias=desc.linear_bias, qkv_bias=att.qkv_bias, kernel=att.kernel,
-                                               window=att.window)
+            shaped = replace(shp, a=att.heads, f=mlp.ffn)
+            built[block] = A.transformer_block(shaped, kv_heads=att.kv_heads, mlp=mlp.kind, norm=desc.norm,
+                                               positions=desc.positions, bias=desc.linear_bias,
+                                               qkv_bias=att.qkv_bias, kernel=att.kernel, window=att.window)
+            if block.experts is not None:  # routed experts in place of the MLP (costs/moe_ops.py)
+                built[block] = moe_block(built[block], shaped, block.experts, imbalance=expert_imbalance)
         layers.append(("Block", "block", built[block]))
     layers.append(("HeadPipe", "head", A.lm_head(shp, norm=desc.norm)))
     return layers
@@ -79,7 +82,7 @@ def estimate_layers(model, req: EstimateRequest, device: DeviceSpec) -> list[dic
     shp = shape_for(model, req, device)
     out = []
     done: dict = {}  # alike blocks share one op list: cost it once
-    for name, kind, ops in layer_ops(model, shp):
+    for name, kind, ops in layer_ops(model, shp, expert_imbalance=req.expert_imbalance):
         if (id(ops), kind) in done:
             out.append({**done[id(ops), kind], "name": name})
             continue
@@ -90,7 +93,7 @@ def estimate_layers(model, req: EstimateRequest, device: DeviceSpec) -> list[dic
             "name": name, "kind": kind,
             "fwd_flops": sum(r["fwd_flops"] for r in rows), "bwd_flops": sum(r["bwd_flops"] for r in rows),
             "activation_bytes": sum(r["activation_bytes"] for r in rows),
-            "param_bytes": params * shp.e, "params": params,
+            "param_bytes": params * shp.e, "params": params, "expert_params": expert_weight_bytes(ops) / shp.e,
             "tensors": [int(n) for op in ops for n in op.weights],
             "output_bytes": 0 if kind == "head" else shp.replicated_sbh * shp.e,
             "loss_input_bytes": shp.tokens * -(-shp.V // shp.t) * shp.e if kind == "head" else 0,
@@ -120,6 +123,7 @@ def analytic_layer_costs(model, req: EstimateRequest, device: DeviceSpec) -> lis
             activation_bytes=int(row["activation_bytes"]), output_bytes=int(row["output_bytes"]),
             weight_grad_s=row["wgrad_s"], param_numels=tuple(row["tensors"]),
             peak_bytes=int(row["peak_bytes"]), loss_input_bytes=int(row["loss_input_bytes"]),
+            expert_param_bytes=int(row["expert_params"]) * shp.e,
         ))
     return costs
 

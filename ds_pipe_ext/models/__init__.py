@@ -3,8 +3,7 @@
     gpt     GPT-2/3 (``gpt.py``, its config in ``config.py``)
     llama   Llama 2/3, Mistral, Qwen2 (``llama.py``, its config in ``llama_config.py``)
     moe     Mixture-of-Experts on Llama blocks: Mixtral, Qwen-MoE, DeepSeekMoE (``moe.py``, its config in
-            ``moe_config.py``): its layers train with DeepSpeed's MoE layer; its profile and analytic costs
-            are not built yet, and asking for them is an error that says so
+            ``moe_config.py``): DeepSpeed's MoE layer, costed at ep 1 (``costs/moe_ops.py``)
 
 Both build their layers from a ``layers.LayerImpl`` (megatron-core's tensor parallelism in
 ``parallel/tensor_parallel.py`` for either) and are costed from their description (``costs.py``).
@@ -14,7 +13,6 @@ Each callable imports its module when first called: loading a config needs no to
 from .config import GPTConfig, from_hf_gpt2, load_model_config
 from .llama_config import LlamaConfig, from_hf_llama, load_llama_config
 from .moe_config import MoEConfig, from_hf_moe, load_moe_config
-from .config import ModelConfigError
 from .registry import ModelFamily, family_of, get_family, load_model, register_family
 
 
@@ -39,7 +37,7 @@ def _loss_fn(cfg, impl=None):
 
 
 def _family(name: str, config_type: type, load_config, from_hf, specs_module: str, specs_name: str,
-            sequential_name: str, loss_fn=_loss_fn, costed: bool = True, expert_parallel: bool = False):
+            sequential_name: str, loss_fn=_loss_fn, expert_parallel: bool = False):
     """A family whose layers come from ``specs_module.specs_name`` and are costed from their description."""
 
     def specs_fn(cfg, impl=None, *, selective_recompute: bool = False, **options):
@@ -57,33 +55,22 @@ def _family(name: str, config_type: type, load_config, from_hf, specs_module: st
     def cost_model(cfg, impl=None):
         from .costs import described_cost_model
 
-        return described_cost_model(cfg, _local(impl), specs_fn)
+        return described_cost_model(cfg, _local(impl), specs_fn, loss_fn(cfg, impl))
 
     def profile(cfg, micro_batch: int, settings, key_fields: dict | None = None):
         from .costs import profile_family_layers
 
-        return profile_family_layers(cfg, micro_batch, settings, key_fields, specs_fn=specs_fn)
+        return profile_family_layers(cfg, micro_batch, settings, key_fields, specs_fn=specs_fn, loss_fn=loss_fn(cfg))
 
     def calibrate(cfg, request, device, **kwargs):
         from .costs import profile_and_calibrate
 
-        return profile_and_calibrate(cfg, request, device, specs_fn=specs_fn, **kwargs)
-
-    def built(what: str, fn):
-        return fn if costed else _not_built(what)
+        return profile_and_calibrate(cfg, request, device, specs_fn=specs_fn, loss_fn=loss_fn(cfg), **kwargs)
 
     return register_family(ModelFamily(
         name=name, config_type=config_type, load_config=load_config, layer_specs=specs_fn, loss_fn=loss_fn,
-        sequential=sequential, tensor_parallel=_tensor_parallel, cost_model=built("cost model", cost_model),
-        profile=built("profiler", profile), calibrate=built("calibration", calibrate), from_hf=from_hf, expert_parallel=expert_parallel, costed=costed))
-
-
-def _not_built(what: str):
-    def refuse(*args, **kwargs):
-        raise ModelConfigError(f"the moe family's {what} is not built yet: its layers train, but they cannot be "
-                               f"profiled or costed; use partition_method parts:..., uniform or parameters")
-
-    return refuse
+        sequential=sequential, tensor_parallel=_tensor_parallel, cost_model=cost_model,
+        profile=profile, calibrate=calibrate, from_hf=from_hf, expert_parallel=expert_parallel))
 
 
 def _moe_loss_fn(cfg, impl=None):
@@ -96,7 +83,7 @@ GPT = _family("gpt", GPTConfig, load_model_config, from_hf_gpt2, ".gpt", "gpt_la
 LLAMA = _family("llama", LlamaConfig, load_llama_config, from_hf_llama, ".llama", "llama_layer_specs",
                 "SequentialLlama")
 MOE = _family("moe", MoEConfig, load_moe_config, from_hf_moe, ".moe", "moe_layer_specs", "SequentialMoE",
-              loss_fn=_moe_loss_fn, costed=False, expert_parallel=True)
+              loss_fn=_moe_loss_fn, expert_parallel=True)
 
 __all__ = ["GPT", "LLAMA", "MOE", "MoEConfig", "GPTConfig", "LlamaConfig", "ModelFamily", "family_of", "get_family", "load_model",
            "register_family"]

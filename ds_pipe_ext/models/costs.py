@@ -27,6 +27,7 @@ class DescribedCostModel:
     config: object
     specs_fn: Callable  # the family's layer_specs (what calibration profiles)
     sequence_parallel: bool = False
+    loss_fn: Callable = lm_loss  # the family's loss over the head's output (calibration profiles it)
 
     def request(self, inputs, *, tp: int, dtype: str) -> EstimateRequest:
         tokens = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
@@ -38,28 +39,30 @@ class DescribedCostModel:
 
     def calibrate(self, inputs, *, tp: int, device: DeviceSpec, dtype: str, cache_dir: str | None) -> DeviceSpec:
         return profile_and_calibrate(self.config, self.request(inputs, tp=tp, dtype=dtype), device,
-                                     cache_dir=cache_dir, specs_fn=self.specs_fn)
+                                     cache_dir=cache_dir, specs_fn=self.specs_fn, loss_fn=self.loss_fn)
 
 
-def described_cost_model(cfg, impl: LayerImpl, specs_fn: Callable) -> DescribedCostModel:
+def described_cost_model(cfg, impl: LayerImpl, specs_fn: Callable, loss_fn: Callable = lm_loss) -> DescribedCostModel:
     """The cost model of ``specs_fn(cfg, impl)``."""
-    return DescribedCostModel(cfg, specs_fn, sequence_parallel=impl.sequence_parallel)
+    return DescribedCostModel(cfg, specs_fn, sequence_parallel=impl.sequence_parallel, loss_fn=loss_fn)
 
 
 def _tokens(cfg, micro_batch: int, seq: int) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), generator=torch.Generator().manual_seed(0))
 
 
-def profile_family_layers(cfg, micro_batch: int, settings, key_fields: dict | None = None, *, specs_fn: Callable):
+def profile_family_layers(cfg, micro_batch: int, settings, key_fields: dict | None = None, *, specs_fn: Callable,
+                          loss_fn: Callable = lm_loss):
     """Every pipeline layer of ``cfg`` profiled on this machine with one micro-batch of tokens (cached)."""
     from ..costs.profiler import profile_layers
 
     tokens = _tokens(cfg, micro_batch, cfg.seq_len)
-    return profile_layers(specs_fn(cfg), tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss,
+    return profile_layers(specs_fn(cfg), tokens[:, :-1], labels=tokens[:, 1:], loss_fn=loss_fn,
                           settings=settings, key_fields={"model": cfg.to_dict(), **(key_fields or {})})
 
 
-def profile_three_layers(cfg, micro_batch: int, seq: int, settings, key_fields: dict, *, specs_fn: Callable):
+def profile_three_layers(cfg, micro_batch: int, seq: int, settings, key_fields: dict, *, specs_fn: Callable,
+                         loss_fn: Callable = lm_loss):
     """The embedding, one block and the head (+ loss) of ``cfg`` (untied, at sequence ``seq``) profiled
     alone on this machine: (the config as profiled, their ``LayerCost``)."""
     from ..costs.profiler import profile_layers
@@ -67,14 +70,15 @@ def profile_three_layers(cfg, micro_batch: int, seq: int, settings, key_fields: 
     cfg = replace(cfg, seq_len=seq, tie_embeddings=False)
     specs = specs_fn(cfg)
     tokens = _tokens(cfg, micro_batch, seq)
-    measured = profile_layers([specs[0], specs[1], specs[-1]], tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss,
+    measured = profile_layers([specs[0], specs[1], specs[-1]], tokens[:, :-1], labels=tokens[:, 1:], loss_fn=loss_fn,
                               settings=settings, key_fields={"model": cfg.to_dict(), **key_fields})
     return cfg, measured
 
 
 def profile_and_calibrate(cfg, req: EstimateRequest, device: DeviceSpec, *,
                           cache_dir: str | None = ".ds_pipe_ext_cache", warmup: int = 1, repeats: int = 3,
-                          also: tuple[EstimateRequest, ...] = (), specs_fn: Callable) -> DeviceSpec:
+                          also: tuple[EstimateRequest, ...] = (), specs_fn: Callable,
+                          loss_fn: Callable = lm_loss) -> DeviceSpec:
     """Profile one embedding, one block and the head (+ loss) of ``cfg`` on this machine at ``req``
     (and at each shape in ``also``: more shapes separate the factors), then fit."""
     from ..costs.profiler import ProfileSettings
@@ -83,7 +87,7 @@ def profile_and_calibrate(cfg, req: EstimateRequest, device: DeviceSpec, *,
     layers = []
     for r in (req, *also):
         shaped, measured = profile_three_layers(cfg, r.micro_batch, r.seq, settings, {"purpose": "calibration"},
-                                                specs_fn=specs_fn)
+                                                specs_fn=specs_fn, loss_fn=loss_fn)
         layers += calibration_points(shaped, r, device, [(m.forward_s, m.backward_s) for m in measured])
     return fit_device(device, layers, dtype=req.dtype)
 

@@ -41,7 +41,6 @@ class ModelFamily:
     calibrate: Callable
     from_hf: Callable | None = None  # a Hugging Face config.json's dict, name= -> the family's config
     expert_parallel: bool = False  # layer_specs takes ep= (DeepSpeed's MoE layers)
-    costed: bool = True  # cost_model, profile and calibrate are built (else they raise, naming what is not)
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -1,0 +1,111 @@
+"""A Mixture-of-Experts MLP op by op, as DeepSpeed's MoE layer runs it on one rank (``deepspeed.moe``):
+
+    router (fp32 linear h -> E, softmax, top-k) -> dispatch into E x C slots -> experts -> combine
+
+* Slots: DeepSpeed pads every expert to one capacity C.  Dropless (capacity_factor 0) C is the largest
+  expert load, all-reduced over the EP group: k x tokens / E x ``imbalance`` (>= 1; 1 is a perfectly
+  balanced router, which a router at initialisation nearly is).  Else C = ceil(capacity_factor x k x
+  tokens / E), and tokens beyond it are dropped.
+* Work per rank does not depend on EP: a rank holds E / ep experts and EP's all-to-all hands each ep x C
+  slots, E x C in all, as at ep 1.  Weights are E / ep experts.  The all-to-all itself (two forward, two
+  backward, E x C x h elements each) is not timed yet: ``routed_mlp`` refuses ep > 1.
+* Saved for backward (what ``saved_tensors_hooks`` count on the layer, tests/test_moe_training.py): the
+  router's fp32 input (T h x 4 bytes) and its gates and masks (about 12 bytes per token and expert), the
+  dispatched slots (E C h), each expert's gate_up output and SwiGLU output (E C 3 f), the gathered expert
+  rows the combine weights (k T h) and the slot indices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from ..arch import Experts
+from .analytic import AnalyticError, OpCost, Shape, linear, mlp_fc2, mlp_gate_up, swiglu
+
+ROUTER_BYTES_PER_TOKEN_EXPERT = 12  # fp32 gates, the fp32 masks of the renormalisation, the bool/int choice mask
+INDEX_BYTES = 8  # int64 slot and expert indices
+
+
+def slots_per_expert(tokens: int, experts: Experts, imbalance: float = 1.0) -> int:
+    """C: the slots DeepSpeed pads each expert to for ``tokens`` routed tokens."""
+    mean = experts.top_k * tokens / experts.count
+    if experts.capacity_factor:
+        return max(math.ceil(experts.capacity_factor * mean), 1)
+    return max(math.ceil(imbalance * mean), 1)
+
+
+def _experts(op: OpCost, local: int) -> OpCost:
+    """``op`` with its weights held ``local`` times (one copy per local expert); its work already covers
+    every slot."""
+    return replace(op, weight_bytes=op.weight_bytes * local, weights=op.weights * local,
+                   bwd_allocs=op.bwd_allocs[:1] + op.bwd_allocs[1:] * local)
+
+
+def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 1.0) -> list[OpCost]:
+    """The routed experts of one block (``shp.f`` is one expert's SwiGLU width) on one rank of ``ep``."""
+    if ep > 1:
+        raise AnalyticError(f"ep = {ep}: the all-to-all of expert parallelism is not timed yet; analytic costs "
+                            f"of a Mixture-of-Experts model are modelled at ep = 1")
+    if shp.t > 1:
+        raise AnalyticError("tensor parallelism of a Mixture-of-Experts model is not supported; use tp = 1")
+    if imbalance < 1:
+        raise AnalyticError(f"imbalance = {imbalance}: the largest expert load is at least the mean (>= 1)")
+    T, h, f, E, k, e = shp.tokens, shp.h, shp.f, experts.count, experts.top_k, shp.e
+    C = slots_per_expert(T, experts, imbalance)
+    slots, local = E * C, E // ep
+    router = linear("router", T, h, E, shp, bias=False)
+    router = replace(router, activation_bytes=T * h * 4)  # DeepSpeed routes an fp32 copy of its input
+    gating = OpCost("gating", "vector", fwd_flops=8.0 * T * E, bwd_flops=8.0 * T * E, fwd_bytes=6 * T * E * 4,
+                    bwd_bytes=6 * T * E * 4,
+                    activation_bytes=ROUTER_BYTES_PER_TOKEN_EXPERT * T * E + k * T * INDEX_BYTES)
+    dispatch = OpCost("dispatch", "vector", fwd_bytes=(k * T * h + slots * h) * e, bwd_bytes=(k * T * h + slots * h) * e,
+                      activation_bytes=slots * INDEX_BYTES + k * T * INDEX_BYTES, fwd_allocs=(slots * h * e,),
+                      bwd_allocs=(T * h * e,))
+    gate_up = _experts(linear("expert_gate_up", slots, h, 2 * f, shp, bias=False), local)
+    gate_up = replace(gate_up, gemm_dim=float(min(ep * C, h, 2 * f)))
+    n = slots * f
+    act = OpCost("expert_swiglu", "vector", fwd_flops=6.0 * n, bwd_flops=12.0 * n, fwd_bytes=3 * n * e,
+                 bwd_bytes=5 * n * e, activation_bytes=2 * n * e)
+    down = _experts(linear("expert_down", slots, f, h, shp, bias=False), local)
+    down = replace(down, gemm_dim=float(min(ep * C, f, h)))
+    combine = OpCost("combine", "vector", fwd_flops=2.0 * k * T * h, bwd_flops=4.0 * k * T * h,
+                     fwd_bytes=(k * T * h + T * h) * e, bwd_bytes=(2 * k * T * h + T * h) * e,
+                     activation_bytes=k * T * h * e + k * T * 4, fwd_allocs=(T * h * e,), bwd_allocs=(slots * h * e,))
+    return [router, gating, dispatch, gate_up, act, down, combine]
+
+
+def shared_mlp(shp: Shape, experts: Experts) -> list[OpCost]:
+    """The always-on shared experts (one SwiGLU MLP ``shared_ffn`` wide), scaled by a sigmoid gate where
+    ``shared_gate``, and added to the routed output.  They read the same input as the router: in fp32 the
+    router's copy is that tensor, saved once."""
+    wide = replace(shp, f=experts.shared_ffn)
+    ops = [replace(op, name=f"shared_{op.name}") for op in
+           (mlp_gate_up(wide, bias=False), swiglu(wide), mlp_fc2(wide, bias=False))]
+    T, h, e = shp.tokens, shp.h, shp.e
+    if experts.shared_gate:
+        gate = replace(linear("shared_gate", T, h, 1, shp, bias=False), activation_bytes=0)  # input saved above
+        scale = OpCost("shared_scale", "vector", fwd_flops=2.0 * T * h, bwd_flops=3.0 * T * h, fwd_bytes=3 * T * h * e,
+                       bwd_bytes=4 * T * h * e, activation_bytes=T * h * e + 2 * T * e)
+        ops += [gate, scale]
+    return ops + [OpCost("shared_add", "vector", fwd_flops=T * h, fwd_bytes=3 * T * h * e, bwd_bytes=2 * T * h * e)]
+
+
+def moe_block(block_ops: list[OpCost], shp: Shape, experts: Experts, *, ep: int = 1,
+              imbalance: float = 1.0) -> list[OpCost]:
+    """A dense SwiGLU block's ops (``analytic.transformer_block``) with its MLP replaced by routed experts
+    (and shared ones)."""
+    names = [op.name for op in block_ops]
+    i = names.index("fc1_gate_up")
+    if names[i:i + 3] != ["fc1_gate_up", "swiglu", "fc2"]:
+        raise AnalyticError(f"a Mixture-of-Experts block needs SwiGLU experts; the block's MLP is {names[i:i + 3]}")
+    routed = routed_mlp(shp, experts, ep=ep, imbalance=imbalance)
+    shared = shared_mlp(shp, experts) if experts.shared_ffn else []
+    if shared and shp.e == 4:
+        routed[0] = replace(routed[0], activation_bytes=0)  # the shared MLP's saved input is the same tensor
+    return block_ops[:i] + routed + shared + block_ops[i + 3:]
+
+
+def expert_weight_bytes(ops: list[OpCost]) -> float:
+    """The routed experts' share of a block's weight bytes (what ZeRO partitions over dp / ep)."""
+    return sum(op.weight_bytes for op in ops if op.name.startswith("expert_"))
