@@ -36,6 +36,9 @@ DeepSpeed's `uniform` and `parameters` by the splits their own functions choose.
     python bench/partition_speedup.py [--rounds 2] [--cycles 6] [--playoff-steps 4] [--playoff-launch build|cycle] [--out DIR]
     python bench/partition_speedup.py --model bench-cpu-llama    (Llama: adds Megatron's accounting to the
         built-ins, and a simulated 4- and 8-stage comparison of the hand rules on llama3-8b)
+    python bench/partition_speedup.py --model bench-cpu-moe      (Mixture-of-Experts at ep 1: first records
+        the step model's prediction from layers profiled here, prediction.json, before any launch)
+    python bench/partition_speedup.py --model bench-cpu-moe --predict-only
 
 At few micro-batches per step a 2-stage pipeline's fill and drain are a large share of the step
 whatever the split, and a step's fixed costs (engine, optimizer, p2p) weigh more at small micro-
@@ -46,7 +49,9 @@ bubble is 1/17 of the step, and a step long enough that 3 timed steps a playoff 
 Resumable: a launch whose metrics exist in --out is not run again.
 Last line: RESULT profiled_vs_builtin=X profiled_vs_best_split=Y second_model_profiled_vs_best_split=Z
 (targets: X >= 1.25 on bench-cpu, Y and Z >= 0.98); with --model bench-cpu-llama: RESULT
-llama_profiled_vs_best_heuristic=X llama_profiled_vs_best_split=Y (targets X >= 1.08, Y >= 0.97)
+llama_profiled_vs_best_heuristic=X llama_profiled_vs_best_split=Y (targets X >= 1.08, Y >= 0.97); with
+--model bench-cpu-moe: RESULT moe_profiled_vs_builtin=X moe_profiled_vs_best_split=Y (targets X >= 1.15,
+Y >= 0.97), the pre-launch prediction printed beside
 """
 
 from __future__ import annotations
@@ -126,6 +131,47 @@ def simulated_rules(model: str = "llama3-8b", stages=(4, 8), micro_batches: int 
                          f"{best / cost.step_s:.3f}",
                          f"{peak / 2**30:.1f}" + ("" if peak <= plan.memory_cap else " (over)")])
     return rows
+
+
+PREDICTION_PROFILES = 3  # a layer's profile moves by 10-20% between profiles on this machine: the median of 3
+
+
+def predict_before_launch(model: str, micro_batches: int) -> dict:
+    """What the step model predicts for each split of ``model`` from layers profiled here (no launch): the
+    built-ins' splits, every split, and the best; the ratio best / best built-in is the prediction.  The
+    layers are profiled ``PREDICTION_PROFILES`` times, each a fresh build: the prediction uses each layer's
+    median time, and the ratio each profile alone gives is kept beside it (its spread)."""
+    import dataclasses
+
+    import torch
+
+    import ds_pipe_ext.pipe.schedules  # noqa: F401 - DeepSpeed's engine order for the step model
+    from ds_pipe_ext.costs.profiler import ProfileSettings, profile_layers
+    from ds_pipe_ext.costs.stage import stage_costs
+    from ds_pipe_ext.simulate.step_model import StepModel
+
+    cfg = load_model(model)
+    family = family_of(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    settings = ProfileSettings(warmup=2, repeats=5, cache_dir=None, progress=False)
+    profiles = [profile_layers(family.layer_specs(cfg), tokens[:, :-1], labels=tokens[:, 1:],
+                               loss_fn=family.loss_fn(cfg), settings=settings) for _ in range(PREDICTION_PROFILES)]
+    median = [dataclasses.replace(layers[0], **{f: statistics.median(getattr(c, f) for c in layers)
+                                                for f in ("forward_s", "backward_s", "recompute_s")})
+              for layers in zip(*profiles)]
+    step_model, methods = StepModel.load(STEP_MODEL), builtin_parts(model)
+
+    def predict(costs: list) -> dict:
+        n = len(costs)
+        splits = {f"parts:0,{k},{n}": step_model.predict(stage_costs(costs, [0, k, n], micro_batches=micro_batches),
+                                                          micro_batches, timeline=False).step_s for k in range(1, n)}
+        best = min(splits, key=splits.get)
+        builtin = {name: splits[method] for name, method in methods.items()}
+        return {"splits": splits, "builtin": builtin, "best_split": best,
+                "profiled_vs_builtin": min(builtin.values()) / splits[best]}
+
+    return {**predict(median), "each_profile": [predict(costs)["profiled_vs_builtin"] for costs in profiles],
+            "layers": [[c.name, c.forward_s, c.backward_s, c.param_bytes] for c in median]}
 
 
 def split_method(parts) -> str:
@@ -226,10 +272,16 @@ def main() -> None:
                     help="build: each playoff build its own launch, as a user runs it (A B C .. launches); "
                          "cycle: a cycle's builds in one launch (faster; the launch's later builds drift)")
     ap.add_argument("--out", default=None, help="default runs/partition-speedup-v9 (runs/partition-speedup-MODEL)")
-    ap.add_argument("--model", default=None, help="one model (bench-cpu-llama) instead of the GPT pair")
+    ap.add_argument("--model", default=None, help="one model (bench-cpu-llama, bench-cpu-moe) instead of the GPT pair")
+    ap.add_argument("--predict-only", action="store_true", help="print the step model's prediction and stop")
     args = ap.parse_args()
     models = [args.model] if args.model else MODELS
     out = Path(args.out or ("runs/partition-speedup-" + args.model if args.model else "runs/partition-speedup-v9")).resolve()
+    prediction = None
+    if args.model and family_of(load_model(args.model)).name == "moe":
+        prediction = recorded_prediction(args.model, args.micro_batches, out)
+        if args.predict_only:
+            return
     n = len(layer_specs(models[0]))
     methods = ["profiled"] + [f"parts:0,{k},{n}" for k in range(1, n)]
     print(f"{len(models)} models: screen of {len(methods)} methods x {args.rounds} rounds, then a playoff of "
@@ -250,15 +302,47 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"screen": screened, "scores": results}, indent=1))
     if args.model:
-        return report_one(args.model, results[args.model], builtin_parts(args.model))
+        return report_one(args.model, results[args.model], builtin_parts(args.model), prediction)
     a, b = results[MODELS[0]], results[MODELS[1]]
     print(f"\nsecond model: profiled / best built-in {b['vs_builtin']:.3f}")
     print(f"RESULT profiled_vs_builtin={a['vs_builtin']:.3f} profiled_vs_best_split={a['vs_best']:.3f} "
           f"second_model_profiled_vs_best_split={b['vs_best']:.3f}")
 
 
-def report_one(model: str, result: dict, builtin: dict[str, str]) -> None:
+def recorded_prediction(model: str, micro_batches: int, out: Path) -> dict:
+    """The step model's prediction for ``model``, made once before the first launch and kept in
+    OUT/prediction.json (a later run reads it: the prediction is the one made before measuring)."""
+    path = out / "prediction.json"
+    if path.is_file():
+        prediction = json.loads(path.read_text())
+        print(f"prediction recorded before the first launch ({path}):")
+    else:
+        if any(out.glob("round*")):
+            raise SystemExit(f"{out} holds launches but no prediction.json: the prediction must come first")
+        print(f"{model}: profiling its layers here (no launch) for the step model's prediction", flush=True)
+        prediction = predict_before_launch(model, micro_batches)
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(prediction, indent=1))
+    best = prediction["best_split"]
+    rows = [[name, builtin_parts(model)[name], f"{s:.2f}", f"{s / prediction['splits'][best]:.3f}"]
+            for name, s in prediction["builtin"].items()]
+    rows.append(["best split", best, f"{prediction['splits'][best]:.2f}", "1.000"])
+    print("\n".join(render_table(["method", "parts", "predicted step s", "/ best split"], rows)))
+    print(f"predicted profiled / best built-in: {prediction['profiled_vs_builtin']:.3f} (median layer times of "
+          f"{len(prediction['each_profile'])} profiles; each alone: "
+          f"{', '.join(f'{r:.3f}' for r in prediction['each_profile'])})", flush=True)
+    return prediction
+
+
+def report_one(model: str, result: dict, builtin: dict[str, str], prediction: dict | None = None) -> None:
     """--model: the heuristics' names and the simulated 4- and 8-stage comparison, then the RESULT line."""
+    if prediction is not None:  # Mixture-of-Experts: the measurement beside the prediction made before it
+        print(f"\npredicted before the first launch (step model {STEP_MODEL.name} on layers profiled here): "
+              f"profiled / best built-in {prediction['profiled_vs_builtin']:.3f}, best split {prediction['best_split']}")
+        print(f"calibrated: the step model (bench/prediction_transfer.py's two GPT calibration runs); predicted: "
+              f"every {model} measurement above")
+        print(f"RESULT moe_profiled_vs_builtin={result['vs_builtin']:.3f} moe_profiled_vs_best_split={result['vs_best']:.3f}")
+        return
     same = [k for k, v in builtin.items() if v == builtin["uniform"] and k != "uniform"]
     if same:
         print(f"\nat 2 stages {', '.join(same)} = DeepSpeed's uniform ({builtin['uniform']}): Megatron's "
