@@ -87,13 +87,13 @@ def test_bad_moe_fields_are_named(fields, match):
         Experts(4, 5)
 
 
-def test_analytic_costs_of_expert_parallelism_are_refused_until_its_all_to_all_is_timed():
+def test_analytic_costs_name_the_experts():
     from ds_pipe_ext.costs.analytic import Shape
     from ds_pipe_ext.costs.moe_ops import routed_mlp
 
     experts = load_model("moe-tiny").describe().blocks[1].experts
-    with pytest.raises(AnalyticError, match="all-to-all of expert parallelism is not timed yet"):
-        routed_mlp(Shape(b=1, s=32, h=64, a=4, f=96, V=512), experts, ep=2)
+    with pytest.raises(AnalyticError, match="ep = 3 does not divide the 4 experts"):
+        routed_mlp(Shape(b=1, s=32, h=64, a=4, f=96, V=512, ep=3), experts, ep=3)
     rows = estimate_layers(load_model("moe-tiny"), EstimateRequest(1, 32), get_device("h100"))
     assert [r["expert_params"] > 0 for r in rows] == [False, False, True, True, True, False]
 

@@ -193,18 +193,21 @@ def test_analytic_moe_block_matches_the_saved_tensors(fields):
     assert (analytic.param_bytes, analytic.expert_param_bytes) == (params, experts)
 
 
-def test_an_analytic_split_under_expert_parallelism_is_refused_before_any_process_group():
-    from ds_pipe_ext.config_model import ConfigError
-    from ds_pipe_ext.train.build import run_layout
-    from ds_pipe_ext.train.config import build_run_config
+def test_analytic_costs_under_expert_parallelism():
+    """At ep 2 a rank holds half the experts, does the same expert work (its experts take twice their own
+    share of slots) and adds two all-to-alls of its slots each way."""
+    from dataclasses import replace
 
-    cfg = build_run_config({"pipeline": {"stages": 2, "partition_method": "analytic"}, "moe": {"ep_size": 2},
-                            "train": {"model": "moe-tiny"}})
-    with pytest.raises(ConfigError, match="all-to-all of expert parallelism is not timed yet; use \"profiled\""):
-        run_layout(cfg, load_model("moe-tiny"), 4)
-    family = MOE.cost_model(load_model("moe-tiny"))  # at ep 1 the family has its analytic costs
-    tokens = torch.zeros(2, 32, dtype=torch.long)
+    from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers
     from ds_pipe_ext.costs.hardware import get_device
 
-    costs = family.layer_costs(tokens, tp=1, device=get_device("cpu"), dtype="fp32")
-    assert len(costs) == 6 and costs[2].expert_param_bytes > 0
+    cfg = load_model("moe-tiny")
+    one, two = (estimate_layers(cfg, EstimateRequest(2, 32, ep=ep), get_device("h100")) for ep in (1, 2))
+    assert two[2]["expert_params"] * 2 == one[2]["expert_params"] > 0
+    assert two[2]["fwd_flops"] == one[2]["fwd_flops"] and two[1] == one[1]  # the dense block is untouched
+    slots = 4 * math.ceil(2 * 2 * 32 / 4)  # E x C at imbalance 1
+    assert two[2]["comm_bytes"] == 4 * slots * cfg.hidden * 2 and one[2]["comm_bytes"] == 0
+    assert two[2]["fwd_s"] > one[2]["fwd_s"]
+    model = replace(MOE.cost_model(cfg), expert_parallel=2)
+    costs = model.layer_costs(torch.zeros(2, 32, dtype=torch.long), tp=1, device=get_device("h100"), dtype="bf16")
+    assert costs[2].expert_param_bytes == two[2]["expert_params"] * 2

@@ -45,9 +45,10 @@ class Shape:
     t: int = 1  # tensor-parallel degree
     sp: bool = False  # sequence parallelism (needs t > 1 to mean anything)
     dropout: bool = True  # dropout layers present (they save masks)
+    ep: int = 1  # expert-parallel degree (Mixture-of-Experts blocks: costs/moe_ops.py)
 
     def __post_init__(self) -> None:
-        for name in ("b", "s", "h", "a", "f", "V", "e", "t"):
+        for name in ("b", "s", "h", "a", "f", "V", "e", "t", "ep"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise AnalyticError(f"{name} = {v!r}: sizes must be positive integers")
@@ -90,8 +91,9 @@ class OpCost:
     weights: tuple = ()  # element count of each parameter tensor (ZeRO pads and partitions per tensor)
     comm_fwd_bytes: float = 0.0  # per rank, payload of the collective
     comm_bwd_bytes: float = 0.0
-    # all-reduce | all-gather | reduce-scatter, or FWD+BWD where the two directions differ (SP); a
-    # direction may issue several collectives, "a,b", each of an equal share of its bytes
+    # all-reduce | all-gather | reduce-scatter over the TP group, or FWD+BWD where the two directions differ
+    # (SP); a direction may issue several collectives, "a,b", each of an equal share of its bytes;
+    # all-to-all runs over the expert-parallel group
     comm_type: str = ""
     recompute: bool = False  # dropped from saved activations under selective recompute
     gemm_dim: float = 0.0  # a GEMM's smallest dimension on this rank (kernels fill the device less when small)

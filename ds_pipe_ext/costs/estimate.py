@@ -28,6 +28,7 @@ class EstimateRequest:
     # dropless Mixture-of-Experts: the largest expert load over the mean (DeepSpeed pads every expert to
     # it); 1: a balanced router, which one at initialisation nearly is.  Measured, e.g. from a run's loads
     expert_imbalance: float = 1.0
+    ep: int = 1  # expert-parallel degree: E / ep experts a rank, two all-to-alls each way per MoE block
 
 
 def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None) -> A.Shape:
@@ -41,7 +42,7 @@ def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None) -> 
     e = DTYPE_BYTES[req.dtype]
     m = req.mask_bytes if req.mask_bytes is not None else (e if device is not None and device.name == "cpu" else 1)
     return A.Shape(b=req.micro_batch, s=req.seq, h=desc.hidden, a=desc.heads, f=desc.ffn, V=desc.vocab,
-                   e=e, m=m, t=req.tp, sp=req.sp, dropout=desc.dropout)
+                   e=e, m=m, t=req.tp, sp=req.sp, dropout=desc.dropout, ep=req.ep)
 
 
 def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0) -> list[tuple[str, str, list[A.OpCost]]]:
@@ -58,7 +59,7 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0) -> list[tup
                                                positions=desc.positions, bias=desc.linear_bias,
                                                qkv_bias=att.qkv_bias, kernel=att.kernel, window=att.window)
             if block.experts is not None:  # routed experts in place of the MLP (costs/moe_ops.py)
-                built[block] = moe_block(built[block], shaped, block.experts, imbalance=expert_imbalance)
+                built[block] = moe_block(built[block], shaped, block.experts, ep=shp.ep, imbalance=expert_imbalance)
         layers.append(("Block", "block", built[block]))
     layers.append(("HeadPipe", "head", A.lm_head(shp, norm=desc.norm)))
     return layers
@@ -67,8 +68,8 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0) -> list[tup
 def op_rows(ops: list[A.OpCost], device: DeviceSpec, req: EstimateRequest) -> list[dict]:
     rows = []
     for op in ops:
-        f = device.op_time(op, dtype=req.dtype, tp=req.tp)
-        b = device.op_time(op, dtype=req.dtype, tp=req.tp, backward=True)
+        f = device.op_time(op, dtype=req.dtype, tp=req.tp, ep=req.ep)
+        b = device.op_time(op, dtype=req.dtype, tp=req.tp, backward=True, ep=req.ep)
         saved = 0.0 if (req.selective_recompute and op.recompute) else op.activation_bytes
         rows.append({"op": op.name, "kind": op.kind, "fwd_flops": op.fwd_flops, "bwd_flops": op.bwd_flops,
                      "activation_bytes": saved, "weight_bytes": op.weight_bytes,

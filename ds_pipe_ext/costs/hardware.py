@@ -67,8 +67,9 @@ class DeviceSpec:
             return 0.0
         return sum(b for b in sizes if b > self.fresh_alloc_min_bytes) / self.fresh_page_bandwidth
 
-    def op_time(self, op: OpCost, *, dtype: str, tp: int, backward: bool = False) -> dict:
-        """Roofline: max(compute, memory) plus the op's TP collective (ring formulas)."""
+    def op_time(self, op: OpCost, *, dtype: str, tp: int, backward: bool = False, ep: int = 1) -> dict:
+        """Roofline: max(compute, memory) plus the op's collective (ring formulas): over the TP group, or
+        an all-to-all over the expert-parallel group, whose tp x ep GPUs share a node while they fit one."""
         flops = op.bwd_flops if backward else op.fwd_flops
         moved = op.bwd_bytes if backward else op.fwd_bytes
         peak = (self.vector_flops if op.kind == "vector" else self.matrix_flops).get(dtype)
@@ -83,8 +84,9 @@ class DeviceSpec:
         if "+" in kinds:  # under SP: the forward's collectives, then the backward's
             kinds = kinds.split("+")[1 if backward else 0]
         kinds = kinds.split(",")
-        bandwidth = self.link_bandwidth(tp) * self.comm_efficiency
-        comm = sum(self.collective_time(comm_bytes / len(kinds), kind, tp, bandwidth) for kind in kinds)
+        group, span = (ep, tp * ep) if kinds == ["all-to-all"] else (tp, tp)
+        bandwidth = self.link_bandwidth(span) * self.comm_efficiency
+        comm = sum(self.collective_time(comm_bytes / len(kinds), kind, group, bandwidth) for kind in kinds)
         fresh = self.fresh_alloc_time(op.bwd_allocs if backward else op.fwd_allocs)
         random = op.random_elems / self.random_rate if self.random_rate and not backward else 0.0
         random += op.row_ops * self.row_op_s
@@ -132,10 +134,11 @@ def adam_step_s(params: float, device: DeviceSpec, *, bytes_per_param: float = 3
 
 def ring_time(payload_bytes: float, comm_type: str, n: int, bandwidth: float) -> float:
     """Bandwidth term of ring collectives over n ranks (Thakur et al. 2005; NCCL's bus-bandwidth model):
-    all-reduce 2(n-1)/n * bytes, all-gather and reduce-scatter (n-1)/n * bytes each."""
+    all-reduce 2(n-1)/n * bytes, all-gather and reduce-scatter (n-1)/n * bytes each; an all-to-all sends
+    (n-1)/n of a rank's bytes to the others (each link busy once: NCCL's all-to-all bus bandwidth)."""
     if n <= 1 or payload_bytes == 0:
         return 0.0
-    steps = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0}
+    steps = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0}
     if comm_type not in steps:
         raise AnalyticError(f"unknown collective {comm_type!r}")
     return steps[comm_type] * (n - 1) / n * payload_bytes / bandwidth

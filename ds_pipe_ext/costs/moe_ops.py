@@ -7,8 +7,9 @@
   balanced router, which a router at initialisation nearly is).  Else C = ceil(capacity_factor x k x
   tokens / E), and tokens beyond it are dropped.
 * Work per rank does not depend on EP: a rank holds E / ep experts and EP's all-to-all hands each ep x C
-  slots, E x C in all, as at ep 1.  Weights are E / ep experts.  The all-to-all itself (two forward, two
-  backward, E x C x h elements each) is not timed yet: ``routed_mlp`` refuses ep > 1.
+  slots, E x C in all, as at ep 1.  Weights are E / ep experts.  Under EP, dispatch and combine are each
+  an all-to-all of the rank's E x C x h slots over the EP group, forward and again backward
+  (``hardware.ring_time``; inside a node while tp x ep GPUs fit one).
 * Saved for backward (what ``saved_tensors_hooks`` count on the layer, tests/test_moe_training.py): the
   router's fp32 input (T h x 4 bytes) and its gates and masks (about 12 bytes per token and expert), the
   dispatched slots (E C h), each expert's gate_up output and SwiGLU output (E C 3 f), the gathered expert
@@ -44,9 +45,8 @@ def _experts(op: OpCost, local: int) -> OpCost:
 
 def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 1.0) -> list[OpCost]:
     """The routed experts of one block (``shp.f`` is one expert's SwiGLU width) on one rank of ``ep``."""
-    if ep > 1:
-        raise AnalyticError(f"ep = {ep}: the all-to-all of expert parallelism is not timed yet; analytic costs "
-                            f"of a Mixture-of-Experts model are modelled at ep = 1")
+    if experts.count % ep:
+        raise AnalyticError(f"ep = {ep} does not divide the {experts.count} experts; choose ep dividing them")
     if shp.t > 1:
         raise AnalyticError("tensor parallelism of a Mixture-of-Experts model is not supported; use tp = 1")
     if imbalance < 1:
@@ -72,7 +72,12 @@ def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 
     combine = OpCost("combine", "vector", fwd_flops=2.0 * k * T * h, bwd_flops=4.0 * k * T * h,
                      fwd_bytes=(k * T * h + T * h) * e, bwd_bytes=(2 * k * T * h + T * h) * e,
                      activation_bytes=k * T * h * e + k * T * 4, fwd_allocs=(T * h * e,), bwd_allocs=(slots * h * e,))
-    return [router, gating, dispatch, gate_up, act, down, combine]
+    if ep == 1:
+        return [router, gating, dispatch, gate_up, act, down, combine]
+    moved = slots * h * e  # each all-to-all moves the rank's slots, forward and (their gradients) backward
+    exchange = [OpCost(name, "vector", comm_fwd_bytes=moved, comm_bwd_bytes=moved, comm_type="all-to-all")
+                for name in ("dispatch_all_to_all", "combine_all_to_all")]
+    return [router, gating, dispatch, exchange[0], gate_up, act, down, exchange[1], combine]
 
 
 def shared_mlp(shp: Shape, experts: Experts) -> list[OpCost]:

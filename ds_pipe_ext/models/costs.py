@@ -28,11 +28,13 @@ class DescribedCostModel:
     specs_fn: Callable  # the family's layer_specs (what calibration profiles)
     sequence_parallel: bool = False
     loss_fn: Callable = lm_loss  # the family's loss over the head's output (calibration profiles it)
+    expert_parallel: int = 1  # Mixture-of-Experts layers: E / ep experts a rank and their all-to-all
 
     def request(self, inputs, *, tp: int, dtype: str) -> EstimateRequest:
         tokens = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
         b, s = tokens.shape
-        return EstimateRequest(micro_batch=int(b), seq=int(s), tp=tp, sp=self.sequence_parallel, dtype=dtype)
+        return EstimateRequest(micro_batch=int(b), seq=int(s), tp=tp, sp=self.sequence_parallel, dtype=dtype,
+                               ep=self.expert_parallel)
 
     def layer_costs(self, inputs, *, tp: int, device: DeviceSpec, dtype: str) -> list[LayerCost]:
         return analytic_layer_costs(self.config.describe(), self.request(inputs, tp=tp, dtype=dtype), device)

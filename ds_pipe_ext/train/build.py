@@ -11,7 +11,7 @@ the checkpoint stopped).  Decisions that only rank 0 can make go through
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -61,9 +61,6 @@ def run_layout(cfg: RunConfig, model_cfg, world: int) -> Layout:
         layout.check(model_cfg)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
-    if layout.ep > 1 and cfg.pipelined and cfg.pipeline.partition_method == "analytic":
-        raise ConfigError(f"partition_method \"analytic\" with moe.ep_size = {layout.ep}: the all-to-all of expert "
-                          f"parallelism is not timed yet; use \"profiled\" (each layer is profiled as EP runs it)")
     return layout
 
 
@@ -106,11 +103,13 @@ def build_pipeline(cfg: RunConfig, model_cfg, layout: Layout, specs, loss_fn, im
     profile_batch = next(SyntheticTokens(model_cfg.vocab_size, cfg.micro_batch, model_cfg.seq_len, seed=0))
     # DeepSpeed runs a DualPipeVModule with its DualPipeVEngine
     module_cls = DualPipeVPipelineModule if cfg.pipeline.schedule == "dualpipev" else PipelineModule
-    family = family_of(model_cfg)
+    cost_model = family_of(model_cfg).cost_model(model_cfg, impl)
+    if layout.ep > 1:  # the analytic costs of a rank's E / ep experts and their all-to-all
+        cost_model = replace(cost_model, expert_parallel=layout.ep)
     return module_cls(
         specs, num_stages=None if topology is not None else layout.pp, topology=topology, loss_fn=loss_fn,
         settings=cfg.pipeline, profile_batch=profile_batch, micro_batches=cfg.grad_accum,
-        cost_key={"model": model_cfg.to_dict()}, cost_model=family.cost_model(model_cfg, impl),
+        cost_key={"model": model_cfg.to_dict()}, cost_model=cost_model,
         zero_stage=layout.zero, zero_optimization=cfg.deepspeed.get("zero_optimization"), expert_parallel=layout.ep,
         seed_layers=True,  # layer i starts from seed + i: the same weights under any partition
         base_seed=cfg.train.seed,
