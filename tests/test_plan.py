@@ -72,9 +72,10 @@ def with_device(model, **changes):
     return model.on_device(replace(model.device, **changes))
 
 
-@pytest.mark.parametrize("measured_links", [False, True], ids=["ring-formulas", "gloo-like-measured-links"])
-def test_the_search_loses_nothing_against_simulating_every_layout(measured_links):
-    cfg, model = plan_model("compare-cpu", gpus=8, device="a100", global_batch=64)
+@pytest.mark.parametrize("name, measured_links", [("compare-cpu", False), ("compare-cpu", True), ("moe-tiny", False)],
+                         ids=["ring-formulas", "gloo-like-measured-links", "moe-expert-parallel"])
+def test_the_search_loses_nothing_against_simulating_every_layout(name, measured_links):
+    cfg, model = plan_model(name, gpus=8, device="a100", global_batch=64)
     if measured_links:  # latencies, slow collectives, p2p latency and Adam's page faults, as on CPU ranks
         model = with_device(model, collectives=GLOO_LIKE, fresh_page_bandwidth=1.5e9, fresh_alloc_min_bytes=2**20)
     layouts, _ = enumerate_layouts(cfg, 8, gpus_per_node=8, global_batch=64)
@@ -298,6 +299,9 @@ def test_only_evaluates_one_layout_and_names_bad_keys():
         parse_only("stages=8", gpus=8, global_batch=8)
     with pytest.raises(PlanError, match="ZeRO-0 or 1 under a pipeline"):
         parse_only("pp=2,dp=4,zero=3", gpus=8, global_batch=8)
+    assert parse_only("pp=2,dp=4,ep=2", gpus=8, global_batch=8).ep == 2
+    with pytest.raises(PlanError, match="ep = 3 does not divide dp = 4"):
+        parse_only("pp=2,dp=4,ep=3", gpus=8, global_batch=8)
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -396,3 +400,19 @@ def test_the_best_runnable_layout_is_found_past_the_first_one(monkeypatch):
     res = search(model, list(lays.values()), top_k=1)
     assert [c.layout.name for c in res.top] == ["sim", "fast"]
     assert res.best_runnable().layout.name == "fast" and res.simulated == 3
+
+
+def test_a_mixture_of_experts_plan_shows_and_emits_expert_parallelism(tmp_path, capfd):
+    """Mixtral 8x7B on 64 H100: EP is a dimension (the table's ep column, the layout names), ZeRO-3 and TP
+    are dropped with DeepSpeed's reasons, and the emitted ds.json carries the pick's EP degree."""
+    out = tmp_path / "ds.json"
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--device", "h100", "--top", "5",
+                 "--emit-ds-config", str(out)]) == 0
+    text = capfd.readouterr().out
+    head = next(line for line in text.splitlines() if line.lstrip().startswith("#  layout"))
+    assert head.split()[3:7] == ["tp", "dp", "ep", "zero"]
+    assert "native DeepSpeed MoE is not supported with ZeRO Stage 3" in text
+    assert "tensor parallelism of a Mixture-of-Experts model is not supported" in text
+    ds = json.loads(out.read_text())
+    pick = Layout.from_ds_config(ds, 64)
+    assert pick.ep > 1 and ds["moe"] == {"ep_size": pick.ep} and "-ep" in text

@@ -147,7 +147,7 @@ def cmd_estimate_compare(args) -> int:
             continue  # more stages than layers
         model = _layout_model(cfg, device, lay, seq=seq, dtype=args.dtype)
         if c.kind == "pipeline" and c.method not in ("profiled", "analytic"):  # DeepSpeed's own methods
-            costs = model.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
+            costs = model.costs_of(lay)
             cost = model.evaluate(lay, decide_offline(c.method, list(costs), lay.pp, micro_batches=lay.micro_batches),
                                   check_memory=False)
         else:  # "profiled" (it needs the device) and "analytic": the plan's split, as `plan --only`

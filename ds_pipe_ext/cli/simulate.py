@@ -141,7 +141,7 @@ class LayerSource:
         if args.method in (None, "analytic"):
             parts = model.run_split(lay)
         else:
-            costs = list(model.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute))
+            costs = list(model.costs_of(lay))
             parts = decide_offline(args.method, costs, lay.num_chunks, micro_batches=micro_batches, schedule=spec.name,
                                    link_bandwidth=model.split_link(lay).bandwidth)
         cost = model.evaluate(lay, parts, check_memory=False, update=args.optimizer, timeline=True)

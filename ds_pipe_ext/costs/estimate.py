@@ -139,7 +139,7 @@ def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = 
     its ds.json has its own (``ZeroSettings.from_ds_config``), else those the layout writes."""
     desc = as_description(model)
     req = EstimateRequest(micro_batch=lay.micro_batch, seq=seq or desc.seq_len, tp=lay.tp, sp=lay.sp, dtype=dtype,
-                          mask_bytes=mask_bytes, selective_recompute=lay.recompute == "selective")
+                          mask_bytes=mask_bytes, selective_recompute=lay.recompute == "selective", ep=lay.ep)
     shp = shape_for(desc, req)
     selective = lay.recompute == "selective"  # the attention core's activations are not kept
     ops = [[replace(op, activation_bytes=0.0) if selective and op.recompute else op for op in layer]
@@ -155,7 +155,7 @@ def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = 
     if not lay.pipelined:
         order = tuple((kind, mb) for mb in range(lay.micro_batches) for kind in ("F", "B"))
         return [RankStep(ops, order, e, zero, dp=lay.dp, dp_rank=dp_rank, checkpoint_bytes=checkpoint(0, len(ops)),
-                         offload=lay.offload, fused_adam=fused_adam)]
+                         offload=lay.offload, fused_adam=fused_adam, ep=lay.ep)]
     spec = lay.schedule_spec
     if not walks_schedule(spec):
         raise NotImplementedError(f"the peak rule walks one model chunk a rank with whole backwards; "
@@ -174,5 +174,5 @@ def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = 
                               output_bytes=logits if last else boundary, input_bytes=boundary if s else 0.0,
                               flat_grad_accumulation=e < 4 and lay.zero == 0,
                               checkpoint_bytes=checkpoint(parts[s], parts[s + 1]), offload=lay.offload,
-                              fused_adam=fused_adam))
+                              fused_adam=fused_adam, ep=lay.ep))
     return steps

@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from .zero import layer_states_by_rule, layer_tensors, zero_model_states
+from .zero import expert_parallel_states, layer_states_by_rule, layer_tensors, zero_model_states
 
 PEAK_KINDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "gathered_bytes",
               "activation_bytes", "temporary_bytes")
@@ -105,6 +105,7 @@ class RankStep:
     checkpoint_bytes: tuple | None = None
     offload: bool = False  # ZeRO-Offload: optimizer states (and ZeRO-3's partitions) and Adam in host memory
     fused_adam: bool = False  # a fused Adam (DeepSpeed's FusedAdam, apex) makes no temporaries; torch's unfused does
+    ep: int = 1  # expert parallelism: the experts' states partition over dp / ep ranks (``expert_parallel_states``)
 
 
 @dataclass
@@ -246,8 +247,14 @@ def step_peak(rank: RankStep) -> PeakMemory:
     buffers.  Linear in the rank's ops plus its schedule's length."""
     e, z, dp = rank.element_bytes, rank.zero, rank.dp
     numels = [n for layer in rank.layers for op in layer for n in op.weights]
-    states = zero_model_states(numels, dp=dp, stage=z.stage, element_bytes=e, rank=rank.dp_rank,
-                               persistence_threshold=z.persistence_threshold)
+    expert = [n for layer in rank.layers for op in layer if op.name.startswith("expert_") for n in op.weights]
+    if expert and z.stage:
+        dense = [n for layer in rank.layers for op in layer if not op.name.startswith("expert_") for n in op.weights]
+        states = expert_parallel_states(dense, expert, dp=dp, ep=rank.ep, stage=z.stage, element_bytes=e,
+                                        rank=rank.dp_rank)
+    else:
+        states = zero_model_states(numels, dp=dp, stage=z.stage, element_bytes=e, rank=rank.dp_rank,
+                                   persistence_threshold=z.persistence_threshold)
     ranks = range(dp) if rank.dp_rank is None else (rank.dp_rank,)
     bucket = float(e * z.reduce_bucket_size) if z.contiguous_gradients and z.stage else 0.0
     persistent = {i for i, n in enumerate(numels) if z.stage == 3 and n <= z.persistence_threshold}
@@ -324,6 +331,7 @@ class PipelinePeakRule:
     dp: int = 1
     element_bytes: int = 4
     fused_adam: bool = False  # the optimizer step makes no temporaries
+    ep: int = 1  # expert parallelism: the experts' states partition over dp / ep ranks
 
     def step_bytes(self, costs: list) -> list[float]:
         """Per layer, what its stage holds for it at the optimizer step: the states as at the step (ZeRO's
@@ -332,7 +340,7 @@ class PipelinePeakRule:
         fp32 ZeRO-0: a bound, the stage's largest being at most the sum)."""
         e, z = self.element_bytes, self.zero.stage
         out = []
-        for c, ruled in zip(costs, layer_states_by_rule(costs, stage=z, dp=self.dp, element_bytes=e)):
+        for c, ruled in zip(costs, layer_states_by_rule(costs, stage=z, dp=self.dp, element_bytes=e, ep=self.ep)):
             params = c.param_bytes / e
             trainable = c.grad_bytes > 0
             flat = e * params if e < 4 and z == 0 and trainable else 0.0
@@ -340,8 +348,9 @@ class PipelinePeakRule:
                 adam = 0.0
             elif z == 0 and e == 4:
                 adam = 8.0 * max(layer_tensors(c, e), default=0)
-            else:
-                adam = 8.0 * params / (self.dp if z else 1)
+            else:  # the flat fp32 partitions: the dense one over dp, the experts' over dp / ep
+                experts = c.expert_param_bytes / e
+                adam = 8.0 * ((params - experts) / self.dp + experts * self.ep / self.dp) if z else 8.0 * params
             out.append(float(ruled.static_bytes) + flat + adam)
         return out
 
@@ -352,7 +361,8 @@ class PipelinePeakRule:
         e = self.element_bytes
         per_grad = e * (2 if e < 4 and self.zero.stage == 0 else 1)
         out = []
-        for c, ruled in zip(costs, layer_states_by_rule(costs, stage=self.zero.stage, dp=self.dp, element_bytes=e)):
+        for c, ruled in zip(costs, layer_states_by_rule(costs, stage=self.zero.stage, dp=self.dp, element_bytes=e,
+                                                        ep=self.ep)):
             out.append(_with_grads(ruled, round(per_grad * c.param_bytes / e) if c.grad_bytes > 0 else 0))
         return out
 

@@ -98,6 +98,23 @@ def zero_model_states(param_numels: list[int], *, dp: int, stage: int, element_b
     return ModelStates(param_bytes=e * (part + persistent), grad_bytes=e * part + 4 * part, optimizer_bytes=12 * part)
 
 
+def expert_parallel_states(dense_numels: list[int], expert_numels: list[int], *, dp: int, ep: int, stage: int,
+                           element_bytes: int = 4, rank: int | None = None) -> ModelStates:
+    """``zero_model_states`` of a rank holding DeepSpeed MoE experts: DeepSpeed keeps them in their own
+    parameter groups, each partitioned (and padded) over its own group: dense parameters over the dp
+    ranks, a rank's experts over the dp / ep ranks that hold the same experts (its expert-data-parallel
+    group, data-parallel ranks ep apart)."""
+    if dp % ep:
+        raise ValueError(f"ep = {ep} does not divide dp = {dp}")
+    dense = zero_model_states(dense_numels, dp=dp, stage=stage, element_bytes=element_bytes, rank=rank)
+    if not expert_numels:
+        return dense
+    experts = zero_model_states(expert_numels, dp=dp // ep, stage=stage, element_bytes=element_bytes,
+                                rank=None if rank is None else rank // ep)
+    return ModelStates(*(getattr(dense, k) + getattr(experts, k) for k in ("param_bytes", "grad_bytes",
+                                                                           "optimizer_bytes")))
+
+
 def state_bytes_by_kind(stage: int, dp: int, element_bytes: int = 4) -> tuple[float, float, float]:
     """``zero_model_states`` of the heaviest rank as (parameter, gradient, optimizer) bytes per parameter:
     the additive form per-layer sums need (a stage's bytes are the sum of its layers').  Equal to the

@@ -175,26 +175,30 @@ class PlanModel:
                    if op.kind != "vector")
 
     @lru_cache(maxsize=None)
-    def layer_costs(self, tp: int, sp: bool, micro_batch: int, recompute: str) -> tuple:
-        """Per-layer ``LayerCost`` of one micro-batch on one TP rank; alike blocks computed once."""
+    def layer_costs(self, tp: int, sp: bool, micro_batch: int, recompute: str, ep: int = 1) -> tuple:
+        """Per-layer ``LayerCost`` of one micro-batch on one TP (and EP) rank; alike blocks computed once."""
         req = EstimateRequest(micro_batch=micro_batch, seq=self.seq, tp=tp, sp=sp, dtype=self.dtype,
-                              selective_recompute=recompute == "selective")
+                              selective_recompute=recompute == "selective", ep=ep)
         return tuple(analytic_layer_costs(self.cfg, req, self.device))
 
+    def costs_of(self, lay: Layout) -> tuple:
+        return self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute, lay.ep)
+
     @lru_cache(maxsize=None)
-    def totals(self, tp: int, sp: bool, micro_batch: int, recompute: str) -> tuple[float, float, float, float]:
+    def totals(self, tp: int, sp: bool, micro_batch: int, recompute: str,
+               ep: int = 1) -> tuple[float, float, float, float]:
         """(time of all layers for one micro-batch, parameters, largest layer's parameters, largest
         layer's static + held activation bytes at 1 byte/param) for the bounds."""
-        costs = self.layer_costs(tp, sp, micro_batch, recompute)
+        costs = self.layer_costs(tp, sp, micro_batch, recompute, ep)
         full = recompute == "full"
         params = [c.param_bytes / self.e for c in costs]
         return (sum(c.time_s(recompute=full) for c in costs), sum(params), max(params),
                 max(held_activation_bytes(costs, recompute=full)))
 
     @lru_cache(maxsize=None)
-    def whole_model(self, tp: int, sp: bool, micro_batch: int, recompute: str):
+    def whole_model(self, tp: int, sp: bool, micro_batch: int, recompute: str, ep: int = 1):
         """Every layer as one stage (``StageCost``): the bounds' totals in the step model's terms."""
-        costs = self.layer_costs(tp, sp, micro_batch, recompute)
+        costs = self.layer_costs(tp, sp, micro_batch, recompute, ep)
         return stage_costs(costs, [0, len(costs)], micro_batches=1, recompute=recompute == "full")[0]
 
     # -- collectives and the optimizer, per rank ------------------------------------------------
@@ -223,7 +227,7 @@ class PlanModel:
         return Link(0.0, self._p2p_bandwidth(lay))
 
     def update_s(self, lay: Layout, params: float, layer_params: list[float] | tuple = (),
-                 hide_under: tuple[float, float] | None = None) -> float:
+                 hide_under: tuple[float, float] | None = None, expert_params: float = 0.0) -> float:
         """A rank's work after its last backward for ``params`` parameters: its DP collectives, DeepSpeed's
         own passes over the gradients (``engine_passes_s``) and Adam over the parameters it owns
         (ZeRO-2/3's per-micro-batch collectives too: with no overlap, where they sit does not change
@@ -234,29 +238,36 @@ class PlanModel:
         all-gather, with its distributed optimizer, ZeRO-1), and no DeepSpeed passes; with
         ``overlap_comm`` half of it hides under the rank's last backward and half under its first
         forward, ``hide_under`` = (forward s, backward s) of a micro-batch on the rank (None: all of it
-        hides, the least it can cost: the bounds' case)."""
+        hides, the least it can cost: the bounds' case).  ``expert_params``: of ``params``, a rank's experts,
+        whose gradients reduce over their expert-data-parallel group (dp / ep ranks) and whose optimizer
+        states partition over it."""
         if lay.runtime == "megatron":
             return self._megatron_update_s(lay, params, hide_under)
-        dp, m, grads = lay.dp, lay.micro_batches, params * self.e
-        bw = self._dp_bandwidth(lay)
+        experts = expert_params if lay.ep > 1 else 0.0  # at ep 1 the experts reduce with the rest
+        dense = params - experts
+        owned = dense / (lay.dp if lay.zero >= 1 else 1) + experts / (lay.dp // lay.ep if lay.zero >= 1 else 1)
+        comm = self._dp_comm_s(lay, dense, lay.dp) + self._dp_comm_s(lay, experts, lay.dp // lay.ep)
+        return comm + self.engine_passes_s(lay, params, layer_params) + adam_step_s(
+            owned, self.device, bytes_per_param=self.adam_bytes_per_param,
+            fresh_sizes=self.adam_fresh_bytes(lay, layer_params))
+
+    def _dp_comm_s(self, lay: Layout, params: float, n: int) -> float:
+        """DeepSpeed's data-parallel collectives of ``params`` parameters' gradients over ``n`` ranks (the
+        dp group; a rank's experts: their expert-data-parallel group of dp / ep)."""
+        m, grads, bw = lay.micro_batches, params * self.e, self._dp_bandwidth(lay)
 
         def coll(kind: str) -> float:
-            return self.device.collective_time(grads, kind, dp, bw)
+            return self.device.collective_time(grads, kind, n, bw)
 
         # DeepSpeed's ZeRO-1/2 reduce gradients by all-reducing buckets that span every rank's
         # slice (``use_multi_rank_bucket_allreduce``, on by default), then each keeps its slice
         if lay.zero == 0:
-            comm = coll("all-reduce")
-        elif lay.zero == 1:  # at the boundary: all-reduce, then all-gather the updated weights
-            comm = coll("all-reduce") + coll("all-gather")
-        elif lay.zero == 2:  # all-reduce every micro-batch's gradients, all-gather once
-            comm = m * coll("all-reduce") + coll("all-gather")
-        else:  # gather forward and again backward, reduce-scatter, every micro-batch
-            comm = m * (2 * coll("all-gather") + coll("reduce-scatter"))
-        owned = params / (dp if lay.zero >= 1 else 1)
-        return comm + self.engine_passes_s(lay, params, layer_params) + adam_step_s(
-            owned, self.device, bytes_per_param=self.adam_bytes_per_param,
-            fresh_sizes=self.adam_fresh_bytes(lay, layer_params))
+            return coll("all-reduce")
+        if lay.zero == 1:  # at the boundary: all-reduce, then all-gather the updated weights
+            return coll("all-reduce") + coll("all-gather")
+        if lay.zero == 2:  # all-reduce every micro-batch's gradients, all-gather once
+            return m * coll("all-reduce") + coll("all-gather")
+        return m * (2 * coll("all-gather") + coll("reduce-scatter"))  # ZeRO-3: every micro-batch
 
     def _megatron_update_s(self, lay: Layout, params: float, hide_under: tuple[float, float] | None) -> float:
         grads, bw = params * self.e, self._dp_bandwidth(lay)
@@ -315,7 +326,7 @@ class PlanModel:
         if not walks_schedule(lay.schedule_spec):
             return None
         return PipelinePeakRule(ZeroSettings.of_layout(lay), lay.dp, self.e,
-                                fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES)
+                                fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, ep=lay.ep)
 
     def _memory_lists(self, lay: Layout, costs) -> dict:
         """The partitioner's memory lists for ``lay``: the peak rule's where it applies, else the states at
@@ -335,7 +346,7 @@ class PlanModel:
 
     def partition(self, lay: Layout, *, capped: bool = True) -> list[int]:
         """The exact min-max split under the memory cap (``capped=False``: with none)."""
-        costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
+        costs = self.costs_of(lay)
         full = lay.recompute == "full"
         chunks = lay.num_chunks
         if chunks == 1:
@@ -354,7 +365,7 @@ class PlanModel:
         """The least memory the heaviest rank of this layout needs over every split: the partitioner's
         smallest feasible cap (a chunk's share times the chunks a rank holds), or without a pipeline
         the one rank's states and activations.  Up to 64 feasibility probes: asked only when nothing fits."""
-        costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
+        costs = self.costs_of(lay)
         chunks = lay.num_chunks
         if chunks == 1:
             return self.evaluate(lay, [0, len(costs)], check_memory=False).peak_memory_bytes
@@ -369,10 +380,10 @@ class PlanModel:
         model states by the ZeRO rule (as the module counts them), under each chunk's share of the cap
         where a split fits it, else with none (the step search under 1F1B and GPipe, the min-max split
         under the other schedules)."""
-        costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
+        costs = self.costs_of(lay)
         if lay.num_chunks == 1:
             return [0, len(costs)]
-        states = tuple(layer_states_by_rule(list(costs), stage=lay.zero, dp=lay.dp, element_bytes=self.e))
+        states = tuple(layer_states_by_rule(list(costs), stage=lay.zero, dp=lay.dp, element_bytes=self.e, ep=lay.ep))
         dualpipev = lay.schedule_spec.kind == "dualpipev"  # it balances each rank's pair by time alone
         return list(_analytic_split(states, lay.num_chunks, lay.micro_batches, lay.recompute == "full",
                                lay.schedule_spec.name, self.step_model,
@@ -412,7 +423,7 @@ class PlanModel:
         """The layout's partition (the exact memory-capped min-max one unless given), memory and step
         (``update=False``: without the work after each rank's last backward; ``timeline``: keep the
         simulation's timeline, for a chart)."""
-        costs = self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute)
+        costs = self.costs_of(lay)
         full = lay.recompute == "full"
         parts = parts or self.partition(lay)
         stages = stage_costs(costs, parts, micro_batches=lay.micro_batches, recompute=full,
@@ -420,12 +431,13 @@ class PlanModel:
         m = lay.micro_batches
         spec = lay.schedule_spec
         chunk_rank = spec.chunk_rank(lay.pp)
-        rank_params = [0.0] * lay.pp
+        rank_params, rank_experts = [0.0] * lay.pp, [0.0] * lay.pp
         rank_layers: list[list] = [[] for _ in range(lay.pp)]
         rank_time = [[0.0, 0.0] for _ in range(lay.pp)]  # a micro-batch's forward and backward on the rank
         for st in stages:
             r = chunk_rank[st.stage]
             rank_params[r] += st.param_bytes / self.e
+            rank_experts[r] += sum(c.expert_param_bytes for c in costs[parts[st.stage]:parts[st.stage + 1]]) / self.e
             rank_layers[r] += costs[parts[st.stage]:parts[st.stage + 1]]
             rank_time[r][0] += st.forward_s
             rank_time[r][1] += st.backward_s
@@ -437,8 +449,8 @@ class PlanModel:
         pred = self.step_model.predict(
             stages, m, schedule=spec.name if lay.pipelined else "none", runtime=lay.runtime,
             network=self._stage_network(lay), timeline=timeline,
-            update_s=[self.update_s(lay, p, lp, hide_under=tuple(t)) if update else 0.0
-                      for p, lp, t in zip(rank_params, rank_layer_params, rank_time)])
+            update_s=[self.update_s(lay, p, lp, hide_under=tuple(t), expert_params=x) if update else 0.0
+                      for p, lp, t, x in zip(rank_params, rank_layer_params, rank_time, rank_experts)])
         pipeline_s, bubble = pred.step_s, pred.simulation.bubble_fraction
         held = pred.simulation.held_peak_bytes  # per rank: what its schedule holds at its peak
         memory = self.rank_peaks(lay, list(parts), rank_layers, held)

@@ -30,8 +30,13 @@ def render_table(res: PlanResult, *, memory_cap: float) -> str:
                      "on" if lay.sp else "off", lay.schedule, _parts(c.parts),
                      f"{c.peak_memory_bytes / GIB:.1f}" + (" (over)" if c.peak_memory_bytes > memory_cap else ""),
                      f"{c.step_s:.3f}", f"{c.samples_per_s:.2f}", f"{100 * c.mfu:.1f}%"])
-    widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
     numeric = {0, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15}
+    if any(c.layout.ep > 1 for c in res.top):  # a Mixture-of-Experts model: its expert-parallel degree after dp
+        head.insert(5, "ep")
+        for row, c in zip(rows, res.top):
+            row.insert(5, str(c.layout.ep))
+        numeric = {k + (k >= 5) for k in numeric} | {5}
+    widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
     fmt = lambda r: "  ".join(v.rjust(w) if k in numeric else v.ljust(w)  # noqa: E731
                               for k, (v, w) in enumerate(zip(r, widths)))
     lines = [fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)]

@@ -1,4 +1,6 @@
-"""The layouts a cluster admits: pp x tp x dp = N, ZeRO, micro-batch, recompute, SP, schedule.
+"""The layouts a cluster admits: pp x tp x dp = N, ZeRO, micro-batch, recompute, SP, schedule, and for a
+Mixture-of-Experts model the expert-parallel degree (dividing dp and the experts; DeepSpeed's MoE layer
+runs ZeRO 0-2 and no TP beside it).
 
 What DeepSpeed can run decides the space: ZeRO 0 or 1 under a pipeline (its PipelineEngine refuses
 ZeRO-2/3), ZeRO 1, 2 or 3 without one; 1F1B, GPipe and DualPipeV as its engine runs them.  Megatron's
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ..arch import as_description
 from ..layout import NO_PIPELINE, RECOMPUTE, Layout, LayoutError
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -46,6 +49,7 @@ def enumerate_layouts(cfg, gpus: int, *, gpus_per_node: int, global_batch: int,
     if global_batch < 1:
         raise PlanError(f"--global-batch {global_batch}: give a positive number of samples per step")
     layers = cfg.num_pipeline_layers
+    experts = max((b.experts.count for b in as_description(cfg).blocks if b.experts is not None), default=0)
     dropped: Counter = Counter()
     out: list[Layout] = []
     for tp in _divisors(gpus):
@@ -67,14 +71,20 @@ def enumerate_layouts(cfg, gpus: int, *, gpus_per_node: int, global_batch: int,
                 dropped["indivisible: dp x micro-batch does not divide the global batch"] += 1
                 continue
             zeros = (0,) if dp == 1 else ((0, 1) if pp > 1 else (1, 2, 3))
+            if experts and 3 in zeros:  # DeepSpeed's native MoE refuses ZeRO-3 (AutoEP is its path there)
+                dropped["refused: native DeepSpeed MoE is not supported with ZeRO Stage 3"] += 1
+                zeros = tuple(z for z in zeros if z != 3)
+            eps = [d for d in _divisors(dp) if experts % d == 0] if experts else [1]
             for mb in mbs:
                 m = global_batch // (mb * dp)
                 for schedule in _schedules(pp, m, layers):
                     for zero in zeros:
                         for recompute in RECOMPUTE:
                             for sp in ((False, True) if tp > 1 else (False,)):
-                                out.append(Layout(pp=pp, tp=tp, dp=dp, sp=sp, zero=zero, micro_batch=mb,
-                                                  micro_batches=m, recompute=recompute, schedule=schedule))
+                                for ep in eps:
+                                    out.append(Layout(pp=pp, tp=tp, dp=dp, sp=sp, zero=zero, micro_batch=mb,
+                                                      micro_batches=m, recompute=recompute, schedule=schedule,
+                                                      ep=ep))
     if not out:
         reasons = "; ".join(f"{k} ({v})" for k, v in dropped.items())
         raise PlanError(f"no layout of {gpus} GPUs fits {cfg.name} at global batch {global_batch}: {reasons}. "
@@ -84,10 +94,10 @@ def enumerate_layouts(cfg, gpus: int, *, gpus_per_node: int, global_batch: int,
 
 
 def parse_only(text: str, *, gpus: int, global_batch: int) -> Layout:
-    """``--only "pp=8,tp=8,dp=16,mb=1,recompute=full,sp=on,zero=1,schedule=1f1b"``: one given layout.
+    """``--only "pp=8,tp=8,dp=16,mb=1,recompute=full,sp=on,zero=1,schedule=1f1b,ep=1"``: one given layout.
     Left out: dp from --gpus, mb 1, recompute none, sp off, zero 0 (1 without a pipeline), 1f1b
-    (no pipeline at pp 1).  ``Layout`` checks the rest (schedules, ZeRO under a pipeline)."""
-    keys = {"pp", "tp", "dp", "mb", "recompute", "sp", "zero", "schedule"}
+    (no pipeline at pp 1), ep 1.  ``Layout`` checks the rest (schedules, ZeRO under a pipeline, EP)."""
+    keys = {"pp", "tp", "dp", "mb", "recompute", "sp", "zero", "schedule", "ep"}
     spec: dict[str, str] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         k, sep, v = item.partition("=")
@@ -99,6 +109,7 @@ def parse_only(text: str, *, gpus: int, global_batch: int) -> Layout:
         dp = int(spec["dp"]) if "dp" in spec else gpus // max(pp * tp, 1)
         mb = int(spec.get("mb", 1))
         zero = int(spec.get("zero", 0 if pp > 1 or dp == 1 else 1))
+        ep = int(spec.get("ep", 1))
     except ValueError as e:
         raise PlanError(f"--only {text!r}: {e}") from None
     if pp * tp * dp != gpus:
@@ -112,6 +123,6 @@ def parse_only(text: str, *, gpus: int, global_batch: int) -> Layout:
     try:
         return Layout(pp=pp, tp=tp, dp=dp, sp=sp == "on", zero=zero, micro_batch=mb,
                       micro_batches=global_batch // (mb * dp), recompute=spec.get("recompute", "none"),
-                      schedule=schedule)
+                      schedule=schedule, ep=ep)
     except LayoutError as e:
         raise PlanError(f"--only {text!r}: {e}") from None
