@@ -5,6 +5,7 @@ The reference (``moe.reference_routing``) shares only the parameters with DeepSp
 expert's tokens itself, so a wrong dispatch, all-to-all or combine changes the loss.  Experts start distinct
 (seeded by their global id), so routing a token to the wrong expert does too."""
 
+import json
 import math
 
 import pytest
@@ -125,9 +126,10 @@ def moe_reference(cfg, weights_path, steps: int, *, dp: int, micro_batch: int, g
 
 @pytest.mark.multiprocess
 def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path):
-    """One launch of deepspeed --num_gpus 4, four builds: 2 stages x 2 data-parallel ranks, each MoE layer's 4
+    """One launch of deepspeed --num_gpus 4, five builds: 2 stages x 2 data-parallel ranks, each MoE layer's 4
     experts split over EP 2, from the weights of one process (first loss and gradient norm within 1e-5,
-    later losses within 1e-4); 2 steps saved and resumed for the third (its loss within 1e-6 of the
+    later losses within 1e-4); under another split, instrumented, 2 steps saved (each stage's expert loads
+    and loss terms in the run directory) and resumed for the third (its loss within 1e-6 of the
     uninterrupted run's); a resume under another split, and under another EP degree, refused naming the
     saved one."""
     from ds_pipe_ext.runner import launch, write_config
@@ -144,23 +146,58 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path):
                       moe={"ep_size": 2}, **common)
     ep1 = write_config(tmp_path / "ep1.json", pipeline={"stages": 2, "partition_method": "parts:0,3,6"},
                        moe={"ep_size": 1}, **common)
+    zero1 = write_config(tmp_path / "zero1.json", pipeline={"stages": 2, "partition_method": "parts:0,3,6"},
+                         moe={"ep_size": 2}, zero_optimization={"stage": 1}, **common)
     ckpt = tmp_path / "ckpt"
-    runs = ["--run", f"parity: --init-from {init}",
-            "--run", f"first two: --init-from {init} --steps 2 --save {ckpt}",
+    # parity's stage 0 holds no MoE layer (embedding and the dense block): every build after it hangs unless
+    # every rank makes DeepSpeed's expert groups (compat.engine.ensure_expert_groups)
+    runs = ["--run", f"parity: --init-from {init} --partition-method parts:0,2,6",
+            "--run", f"first two: --init-from {init} --steps 2 --save {ckpt} --instrument {tmp_path / 'run'}",
             "--run", f"resumed: --load {ckpt} --steps 1",
             "--run", f"other split: --load {ckpt} --steps 1 --partition-method parts:0,4,6",
-            "--run", f"other ep: --load {ckpt} --steps 1 --deepspeed_config {ep1}"]
+            "--run", f"other ep: --load {ckpt} --steps 1 --deepspeed_config {ep1}",
+            "--run", f"zero1: --init-from {init} --steps 1 --deepspeed_config {zero1} --instrument {tmp_path / 'z1'}"]
     proc, ranks = launch(4, ds, "--steps", str(steps), *runs, out_dir=tmp_path, cwd=tmp_path,
                          script="tests/models_in_turn.py", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = ranks[0]["runs"]
     run = got["parity"]
-    assert run["parts"] == [0, 3, 6] and run["dp"] == 2 and all(math.isfinite(x) for x in run["losses"])
+    assert run["parts"] == [0, 2, 6] and run["dp"] == 2 and all(math.isfinite(x) for x in run["losses"])
     assert run["losses"][0] == pytest.approx(want_losses[0], rel=1e-5)
     assert run["grad_norms"][0] == pytest.approx(want_norms[0], rel=1e-5)
     assert run["losses"] == pytest.approx(want_losses, rel=1e-4)
+    # another split, instrumented: the same math
+    assert got["first two"]["parts"] == [0, 3, 6]
     assert got["first two"]["losses"] == pytest.approx(run["losses"][:2], rel=1e-6)
+    # the run directory: each stage's routers' loads per step (dropless: nothing dropped) and the loss's terms
+    from ds_pipe_ext.instrument.rundir import RunDir
+
+    logs = {r: [json.loads(line) for line in RunDir(tmp_path / "run").rank_path(r).read_text().splitlines()]
+            for r in range(4)}
+    routed = mb * cfg.seq_len * gas * cfg.top_k  # a step's token-expert routes in one routed layer, per DP rank
+    for rank, layers in [(0, ["2"]), (1, ["2"]), (2, ["3", "4"]), (3, ["3", "4"])]:
+        for rec in logs[rank]:
+            assert sorted(rec["expert_load"]) == layers and rec["dropped_token_fraction"] == 0.0
+            assert all(sum(load) == routed and len(load) == cfg.experts for load in rec["expert_load"].values())
+            terms = rec["loss_terms"]
+            assert terms["lm_loss"] + cfg.aux_loss_coef * terms["moe_aux_loss"] == pytest.approx(rec["loss"], rel=1e-5)
     assert got["resumed"]["start_step"] == 2 and got["resumed"]["losses"] == pytest.approx(run["losses"][2:], rel=1e-6)
+    # model states at the step, measured on every rank, against the ZeRO rule over dp (dense) and dp / ep
+    # (experts) that the partition's records carry, ZeRO-0 and ZeRO-1.  Under ZeRO-1 DeepSpeed steps its
+    # parameter groups one at a time, freeing each group's gradient partition after its step: at the last
+    # (the experts') step it holds the experts' partition alone, which the additive rule exceeds by the
+    # dense partition (an upper bound there)
+    for run_dir in ("run", "z1"):
+        rd = RunDir(tmp_path / run_dir)
+        predicted = rd.read_predicted()
+        for rank in range(4):
+            rec = json.loads(rd.rank_path(rank).read_text().splitlines()[-1])
+            layers = predicted.layer_costs[predicted.parts[rec["stage"]]:predicted.parts[rec["stage"] + 1]]
+            for kind in ("param_bytes", "optimizer_bytes") + (("grad_bytes",) if run_dir == "run" else ()):
+                assert rec[kind] == sum(getattr(c, kind) for c in layers), (run_dir, rank, kind)
+            if run_dir == "z1":
+                assert rec["grad_bytes"] == sum(c.expert_param_bytes for c in layers) // (2 // 2), rank
+                assert rec["grad_bytes"] < sum(c.grad_bytes for c in layers)
     for name, saved in [("other split", "parts = [0, 3, 6]"), ("other ep", "ep = 2")]:
         assert all(r["runs"][name] == got[name] for r in ranks.values()), name  # the same verdict on every rank
         assert saved in got[name]["error"] and "stage-local MoE index" in got[name]["error"], got[name]
@@ -211,3 +248,27 @@ def test_analytic_costs_under_expert_parallelism():
     model = replace(MOE.cost_model(cfg), expert_parallel=2)
     costs = model.layer_costs(torch.zeros(2, 32, dtype=torch.long), tp=1, device=get_device("h100"), dtype="bf16")
     assert costs[2].expert_param_bytes == two[2]["expert_params"] * 2
+
+
+def test_the_expert_load_meter_counts_each_micro_batch_once_and_the_dropped_tokens():
+    """A capacity factor of 1 over 4 experts, top-2: tokens beyond an expert's capacity are dropped; a forward
+    without gradients (a reentrant checkpoint's first pass) is not counted."""
+    from ds_pipe_ext.instrument.experts import ExpertLoadMeter
+
+    cfg = load_model("moe-tiny", capacity_factor=1.0)
+    model = MOE.sequential(MOE.layer_specs(cfg), MOE.loss_fn(cfg), base_seed=3, recompute=False)
+    meter = ExpertLoadMeter(model)
+    assert sorted(meter.blocks) == ["2", "3", "4"]
+    x, y = next(SyntheticTokens(cfg.vocab_size, 2, cfg.seq_len, seed=1))
+    with torch.no_grad():
+        model(x, y)
+    model(x, y)
+    model(x, y)
+    step = meter.read()
+    routes = 2 * 2 * cfg.seq_len * cfg.top_k  # two micro-batches counted
+    assert all(sum(load) == routes for load in step["expert_load"].values())
+    capacity = math.ceil(2 * cfg.seq_len / cfg.experts * 1.0 * cfg.top_k)
+    dropped = sum(max(0, c - 2 * capacity) for load in step["expert_load"].values() for c in load)
+    assert step["dropped_token_fraction"] >= dropped / (3 * routes) and step["dropped_token_fraction"] > 0
+    assert meter.read()["expert_load"] == {}  # the next step starts from zero
+    meter.remove()

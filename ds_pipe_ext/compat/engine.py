@@ -110,3 +110,24 @@ def set_train_schedule(engine, schedule_cls, *, losses_per_micro_batch: bool = F
         backward(self, **kw)
 
     engine._INSTRUCTION_MAP = {**base, ds.ForwardPass: forward_keeping_loss, ds.BackwardPass: backward_of_its_loss}
+
+
+def loss_terms(engine) -> dict | None:
+    """The last step's named loss terms (``PipelineModule.get_additional_losses``), averaged over its
+    micro-batches and data-parallel ranks, as the engine keeps them (``agg_additional_losses``, on every
+    stage since DeepSpeed 0.14); None for a model without them."""
+    return getattr(engine, "agg_additional_losses", None)
+
+
+def ensure_expert_groups(ep: int, pp: int) -> None:
+    """DeepSpeed's expert-parallel and expert-data-parallel groups for ``ep``, made on every rank now.
+
+    DeepSpeed makes them when the engine meets its first MoE layer, so a pipeline stage without one (dense
+    blocks only) makes none; torch numbers process groups by how many each rank has made, so that rank's
+    next new group pairs with another rank's different one and the next build hangs.  Every rank makes them
+    here, before the engine, with DeepSpeed's own function (``groups._create_expert_and_data_parallel``,
+    private; ``pp_size`` given, as the engine's grid is not there yet); the engine then finds them."""
+    from deepspeed.utils import groups
+
+    if f"ep_size_{ep}" not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(ep, pp_size=pp)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..compat.comm import time_collectives
+from .experts import ExpertLoadMeter
 from .memory import ModelStateProbe, SavedActivationMeter, process_peak_bytes
 from .peak import PeakTracer
 
@@ -35,6 +36,7 @@ class DataParallelRecorder:
         self.step = 0
         self._t0 = 0.0
         self.tracer = PeakTracer(engine.module, engine.optimizer, self.device, peak_step) if peak_step else None
+        self.experts = ExpertLoadMeter(engine.module)  # Mixture-of-Experts models: the routers' loads
 
     def begin_step(self) -> None:
         self.times.clear()
@@ -73,6 +75,8 @@ class DataParallelRecorder:
         rec.update(self.states.read())
         rec["activation_peak_bytes"] = self.meter.peak
         rec.update(process_peak_bytes(self.device))
+        if self.experts:
+            rec.update(self.experts.read())
         peak = self.tracer.step_ended(self.step) if self.tracer is not None else None
         if peak is not None:
             rec["peak"] = peak
@@ -81,6 +85,7 @@ class DataParallelRecorder:
     def remove(self) -> None:
         self._undo_comm()
         self.states.remove()
+        self.experts.remove()
 
 
 class NoRecorder:

@@ -19,7 +19,9 @@ from collections.abc import Callable
 
 import torch
 
+from ..compat.engine import loss_terms
 from ..compat.instructions import unwrap_engine, wrap_engine
+from .experts import ExpertLoadMeter
 from .memory import ModelStateProbe, SavedActivationMeter, process_peak_bytes
 from .peak import PeakTracer
 
@@ -80,6 +82,7 @@ class StageRecorder:
         self.times: dict[str, list[float]] = defaultdict(list)
         self.states = ModelStateProbe(module, engine.optimizer)  # counted at the optimizer step
         self.tracer = PeakTracer(module, engine.optimizer, self.device, peak_step) if peak_step else None
+        self.experts = ExpertLoadMeter(module)  # Mixture-of-Experts stages: the routers' loads
 
     def _enter(self, kind: str) -> None:
         if self.tracer is not None:
@@ -166,6 +169,11 @@ class StageRecorder:
         rec.update(self.states.read())
         rec["activation_peak_bytes"] = self.meter.peak
         rec.update(process_peak_bytes(self.device))
+        if self.experts:
+            rec.update(self.experts.read())
+        terms = loss_terms(eng)  # the loss's named terms (MoE: lm and aux loss)
+        if terms:
+            rec["loss_terms"] = {name: float(v) for name, v in terms.items()}
         peak = self.tracer.step_ended(self.step) if self.tracer is not None else None
         if peak is not None:
             rec["peak"] = peak
@@ -191,3 +199,4 @@ def remove_instrumentation(engine, recorder: StageRecorder | None = None) -> Non
     unwrap_engine(engine)
     if recorder is not None:
         recorder.states.remove()
+        recorder.experts.remove()

@@ -23,6 +23,7 @@ parity tests' one-process model, independent of DeepSpeed's dispatch, all-to-all
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -201,7 +202,10 @@ class MoEBlock(nn.Module):
         self.post_attention_norm = impl.rms_norm(cfg.hidden, cfg.rms_norm_eps)
         self.mlp = RoutedMLP(cfg, ep, reference=reference) if routed else LlamaMLP(cfg, impl)
         self.routed = routed
-        self.tokens_per_expert: torch.Tensor | None = None  # the last forward's, for the instrumentation
+        self.capacity_factor, self.top_k, self.experts = cfg.capacity_factor, cfg.top_k, cfg.experts
+        # the last forward's, for the instrumentation (instrument/experts.py)
+        self.tokens_per_expert: torch.Tensor | None = None  # routed (before any drop)
+        self.dropped_tokens = 0  # routed beyond an expert's capacity (capacity_factor > 0)
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         x, aux = inputs
@@ -210,6 +214,9 @@ class MoEBlock(nn.Module):
             return x + self.mlp(self.post_attention_norm(x)), aux
         y, layer_aux, counts = self.mlp(self.post_attention_norm(x))
         self.tokens_per_expert = counts.detach()
+        if self.capacity_factor:  # DeepSpeed's capacity: ceil(tokens / E x capacity_factor x k); the rest dropped
+            capacity = math.ceil(x.shape[0] * x.shape[1] / self.experts * self.capacity_factor * self.top_k)
+            self.dropped_tokens = int((self.tokens_per_expert - capacity).clamp(min=0).sum())
         return x + y, aux + layer_aux.to(aux.dtype)
 
 

@@ -318,6 +318,10 @@ def build(cfg: RunConfig) -> Built:
               + (" (sequence parallel)" if layout.sp else ""), flush=True)
     overheads = refine_overheads(cfg)
     model = build_model(cfg, model_cfg, layout)
+    if family_of(model_cfg).expert_parallel:  # every rank, stages without MoE layers too (a hang otherwise)
+        from ..compat.engine import ensure_expert_groups
+
+        ensure_expert_groups(layout.ep, layout.pp)
     engine = build_engine(cfg, model, layout)
     if layout.ep > 1:
         from ..models.moe import check_expert_groups
