@@ -125,14 +125,22 @@ def moe_reference(cfg, weights_path, steps: int, *, dp: int, micro_batch: int, g
 
 
 @pytest.mark.multiprocess
-def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path):
+def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
     """One launch of deepspeed --num_gpus 4, five builds: 2 stages x 2 data-parallel ranks, each MoE layer's 4
     experts split over EP 2, from the weights of one process (first loss and gradient norm within 1e-5,
     later losses within 1e-4); under another split, instrumented, 2 steps saved (each stage's expert loads
     and loss terms in the run directory) and resumed for the third (its loss within 1e-6 of the
     uninterrupted run's); a resume under another split, and under another EP degree, refused naming the
-    saved one."""
+    saved one; the ZeRO-1 rule on every rank; and the ds.json `plan` emits for EP 2, trained as emitted."""
+    from ds_pipe_ext.cli import main
     from ds_pipe_ext.runner import launch, write_config
+
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", "moe-tiny", "--gpus", "4", "--device", "cpu", "--global-batch", "8",
+                 "--only", "pp=2,dp=2,ep=2", "--emit-ds-config", str(plan)]) == 0
+    capfd.readouterr()
+    emitted = json.loads(plan.read_text())
+    assert emitted["moe"] == {"ep_size": 2} and emitted["pipeline"]["stages"] == 2
 
     cfg = load_model("moe-tiny")
     init = tmp_path / "init.pt"
@@ -156,7 +164,8 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path):
             "--run", f"resumed: --load {ckpt} --steps 1",
             "--run", f"other split: --load {ckpt} --steps 1 --partition-method parts:0,4,6",
             "--run", f"other ep: --load {ckpt} --steps 1 --deepspeed_config {ep1}",
-            "--run", f"zero1: --init-from {init} --steps 1 --deepspeed_config {zero1} --instrument {tmp_path / 'z1'}"]
+            "--run", f"zero1: --init-from {init} --steps 1 --deepspeed_config {zero1} --instrument {tmp_path / 'z1'}",
+            "--run", f"plan: --steps 1 --deepspeed_config {plan}"]
     proc, ranks = launch(4, ds, "--steps", str(steps), *runs, out_dir=tmp_path, cwd=tmp_path,
                          script="tests/models_in_turn.py", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -198,6 +207,9 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path):
             if run_dir == "z1":
                 assert rec["grad_bytes"] == sum(c.expert_param_bytes for c in layers) // (2 // 2), rank
                 assert rec["grad_bytes"] < sum(c.grad_bytes for c in layers)
+    planned = got["plan"]
+    assert "parts:" + ",".join(map(str, planned["parts"])) == emitted["pipeline"]["partition_method"]
+    assert planned["dp"] == 2 and math.isfinite(planned["losses"][0])
     for name, saved in [("other split", "parts = [0, 3, 6]"), ("other ep", "ep = 2")]:
         assert all(r["runs"][name] == got[name] for r in ranks.values()), name  # the same verdict on every rank
         assert saved in got[name]["error"] and "stage-local MoE index" in got[name]["error"], got[name]
