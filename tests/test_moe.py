@@ -123,3 +123,25 @@ def test_an_expert_parallel_layout_round_trips_through_its_ds_json():
     assert ds["moe"] == {"ep_size": 2} and "expert_parallel" not in ds  # DeepSpeed's key is AutoEP's
     assert Layout.from_ds_config(ds, 8) == layout
     assert "--expert-model-parallel-size" in layout.megatron_args()
+
+
+def test_compare_adds_expert_parallel_rows_and_shows_zero3_refused(capfd):
+    """`compare` and `estimate --compare` on an MoE model: each layout's EP variants (ep dividing dp and the
+    experts), and the ZeRO-3 rows kept, marked refused with DeepSpeed's reason instead of launched."""
+    from ds_pipe_ext.cli import main
+    from ds_pipe_ext.compare.configs import comparison_configs
+    from ds_pipe_ext.compare.run import refusal
+
+    configs = {c.name: c for c in comparison_configs(4, global_batch=16, micro_batch=2, experts=4)}
+    assert {"pipe-profiled-pp2-dp2-ep2-z0", "pipe-uniform-pp2-dp2-ep2-z1", "zero1-ep4", "zero2-ep2", "zero3"} <= set(configs)
+    assert "zero3-ep2" not in configs and configs["zero2-ep2"].layout.ep == 2
+    assert [c.name for c in comparison_configs(4, global_batch=16, micro_batch=2)] == \
+        [n for n in configs if "-ep" not in n]  # a dense model: no EP rows
+    model = load_model("moe-tiny")
+    assert "Native DeepSpeed MoE is not supported with ZeRO Stage 3" in refusal(configs["zero3"], model)
+    assert refusal(configs["zero2-ep2"], model) is None
+    assert main(["estimate", "--compare", "--model", "moe-tiny", "--world", "4", "--device", "cpu",
+                 "--micro-batch", "2"]) == 0
+    out = capfd.readouterr().out
+    assert next(line for line in out.splitlines() if line.startswith("zero3 ")).rstrip().endswith("refused")
+    assert "zero3: refused: ZeRO-3 on model 'moe-tiny'" in out and "2x1x2 ep2" in out

@@ -12,11 +12,15 @@ from .common import check_launch_steps, check_shape, emit, launch_model
 
 def comparison_configs_for(args, micro_batch: int):
     """The layouts `compare` launches (and `estimate --compare` costs) for these arguments."""
+    from ..arch import as_description
     from ..compare.configs import comparison_configs
+    from ..models import load_model
 
     global_batch = args.global_batch or 2 * args.world // args.tp * micro_batch
+    experts = max((b.experts.count for b in as_description(load_model(args.model)).blocks if b.experts is not None),
+                  default=0)
     return comparison_configs(args.world, global_batch=global_batch, micro_batch=micro_batch, tp=args.tp,
-                              patterns=args.configs)
+                              patterns=args.configs, experts=experts)
 
 
 def cmd_compare(args) -> int:

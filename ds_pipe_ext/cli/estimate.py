@@ -126,6 +126,8 @@ def cmd_estimate_compare(args) -> int:
 
     from .compare import comparison_configs_for
     from ..compare.predict import model_shape
+    from ..compare.render import layout as layout_text
+    from ..compare.run import refusal
     from ..compat.zero import deepspeed_estimate_bytes
     from ..costs.zero import MEMORY_KINDS as KINDS
     from ..models import load_model
@@ -145,6 +147,10 @@ def cmd_estimate_compare(args) -> int:
         lay = replace(c.layout, sp=args.sp, recompute="selective" if args.selective_recompute else c.layout.recompute)
         if c.kind == "pipeline" and cfg.describe().num_pipeline_layers < lay.pp:
             continue  # more stages than layers
+        refused = refusal(c, cfg)
+        if refused is not None:  # shown with the runtime's reason, never dropped
+            rows.append({"config": c.name, **c.to_dict(), "status": "refused", "note": refused})
+            continue
         model = _layout_model(cfg, device, lay, seq=seq, dtype=args.dtype)
         if c.kind == "pipeline" and c.method not in ("profiled", "analytic"):  # DeepSpeed's own methods
             costs = model.costs_of(lay)
@@ -175,14 +181,17 @@ def cmd_estimate_compare(args) -> int:
         ["config", "pp x tp x dp", "ZeRO", "mb x acc", "heaviest stage",
          *(f"{k.removesuffix('_bytes').replace('param', 'params').replace('grad', 'grads')} GiB" for k in KINDS),
          "peak GiB", "fits?"],
-        [[r["config"], f"{r['pp']}x{r['tp']}x{r['dp']}", str(r["zero"]), f"{r['micro_batch']} x {r['grad_accum']}",
-          str(r["heaviest_stage"]), *(f"{r['predicted_bytes'][k] / gib:.1f}" for k in KINDS),
-          f"{r['predicted_peak_memory_bytes'] / gib:.1f}", "OOM" if r["status"] == "oom" else "yes"] for r in rows])))
+        [[r["config"], layout_text(r), str(r["zero"]), f"{r['micro_batch']} x {r['grad_accum']}",
+          *([str(r["heaviest_stage"]), *(f"{r['predicted_bytes'][k] / gib:.1f}" for k in KINDS),
+             f"{r['predicted_peak_memory_bytes'] / gib:.1f}", "OOM" if r["status"] == "oom" else "yes"]
+            if r["status"] != "refused" else ["-"] * (len(KINDS) + 2) + ["refused"])] for r in rows])))
     emit("  - per rank, as `plan --only` evaluates each layout: model states by DeepSpeed's allocation rules for "
          "this precision (ZeRO-1/2/3 divide them over dp), the activations the schedule holds at its peak, ZeRO-3's "
          "two gathered layers; 'analytic' rows take the plan's split; offload keeps optimizer states in CPU memory")
     for r in rows:
-        if r["deepspeed_estimate_model_state_bytes"] is not None:
+        if r["status"] == "refused":
+            emit(f"  - {r['config']}: refused: {r['note']}")
+        elif r["deepspeed_estimate_model_state_bytes"] is not None:
             ours = sum(r["predicted_bytes"][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
             emit(f"  - {r['config']}: model states {ours / gib:.2f} GiB here, "
                  f"{r['deepspeed_estimate_model_state_bytes'] / gib:.2f} GiB by DeepSpeed's estimate_zero"

@@ -6,6 +6,10 @@ replicas, ZeRO-1 (DeepSpeed refuses ZeRO-2/3 under a pipeline).  Data parallel: 
 and 3 over the whole world, and ZeRO-3 with its states offloaded to CPU memory (a GPU-only
 row: on a CPU-only machine there is nothing to offload to).
 
+A Mixture-of-Experts model (``experts`` > 0) adds each row's expert-parallel variants (ep dividing the
+stage's dp and the experts, ``-epN`` in the name); its ZeRO-3 row stays, refused with DeepSpeed's reason
+when it would run (``Layout.check``), never dropped.
+
 Every ZeRO config states DeepSpeed's memory-relevant settings explicitly (``layout.ZERO_SETTINGS``)
 so that the analytic side predicts what DeepSpeed really allocates.
 """
@@ -40,7 +44,8 @@ class CompareConfig:
 
     def to_dict(self) -> dict:
         lay = self.layout
-        return {"name": self.name, "kind": self.kind, "pp": lay.pp, "tp": lay.tp, "dp": lay.dp, "zero": lay.zero,
+        return {"name": self.name, "kind": self.kind, "pp": lay.pp, "tp": lay.tp, "dp": lay.dp, "ep": lay.ep,
+                "zero": lay.zero,
                 "micro_batch": lay.micro_batch, "grad_accum": lay.micro_batches, "method": self.method,
                 "offload": lay.offload, "global_batch": lay.global_batch}
 
@@ -52,9 +57,14 @@ def _accumulation(global_batch: int, micro_batch: int, dp: int, name: str) -> in
     return global_batch // (micro_batch * dp)
 
 
+def _expert_degrees(dp: int, experts: int) -> list[int]:
+    return [e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0] if experts else [1]
+
+
 def comparison_configs(world: int, *, global_batch: int, micro_batch: int, tp: int = 1,
-                       patterns: list[str] | None = None) -> list[CompareConfig]:
-    """Every configuration of the comparison (those matching ``patterns``, shell-style, if given)."""
+                       patterns: list[str] | None = None, experts: int = 0) -> list[CompareConfig]:
+    """Every configuration of the comparison (those matching ``patterns``, shell-style, if given);
+    ``experts``: a Mixture-of-Experts model's experts per layer (its EP variants)."""
     if world < 2:
         raise CompareError(f"--world {world}: a comparison needs at least 2 ranks")
     if world % tp:
@@ -67,14 +77,17 @@ def comparison_configs(world: int, *, global_batch: int, micro_batch: int, tp: i
         dp = rest // pp
         for zero in ((0, 1) if dp > 1 else (0,)):  # ZeRO-1 over one replica partitions nothing
             for method in ("profiled", "uniform"):
-                name = f"pipe-{method}-pp{pp}" + (f"-tp{tp}" if tp > 1 else "") + f"-dp{dp}-z{zero}"
-                m = _accumulation(global_batch, micro_batch, dp, name)
-                out.append(CompareConfig(name, Layout(pp=pp, tp=tp, dp=dp, zero=zero, micro_batch=micro_batch,
-                                                      micro_batches=m, schedule="1f1b"), method))
+                for ep in _expert_degrees(dp, experts):
+                    name = (f"pipe-{method}-pp{pp}" + (f"-tp{tp}" if tp > 1 else "") + f"-dp{dp}"
+                            + (f"-ep{ep}" if ep > 1 else "") + f"-z{zero}")
+                    m = _accumulation(global_batch, micro_batch, dp, name)
+                    out.append(CompareConfig(name, Layout(pp=pp, tp=tp, dp=dp, zero=zero, micro_batch=micro_batch,
+                                                          micro_batches=m, schedule="1f1b", ep=ep), method))
     for zero in (1, 2, 3):
-        name = f"zero{zero}" + (f"-tp{tp}" if tp > 1 else "")
-        out.append(CompareConfig(name, Layout(tp=tp, dp=rest, zero=zero, micro_batch=micro_batch,
-                                              micro_batches=_accumulation(global_batch, micro_batch, rest, name))))
+        for ep in _expert_degrees(rest, experts) if zero < 3 else [1]:
+            name = f"zero{zero}" + (f"-tp{tp}" if tp > 1 else "") + (f"-ep{ep}" if ep > 1 else "")
+            out.append(CompareConfig(name, Layout(tp=tp, dp=rest, zero=zero, micro_batch=micro_batch, ep=ep,
+                                                  micro_batches=_accumulation(global_batch, micro_batch, rest, name))))
     name = "zero3-offload" + (f"-tp{tp}" if tp > 1 else "")
     out.append(CompareConfig(name, Layout(tp=tp, dp=rest, zero=3, micro_batch=micro_batch, offload=True,
                                           micro_batches=_accumulation(global_batch, micro_batch, rest, name))))

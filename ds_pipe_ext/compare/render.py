@@ -23,7 +23,7 @@ def _pair(row: dict, kind: str) -> str:
 
 
 def layout(row: dict) -> str:
-    return f"{row['pp']}x{row['tp']}x{row['dp']}"
+    return f"{row['pp']}x{row['tp']}x{row['dp']}" + (f" ep{row['ep']}" if row.get("ep", 1) > 1 else "")
 
 
 def render_rows(rows: list[dict]) -> str:
@@ -52,7 +52,7 @@ def render_rows(rows: list[dict]) -> str:
 def notes(rows: list[dict], *, world: int, cores: int | None, cpu_only: bool,
           compact_malloc: bool = False) -> list[str]:
     out = []
-    batches = sorted({r["global_batch"] for r in rows if r["status"] != "n/a"})
+    batches = sorted({r["global_batch"] for r in rows if r["status"] not in ("n/a", "refused")})
     out.append(f"every row trains global batch {batches[0]}" if len(batches) == 1
                else f"global batches differ: {batches}")
     out.append("memory: the heaviest rank (largest peak); params/grads/optimizer are the tensors it holds at the "
@@ -81,6 +81,8 @@ def notes(rows: list[dict], *, world: int, cores: int | None, cpu_only: bool,
     for r in rows:
         if r["status"] == "n/a":
             out.append(f"{r['config']}: {r['note']}")
+        if r["status"] == "refused":
+            out.append(f"{r['config']}: refused before launching: {r['note']}")
         if r["status"] == "failed":
             out.append(f"{r['config']}: the launch failed (see its launches/ directory): "
                        f"{r.get('error', '').strip().splitlines()[-1:] or ''}")
@@ -94,7 +96,7 @@ def rows_json(rows: list[dict]) -> str:
 def write_png(rows: list[dict], path: str | Path, *, title: str = "") -> Path:
     plt = pyplot()
 
-    shown = [r for r in rows if r["status"] != "n/a"]
+    shown = [r for r in rows if r["status"] not in ("n/a", "refused")]
     names = [r["config"] for r in shown]
     fig, (ax_mem, ax_tput) = plt.subplots(1, 2, figsize=(max(10, 1.1 * len(shown) + 6), 5))
     bottom = [0.0] * len(shown)

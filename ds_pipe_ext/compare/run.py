@@ -145,6 +145,17 @@ def build_row(cfg: CompareConfig, result: LaunchResult, shape: ModelShape, model
     return row
 
 
+def refusal(cfg: CompareConfig, model_cfg) -> str | None:
+    """Why DeepSpeed (or train.py) would refuse this layout for this model, before any launch; None if not."""
+    from ..layout import LayoutError
+
+    try:
+        cfg.layout.check(model_cfg)
+    except LayoutError as e:
+        return str(e)
+    return None
+
+
 def not_applicable_row(cfg: CompareConfig, why: str) -> dict:
     return {"config": cfg.name, **cfg.to_dict(), "status": "n/a", "note": why, "samples_per_s": None,
             "step_ms": None, "peak_memory_bytes": None, "predicted_peak_memory_bytes": None,
@@ -205,7 +216,10 @@ class Comparison:
         path = self.row_path(cfg)
         if path.is_file():
             return json.loads(path.read_text())
-        if cfg.layout.offload and self.cpu_only:
+        refused = refusal(cfg, self.model_cfg)
+        if refused is not None:  # a row the runtime refuses is shown with its reason, not launched
+            row = {**not_applicable_row(cfg, refused), "status": "refused"}
+        elif cfg.layout.offload and self.cpu_only:
             row = not_applicable_row(cfg, "offload moves ZeRO-3's states from GPU to CPU memory; on a CPU-only "
                                           "machine they are in CPU memory already")
         else:

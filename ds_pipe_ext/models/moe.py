@@ -122,7 +122,8 @@ class RoutedMLP(nn.Module):
         super().__init__()
         from deepspeed.moe.layer import MoE
 
-        expert_seed = int(torch.randint(0, 2**31 - 1, ()))  # drawn before anything else: the same for any ep
+        # drawn before anything else (on the CPU's generator even when built on the meta device): the same for any ep
+        expert_seed = int(torch.randint(0, 2**31 - 1, (), device="cpu"))
         dropless = cfg.capacity_factor == 0
         self.top_k, self.reference = cfg.top_k, reference
         self.moe = MoE(cfg.hidden, LlamaMLP(cfg, LOCAL, cfg.expert_ffn), num_experts=cfg.experts, ep_size=ep,
@@ -133,8 +134,9 @@ class RoutedMLP(nn.Module):
         for i, expert in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
             g = torch.Generator().manual_seed(expert_seed + first + i)
             for p in expert.parameters():
-                with torch.no_grad():
-                    p.copy_(torch.randn(p.shape, generator=g) * INIT_STD)
+                if not p.is_meta:  # a shape-only build (meta device) has no values to set
+                    with torch.no_grad():
+                        p.copy_(torch.randn(p.shape, generator=g, device="cpu") * INIT_STD)
         self.shared = LlamaMLP(cfg, LOCAL, cfg.shared_ffn_hidden) if cfg.shared_ffn_hidden else None
         self.shared_gate = nn.Linear(cfg.hidden, 1, bias=False) if cfg.shared_gate else None
         if reference and not dropless:
