@@ -7,7 +7,7 @@ Each ``--run MODEL=INIT`` is ``train.py --model MODEL --init-from INIT`` on the 
 ``--run "NAME: ARGS"`` is train.py with ARGS (their own ``--deepspeed_config`` and ``--steps`` win), and a
 run whose configuration or checkpoint is refused records {"error": the message} and the launch goes on
 (a refusal is decided on rank 0 and raised on every rank, so they stay in step).  megatron's
-groups are torn down between runs (each build makes them again; DeepSpeed keeps its expert groups by name).  Every rank writes
+groups are torn down between runs, and DeepSpeed's forgotten (each build makes them again).  Every rank writes
 OUT/metrics.rankR.json: {"rank": R, "runs": {NAME: train.py's summary}}.
 """
 
@@ -34,6 +34,7 @@ def main() -> None:
     from ds_pipe_ext.train.build import build
     from ds_pipe_ext.train.trainer import Trainer
 
+    from ds_pipe_ext.compat.engine import forget_deepspeed_groups
     from ds_pipe_ext.config_model import ConfigError
     from ds_pipe_ext.pipe.decide import DecisionError
     from ds_pipe_ext.train.checkpoint import CheckpointError
@@ -51,6 +52,7 @@ def main() -> None:
 
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
+        forget_deepspeed_groups()
         try:
             built = build(train.run_config(train.parse_args(argv)))
             runs[name] = Trainer(built).run()

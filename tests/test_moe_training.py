@@ -131,7 +131,8 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
     later losses within 1e-4); under another split, instrumented, 2 steps saved (each stage's expert loads
     and loss terms in the run directory) and resumed for the third (its loss within 1e-6 of the
     uninterrupted run's); a resume under another split, and under another EP degree, refused naming the
-    saved one; the ZeRO-1 rule on every rank; and the ds.json `plan` emits for EP 2, trained as emitted."""
+    saved one; the ZeRO-1 rule on every rank; the ds.json `plan` emits for EP 2, trained as emitted; and ZeRO-2
+    without a pipeline (DP 4 x EP 2) against one process."""
     from ds_pipe_ext.cli import main
     from ds_pipe_ext.runner import launch, write_config
 
@@ -156,6 +157,8 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
                        moe={"ep_size": 1}, **common)
     zero1 = write_config(tmp_path / "zero1.json", pipeline={"stages": 2, "partition_method": "parts:0,3,6"},
                          moe={"ep_size": 2}, zero_optimization={"stage": 1}, **common)
+    zero2 = write_config(tmp_path / "zero2.json", pipeline=None, moe={"ep_size": 2}, zero_optimization={"stage": 2},
+                         **common)
     ckpt = tmp_path / "ckpt"
     # parity's stage 0 holds no MoE layer (embedding and the dense block): every build after it hangs unless
     # every rank makes DeepSpeed's expert groups (compat.engine.ensure_expert_groups)
@@ -165,7 +168,8 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
             "--run", f"other split: --load {ckpt} --steps 1 --partition-method parts:0,4,6",
             "--run", f"other ep: --load {ckpt} --steps 1 --deepspeed_config {ep1}",
             "--run", f"zero1: --init-from {init} --steps 1 --deepspeed_config {zero1} --instrument {tmp_path / 'z1'}",
-            "--run", f"plan: --steps 1 --deepspeed_config {plan}"]
+            "--run", f"plan: --steps 1 --deepspeed_config {plan}",
+            "--run", f"zero2: --init-from {init} --steps 1 --deepspeed_config {zero2}"]
     proc, ranks = launch(4, ds, "--steps", str(steps), *runs, out_dir=tmp_path, cwd=tmp_path,
                          script="tests/models_in_turn.py", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -207,6 +211,11 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
             if run_dir == "z1":
                 assert rec["grad_bytes"] == sum(c.expert_param_bytes for c in layers) // (2 // 2), rank
                 assert rec["grad_bytes"] < sum(c.grad_bytes for c in layers)
+    # without a pipeline: ZeRO-2 over 4 data-parallel ranks, experts over EP 2, against one process (a
+    # data-parallel run reports rank 0's own micro-batches: its stream alone, routed through the all-to-all)
+    assert got["zero2"]["mode"] == "data-parallel zero=2" and got["zero2"]["dp"] == 4
+    assert got["zero2"]["losses"][0] == pytest.approx(moe_reference(cfg, init, 1, dp=1, micro_batch=mb, gas=gas)[0][0],
+                                                      rel=1e-5)
     planned = got["plan"]
     assert "parts:" + ",".join(map(str, planned["parts"])) == emitted["pipeline"]["partition_method"]
     assert planned["dp"] == 2 and math.isfinite(planned["losses"][0])

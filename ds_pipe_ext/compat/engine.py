@@ -131,3 +131,15 @@ def ensure_expert_groups(ep: int, pp: int) -> None:
 
     if f"ep_size_{ep}" not in groups._get_expert_parallel_group_dict():
         groups._create_expert_and_data_parallel(ep, pp_size=pp)
+
+
+def forget_deepspeed_groups() -> None:
+    """Let the next engine in this process make DeepSpeed's groups afresh: its model-parallel unit (a
+    pipeline engine leaves its grid as ``groups.mpu``, which a data-parallel engine after it would read)
+    and its expert groups by name (an ``ep_size_2`` made over a whole data-parallel world is the wrong one
+    for a pipeline's stages).  For processes that build several engines (tests, benches).  DeepSpeed's
+    ``groups._release_process_group_references()`` (private; what it runs after the world group is
+    destroyed) drops every reference; the groups themselves stay alive."""
+    from deepspeed.utils import groups
+
+    groups._release_process_group_references()

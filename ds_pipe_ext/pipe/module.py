@@ -231,7 +231,8 @@ class PipelineModule(_DeepSpeedPipelineModule):
         """The memory cap's rule: each stage's peak over the step, for this run's ZeRO settings, data-parallel
         degree and the costs' element size (fp32 profiles; the analytic source's own dtype)."""
         element = DTYPE_BYTES[self._ext_settings.analytic.dtype] if spec.cost_source == "analytic" else 4
-        return PipelinePeakRule(self._ext_zero, ds_engine.data_parallel_degree(self), element)
+        return PipelinePeakRule(self._ext_zero, ds_engine.data_parallel_degree(self), element,
+                                ep=self._ext_expert_parallel)
 
     def _decide(self, spec, arg: str, method: str) -> tuple[list[int], PartitionPlan | None, list | None]:
         settings = self._ext_settings
