@@ -195,6 +195,14 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
             terms = rec["loss_terms"]
             assert terms["lm_loss"] + cfg.aux_loss_coef * terms["moe_aux_loss"] == pytest.approx(rec["loss"], rel=1e-5)
     assert got["resumed"]["start_step"] == 2 and got["resumed"]["losses"] == pytest.approx(run["losses"][2:], rel=1e-6)
+    # the report: each routed layer's tokens over the summarised step (step 2) from both data-parallel ranks
+    from ds_pipe_ext.instrument.report import build_report, render_report_table
+
+    rep = build_report(tmp_path / "run")
+    assert [(r["stage"], r["layer"], r["routed"]) for r in rep["routers"]] == [(0, 2, 2 * routed), (1, 3, 2 * routed),
+                                                                                (1, 4, 2 * routed)]
+    assert all(r["max_over_mean"] >= 1 and r["dropped_fraction"] == 0 for r in rep["routers"])
+    assert "routers (Mixture-of-Experts)" in render_report_table(rep) and "moe_aux_loss" in render_report_table(rep)
     # model states at the step, measured on every rank, against the ZeRO rule over dp (dense) and dp / ep
     # (experts) that the partition's records carry, ZeRO-0 and ZeRO-1.  Under ZeRO-1 DeepSpeed steps its
     # parameter groups one at a time, freeing each group's gradient partition after its step: at the last

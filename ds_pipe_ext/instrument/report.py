@@ -106,7 +106,22 @@ def build_report(run_dir: str | Path) -> dict:
         "bottleneck_stage_memory": max(range(p), key=lambda s: rows[s]["meas_memory_bytes"]),
         "predicted_bubble_fraction": step.simulation.bubble_fraction,
     }
-    return {"summary": summary, "stages": rows}
+    return {"summary": summary, "stages": rows, "routers": router_rows(stages)}
+
+
+def router_rows(stages: list[dict]) -> list[dict]:
+    """Per routed layer of a Mixture-of-Experts run: its tokens routed over the summarised steps (all
+    data-parallel ranks), the busiest expert's share against the mean (1: balanced), the stage's dropped
+    fraction and the loss terms; [] for a dense model."""
+    rows = []
+    for st in stages:
+        for layer, load in sorted(st.get("expert_load", {}).items(), key=lambda kv: int(kv[0])):
+            total = sum(load)
+            rows.append({"stage": st["stage"], "layer": int(layer), "routed": total,
+                         "max_over_mean": max(load) * len(load) / total if total else 0.0,
+                         "dropped_fraction": st.get("dropped_token_fraction_mean", 0.0),
+                         "loss_terms": st.get("loss_terms", {})})
+    return rows
 
 
 def render_report_table(rep: dict) -> str:
@@ -142,6 +157,15 @@ def render_report_table(rep: dict) -> str:
         f"step (1F1B, bubble {100 * s['predicted_bubble_fraction']:.0f}%): predicted {s['predicted_step_ms']:.1f} ms, "
         f"measured {s['measured_step_ms']:.1f} ms, error {s['step_error_pct']:+.1f}%",
     ]
+    routers = rep.get("routers") or []
+    if routers:
+        terms = routers[-1]["loss_terms"]
+        lines += ["", "routers (Mixture-of-Experts): tokens routed per layer over the summarised steps, the busiest "
+                      "expert against the mean, tokens dropped beyond capacity"
+                  + ("; loss terms: " + ", ".join(f"{k} {v:.4f}" for k, v in terms.items()) if terms else "")]
+        lines += render_table(["stage", "layer", "routed", "busiest / mean", "dropped"],
+                              [[str(r["stage"]), str(r["layer"]), str(r["routed"]), f"{r['max_over_mean']:.2f}",
+                                f"{100 * r['dropped_fraction']:.1f}%"] for r in routers])
     return "\n".join(lines)
 
 

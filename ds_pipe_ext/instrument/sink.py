@@ -48,6 +48,12 @@ def summarize(records: list[dict], *, skip_warmup: bool = True) -> dict:
     for key in ("peak_rss_bytes", "max_allocated_bytes", "max_reserved_bytes"):
         if key in last:
             out[key] = max(r[key] for r in records)
+    if "expert_load" in last:  # a Mixture-of-Experts stage: its routers' loads over the summarised steps
+        out["expert_load"] = {layer: [sum(r["expert_load"][layer][e] for r in steady) for e in range(len(load))]
+                              for layer, load in last["expert_load"].items()}
+        out["dropped_token_fraction_mean"] = mean("dropped_token_fraction")
+    if "loss_terms" in last:
+        out["loss_terms"] = {name: statistics.fmean(r["loss_terms"][name] for r in steady) for name in last["loss_terms"]}
     return out
 
 
@@ -103,5 +109,8 @@ def _merge_stage(rank_summaries: list[dict]) -> dict:
             merged[key] = max(s[key] for s in rank_summaries)
         elif key.endswith(("_mean", "_p90", "_median")):
             merged[key] = statistics.fmean(s[key] for s in rank_summaries)
+    if "expert_load" in merged:  # the stage's data-parallel ranks route their own tokens: their loads add up
+        merged["expert_load"] = {layer: [sum(s["expert_load"][layer][e] for s in rank_summaries)
+                                         for e in range(len(load))] for layer, load in merged["expert_load"].items()}
     merged.pop("rank", None)
     return merged
