@@ -145,3 +145,24 @@ def test_compare_adds_expert_parallel_rows_and_shows_zero3_refused(capfd):
     out = capfd.readouterr().out
     assert next(line for line in out.splitlines() if line.startswith("zero3 ")).rstrip().endswith("refused")
     assert "zero3: refused: ZeRO-3 on model 'moe-tiny'" in out and "2x1x2 ep2" in out
+
+
+def test_compare_predicts_a_ranks_share_of_the_experts():
+    """`compare`'s model states under EP: a rank holds 1/ep of each layer's experts, and ZeRO partitions them
+    over dp / ep (measured equal on every EP row of moe-tiny on 4 ranks: docs/RESULTS.md)."""
+    from ds_pipe_ext.compare.configs import comparison_configs
+    from ds_pipe_ext.compare.predict import model_shape, predicted_ranks
+
+    cfg = load_model("moe-tiny")
+    shape = model_shape(cfg)
+    experts = sum(sum(layer) for layer in shape.layer_expert_numels)
+    dense = shape.params - experts
+    configs = {c.name: c for c in comparison_configs(4, global_batch=16, micro_batch=2, experts=4)}
+    (z1,) = predicted_ranks(configs["zero1-ep2"], shape, [0.0] * 6)
+    assert z1["param_bytes"] == 4 * (dense + experts // 2)
+    assert z1["optimizer_bytes"] == 12 * (dense // 4 + experts // 2 // 2)  # dense over dp 4, experts over dp/ep 2
+    stages = predicted_ranks(configs["pipe-uniform-pp2-dp2-ep2-z0"], shape, [0.0] * 6, parts=[0, 3, 6])
+    stage_experts = [sum(sum(layer) for layer in shape.layer_expert_numels[a:b]) for a, b in ((0, 3), (3, 6))]
+    assert [s["param_bytes"] for s in stages] == [
+        4 * (sum(sum(layer) for layer in shape.layer_numels[a:b]) - x // 2)
+        for (a, b), x in zip(((0, 3), (3, 6)), stage_experts)]

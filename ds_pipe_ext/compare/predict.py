@@ -16,7 +16,7 @@ import torch
 from ..costs.estimate import EstimateRequest, analytic_layer_costs
 from ..costs.hardware import get_device
 from ..costs.stage import stage_costs
-from ..costs.zero import zero_model_states
+from ..costs.zero import expert_parallel_states, zero_model_states
 from ..layout import ZERO_SETTINGS
 from .configs import CompareConfig
 
@@ -31,6 +31,9 @@ class ModelShape:
     layer_numels: list[list[int]]
     seq_len: int
     largest_module_params: int = 0  # DeepSpeed's "largest layer" (one module's own parameters) for ZeRO-3
+    # per layer, the element counts of its routed experts' tensors (all E experts; a Mixture-of-Experts
+    # model's, else empty): at EP degree ep a rank holds 1/ep of them, partitioned over dp / ep
+    layer_expert_numels: list[list[int]] | None = None
 
     @property
     def params(self) -> int:
@@ -48,7 +51,9 @@ def model_shape(model_cfg) -> ModelShape:
               for layer in layers]
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for layer in modules for m in layer.modules()),
                   default=0)
-    return ModelShape(model_cfg.name, numels, model_cfg.seq_len, largest)
+    experts = [[p.numel() for p in layer.parameters() if getattr(p, "allreduce", True) is False]
+               if isinstance(layer, torch.nn.Module) else [] for layer in layers]  # DeepSpeed's mark on experts
+    return ModelShape(model_cfg.name, numels, model_cfg.seq_len, largest, experts if any(experts) else None)
 
 
 def layer_activation_bytes(model_cfg, cfg: CompareConfig, *, dtype: str = "fp32") -> list[float]:
@@ -58,12 +63,26 @@ def layer_activation_bytes(model_cfg, cfg: CompareConfig, *, dtype: str = "fp32"
     return [c.activation_bytes for c in analytic_layer_costs(model_cfg, req, get_device("a100"))]
 
 
-def _states(numels: list[int], cfg: CompareConfig, element_bytes: int, dp_rank: int | None) -> dict[str, int]:
+def _states(numels: list[int], cfg: CompareConfig, element_bytes: int, dp_rank: int | None,
+            experts: tuple[list[int], list[int]] = ([], [])) -> dict[str, int]:
     # a TP rank holds 1/tp of each matrix; exact only at tp 1 (vectors are replicated, not split)
     lay = cfg.layout
+    every, local = experts
+    if every:  # DeepSpeed's MoE groups: the rank's 1/ep of the experts, partitioned over dp / ep
+        dense = list(numels)
+        for n in every:
+            dense.remove(n)
+        return expert_parallel_states(dense, local, dp=lay.dp, ep=lay.ep, stage=lay.zero,
+                                      element_bytes=element_bytes, rank=dp_rank).to_dict()
     shard = [max(1, n // lay.tp) if lay.tp > 1 and n > 1 else n for n in numels]
     return zero_model_states(shard, dp=lay.dp, stage=lay.zero, element_bytes=element_bytes, rank=dp_rank,
                              persistence_threshold=int(ZERO_SETTINGS["stage3_param_persistence_threshold"])).to_dict()
+
+
+def _experts(shape: ModelShape, start: int, stop: int, ep: int) -> tuple[list[int], list[int]]:
+    """Layers start..stop's expert tensors: all of them, and the 1/ep of each layer's a rank holds."""
+    layers = (shape.layer_expert_numels or [])[start:stop]
+    return [n for layer in layers for n in layer], [n for layer in layers for n in layer[:len(layer) // ep]]
 
 
 def data_parallel_rank(cfg: CompareConfig, rank: int) -> int:
@@ -88,12 +107,13 @@ def predicted_ranks(cfg: CompareConfig, shape: ModelShape, activations: list[flo
         for st in stage_costs(fake, parts, micro_batches=cfg.layout.micro_batches, schedule=cfg.layout.schedule):
             numels = [n for layer in shape.layer_numels[st.start:st.stop] for n in layer]
             rows.append({"stage": st.stage, "layers": [st.start, st.stop], "inflight": st.inflight,
-                         **_states(numels, cfg, element_bytes, dp_rank),
+                         **_states(numels, cfg, element_bytes, dp_rank, _experts(shape, st.start, st.stop, cfg.layout.ep)),
                          "activation_bytes": int(st.activation_peak_bytes)})
     else:
         numels = [n for layer in shape.layer_numels for n in layer]
         rows = [{"stage": 0, "layers": [0, len(shape.layer_numels)], "inflight": 1,
-                 **_states(numels, cfg, element_bytes, dp_rank), "activation_bytes": int(sum(activations))}]
+                 **_states(numels, cfg, element_bytes, dp_rank, _experts(shape, 0, len(shape.layer_numels), cfg.layout.ep)),
+                 "activation_bytes": int(sum(activations))}]
     for r in rows:
         r["total_bytes"] = sum(r[k] for k in KINDS)
     if model_cfg is not None and cfg.layout.tp == 1:  # the peak rule's op lists are per TP rank: tp 1 here
