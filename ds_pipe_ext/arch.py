@@ -151,6 +151,11 @@ class ModelDescription:
         return self.vocab
 
     @property
+    def experts(self) -> int:
+        """Routed experts per Mixture-of-Experts block (the most of any block); 0 for a dense model."""
+        return max((b.experts.count for b in self.blocks if b.experts is not None), default=0)
+
+    @property
     def layers(self) -> int:
         return len(self.blocks)
 

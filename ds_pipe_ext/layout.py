@@ -60,6 +60,12 @@ class LayoutError(ValueError):
     """A layout that cannot run; the message names the setting to change."""
 
 
+def expert_degrees(dp: int, experts: int) -> list[int]:
+    """The EP degrees a layout of ``dp`` data-parallel ranks admits for ``experts`` experts a block (those
+    dividing both, ``check``'s rule); [1] for a dense model."""
+    return [d for d in range(1, dp + 1) if dp % d == 0 and experts % d == 0] if experts else [1]
+
+
 def _positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise LayoutError(f"{name} = {value!r}: a positive integer is required")

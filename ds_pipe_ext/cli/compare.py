@@ -17,10 +17,8 @@ def comparison_configs_for(args, micro_batch: int):
     from ..models import load_model
 
     global_batch = args.global_batch or 2 * args.world // args.tp * micro_batch
-    experts = max((b.experts.count for b in as_description(load_model(args.model)).blocks if b.experts is not None),
-                  default=0)
     return comparison_configs(args.world, global_batch=global_batch, micro_batch=micro_batch, tp=args.tp,
-                              patterns=args.configs, experts=experts)
+                              patterns=args.configs, experts=as_description(load_model(args.model)).experts)
 
 
 def cmd_compare(args) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, replace
 
-from ..layout import Layout
+from ..layout import Layout, expert_degrees
 
 
 class CompareError(ValueError):
@@ -57,10 +57,6 @@ def _accumulation(global_batch: int, micro_batch: int, dp: int, name: str) -> in
     return global_batch // (micro_batch * dp)
 
 
-def _expert_degrees(dp: int, experts: int) -> list[int]:
-    return [e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0] if experts else [1]
-
-
 def comparison_configs(world: int, *, global_batch: int, micro_batch: int, tp: int = 1,
                        patterns: list[str] | None = None, experts: int = 0) -> list[CompareConfig]:
     """Every configuration of the comparison (those matching ``patterns``, shell-style, if given);
@@ -77,14 +73,14 @@ def comparison_configs(world: int, *, global_batch: int, micro_batch: int, tp: i
         dp = rest // pp
         for zero in ((0, 1) if dp > 1 else (0,)):  # ZeRO-1 over one replica partitions nothing
             for method in ("profiled", "uniform"):
-                for ep in _expert_degrees(dp, experts):
+                for ep in expert_degrees(dp, experts):
                     name = (f"pipe-{method}-pp{pp}" + (f"-tp{tp}" if tp > 1 else "") + f"-dp{dp}"
                             + (f"-ep{ep}" if ep > 1 else "") + f"-z{zero}")
                     m = _accumulation(global_batch, micro_batch, dp, name)
                     out.append(CompareConfig(name, Layout(pp=pp, tp=tp, dp=dp, zero=zero, micro_batch=micro_batch,
                                                           micro_batches=m, schedule="1f1b", ep=ep), method))
     for zero in (1, 2, 3):
-        for ep in _expert_degrees(rest, experts) if zero < 3 else [1]:
+        for ep in expert_degrees(rest, experts) if zero < 3 else [1]:
             name = f"zero{zero}" + (f"-tp{tp}" if tp > 1 else "") + (f"-ep{ep}" if ep > 1 else "")
             out.append(CompareConfig(name, Layout(tp=tp, dp=rest, zero=zero, micro_batch=micro_batch, ep=ep,
                                                   micro_batches=_accumulation(global_batch, micro_batch, rest, name))))

@@ -111,6 +111,11 @@ def moe_block(block_ops: list[OpCost], shp: Shape, experts: Experts, *, ep: int 
     return block_ops[:i] + routed + shared + block_ops[i + 3:]
 
 
+def is_expert_op(op: OpCost) -> bool:
+    """An op of the routed experts (their GEMMs and activation): what a rank holds E / ep of."""
+    return op.name.startswith("expert_")
+
+
 def expert_weight_bytes(ops: list[OpCost]) -> float:
     """The routed experts' share of a block's weight bytes (what ZeRO partitions over dp / ep)."""
-    return sum(op.weight_bytes for op in ops if op.name.startswith("expert_"))
+    return sum(op.weight_bytes for op in ops if is_expert_op(op))

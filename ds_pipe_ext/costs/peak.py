@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from .moe_ops import is_expert_op
 from .zero import expert_parallel_states, layer_states_by_rule, layer_tensors, zero_model_states
 
 PEAK_KINDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "gathered_bytes",
@@ -247,9 +248,9 @@ def step_peak(rank: RankStep) -> PeakMemory:
     buffers.  Linear in the rank's ops plus its schedule's length."""
     e, z, dp = rank.element_bytes, rank.zero, rank.dp
     numels = [n for layer in rank.layers for op in layer for n in op.weights]
-    expert = [n for layer in rank.layers for op in layer if op.name.startswith("expert_") for n in op.weights]
+    expert = [n for layer in rank.layers for op in layer if is_expert_op(op) for n in op.weights]
     if expert and z.stage:
-        dense = [n for layer in rank.layers for op in layer if not op.name.startswith("expert_") for n in op.weights]
+        dense = [n for layer in rank.layers for op in layer if not is_expert_op(op) for n in op.weights]
         states = expert_parallel_states(dense, expert, dp=dp, ep=rank.ep, stage=z.stage, element_bytes=e,
                                         rank=rank.dp_rank)
     else:

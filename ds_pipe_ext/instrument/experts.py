@@ -15,7 +15,7 @@ import torch
 
 class ExpertLoadMeter:
     def __init__(self, module: torch.nn.Module):
-        self.blocks = {name.split(".")[-1] if "." in name else name: m for name, m in module.named_modules()
+        self.blocks = {name.split(".")[-1]: m for name, m in module.named_modules()
                        if getattr(m, "routed", False) and hasattr(m, "tokens_per_expert")}
         self.counts: dict[str, torch.Tensor] = {}
         self.dropped = 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..arch import as_description
-from ..layout import NO_PIPELINE, RECOMPUTE, Layout, LayoutError
+from ..layout import NO_PIPELINE, RECOMPUTE, Layout, LayoutError, expert_degrees
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 
@@ -49,7 +49,7 @@ def enumerate_layouts(cfg, gpus: int, *, gpus_per_node: int, global_batch: int,
     if global_batch < 1:
         raise PlanError(f"--global-batch {global_batch}: give a positive number of samples per step")
     layers = cfg.num_pipeline_layers
-    experts = max((b.experts.count for b in as_description(cfg).blocks if b.experts is not None), default=0)
+    experts = as_description(cfg).experts
     dropped: Counter = Counter()
     out: list[Layout] = []
     for tp in _divisors(gpus):
@@ -74,7 +74,7 @@ def enumerate_layouts(cfg, gpus: int, *, gpus_per_node: int, global_batch: int,
             if experts and 3 in zeros:  # DeepSpeed's native MoE refuses ZeRO-3 (AutoEP is its path there)
                 dropped["refused: native DeepSpeed MoE is not supported with ZeRO Stage 3"] += 1
                 zeros = tuple(z for z in zeros if z != 3)
-            eps = [d for d in _divisors(dp) if experts % d == 0] if experts else [1]
+            eps = expert_degrees(dp, experts)
             for mb in mbs:
                 m = global_batch // (mb * dp)
                 for schedule in _schedules(pp, m, layers):
