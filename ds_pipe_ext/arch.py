@@ -6,7 +6,8 @@ this says what a decoder-only transformer computes, so that a family-free op lib
 
     embedding  a vocabulary lookup (``vocab`` rows: padded) and its positions: learned | rotary | none
     blocks     one ``Block`` per transformer layer (they may differ: width-pruned models), each
-               a norm, attention (heads, key/value heads, q/k/v biases, a sliding window, the kernel:
+               a norm, attention (heads, key/value heads, their width where it is not hidden / heads,
+               q/k/v biases, per-head q/k norms, a sliding window, the kernel:
                eager softmax(QK^T)V or a fused one that saves no s x s probabilities) and an MLP (gelu:
                two matrices; swiglu: gate and up projections, SiLU, down projection), or routed
                ``Experts`` of that MLP (Mixture-of-Experts)
@@ -44,6 +45,10 @@ class Attention:
     # eager: softmax(QK^T)V written out (saves the s x s probabilities); fused: one kernel (flash or
     # torch's SDPA) that saves its output and log-sum-exp and recomputes the probabilities backward
     kernel: str = "eager"
+    # a head's width where it is not hidden / heads (Qwen3: 128 for hidden 2,048 and 32 heads;
+    # Megatron's --kv-channels); None: hidden / heads
+    head_dim: int | None = None
+    qk_norm: bool = False  # an RMSNorm over each query and key head before rotary (Qwen3, --qk-layernorm)
 
     def __post_init__(self) -> None:
         _positive("attention", "heads", self.heads)
@@ -56,6 +61,8 @@ class Attention:
             _positive("attention", "window", self.window)
         if self.kernel not in ATTENTION_KERNELS:
             raise DescriptionError(f"attention: kernel = {self.kernel!r}; use one of {', '.join(ATTENTION_KERNELS)}")
+        if self.head_dim is not None:
+            _positive("attention", "head_dim", self.head_dim)
 
 
 @dataclass(frozen=True)
@@ -129,7 +136,7 @@ class ModelDescription:
         if self.norm not in NORMS:
             raise DescriptionError(f"model {self.name!r}: norm = {self.norm!r}; use one of {NORMS}")
         for i, block in enumerate(self.blocks):
-            if self.hidden % block.attention.heads:
+            if block.attention.head_dim is None and self.hidden % block.attention.heads:
                 raise DescriptionError(f"model {self.name!r}: block {i}: heads ({block.attention.heads}) do not "
                                        f"divide hidden ({self.hidden})")
 

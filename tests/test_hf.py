@@ -11,7 +11,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
 from ds_pipe_ext import hf  # noqa: E402
 from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
@@ -24,6 +24,7 @@ CONFIGS = {
     "llama": lambda: LlamaConfig(**COMMON),
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=6),  # a window shorter than the batch's 16 tokens
     "qwen2-tied": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),  # heads of 16 on hidden 32; q/k norms
     "gpt2": lambda: GPT2Config(vocab_size=256, n_embd=32, n_layer=3, n_head=4, n_positions=64, resid_pdrop=0.0,
                                embd_pdrop=0.0, attn_pdrop=0.0),
 }
@@ -106,8 +107,9 @@ def test_a_pipeline_checkpoint_goes_back_to_save_pretrained(tmp_path, name):
     assert back(TOKENS, labels=TOKENS).loss.item() == pytest.approx(built(TOKENS, TOKENS).item(), rel=1e-5)
 
 
-def test_the_analytic_cost_model_reads_the_models_config(tmp_path):
-    _, path = saved(tmp_path, "mistral")
+@pytest.mark.parametrize("name", ["mistral", "qwen3"])
+def test_the_analytic_cost_model_reads_the_models_config(tmp_path, name):
+    _, path = saved(tmp_path, name)
     costs = hf.cost_model(path).layer_costs(TOKENS, tp=1, device=get_device("a100"), dtype="fp32")
     assert len(costs) == len(hf.pipeline_layers(path)) == 5
     block = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).model.layers[0].parameters())
@@ -131,7 +133,7 @@ def test_what_the_pipeline_cannot_run_is_refused_by_name(tmp_path):
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
     with pytest.raises(HFPipelineError, match=r"model_type 'gpt_neox' is not supported as a pipeline; supported: "
-                                              r"\['gpt2', 'llama', 'mistral', 'qwen2'\]"):
+                                              r"\['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3'\]"):
         hf.pipeline_layers(other)
 
 

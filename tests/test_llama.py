@@ -1,5 +1,6 @@
-"""The Llama family (Llama 3, Mistral, Qwen2): configs and Hugging Face config.json files, what the
-description counts against what the layers build and save, and the errors that name the fix."""
+"""The Llama family (Llama 3, Mistral, Qwen2, Qwen3): configs and Hugging Face config.json files, what the
+description counts against what the layers build and save, our layers' loss against transformers' own
+model, and the errors that name the fix."""
 
 import json
 import math
@@ -34,7 +35,8 @@ def test_named_configs_have_their_published_parameter_counts():
 
 
 def test_the_description_counts_what_the_layers_build():
-    for name, changes in (("llama-tiny", {}), ("llama-tiny", {"qkv_bias": True, "tie_embeddings": True})):
+    for name, changes in (("llama-tiny", {}), ("llama-tiny", {"qkv_bias": True, "tie_embeddings": True}),
+                          ("qwen3-tiny", {})):
         cfg = replace(load_model(name), **changes)
         family = get_family("llama")
         built = family.sequential(family.layer_specs(cfg), lm_loss, base_seed=0, recompute=False)
@@ -43,12 +45,13 @@ def test_the_description_counts_what_the_layers_build():
             cfg.padded_vocab * cfg.hidden if cfg.tie_embeddings else 0)  # the description counts a tied head twice
 
 
-@pytest.mark.parametrize("changes", [{}, {"qkv_bias": True, "sliding_window": 8}, {"kv_heads": 4}],
-                         ids=["gqa", "bias+window", "mha"])
+@pytest.mark.parametrize("changes", [{}, {"qkv_bias": True, "sliding_window": 8}, {"kv_heads": 4},
+                                     {"kv_channels": 32, "qk_norm": True}],
+                         ids=["gqa", "bias+window", "mha", "qwen3-heads"])
 def test_saved_activations_equal_the_analytic_count(changes):
     """The profiler's saved-tensor hooks against the description, for the embedding, a block and the head + loss
-    (torch's fused SDPA on a CPU: q, k, v, the log-sum-exp and a window's mask; RMSNorm's input and rstd;
-    SwiGLU's input)."""
+    (torch's fused SDPA on a CPU: q, k, v, the log-sum-exp and a window's mask; RMSNorm's input and rstd,
+    per token or per head; SwiGLU's input)."""
     from ds_pipe_ext.costs.profiler import ProfileSettings, profile_layers
 
     cfg = replace(load_model("llama-tiny"), **changes)
@@ -106,16 +109,21 @@ def test_hugging_face_configs_load_by_model_type(tmp_path):
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     v5 = load_model(_hf(tmp_path, **{k: v for k, v in LLAMA_JSON.items() if k != "rope_theta"}, rope_parameters=rope))
     assert v5.rope_theta == 500000.0 and v5.rope_scaling.factor == 8.0
+    qwen3 = load_model(_hf(tmp_path, **{**LLAMA_JSON, "model_type": "qwen3", "head_dim": 32}))
+    attention = qwen3.describe().blocks[0].attention
+    assert (qwen3.head_dim, attention.head_dim, attention.qk_norm, qwen3.qkv_bias) == (32, 32, True, False)
+    assert load_model(_hf(tmp_path, **{**LLAMA_JSON, "head_dim": 16})).kv_channels == 0  # the default, said
     gpt2 = load_model(_hf(tmp_path, model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32))
     assert family_of(gpt2).name == "gpt"
 
 
 @pytest.mark.parametrize("changes, message", [
     ({"model_type": "gemma2"}, r"model_type 'gemma2' is not supported; supported Hugging Face model types: "
-                               r"\['deepseek', 'gpt2', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_moe'\]"),
+                               r"\['deepseek', 'gpt2', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_moe', "
+                               r"'qwen3', 'qwen3_moe'\]"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope scaling 'yarn' is not modelled; supported: "
                                                              r"\['default', 'llama3'\]"),
-    ({"head_dim": 32}, r"head_dim 32 x 4 heads != hidden_size 64"),
+    ({"num_attention_heads": 5, "num_key_value_heads": 5}, r"heads \(5\) do not divide hidden \(64\).*kv_channels"),
     ({"attention_bias": True}, r"attention_bias = true .* not modelled"),
     ({"model_type": "qwen2", "use_sliding_window": True}, r"use_sliding_window = true .* not modelled"),
     ({"num_key_value_heads": 3}, r"kv_heads \(3\) must divide heads \(4\)"),
@@ -173,3 +181,72 @@ def test_plan_sets_llama3_405bs_published_layout_beside_its_prediction(capfd):
     assert main(["plan", "--model", "qwen2.5-7b", "--gpus", "16", "--gpus-per-node", "16", "--device", "h100",
                  "--top", "3"]) == 0
     assert "does not divide the attention heads (28)" in capfd.readouterr().out
+
+
+def ours_from_transformers(model) -> torch.nn.Module:
+    """Our family's layers holding a transformers Llama/Qwen3 model's weights: q, k, v stacked as qkv, gate
+    and up as gate_up (the one mapping a Hugging Face checkpoint needs)."""
+    from ds_pipe_ext.models.registry import from_hf_config
+
+    cfg = from_hf_config(model.config.to_dict(), name=model.config.model_type)
+    family = family_of(cfg)
+    ours = family.sequential(family.layer_specs(cfg), family.loss_fn(cfg), base_seed=0, recompute=False)
+    hf = model.state_dict()
+    state = {"layers.0.embed_tokens.weight": hf["model.embed_tokens.weight"],
+             f"layers.{cfg.layers + 1}.norm.weight": hf["model.norm.weight"],
+             f"layers.{cfg.layers + 1}.lm_head.weight": hf["lm_head.weight"]}
+    for i in range(cfg.layers):
+        ours_at, theirs = f"layers.{i + 1}.", f"model.layers.{i}."
+        state[ours_at + "attn.qkv.weight"] = torch.cat([hf[theirs + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        state[ours_at + "mlp.gate_up.weight"] = torch.cat([hf[theirs + f"mlp.{x}_proj.weight"] for x in ("gate", "up")])
+        for mine, name in (("attn.o_proj", "self_attn.o_proj"), ("mlp.down", "mlp.down_proj"),
+                           ("input_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
+                           *((("attn.q_norm", "self_attn.q_norm"), ("attn.k_norm", "self_attn.k_norm"))
+                             if cfg.qk_norm else ())):
+            state[ours_at + mine + ".weight"] = hf[theirs + name + ".weight"]
+    ours.load_state_dict(state)
+    return ours
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_our_layers_compute_transformers_loss(model_type):
+    """Same weights, same tokens: our layers' loss and gradients are transformers' own (Qwen3: heads of 32 on
+    hidden 64, q/k RMSNorms per head before rotary)."""
+    transformers = pytest.importorskip("transformers")
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=32, rope_theta=1e6, rms_norm_eps=1e-6,
+                 tie_word_embeddings=False)
+    torch.manual_seed(0)
+    if model_type == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, head_dim=32))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
+    for p in model.parameters():  # norms away from 1, so that a missing or misplaced norm shows
+        if p.dim() == 1:
+            torch.nn.init.uniform_(p, 0.5, 1.5)
+    ours = ours_from_transformers(model)
+    tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(1))
+    want = model(tokens, labels=tokens).loss
+    got = ours(tokens[:, :-1], tokens[:, 1:])
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    want.backward()
+    got.backward()
+    q_norm = "self_attn.q_norm.weight" if model_type == "qwen3" else "self_attn.q_proj.weight"
+    theirs = dict(model.named_parameters())[f"model.layers.1.{q_norm}"].grad
+    mine = dict(ours.named_parameters())["layers.2.attn.q_norm.weight" if model_type == "qwen3"
+                                         else "layers.2.attn.qkv.weight"].grad
+    torch.testing.assert_close(mine[:theirs.shape[0]], theirs, rtol=1e-4, atol=1e-7)
+
+
+def test_qwen3_moe_has_its_published_parameter_count():
+    """Qwen3-30B-A3B: 30,532,122,624 parameters, as transformers builds the model from its config."""
+    transformers = pytest.importorskip("transformers")
+    cfg = load_model("qwen3-30b-a3b")
+    hf = transformers.Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                     moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(hf)
+    assert sum(p.numel() for p in built.parameters()) == 30_532_122_624
+    costs = analytic_layer_costs(cfg.describe(), EstimateRequest(1, 128), get_device("h100"))
+    assert sum(c.param_bytes for c in costs) // 2 == 30_532_122_624

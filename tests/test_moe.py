@@ -27,6 +27,14 @@ QWEN_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, 
             "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936,
             "decoder_sparse_step": 1, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
             "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False, "router_aux_loss_coef": 0.001}
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+             "decoder_sparse_step": 1, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+             "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+             "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+             "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+             "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+             "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+             "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936}
 DEEPSEEK_MOE = {"architectures": ["DeepseekForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
                 "aux_loss_alpha": 0.001, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048,
                 "intermediate_size": 10944, "max_position_embeddings": 4096, "model_type": "deepseek",
@@ -42,7 +50,7 @@ def same_shape(a: MoEConfig, b: MoEConfig) -> bool:
 
 
 @pytest.mark.parametrize("data, named", [(MIXTRAL, "mixtral-8x7b"), (QWEN_MOE, "qwen-moe"),
-                                         (DEEPSEEK_MOE, "deepseek-moe-16b")])
+                                         (QWEN3_MOE, "qwen3-30b-a3b"), (DEEPSEEK_MOE, "deepseek-moe-16b")])
 def test_hugging_face_configs_are_the_named_shapes(data, named):
     cfg = from_hf_config(data, name=named + "-hf")
     assert isinstance(cfg, MoEConfig) and family_of(cfg).name == "moe"
@@ -55,6 +63,9 @@ def test_the_description_routes_every_block_after_the_dense_ones():
     assert all(b.experts == Experts(64, 6, shared_ffn=2816) and b.mlp.ffn == 1408 for b in ds.blocks[1:])
     qwen = load_model("qwen-moe").describe().blocks[0].experts
     assert (qwen.count, qwen.top_k, qwen.shared_ffn, qwen.shared_gate) == (60, 4, 5632, True)
+    qwen3 = load_model("qwen3-30b-a3b").describe().blocks[0]  # Qwen3's attention: 32 heads of 128 on 2,048
+    assert (qwen3.attention.head_dim, qwen3.attention.qk_norm, qwen3.experts.count, qwen3.experts.top_k) == (
+        128, True, 128, 8)
     tiny = load_model("moe-tiny")
     assert family_of(tiny).name == "moe" and family_of(load_model("llama-tiny")).name == "llama"
     assert [b.experts is not None for b in tiny.describe().blocks] == [False, True, True, True]
@@ -63,7 +74,6 @@ def test_the_description_routes_every_block_after_the_dense_ones():
 @pytest.mark.parametrize("data, match", [
     ({**DEEPSEEK_MOE, "model_type": "deepseek_v2"}, "multi-head latent attention"),
     ({**DEEPSEEK_MOE, "model_type": "deepseek_v3"}, "multi-head latent attention"),
-    ({**QWEN_MOE, "model_type": "qwen3_moe"}, "head_dim"),
     ({**QWEN_MOE, "decoder_sparse_step": 2}, "decoder_sparse_step"),
     ({**DEEPSEEK_MOE, "moe_layer_freq": 2}, "moe_layer_freq"),
     ({**MIXTRAL, "num_experts_per_tok": 9}, r"top_k \(9\) exceeds experts \(8\)"),

@@ -24,16 +24,19 @@ def batch(cfg):
 
 def train_steps(model, x, y, grad_norm_fn):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
-    losses, norm = [], None
+    losses, norm, head_norm_grads = [], None, {}
     for step in range(STEPS):
         opt.zero_grad()
         loss = model(x, y)
         loss.backward()
         if step == 0:
             norm = grad_norm_fn(model)
+            # replicated over TP and small: a rank's unsummed share would pass the norm's tolerance
+            head_norm_grads = {n: p.grad.tolist() for n, p in model.named_parameters() if "_norm.weight" in n
+                               and n.split(".")[-2] in ("q_norm", "k_norm")}
         losses.append(loss.item())
         opt.step()
-    return losses, norm
+    return losses, norm, head_norm_grads
 
 
 def tiny(tied: bool, name: str = "tiny"):
@@ -46,6 +49,9 @@ def tiny(tied: bool, name: str = "tiny"):
 
 
 MODELS = ("tiny", "llama-tiny")  # each launch runs both, in turn
+# in-process TP also runs Qwen3's attention: heads wider than hidden / heads, q/k norms whose gradients each
+# rank computes from its own heads
+TP_MODELS = MODELS + ("qwen3-tiny",)
 
 
 def _worker(rank, world, sp, init_file, refs, out_path, tied=False):
@@ -73,14 +79,14 @@ def _worker(rank, world, sp, init_file, refs, out_path, tied=False):
         return float((split + replicated).sqrt())
 
     got = {}
-    for name in MODELS:
+    for name in TP_MODELS:
         cfg = tiny(tied, name)
         family = family_of(cfg)
         impl = family.tensor_parallel(world, sp)
         model = family.sequential(family.layer_specs(cfg, impl), family.loss_fn(cfg, impl), base_seed=None, recompute=False)
         model.load_state_dict(shard_like(torch.load(refs[name]), model))
-        losses, norm = train_steps(model, *batch(cfg), grad_norm)
-        got[name] = {"losses": losses, "grad_norm": norm}
+        losses, norm, head_norm_grads = train_steps(model, *batch(cfg), grad_norm)
+        got[name] = {"losses": losses, "grad_norm": norm, "head_norm_grads": head_norm_grads}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(got, f)
@@ -91,15 +97,15 @@ def _worker(rank, world, sp, init_file, refs, out_path, tied=False):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("sp, tied", [(False, False), (True, False), (True, True)], ids=["tp2", "tp2_sp", "tp2_sp_tied"])
 def test_tp_parity_with_single_process(tmp_path, sp, tied):
-    """The GPT and then llama-tiny (grouped-query attention split by key/value heads, [gate_r; up_r]) in
-    each launch."""
+    """The GPT, llama-tiny (grouped-query attention split by key/value heads, [gate_r; up_r]) and qwen3-tiny
+    (per-head q/k norms, summed over TP) in each launch."""
     from ds_pipe_ext.models import family_of
 
     def norm(m):
         return float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in m.parameters())))
 
     want, refs = {}, {}
-    for name in MODELS:
+    for name in TP_MODELS:
         cfg = tiny(tied, name)
         family = family_of(cfg)
         reference = family.sequential(family.layer_specs(cfg), family.loss_fn(cfg), base_seed=1234, recompute=False)
@@ -110,11 +116,16 @@ def test_tp_parity_with_single_process(tmp_path, sp, tied):
     mp.start_processes(_worker, args=(2, sp, str(tmp_path / "init"), refs, str(tmp_path / "out.json"), tied),
                        nprocs=2, join=True, start_method="spawn")
     got = json.loads((tmp_path / "out.json").read_text())
-    for name in MODELS:
-        want_losses, want_norm = want[name]
+    for name in TP_MODELS:
+        want_losses, want_norm, want_head_norm_grads = want[name]
         assert got[name]["losses"][0] == pytest.approx(want_losses[0], rel=1e-5), name
         assert got[name]["grad_norm"] == pytest.approx(want_norm, rel=1e-5), name
         assert got[name]["losses"] == pytest.approx(want_losses, rel=1e-4), name
+        assert got[name]["head_norm_grads"].keys() == want_head_norm_grads.keys()
+        for param, grad in want_head_norm_grads.items():
+            torch.testing.assert_close(torch.tensor(got[name]["head_norm_grads"][param]), torch.tensor(grad),
+                                       rtol=1e-4, atol=1e-8, msg=f"{name}: {param}")
+    assert len(want["qwen3-tiny"][2]) == 6  # q and k norms of 3 blocks
 
 
 def serial_reference(cfg, weights_path, steps, *, micro_batch=4, gas=4, seed=1234, lr=3e-4):

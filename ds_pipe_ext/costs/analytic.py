@@ -46,6 +46,7 @@ class Shape:
     sp: bool = False  # sequence parallelism (needs t > 1 to mean anything)
     dropout: bool = True  # dropout layers present (they save masks)
     ep: int = 1  # expert-parallel degree (Mixture-of-Experts blocks: costs/moe_ops.py)
+    d: int = 0  # one head's width where it is not h / a (Qwen3, Megatron's kv_channels); 0: h / a
 
     def __post_init__(self) -> None:
         for name in ("b", "s", "h", "a", "f", "V", "e", "t", "ep"):
@@ -57,7 +58,9 @@ class Shape:
         for what, n in (("heads", self.a), ("hidden", self.h), ("ffn hidden", self.f)):
             if n % self.t:
                 raise AnalyticError(f"tensor parallel degree {self.t} does not divide {what} ({n}); pick t dividing it")
-        if self.h % self.a:
+        if isinstance(self.d, bool) or not isinstance(self.d, int) or self.d < 0:
+            raise AnalyticError(f"d = {self.d!r}: a head's width is a positive integer (0: h / a)")
+        if not self.d and self.h % self.a:
             raise AnalyticError(f"heads ({self.a}) do not divide hidden ({self.h})")
         if self.sp and self.t == 1:
             raise AnalyticError("sequence parallelism needs tensor parallelism (t > 1)")
@@ -67,6 +70,20 @@ class Shape:
     @property
     def tokens(self) -> int:
         return self.b * self.s
+
+    @property
+    def head_dim(self) -> int:
+        return self.d or self.h // self.a
+
+    @property
+    def attn_width(self) -> int:
+        """The queries' (and the attention output's) width, a x d: h unless the heads are wider."""
+        return self.a * self.head_dim if self.d else self.h
+
+    @property
+    def sbA(self) -> int:
+        """Elements of the queries (or the attention output) of one micro-batch: s b a d."""
+        return self.s * self.b * self.attn_width
 
     @property
     def sbh(self) -> int:
@@ -148,7 +165,7 @@ def qkv(shp: Shape, kv_heads: int | None = None, *, bias: bool = True) -> OpCost
     attention projects kv_heads key/value heads.  Under SP its input is all-gathered in forward; the
     sharded copy is what is saved (re-gathered in backward), so 2sbh/t."""
     kv = _kv_heads(shp, kv_heads)
-    width = (shp.h + 2 * kv * (shp.h // shp.a)) // shp.t
+    width = (shp.attn_width + 2 * kv * shp.head_dim) // shp.t
     op = linear("qkv", shp.tokens, shp.h, width, shp, bias=bias, saved_input_elems=shp.replicated_sbh)
     return _tp_entry_comm(op, shp)
 
@@ -171,12 +188,24 @@ def rms_norm(name: str, shp: Shape) -> OpCost:
                   weights=(shp.h,))
 
 
+def qk_norm(shp: Shape, kv_heads: int | None = None) -> OpCost:
+    """An RMSNorm over each query and key head (Qwen3; Megatron's qk_layernorm): d weights each for
+    queries and keys, replicated over TP (their gradients summed over it: 2d elements, not costed);
+    saves its input and one fp32 reciprocal RMS per head and token."""
+    kv = _kv_heads(shp, kv_heads)
+    d = shp.head_dim
+    n = shp.tokens * (shp.a + kv) * d / shp.t
+    return OpCost("qk_norm", "vector", fwd_flops=4.0 * n, bwd_flops=8.0 * n, fwd_bytes=2 * n * shp.e,
+                  bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e + n / d * 4, weight_bytes=2 * d * shp.e,
+                  weights=(d, d))
+
+
 def rotary(shp: Shape, kv_heads: int | None = None) -> OpCost:
     """Rotary positions on queries and keys: elementwise (x cos + rotate(x) sin); backward needs only
     the cos and sin tables of the block's s positions (2 s d elements), nothing per token."""
     kv = _kv_heads(shp, kv_heads)
-    n = shp.tokens * (shp.h + kv * (shp.h // shp.a)) / shp.t
-    d = shp.h // shp.a
+    d = shp.head_dim
+    n = shp.tokens * (shp.attn_width + kv * d) / shp.t
     return OpCost("rotary", "vector", fwd_flops=3.0 * n, bwd_flops=3.0 * n, fwd_bytes=3 * n * shp.e,
                   bwd_bytes=3 * n * shp.e, activation_bytes=2 * shp.s * d * shp.e)
 
@@ -191,9 +220,9 @@ def fused_attention(shp: Shape, kv_heads: int | None = None, window: int | None 
     q, k and v it keeps, so only the log-sum-exp goes."""
     kv = _kv_heads(shp, kv_heads)
     keys = min(window, shp.s) if window else shp.s
-    flops = 4.0 * shp.b * shp.s * keys * shp.h / shp.t
-    q = shp.sbh / shp.t
-    kv_elems = 2 * shp.tokens * kv * (shp.h // shp.a) / shp.t
+    flops = 4.0 * shp.b * shp.s * keys * shp.attn_width / shp.t
+    q = shp.sbA / shp.t
+    kv_elems = 2 * shp.tokens * kv * shp.head_dim / shp.t
     lse = shp.b * shp.a / shp.t * shp.s * 4
     mask = shp.s * shp.s * shp.e if window and window < shp.s else 0.0
     return [OpCost("fused_attention", "attention", fwd_flops=flops, bwd_flops=2.5 * flops,
@@ -205,11 +234,11 @@ def fused_attention(shp: Shape, kv_heads: int | None = None, window: int | None 
 
 def attention_logits(shp: Shape) -> OpCost:
     """Q K^T per head: 2*b*s*s*h/t FLOPs; saves Q and K (4sbh/t at 16-bit)."""
-    flops = 2.0 * shp.b * shp.s * shp.s * shp.h / shp.t
+    flops = 2.0 * shp.b * shp.s * shp.s * shp.attn_width / shp.t
     scores = shp.a * shp.s * shp.s * shp.b / shp.t * shp.e
     return OpCost("logits", "attention", fwd_flops=flops, bwd_flops=2 * flops,
-                  fwd_bytes=2 * shp.sbh / shp.t * shp.e + scores,
-                  activation_bytes=2 * shp.sbh / shp.t * shp.e, fwd_allocs=(scores,))
+                  fwd_bytes=2 * shp.sbA / shp.t * shp.e + scores,
+                  activation_bytes=2 * shp.sbA / shp.t * shp.e, fwd_allocs=(scores,))
 
 
 def softmax(shp: Shape) -> OpCost:
@@ -235,18 +264,19 @@ def attend(shp: Shape) -> list[OpCost]:
     Two records because only the probabilities are recomputed under selective recompute.
     Without dropout the probabilities are the softmax output, already counted there.
     """
-    flops = 2.0 * shp.b * shp.s * shp.s * shp.h / shp.t
+    flops = 2.0 * shp.b * shp.s * shp.s * shp.attn_width / shp.t
     probs = shp.a * shp.s * shp.s * shp.b / shp.t
     return [OpCost("attend", "attention", fwd_flops=flops, bwd_flops=2 * flops,
-                   fwd_bytes=(probs + 2 * shp.sbh / shp.t) * shp.e, activation_bytes=shp.sbh / shp.t * shp.e,
+                   fwd_bytes=(probs + 2 * shp.sbA / shp.t) * shp.e, activation_bytes=shp.sbA / shp.t * shp.e,
                    bwd_allocs=(probs * shp.e,)),
             OpCost("attend_saved_probs", "attention", activation_bytes=probs * shp.e if shp.dropout else 0.0,
                    recompute=True)]
 
 
 def out_proj(shp: Shape, *, bias: bool = True) -> OpCost:
-    """Row-parallel h/t -> h, then an all-reduce (TP) or reduce-scatter (SP) of b*s*h."""
-    op = linear("out_proj", shp.tokens, shp.h // shp.t, shp.h, shp, bias=bias)
+    """Row-parallel a d/t -> h (a d = h unless the heads are wider), then an all-reduce (TP) or
+    reduce-scatter (SP) of b*s*h."""
+    op = linear("out_proj", shp.tokens, shp.attn_width // shp.t, shp.h, shp, bias=bias)
     return _tp_exit_comm(op, shp)
 
 
@@ -339,11 +369,12 @@ def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
 
 def transformer_block(shp: Shape, *, kv_heads: int | None = None, mlp: str = "gelu", norm: str = "layernorm",
                       positions: str = "learned", bias: bool = True, qkv_bias: bool | None = None,
-                      kernel: str = "eager", window: int | None = None) -> list[OpCost]:
+                      kernel: str = "eager", window: int | None = None, head_norm: bool = False) -> list[OpCost]:
     """A pre-norm decoder block, op by op, in execution order (``shp.a`` heads, ``shp.f`` ffn): GPT's with
     the defaults; ``kv_heads`` for grouped-query attention, a gated ``mlp="swiglu"``, ``norm="rmsnorm"``,
     rotary ``positions`` applied to queries and keys, linears without ``bias`` (q/k/v's as ``qkv_bias``
-    says), the attention core as one fused ``kernel`` (with a sliding ``window``) or written out."""
+    says), the attention core as one fused ``kernel`` (with a sliding ``window``) or written out,
+    ``head_norm``: each query and key head RMS-normalised (Qwen3)."""
     norm_op = {"layernorm": layer_norm, "rmsnorm": rms_norm}[norm]
     if mlp == "gelu":
         mlp_ops = [mlp_fc1(shp, bias=bias), gelu(shp), mlp_fc2(shp, bias=bias)]
@@ -358,6 +389,7 @@ def transformer_block(shp: Shape, *, kv_heads: int | None = None, mlp: str = "ge
     return [
         norm_op("ln_1", shp),
         qkv(shp, kv_heads, bias=bias if qkv_bias is None else qkv_bias),
+        *([qk_norm(shp, kv_heads)] if head_norm else []),
         *([rotary(shp, kv_heads)] if positions == "rotary" else []),
         *core,
         out_proj(shp, bias=bias),

@@ -42,7 +42,8 @@ def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None) -> 
     e = DTYPE_BYTES[req.dtype]
     m = req.mask_bytes if req.mask_bytes is not None else (e if device is not None and device.name == "cpu" else 1)
     return A.Shape(b=req.micro_batch, s=req.seq, h=desc.hidden, a=desc.heads, f=desc.ffn, V=desc.vocab,
-                   e=e, m=m, t=req.tp, sp=req.sp, dropout=desc.dropout, ep=req.ep)
+                   e=e, m=m, t=req.tp, sp=req.sp, dropout=desc.dropout, ep=req.ep,
+                   d=desc.blocks[0].attention.head_dim or 0)
 
 
 def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0) -> list[tuple[str, str, list[A.OpCost]]]:
@@ -54,10 +55,11 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0) -> list[tup
     for block in desc.blocks:
         if block not in built:
             att, mlp = block.attention, block.mlp
-            shaped = replace(shp, a=att.heads, f=mlp.ffn)
+            shaped = replace(shp, a=att.heads, f=mlp.ffn, d=att.head_dim or 0)
             built[block] = A.transformer_block(shaped, kv_heads=att.kv_heads, mlp=mlp.kind, norm=desc.norm,
                                                positions=desc.positions, bias=desc.linear_bias,
-                                               qkv_bias=att.qkv_bias, kernel=att.kernel, window=att.window)
+                                               qkv_bias=att.qkv_bias, kernel=att.kernel, window=att.window,
+                                               head_norm=att.qk_norm)
             if block.experts is not None:  # routed experts in place of the MLP (costs/moe_ops.py)
                 built[block] = moe_block(built[block], shaped, block.experts, ep=shp.ep, imbalance=expert_imbalance)
         layers.append(("Block", "block", built[block]))

@@ -35,7 +35,7 @@ class Architecture:
 
 _DECODER = Architecture(embed="model.embed_tokens", layers="model.layers", norm="model.norm", rotary="model.rotary_emb")
 ARCHITECTURES = {
-    "llama": _DECODER, "mistral": _DECODER, "qwen2": _DECODER,
+    "llama": _DECODER, "mistral": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER,
     "gpt2": Architecture(embed="transformer.wte", layers="transformer.h", norm="transformer.ln_f",
                          positions="transformer.wpe", dropout="transformer.drop"),
 }
@@ -75,7 +75,7 @@ class HFSource:
         if kind not in ARCHITECTURES:
             raise HFPipelineError(f"model_type {kind!r} is not supported as a pipeline; supported: "
                                   f"{sorted(ARCHITECTURES)} (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, "
-                                  f"Qwen2ForCausalLM)")
+                                  f"Qwen2ForCausalLM, Qwen3ForCausalLM)")
         if getattr(self.config, "gradient_checkpointing", False):
             raise HFPipelineError("config.json has gradient_checkpointing = true; switch it off and use the "
                                   "pipeline's activation_checkpoint_interval instead")

@@ -95,6 +95,9 @@ class LayerImpl:
     embedding: Callable[[int, int], nn.Module]
     layer_norm: Callable[[int, float], nn.Module]
     rms_norm: Callable[[int, float], nn.Module] = RMSNorm
+    # an RMSNorm over each attention head (Qwen3's q/k norms): replicated, but each TP rank normalises
+    # its own heads, so its gradient is summed over the TP group
+    head_norm: Callable[[int, float], nn.Module] = RMSNorm
     tp_size: int = 1
     sequence_parallel: bool = False
     # (s, b, h) embeddings -> what the blocks see: the rank's sequence shard under SP

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) as a list of pipeline layers.  Read top-down:
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) as a list of pipeline layers.  Read top-down:
 
     tokens ─► LlamaEmbedding ─► LlamaBlock × L ─► LlamaHead (final RMSNorm + LM head) ─► lm_loss
 
@@ -8,7 +8,8 @@ gives the family megatron-core's tensor and sequence parallelism:
 * q, k and v are one column-parallel linear whose output is [q; k; v]; under TP each rank holds
   heads / t query heads and kv_heads / t key/value heads ([q_r; k_r; v_r], so t must divide the
   key/value heads).  SwiGLU's gate and up projections are one column-parallel linear, [gate_r; up_r]
-  per rank, as megatron-core's ``gated_linear_unit`` lays them out.
+  per rank, as megatron-core's ``gated_linear_unit`` lays them out.  Qwen3's per-head q/k RMSNorms
+  are replicated; their gradients are summed over the TP group (each rank normalised its own heads).
 * Attention is torch's fused ``scaled_dot_product_attention`` (grouped-query natively): on a CPU it
   saves q, k, v, its output and the log-sum-exp, no s x s probabilities.  Rotary positions are
   recomputed from 0..s-1 in every block, so only hidden states cross a stage boundary.
@@ -70,7 +71,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query self-attention with rotary positions, causal or in a sliding window.
+    """Grouped-query self-attention with rotary positions, causal or in a sliding window; with
+    ``cfg.qk_norm`` each query and key head is RMS-normalised before rotary (Qwen3).
 
     ``selective_recompute``: keep q, k and v only and rerun the attention kernel in backward (the
     kernel's output and log-sum-exp are not kept)."""
@@ -84,6 +86,10 @@ class LlamaAttention(nn.Module):
         sections = (cfg.heads * d, cfg.kv_heads * d, cfg.kv_heads * d)
         self.qkv = mark_sections(impl.column_linear(cfg.hidden, sum(sections), bias=cfg.qkv_bias), sections)
         self.o_proj = impl.row_linear(cfg.heads * d, cfg.hidden, bias=False)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = impl.head_norm(d, cfg.rms_norm_eps), impl.head_norm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.rotary = Rotary(cfg)
         window = cfg.window
         if window is not None:  # query i sees keys i - window + 1 .. i, as transformers' sliding-window mask
@@ -99,10 +105,16 @@ class LlamaAttention(nn.Module):
         d = self.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         cos, sin = self.rotary(s, x.dtype)
-        # (s, b, n * d) -> (b, n, s, d); v is copied so that the kernel keeps v alone, not all of qkv
-        q = rotate(q.view(s, b, self.heads, d).permute(1, 2, 0, 3), cos, sin)
-        k = rotate(k.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3), cos, sin)
-        v = v.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3).contiguous()
+        # (s, b, n * d) -> (b, n, s, d).  v is copied so that the kernel keeps v alone, not all of qkv;
+        # q/k norms keep their inputs, views of qkv, which hold all of it anyway: no copy then
+        q, k = q.view(s, b, self.heads, d), k.view(s, b, self.kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotate(q.permute(1, 2, 0, 3), cos, sin)
+        k = rotate(k.permute(1, 2, 0, 3), cos, sin)
+        v = v.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)
+        if self.q_norm is None:
+            v = v.contiguous()
         if self.selective_recompute and torch.is_grad_enabled():
             y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, use_reentrant=False)
         else:

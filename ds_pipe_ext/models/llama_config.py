@@ -1,15 +1,15 @@
-"""`LlamaConfig`: the Llama family's validated config (Llama 2/3, Mistral, Qwen2), from `model_configs/*.toml`
-or a Hugging Face ``config.json`` (``model_type`` llama, mistral or qwen2).
+"""`LlamaConfig`: the Llama family's validated config (Llama 2/3, Mistral, Qwen2, Qwen3), from
+`model_configs/*.toml` or a Hugging Face ``config.json`` (``model_type`` llama, mistral, qwen2 or qwen3).
 
 What the family models, and what it refuses by name rather than cost wrongly:
 
     RMSNorm, a SwiGLU MLP (gate, up, down; no biases), grouped-query attention (kv_heads key/value heads
     shared by heads / kv_heads queries), rotary positions (``rope_theta``; Llama 3.1's ``llama3`` frequency
-    scaling), optional q/k/v biases (Qwen2), an optional sliding window on every layer (Mistral 7B v0.1),
-    a head tied to the embedding or not, the vocabulary padded to a multiple (Megatron's
-    make_vocab_size_divisible_by).
-    Refused: other rope scalings (linear, dynamic, yarn, longrope), a head_dim other than hidden / heads,
-    biases on o_proj or the MLP, attention dropout, per-layer window patterns.
+    scaling), optional q/k/v biases (Qwen2), heads wider than hidden / heads and an RMSNorm over each
+    query and key head (Qwen3), an optional sliding window on every layer (Mistral 7B v0.1), a head tied
+    to the embedding or not, the vocabulary padded to a multiple (Megatron's make_vocab_size_divisible_by).
+    Refused: other rope scalings (linear, dynamic, yarn, longrope), biases on o_proj or the MLP, attention
+    dropout, per-layer window patterns.
 """
 
 from __future__ import annotations
@@ -63,6 +63,10 @@ class LlamaConfig:
     qkv_bias: bool = False  # Qwen2's q/k/v projections carry biases
     sliding_window: int = 0  # 0: none; else every layer attends to at most this many past positions
     vocab_pad_to: int = 1
+    # one head's width (Megatron's --kv-channels, HF's head_dim); 0: hidden / heads.  Qwen3's heads are
+    # wider: 32 heads of 128 on hidden 2,048 (Qwen3-30B-A3B)
+    kv_channels: int = 0
+    qk_norm: bool = False  # RMSNorm over each query and key head before rotary (Qwen3; --qk-layernorm)
 
     def __post_init__(self) -> None:
         where = f"model config {self.name!r}"
@@ -70,20 +74,24 @@ class LlamaConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ModelConfigError(f"{where}: {f} = {v!r}; it must be a positive integer")
-        if self.hidden % self.heads:
-            raise ModelConfigError(f"{where}: heads ({self.heads}) do not divide hidden ({self.hidden})")
+        kc = self.kv_channels
+        if isinstance(kc, bool) or not isinstance(kc, int) or kc < 0:
+            raise ModelConfigError(f"{where}: kv_channels = {kc!r}; 0 (hidden / heads) or a head's width")
+        if not kc and self.hidden % self.heads:
+            raise ModelConfigError(f"{where}: heads ({self.heads}) do not divide hidden ({self.hidden}); "
+                                   f"choose heads dividing it, or give each head's width as kv_channels")
         if self.heads % self.kv_heads:
             raise ModelConfigError(f"{where}: kv_heads ({self.kv_heads}) must divide heads ({self.heads}): each "
                                    f"key/value head serves heads / kv_heads query heads")
         if self.head_dim % 2:
-            raise ModelConfigError(f"{where}: rotary positions need an even head_dim (hidden / heads = {self.head_dim})")
+            raise ModelConfigError(f"{where}: rotary positions need an even head width (got {self.head_dim})")
         if not isinstance(self.rope_theta, (int, float)) or isinstance(self.rope_theta, bool) or self.rope_theta <= 0:
             raise ModelConfigError(f"{where}: rope_theta = {self.rope_theta!r}; a positive number is required")
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", rope_scaling_from(self.rope_scaling, where))
         if not isinstance(self.rms_norm_eps, (int, float)) or not self.rms_norm_eps > 0:
             raise ModelConfigError(f"{where}: rms_norm_eps must be > 0")
-        for f in ("tie_embeddings", "qkv_bias"):
+        for f in ("tie_embeddings", "qkv_bias", "qk_norm"):
             if not isinstance(getattr(self, f), bool):
                 raise ModelConfigError(f"{where}: {f} must be true or false")
         w = self.sliding_window
@@ -92,7 +100,7 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.kv_channels or self.hidden // self.heads
 
     @property
     def ffn(self) -> int:
@@ -144,11 +152,17 @@ def rope_scaling_from(data: dict | None, where: str) -> RopeScaling | None:
 
 @lru_cache(maxsize=64)
 def _describe(cfg: LlamaConfig) -> ModelDescription:
-    block = Block(Attention(cfg.heads, cfg.kv_heads, qkv_bias=cfg.qkv_bias, window=cfg.window, kernel="fused"),
-                  MLP(cfg.ffn, "swiglu"))
+    block = Block(attention_of(cfg), MLP(cfg.ffn, "swiglu"))
     return ModelDescription(name=cfg.name, hidden=cfg.hidden, vocab=cfg.padded_vocab, seq_len=cfg.seq_len,
                             blocks=(block,) * cfg.layers, positions="rotary", norm="rmsnorm",
                             tied_head=cfg.tie_embeddings, dropout=False, linear_bias=False)
+
+
+def attention_of(cfg: LlamaConfig) -> Attention:
+    """The family's attention as the description says it: grouped-query through a fused kernel."""
+    wide = cfg.head_dim * cfg.heads != cfg.hidden
+    return Attention(cfg.heads, cfg.kv_heads, qkv_bias=cfg.qkv_bias, window=cfg.window, kernel="fused",
+                     head_dim=cfg.head_dim if wide else None, qk_norm=cfg.qk_norm)
 
 
 def rotary_inv_freq(cfg: LlamaConfig) -> list[float]:
@@ -176,11 +190,11 @@ def rotary_inv_freq(cfg: LlamaConfig) -> list[float]:
 
 # ---------------------------------------------------------------------------- Hugging Face config.json
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def from_hf_llama(data: dict, *, name: str) -> LlamaConfig:
-    """A Hugging Face ``config.json`` of ``model_type`` llama, mistral or qwen2 (read as JSON).
+    """A Hugging Face ``config.json`` of ``model_type`` llama, mistral, qwen2 or qwen3 (read as JSON).
 
     ``max_position_embeddings`` becomes ``seq_len`` (override it with the sequence you train at);
     transformers 5 keeps rope_theta and the scaling in ``rope_parameters``, 4.x at the top level.
@@ -194,11 +208,10 @@ def from_hf_llama(data: dict, *, name: str) -> LlamaConfig:
         raise ModelConfigError(f"{where}: config.json lacks {missing}")
     hidden, heads = data["hidden_size"], data["num_attention_heads"]
     head_dim = data.get("head_dim")
-    if head_dim is not None and isinstance(hidden, int) and isinstance(heads, int) and heads and head_dim * heads != hidden:
-        raise ModelConfigError(f"{where}: head_dim {head_dim} x {heads} heads != hidden_size {hidden}: a head "
-                               f"width other than hidden / heads is not modelled")
+    if isinstance(head_dim, int) and isinstance(hidden, int) and isinstance(heads, int) and head_dim * heads == hidden:
+        head_dim = None  # the default width, said explicitly (Llama 3's configs do)
     for key in ("attention_bias", "mlp_bias"):
-        if kind == "llama" and data.get(key):
+        if kind in ("llama", "qwen3") and data.get(key):
             raise ModelConfigError(f"{where}: {key} = true (biases on o_proj or the MLP) is not modelled; the "
                                    f"Llama family models q/k/v biases only (Qwen2's)")
     if data.get("attention_dropout"):
@@ -212,9 +225,9 @@ def from_hf_llama(data: dict, *, name: str) -> LlamaConfig:
     window = 0
     if kind == "mistral":
         window = data.get("sliding_window") or 0
-    elif kind == "qwen2" and data.get("use_sliding_window"):
+    elif kind in ("qwen2", "qwen3") and data.get("use_sliding_window"):
         raise ModelConfigError(f"{where}: use_sliding_window = true (a window on layers from max_window_layers "
-                               f"on) is not modelled; Qwen2/2.5 releases train with it off")
+                               f"on) is not modelled; Qwen2, 2.5 and 3 releases train with it off")
     layer_types = data.get("layer_types")
     if layer_types and len(set(layer_types)) > 1:
         raise ModelConfigError(f"{where}: layer_types mixes {sorted(set(layer_types))}; a per-layer attention "
@@ -225,7 +238,7 @@ def from_hf_llama(data: dict, *, name: str) -> LlamaConfig:
         "seq_len": data["max_position_embeddings"], "rope_theta": float(theta),
         "rope_scaling": rope_scaling_from(scaling, where), "rms_norm_eps": data.get("rms_norm_eps", 1e-6),
         "tie_embeddings": bool(data.get("tie_word_embeddings", False)), "qkv_bias": kind == "qwen2",
-        "sliding_window": int(window)}, name=name)
+        "sliding_window": int(window), "kv_channels": head_dim or 0, "qk_norm": kind == "qwen3"}, name=name)
 
 
 def load_llama_config(name_or_path: str | Path, **overrides) -> LlamaConfig:

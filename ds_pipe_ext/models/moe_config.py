@@ -1,6 +1,6 @@
 """`MoEConfig`: Mixture-of-Experts models on the Llama family's blocks (Mixtral, Qwen-MoE, DeepSeekMoE shapes),
 from `model_configs/*.toml` (``family = "moe"``) or a Hugging Face ``config.json`` (``model_type`` mixtral,
-qwen2_moe, deepseek).
+qwen2_moe, qwen3_moe, deepseek).
 
 Each block's MLP is ``experts`` SwiGLU experts of ``expert_ffn_hidden`` of which a router picks ``top_k`` per
 token, optionally beside always-on shared experts (``shared_ffn_hidden`` wide in all; Qwen-MoE gates
@@ -9,8 +9,8 @@ router's load-balancing loss is weighted by ``aux_loss_coef``.  ``capacity_facto
 the published models train with); > 0 caps each expert at capacity_factor x top_k x tokens / experts.
 
 Refused by name: multi-head latent attention (DeepSeek-V2/V3), a routed layer pattern other than "every
-block after the dense ones" (Qwen2-MoE's decoder_sparse_step / mlp_only_layers), Qwen3-MoE's explicit
-head_dim and q/k norms; and, as for the Llama family, what ``LlamaConfig`` refuses.
+block after the dense ones" (Qwen-MoE's decoder_sparse_step / mlp_only_layers); and, as for the Llama
+family, what ``LlamaConfig`` refuses.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..arch import MLP, Attention, Block, Experts, ModelDescription
 from .config import ModelConfigError, config_from_dict, load_family_config
-from .llama_config import LlamaConfig, from_hf_llama
+from .llama_config import LlamaConfig, attention_of, from_hf_llama
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class MoEConfig(LlamaConfig):
 
 @lru_cache(maxsize=64)
 def _describe_moe(cfg: MoEConfig) -> ModelDescription:
-    attention = Attention(cfg.heads, cfg.kv_heads, qkv_bias=cfg.qkv_bias, window=cfg.window, kernel="fused")
+    attention = attention_of(cfg)
     dense = Block(attention, MLP(cfg.ffn_hidden, "swiglu"))
     routed = Block(attention, MLP(cfg.expert_ffn, "swiglu"),
                    Experts(cfg.experts, cfg.top_k, shared_ffn=cfg.shared_ffn_hidden, shared_gate=cfg.shared_gate,
@@ -95,16 +95,15 @@ def _describe_moe(cfg: MoEConfig) -> ModelDescription:
 
 # ---------------------------------------------------------------------------- Hugging Face config.json
 
-HF_MODEL_TYPES = ("mixtral", "qwen2_moe", "deepseek")
+HF_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek")
 REFUSED_MODEL_TYPES = {
     "deepseek_v2": "multi-head latent attention (DeepSeek-V2) is not modelled",
     "deepseek_v3": "multi-head latent attention and multi-token prediction (DeepSeek-V3) are not modelled",
-    "qwen3_moe": "Qwen3-MoE's head_dim (wider than hidden / heads) and q/k RMSNorms are not modelled yet",
 }
 
 
 def from_hf_moe(data: dict, *, name: str) -> MoEConfig:
-    """A Hugging Face ``config.json`` of ``model_type`` mixtral, qwen2_moe or deepseek (DeepSeekMoE 16B)."""
+    """A Hugging Face ``config.json`` of ``model_type`` mixtral, qwen2_moe, qwen3_moe or deepseek (DeepSeekMoE 16B)."""
     kind = data.get("model_type")
     where = f"model config {name!r} (model_type {kind!r})"
     if kind in REFUSED_MODEL_TYPES:
@@ -116,7 +115,7 @@ def from_hf_moe(data: dict, *, name: str) -> MoEConfig:
         moe = {"experts": data.get("num_local_experts"), "top_k": data.get("num_experts_per_tok"),
                "expert_ffn_hidden": 0, "norm_topk_prob": True}
         dense_like = {**data, "model_type": "mistral"}
-    elif kind == "qwen2_moe":
+    elif kind in ("qwen2_moe", "qwen3_moe"):
         if data.get("decoder_sparse_step", 1) != 1 or data.get("mlp_only_layers"):
             raise ModelConfigError(f"{where}: decoder_sparse_step / mlp_only_layers (dense blocks between MoE "
                                    f"ones) is not modelled: every block routes to experts")
@@ -124,7 +123,7 @@ def from_hf_moe(data: dict, *, name: str) -> MoEConfig:
         moe = {"experts": data.get("num_experts"), "top_k": data.get("num_experts_per_tok"),
                "expert_ffn_hidden": data.get("moe_intermediate_size"), "shared_ffn_hidden": shared,
                "shared_gate": bool(shared), "norm_topk_prob": bool(data.get("norm_topk_prob", False))}
-        dense_like = {**data, "model_type": "qwen2"}
+        dense_like = {**data, "model_type": kind.removesuffix("_moe")}  # Qwen3-MoE: Qwen3's attention
     else:  # deepseek: DeepSeekMoE 16B's remote-code config
         if data.get("moe_layer_freq", 1) != 1:
             raise ModelConfigError(f"{where}: moe_layer_freq {data['moe_layer_freq']} (dense blocks between "

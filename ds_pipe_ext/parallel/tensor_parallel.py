@@ -42,7 +42,7 @@ def _layer_norm_class():
 
 
 def _sum_grads_over_tp(param: nn.Parameter) -> None:
-    """Each TP rank saw a different sequence shard: the true gradient is their sum."""
+    """Each TP rank saw a different sequence shard (or its own heads): the true gradient is their sum."""
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
@@ -98,6 +98,13 @@ def megatron_layer_impl(*, tp: int, sequence_parallel: bool = False) -> LayerImp
     def rms_norm(dim: int, eps: float) -> nn.Module:
         return replicated_norm(RMSNorm(dim, eps=eps))
 
+    def head_norm(dim: int, eps: float) -> nn.Module:
+        norm = RMSNorm(dim, eps=eps)
+        for p in norm.parameters():
+            if tp > 1:  # with or without SP: each rank normalised its own heads
+                _sum_grads_over_tp(p)
+        return norm
+
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return mtp.vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous()).mean()
 
@@ -111,7 +118,7 @@ def megatron_layer_impl(*, tp: int, sequence_parallel: bool = False) -> LayerImp
 
     enter = mtp.scatter_to_sequence_parallel_region if sequence_parallel else (lambda x: x)
     return LayerImpl(name="megatron", column_linear=column_linear, row_linear=row_linear, embedding=embedding,
-                     layer_norm=layer_norm, rms_norm=rms_norm, tp_size=tp, sequence_parallel=sequence_parallel,
+                     layer_norm=layer_norm, rms_norm=rms_norm, head_norm=head_norm, tp_size=tp, sequence_parallel=sequence_parallel,
                      enter_blocks=enter, loss=loss, tied_head=tied_head)
 
 
