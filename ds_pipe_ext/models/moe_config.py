@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..arch import MLP, Attention, Block, Experts, ModelDescription
+from ..arch import MLP, Block, Experts, ModelDescription
 from .config import ModelConfigError, config_from_dict, load_family_config
 from .llama_config import LlamaConfig, attention_of, from_hf_llama
 
