@@ -205,20 +205,27 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
     assert "routers (Mixture-of-Experts)" in render_report_table(rep) and "moe_aux_loss" in render_report_table(rep)
     # model states at the step, measured on every rank, against the ZeRO rule over dp (dense) and dp / ep
     # (experts) that the partition's records carry, ZeRO-0 and ZeRO-1.  Under ZeRO-1 DeepSpeed steps its
-    # parameter groups one at a time, freeing each group's gradient partition after its step: at the last
-    # (the experts') step it holds the experts' partition alone, which the additive rule exceeds by the
-    # dense partition (an upper bound there)
+    # parameter groups one at a time: the gradients peak at the dense group's step, above the sum of the
+    # groups' partitions by the dense partition's fp32 copy (``expert_parallel_states``' rule, per rank)
+    from ds_pipe_ext.compare.predict import expert_groups, model_shape
+    from ds_pipe_ext.costs.zero import expert_parallel_states
+
+    shape = model_shape(cfg)
     for run_dir in ("run", "z1"):
         rd = RunDir(tmp_path / run_dir)
         predicted = rd.read_predicted()
         for rank in range(4):
             rec = json.loads(rd.rank_path(rank).read_text().splitlines()[-1])
-            layers = predicted.layer_costs[predicted.parts[rec["stage"]]:predicted.parts[rec["stage"] + 1]]
+            start, stop = predicted.parts[rec["stage"]], predicted.parts[rec["stage"] + 1]
+            layers = predicted.layer_costs[start:stop]
             for kind in ("param_bytes", "optimizer_bytes") + (("grad_bytes",) if run_dir == "run" else ()):
                 assert rec[kind] == sum(getattr(c, kind) for c in layers), (run_dir, rank, kind)
             if run_dir == "z1":
-                assert rec["grad_bytes"] == sum(c.expert_param_bytes for c in layers) // (2 // 2), rank
-                assert rec["grad_bytes"] < sum(c.grad_bytes for c in layers)
+                assert rec["stage"] == rank // 2  # DeepSpeed's grid: pipe x data
+                dense, local = expert_groups(shape, start, stop, ep=2)
+                ruled = expert_parallel_states(dense, local, dp=2, ep=2, stage=1, rank=rank % 2)
+                assert rec["grad_bytes"] == ruled.grad_bytes, rank
+                assert rec["grad_bytes"] > sum(c.grad_bytes for c in layers)  # the additive rule: below
     # without a pipeline: ZeRO-2 over 4 data-parallel ranks, experts over EP 2, against one process (a
     # data-parallel run reports rank 0's own micro-batches: its stream alone, routed through the all-to-all)
     assert got["zero2"]["mode"] == "data-parallel zero=2" and got["zero2"]["dp"] == 4

@@ -116,7 +116,9 @@ def test_the_partitioners_form_bounds_the_peak_and_equals_it_on_the_last_stage(z
     # compare-cpu on 2 stages, 2 micro-batches: the partitioner's stage memory (its layers' states as held in
     # a backward, the in-flight activations, the stage's reserve, or its optimizer step's bytes) is the peak
     # rule's on the last stage (whose peak is the loss's backward, every gradient made), and above it on
-    # stage 0 (whose peak falls in its first backward, before its gradients are all made)
+    # stage 0 (whose peak falls in its first backward, before its gradients are all made; under ZeRO-1 the
+    # reserve also covers the gradient reduction's two buckets, which the backward's activations do not
+    # share in the rule: a bucket, 19 MiB, of slack there)
     from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs
     from ds_pipe_ext.costs.hardware import get_device
     from ds_pipe_ext.costs.peak import PipelinePeakRule
@@ -134,7 +136,7 @@ def test_the_partitioners_form_bounds_the_peak_and_equals_it_on_the_last_stage(z
                       stage_reserve_bytes=rule.stage_reserves(costs, 2, micro_batches=2), step_bytes=rule.step_bytes(costs))
     first, last = (step_peak(s).total_bytes for s in rank_steps(cfg, lay, parts=[0, 3, 6], mask_bytes=4))
     assert pb.stage_memory(1, 3, 6) == pytest.approx(last, rel=1e-12)
-    assert first < pb.stage_memory(0, 0, 3) < 1.25 * first
+    assert first < pb.stage_memory(0, 0, 3) < (1.35 if zero else 1.25) * first
 
 
 def test_zero3_releases_a_module_whose_reuse_is_farther_than_the_max_reuse_distance():

@@ -34,6 +34,9 @@ class ModelShape:
     # per layer, the element counts of its routed experts' tensors (all E experts; a Mixture-of-Experts
     # model's, else empty): at EP degree ep a rank holds 1/ep of them, partitioned over dp / ep
     layer_expert_numels: list[list[int]] | None = None
+    # and of its other tensors, in order (DeepSpeed's dense parameter group; its padding and partition
+    # boundaries depend on the order)
+    layer_dense_numels: list[list[int]] | None = None
 
     @property
     def params(self) -> int:
@@ -51,9 +54,15 @@ def model_shape(model_cfg) -> ModelShape:
               for layer in layers]
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for layer in modules for m in layer.modules()),
                   default=0)
-    experts = [[p.numel() for p in layer.parameters() if getattr(p, "allreduce", True) is False]
-               if isinstance(layer, torch.nn.Module) else [] for layer in layers]  # DeepSpeed's mark on experts
-    return ModelShape(model_cfg.name, numels, model_cfg.seq_len, largest, experts if any(experts) else None)
+    def tensors(layer, expert: bool) -> list[int]:  # allreduce False: DeepSpeed's mark on experts
+        if not isinstance(layer, torch.nn.Module):
+            return []
+        return [p.numel() for p in layer.parameters() if (getattr(p, "allreduce", True) is False) == expert]
+
+    experts = [tensors(layer, True) for layer in layers]
+    moe = any(experts)
+    return ModelShape(model_cfg.name, numels, model_cfg.seq_len, largest, experts if moe else None,
+                      [tensors(layer, False) for layer in layers] if moe else None)
 
 
 def layer_activation_bytes(model_cfg, cfg: CompareConfig, *, dtype: str = "fp32") -> list[float]:
@@ -64,14 +73,11 @@ def layer_activation_bytes(model_cfg, cfg: CompareConfig, *, dtype: str = "fp32"
 
 
 def _states(numels: list[int], cfg: CompareConfig, element_bytes: int, dp_rank: int | None,
-            experts: tuple[list[int], list[int]] = ([], [])) -> dict[str, int]:
+            experts: tuple[list[int], list[int]] | None = None) -> dict[str, int]:
     # a TP rank holds 1/tp of each matrix; exact only at tp 1 (vectors are replicated, not split)
     lay = cfg.layout
-    every, local = experts
-    if every:  # DeepSpeed's MoE groups: the rank's 1/ep of the experts, partitioned over dp / ep
-        dense = list(numels)
-        for n in every:
-            dense.remove(n)
+    if experts is not None and experts[1]:  # DeepSpeed's MoE groups: the rank's 1/ep of the experts, over dp / ep
+        dense, local = experts
         return expert_parallel_states(dense, local, dp=lay.dp, ep=lay.ep, stage=lay.zero,
                                       element_bytes=element_bytes, rank=dp_rank).to_dict()
     shard = [max(1, n // lay.tp) if lay.tp > 1 and n > 1 else n for n in numels]
@@ -79,10 +85,13 @@ def _states(numels: list[int], cfg: CompareConfig, element_bytes: int, dp_rank: 
                              persistence_threshold=int(ZERO_SETTINGS["stage3_param_persistence_threshold"])).to_dict()
 
 
-def _experts(shape: ModelShape, start: int, stop: int, ep: int) -> tuple[list[int], list[int]]:
-    """Layers start..stop's expert tensors: all of them, and the 1/ep of each layer's a rank holds."""
-    layers = (shape.layer_expert_numels or [])[start:stop]
-    return [n for layer in layers for n in layer], [n for layer in layers for n in layer[:len(layer) // ep]]
+def expert_groups(shape: ModelShape, start: int, stop: int, ep: int) -> tuple[list[int], list[int]] | None:
+    """Layers start..stop's tensors in DeepSpeed's two groups: the dense ones, and the 1/ep of each layer's
+    experts a rank holds (None: no experts in the model)."""
+    if shape.layer_expert_numels is None:
+        return None
+    experts, dense = shape.layer_expert_numels[start:stop], shape.layer_dense_numels[start:stop]
+    return [n for layer in dense for n in layer], [n for layer in experts for n in layer[:len(layer) // ep]]
 
 
 def data_parallel_rank(cfg: CompareConfig, rank: int) -> int:
@@ -107,12 +116,12 @@ def predicted_ranks(cfg: CompareConfig, shape: ModelShape, activations: list[flo
         for st in stage_costs(fake, parts, micro_batches=cfg.layout.micro_batches, schedule=cfg.layout.schedule):
             numels = [n for layer in shape.layer_numels[st.start:st.stop] for n in layer]
             rows.append({"stage": st.stage, "layers": [st.start, st.stop], "inflight": st.inflight,
-                         **_states(numels, cfg, element_bytes, dp_rank, _experts(shape, st.start, st.stop, cfg.layout.ep)),
+                         **_states(numels, cfg, element_bytes, dp_rank, expert_groups(shape, st.start, st.stop, cfg.layout.ep)),
                          "activation_bytes": int(st.activation_peak_bytes)})
     else:
         numels = [n for layer in shape.layer_numels for n in layer]
         rows = [{"stage": 0, "layers": [0, len(shape.layer_numels)], "inflight": 1,
-                 **_states(numels, cfg, element_bytes, dp_rank, _experts(shape, 0, len(shape.layer_numels), cfg.layout.ep)),
+                 **_states(numels, cfg, element_bytes, dp_rank, expert_groups(shape, 0, len(shape.layer_numels), cfg.layout.ep)),
                  "activation_bytes": int(sum(activations))}]
     for r in rows:
         r["total_bytes"] = sum(r[k] for k in KINDS)

@@ -306,6 +306,11 @@ def step_peak(rank: RankStep) -> PeakMemory:
             if z.stage == 1:
                 buffer = bucket  # made at the first gradient, freed at the step
 
+    # a pipeline's ZeRO-1 reduction after the last backward: DeepSpeed's ``reduce_gradients(pipeline_parallel=
+    # True)`` makes a second reduction bucket beside the one the backward made (both freed as it ends)
+    if rank.pipe_buffers and z.stage == 1 and bucket:
+        see("reduce_grads", 0, {"temporary_bytes": sum(pipe) + bucket}, grad_bytes=grads, buffer_bytes=buffer)
+
     # the optimizer step: gradients as at the step, and Adam's temporaries.  fp32 ZeRO-0 steps each
     # parameter (8 bytes of moments per element); every other rule one flat fp32 partition (12 bytes per
     # element: master, two moments)
@@ -322,7 +327,7 @@ class PipelinePeakRule:
     """The peak rule in the form a partitioner's memory cap can use for any split: a stage's peak is at
     most the sum of its layers' states as held during a backward (``layer_states``), its in-flight
     micro-batches' saved activations, and a reserve that depends only on the stage's position
-    (``stage_reserves``): ZeRO-1's reduction bucket, the pipe buffers of received inputs and sent outputs
+    (``stage_reserves``): ZeRO-1's reduction bucket (two in the gradient reduction), the pipe buffers of received inputs and sent outputs
     (the last stage's hold the loss's input, ``LayerCost.loss_input_bytes``), and the largest temporaries
     of any layer the stage can hold (``LayerCost.peak_bytes`` over its saved activations).  Equal to
     ``step_peak`` for the last stage of alike blocks; above it where the peak falls in a first backward
@@ -380,7 +385,9 @@ class PipelinePeakRule:
             received = max((float(costs[i - 1].output_bytes) for i in range(max(lo, 1), hi + 1)), default=0.0) if s else 0.0
             sent = (float(costs[-1].loss_input_bytes) if s == p - 1
                     else max(float(costs[i].output_bytes) for i in range(lo, hi + 1)))
-            out.append(bucket + buffers * (received + sent) + max(transient[lo:hi + 1]))
+            # ZeRO-1's bucket beside the backward's temporaries, or two buckets in the pipeline's gradient
+            # reduction (``step_peak``'s reduce_grads; no activations are held then)
+            out.append(buffers * (received + sent) + max(bucket + max(transient[lo:hi + 1]), 2 * bucket))
         return out
 
 

@@ -15,7 +15,10 @@ from ..compat.zero import held_model_state_bytes
 class ModelStateProbe:
     """Counts the model states when they are complete, around every step of the inner optimizer:
     gradients just before it (reduced, not yet freed), parameters and optimizer states just after it
-    (Adam creates its moments in its first step).  ``read()`` is the last step's count."""
+    (Adam creates its moments in its first step).  ``read()`` is the last step's count.
+
+    ZeRO-1/2 step DeepSpeed's MoE parameter groups one at a time, each its own inner step: the
+    gradients are the most held before any of them in the training step (a forward starts the next)."""
 
     def __init__(self, module: torch.nn.Module, optimizer):
         self.module, self.optimizer = module, optimizer
@@ -23,10 +26,14 @@ class ModelStateProbe:
         self._grads = 0
         inner = unwrap_optimizer(optimizer)
         self._handles = [inner.register_step_pre_hook(lambda *_: self._before()),
-                         inner.register_step_post_hook(lambda *_: self._after())]
+                         inner.register_step_post_hook(lambda *_: self._after()),
+                         module.register_forward_pre_hook(lambda *_: self._next_step())]
+
+    def _next_step(self) -> None:
+        self._grads = 0
 
     def _before(self) -> None:
-        self._grads = held_model_state_bytes(self.module, self.optimizer)["grad_bytes"]
+        self._grads = max(self._grads, held_model_state_bytes(self.module, self.optimizer)["grad_bytes"])
 
     def _after(self) -> None:
         self.latest = {**held_model_state_bytes(self.module, self.optimizer), "grad_bytes": self._grads}
