@@ -203,6 +203,23 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
                                                                                 (1, 4, 2 * routed)]
     assert all(r["max_over_mean"] >= 1 and r["dropped_fraction"] == 0 for r in rep["routers"])
     assert "routers (Mixture-of-Experts)" in render_report_table(rep) and "moe_aux_loss" in render_report_table(rep)
+    # each micro-batch's busiest expert over the mean, read back as the analytic experts' padding factor
+    from ds_pipe_ext.instrument.report import measured_expert_imbalance
+
+    imbalance = measured_expert_imbalance(tmp_path / "run")
+    assert rep["summary"]["expert_imbalance"] == pytest.approx(imbalance) and "--expert-imbalance" in render_report_table(rep)
+    per_step = [rec["expert_imbalance"] for r in range(4) for rec in logs[r] if "expert_imbalance" in rec]
+    assert len(per_step) == 8  # 4 ranks x 2 steps, every rank holding routed layers
+    assert 1 < imbalance <= cfg.experts and all(1 <= x <= cfg.experts for x in per_step)
+    estimates = {}
+    for factor in ("1", str(tmp_path / "run")):
+        assert main(["estimate", "--model", "moe-tiny", "--device", "cpu", "--dtype", "fp32", "--json",
+                     "--expert-imbalance", factor]) == 0
+        estimates[factor] = json.loads(capfd.readouterr().out)
+    routed = [i for i, layer in enumerate(estimates["1"]["layers"]) if layer["expert_params"]]
+    for i in routed:
+        balanced, measured = (estimates[f]["layers"][i] for f in ("1", str(tmp_path / "run")))
+        assert measured["fwd_s"] > balanced["fwd_s"] and measured["fwd_flops"] > balanced["fwd_flops"]
     # model states at the step, measured on every rank, against the ZeRO rule over dp (dense) and dp / ep
     # (experts) that the partition's records carry, ZeRO-0 and ZeRO-1.  Under ZeRO-1 DeepSpeed steps its
     # parameter groups one at a time: the gradients peak at the dense group's step, above the sum of the

@@ -35,6 +35,27 @@ def emit(*args, **kwargs) -> None:
     print(*args, file=_stdout, **kwargs)
 
 
+def expert_imbalance(value: str) -> float:
+    """``--expert-imbalance``: a number >= 1, or an instrumented Mixture-of-Experts run directory whose
+    measured imbalance it reads (``instrument.report.measured_expert_imbalance``)."""
+    import argparse
+
+    try:
+        factor = float(value)
+    except ValueError:
+        if not Path(value).is_dir():
+            raise argparse.ArgumentTypeError(f"{value!r} is neither a number >= 1 nor a run directory")
+        from ..instrument.report import measured_expert_imbalance
+
+        try:
+            return measured_expert_imbalance(value)
+        except (OSError, ValueError, KeyError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+    if not factor >= 1:
+        raise argparse.ArgumentTypeError(f"{value}: the busiest expert's load over the mean is at least 1")
+    return factor
+
+
 def check_shape(args) -> ShapeArgs:
     return parse_section(ShapeArgs, {k: getattr(args, k) for k in ShapeArgs.model_fields if hasattr(args, k)}, "")
 

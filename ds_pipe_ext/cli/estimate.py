@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
-from .common import check_shape, emit
+from .common import check_shape, emit, expert_imbalance
 
 
 def cmd_estimate(args) -> int:
@@ -28,7 +28,8 @@ def cmd_estimate(args) -> int:
     check_shape(args)
     cfg = load_model(args.model)
     req = EstimateRequest(micro_batch=args.micro_batch, seq=args.seq or cfg.seq_len, tp=args.tp, sp=args.sp,
-                          dtype=args.dtype, selective_recompute=args.selective_recompute)
+                          dtype=args.dtype, selective_recompute=args.selective_recompute,
+                          expert_imbalance=args.expert_imbalance)
     try:
         device = plan_device(args.device)
         if args.calibrate:
@@ -222,5 +223,8 @@ def add_parser(sub) -> None:
     e.add_argument("--world", type=int, default=None, help="with --compare: the number of devices")
     e.add_argument("--global-batch", type=int, default=None, help="with --compare (default: 2 x dp x micro-batch)")
     e.add_argument("--configs", nargs="*", default=None, help="with --compare: only these (shell patterns)")
+    e.add_argument("--expert-imbalance", type=expert_imbalance, default=1.0, metavar="X|RUN_DIR",
+                   help="Mixture-of-Experts, dropless: the busiest expert's load over the mean (>= 1), or an "
+                        "instrumented run directory to read it from (default 1: balanced)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_estimate)

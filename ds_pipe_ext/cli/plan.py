@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..layout import LayoutError
 from ..plan.space import PlanError, enumerate_layouts, parse_only
+from .common import expert_imbalance
 
 
 def _emit(text: str) -> None:
@@ -76,7 +77,7 @@ def build_model(args):
     if not 0 < fraction <= 1:
         raise PlanError(f"--memory-fraction {fraction}: the share of the device's memory a rank may use, in (0, 1]")
     return cfg, PlanModel(cfg, device, cluster, seq=seq, global_batch=global_batch, dtype=dtype,
-                          memory_fraction=fraction)
+                          memory_fraction=fraction, expert_imbalance=getattr(args, "expert_imbalance", 1.0))
 
 
 def cmd_plan(args) -> int:
@@ -195,6 +196,9 @@ def add_parser(sub) -> None:
     p.add_argument("--memory-fraction", type=float, default=0.9,
                    help="the share of a device's memory a rank may use (the rest: CUDA context, NCCL buffers, "
                         "fragmentation); the search prunes by it, --only marks a peak above it")
+    p.add_argument("--expert-imbalance", type=expert_imbalance, default=1.0, metavar="X|RUN_DIR",
+                   help="Mixture-of-Experts, dropless: the busiest expert's load over the mean (>= 1), or an "
+                        "instrumented run directory to read it from (default 1: balanced)")
     p.add_argument("--json", action="store_true", help="print the layouts as JSON")
     p.add_argument("--emit-ds-config", default=None, metavar="FILE",
                    help="write the best layout DeepSpeed runs as a ds.json for train.py")

@@ -2,7 +2,10 @@
 beyond capacity, and the load-balancing loss.
 
 ``ExpertLoadMeter`` hooks the routed blocks of a stage (``models.moe.MoEBlock``: each keeps its last
-forward's ``tokens_per_expert`` and ``dropped_tokens``) and sums them over a step's micro-batches.  A
+forward's ``tokens_per_expert`` and ``dropped_tokens``) and sums them over a step's micro-batches.  Each
+micro-batch's busiest expert against the mean is kept too (``expert_imbalance``, the mean of it over a
+step's micro-batches and layers): dropless routing pads every local expert to the busiest one's load, so
+this is the factor the analytic experts' time takes (``EstimateRequest.expert_imbalance``).  A
 forward without gradients is not counted: under DeepSpeed's reentrant checkpointing the first forward
 runs without them and the replay with them, so each micro-batch counts once.  Layers are named by their
 index in the pipeline (DeepSpeed registers a stage's layers under their global index).
@@ -20,6 +23,7 @@ class ExpertLoadMeter:
         self.counts: dict[str, torch.Tensor] = {}
         self.dropped = 0
         self.routed = 0
+        self.imbalances: list[float] = []
         self.handles = [m.register_forward_hook(self._seen(name)) for name, m in self.blocks.items()]
 
     def __bool__(self) -> bool:
@@ -33,13 +37,16 @@ class ExpertLoadMeter:
             self.counts[name] = counts + self.counts[name] if name in self.counts else counts
             self.dropped += int(block.dropped_tokens)
             self.routed += int(counts.sum())
+            if int(counts.sum()):
+                self.imbalances.append(int(counts.max()) * len(counts) / int(counts.sum()))
         return hook
 
     def read(self) -> dict:
         """This step's loads, then start the next step from zero."""
         out = {"expert_load": {name: c.tolist() for name, c in sorted(self.counts.items(), key=lambda kv: int(kv[0]))},
-               "dropped_token_fraction": self.dropped / self.routed if self.routed else 0.0}
-        self.counts, self.dropped, self.routed = {}, 0, 0
+               "dropped_token_fraction": self.dropped / self.routed if self.routed else 0.0,
+               "expert_imbalance": sum(self.imbalances) / len(self.imbalances) if self.imbalances else 1.0}
+        self.counts, self.dropped, self.routed, self.imbalances = {}, 0, 0, []
         return out
 
     def remove(self) -> None:

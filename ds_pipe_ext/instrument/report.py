@@ -36,6 +36,17 @@ def _cumulative(xs: list[float], reverse: bool = False) -> list[float]:
     return out[::-1] if reverse else out
 
 
+def measured_expert_imbalance(run_dir: str | Path) -> float:
+    """A Mixture-of-Experts run's routing imbalance: each micro-batch's busiest expert against the mean,
+    averaged over its steps, routed layers and ranks (``instrument.experts``), at least 1: the factor
+    dropless routing pads the experts' work by (``EstimateRequest.expert_imbalance``)."""
+    stages = [st for st in load_run(run_dir).summary["stages"] if "expert_imbalance_mean" in st]
+    if not stages:
+        raise ValueError(f"{run_dir}: no routed layers were recorded (not an instrumented run of a "
+                         f"Mixture-of-Experts model); give the imbalance as a number >= 1 instead")
+    return max(1.0, sum(st["expert_imbalance_mean"] for st in stages) / len(stages))
+
+
 def build_report(run_dir: str | Path) -> dict:
     run = load_run(run_dir)
     pred, stages = run.predicted, run.summary["stages"]
@@ -106,6 +117,8 @@ def build_report(run_dir: str | Path) -> dict:
         "bottleneck_stage_memory": max(range(p), key=lambda s: rows[s]["meas_memory_bytes"]),
         "predicted_bubble_fraction": step.simulation.bubble_fraction,
     }
+    routed = [st["expert_imbalance_mean"] for st in stages if "expert_imbalance_mean" in st]
+    summary["expert_imbalance"] = sum(routed) / len(routed) if routed else None
     return {"summary": summary, "stages": rows, "routers": router_rows(stages)}
 
 
@@ -166,6 +179,10 @@ def render_report_table(rep: dict) -> str:
         lines += render_table(["stage", "layer", "routed", "busiest / mean", "dropped"],
                               [[str(r["stage"]), str(r["layer"]), str(r["routed"]), f"{r['max_over_mean']:.2f}",
                                 f"{100 * r['dropped_fraction']:.1f}%"] for r in routers])
+        if s.get("expert_imbalance"):
+            lines.append(f"per micro-batch, the busiest expert carries {s['expert_imbalance']:.2f} x the mean "
+                         f"(dropless routing pads every expert to it): `plan` / `estimate` --expert-imbalance "
+                         f"{s['run_dir']}")
     return "\n".join(lines)
 
 

@@ -52,6 +52,7 @@ def summarize(records: list[dict], *, skip_warmup: bool = True) -> dict:
         out["expert_load"] = {layer: [sum(r["expert_load"][layer][e] for r in steady) for e in range(len(load))]
                               for layer, load in last["expert_load"].items()}
         out["dropped_token_fraction_mean"] = mean("dropped_token_fraction")
+        out["expert_imbalance_mean"] = mean("expert_imbalance") if "expert_imbalance" in last else 1.0
     if "loss_terms" in last:
         out["loss_terms"] = {name: statistics.fmean(r["loss_terms"][name] for r in steady) for name in last["loss_terms"]}
     return out

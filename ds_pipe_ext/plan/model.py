@@ -141,8 +141,9 @@ class PlanModel:
 
     def __init__(self, cfg, device: DeviceSpec, cluster: Cluster, *, seq: int, global_batch: int,
                  dtype: str = "bf16", memory_fraction: float = USABLE_MEMORY, step_model: StepModel | None = None,
-                 network: Network | None = None):
+                 network: Network | None = None, expert_imbalance: float = 1.0):
         self.cfg, self.device, self.cluster = as_description(cfg), device, cluster  # what the model computes
+        self.expert_imbalance = expert_imbalance  # dropless routing: the busiest expert's load over the mean
         self.network = network  # the links between pipeline ranks where given (simulate's flags), else the cluster's
         # the engine's own terms per instruction and layer (fitted on instrumented runs of this device;
         # zero until measured on it), through which every step is predicted
@@ -166,7 +167,8 @@ class PlanModel:
     def on_device(self, device: DeviceSpec) -> "PlanModel":
         """The same plan on another device (a fresh model: layer costs are cached per model)."""
         return PlanModel(self.cfg, device, self.cluster, seq=self.seq, global_batch=self.global_batch, dtype=self.dtype,
-                         memory_fraction=self.memory_fraction, step_model=self.step_model, network=self.network)
+                         memory_fraction=self.memory_fraction, step_model=self.step_model, network=self.network,
+                         expert_imbalance=self.expert_imbalance)
 
     def _model_flops_per_sample(self) -> float:
         """Matrix and attention FLOPs of forward + backward of one sample (no recompute): MFU's numerator."""
@@ -178,7 +180,8 @@ class PlanModel:
     def layer_costs(self, tp: int, sp: bool, micro_batch: int, recompute: str, ep: int = 1) -> tuple:
         """Per-layer ``LayerCost`` of one micro-batch on one TP (and EP) rank; alike blocks computed once."""
         req = EstimateRequest(micro_batch=micro_batch, seq=self.seq, tp=tp, sp=sp, dtype=self.dtype,
-                              selective_recompute=recompute == "selective", ep=ep)
+                              selective_recompute=recompute == "selective", ep=ep,
+                              expert_imbalance=self.expert_imbalance)
         return tuple(analytic_layer_costs(self.cfg, req, self.device))
 
     def costs_of(self, lay: Layout) -> tuple:
