@@ -101,6 +101,11 @@ def estimate_layers(model, req: EstimateRequest, device: DeviceSpec) -> list[dic
             "output_bytes": 0 if kind == "head" else shp.replicated_sbh * shp.e,
             "loss_input_bytes": shp.tokens * -(-shp.V // shp.t) * shp.e if kind == "head" else 0,
             "peak_bytes": layer_peak_bytes(ops, shp.e, selective=req.selective_recompute),
+            # selective recompute as a choice per layer: what it keeps, the forward it replays (None: no
+            # attention core to replay)
+            "selective_kept_bytes": (sum(op.activation_bytes for op in ops if not op.recompute)
+                                     if any(op.recompute and op.activation_bytes for op in ops) else None),
+            "selective_replay_s": sum(r["fwd_s"] for r, op in zip(rows, ops) if op.recompute),
             "comm_bytes": sum(r["comm_fwd_bytes"] + r["comm_bwd_bytes"] for r in rows),
             "fwd_s": sum(r["fwd_s"] for r in rows), "bwd_s": sum(r["bwd_s"] for r in rows) + recompute_fwd,
             # W: an embedding's backward is all weight gradient (token ids take none); a GEMM with a
@@ -127,6 +132,8 @@ def analytic_layer_costs(model, req: EstimateRequest, device: DeviceSpec) -> lis
             weight_grad_s=row["wgrad_s"], param_numels=tuple(row["tensors"]),
             peak_bytes=int(row["peak_bytes"]), loss_input_bytes=int(row["loss_input_bytes"]),
             expert_param_bytes=int(row["expert_params"]) * shp.e,
+            selective_kept_bytes=None if row["selective_kept_bytes"] is None else int(row["selective_kept_bytes"]),
+            selective_replay_s=row["selective_replay_s"],
         ))
     return costs
 

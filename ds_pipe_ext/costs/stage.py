@@ -53,6 +53,27 @@ def held_activation_bytes(costs: Sequence, *, recompute: bool = False) -> list[f
     return [0.0] + [float(c.output_bytes) for c in costs[:-1]]
 
 
+def recompute_modes(costs: Sequence) -> list[list]:
+    """Per layer, the recompute modes it offers (``partition.recompute.RecomputeMode``): none; selective
+    where it has an attention core to replay (``LayerCost.selective_kept_bytes``); full, keeping only its
+    input (the previous layer's output; the first layer's token ids: nothing) and re-saving the rest in its
+    backward."""
+    from ..partition.recompute import RecomputeMode
+
+    out = []
+    for i, c in enumerate(costs):
+        act = float(c.activation_bytes)
+        modes = [RecomputeMode("none", act)]
+        if c.selective_kept_bytes is not None and c.selective_kept_bytes < act:
+            modes.append(RecomputeMode("selective", float(c.selective_kept_bytes), act - c.selective_kept_bytes,
+                                       float(c.selective_replay_s)))
+        kept = float(costs[i - 1].output_bytes) if i else 0.0
+        if kept < act:
+            modes.append(RecomputeMode("full", kept, act - kept, float(c.recompute_s)))
+        out.append(modes)
+    return out
+
+
 def replayed(cost, *, recompute: bool) -> bool:
     """Whether backward replays this layer's forward: under activation checkpointing, a layer that
     has a replay cost (``StageCost.recomputed_layers``, the step model's cost per replayed layer)."""

@@ -47,6 +47,10 @@ class LayerCost:
     # ZeRO-1/2 their gradients and optimizer states partition over the expert-data-parallel group (dp / ep
     # ranks), not over dp (``costs.zero.layer_states_by_rule``)
     expert_param_bytes: int = 0
+    # selective recompute (attention's core replayed in the backward): what the layer then keeps, and the
+    # forward it replays; None where the layer has no such mode (a Hugging Face layer, the embedding)
+    selective_kept_bytes: int | None = None
+    selective_replay_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -62,7 +66,7 @@ class LayerCost:
                 object.__setattr__(self, "param_numels", numels)
                 continue
             v = getattr(self, f.name)
-            if v is None and f.name == "weight_grad_s":
+            if v is None and f.name in ("weight_grad_s", "selective_kept_bytes"):
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"LayerCost({self.name!r}).{f.name} = {v!r}: must be a finite number >= 0")
