@@ -259,6 +259,8 @@ class Layout:
         pipe, tp_section, zero = section("pipeline"), section("tensor_parallel"), section("zero_optimization")
         ep = section("moe").get("ep_size", 1)
         recompute = section("train").get("recompute", "none")
+        if isinstance(recompute, list):  # one mode per layer: the layout says the one all share, else none
+            recompute = recompute[0] if recompute and len(set(recompute)) == 1 else "none"
         if recompute == "none" and pipe.get("activation_checkpoint_interval", 0):
             recompute = "full"
         offload = (zero.get("offload_optimizer") or {}).get("device") == "cpu"

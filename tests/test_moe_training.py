@@ -159,12 +159,16 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
                          moe={"ep_size": 2}, zero_optimization={"stage": 1}, **common)
     zero2 = write_config(tmp_path / "zero2.json", pipeline=None, moe={"ep_size": 2}, zero_optimization={"stage": 2},
                          **common)
+    modes = ["none", "full", "selective", "full", "selective", "none"]  # saved without recompute, resumed with
+    per_layer = write_config(tmp_path / "per-layer.json", pipeline={"stages": 2, "partition_method": "parts:0,3,6"},
+                             moe={"ep_size": 2}, **{**common, "train": {**common["train"], "recompute": modes}})
     ckpt = tmp_path / "ckpt"
     # parity's stage 0 holds no MoE layer (embedding and the dense block): every build after it hangs unless
     # every rank makes DeepSpeed's expert groups (compat.engine.ensure_expert_groups)
     runs = ["--run", f"parity: --init-from {init} --partition-method parts:0,2,6",
             "--run", f"first two: --init-from {init} --steps 2 --save {ckpt} --instrument {tmp_path / 'run'}",
             "--run", f"resumed: --load {ckpt} --steps 1",
+            "--run", f"resumed per layer: --load {ckpt} --steps 1 --deepspeed_config {per_layer}",
             "--run", f"other split: --load {ckpt} --steps 1 --partition-method parts:0,4,6",
             "--run", f"other ep: --load {ckpt} --steps 1 --deepspeed_config {ep1}",
             "--run", f"zero1: --init-from {init} --steps 1 --deepspeed_config {zero1} --instrument {tmp_path / 'z1'}",
@@ -195,6 +199,11 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
             terms = rec["loss_terms"]
             assert terms["lm_loss"] + cfg.aux_loss_coef * terms["moe_aux_loss"] == pytest.approx(rec["loss"], rel=1e-5)
     assert got["resumed"]["start_step"] == 2 and got["resumed"]["losses"] == pytest.approx(run["losses"][2:], rel=1e-6)
+    # a checkpoint saved without recompute resumes under a recompute mode per layer (nothing is wrapped)
+    again = got["resumed per layer"]
+    assert again["start_step"] == 2 and again["losses"] == pytest.approx(run["losses"][2:], rel=1e-6)
+    assert {int(i): m for r in ranks.values() for i, m in r["runs"]["resumed per layer"]["recomputed_layers"].items()} \
+        == {1: "full", 2: "selective", 3: "full", 4: "selective"}
     # the report: each routed layer's tokens over the summarised step (step 2) from both data-parallel ranks
     from ds_pipe_ext.instrument.report import build_report, render_report_table
 

@@ -172,9 +172,25 @@ def test_pp2_tp2_parity_through_deepspeed(tmp_path, sp):
         want[name] = serial_reference(cfg, init, STEPS)
         runs += ["--run", f"{name}={init}"]
     ds = write_config(tmp_path / "ds.json", base="ds_pp2_tp2_sp.json", tensor_parallel={"size": 2, "sequence_parallel": sp})
+    # without SP, llama-tiny once more under a recompute mode per layer (issue 36): the same losses
+    modes = ["none", "selective", "full", "none", "full", "selective", "none"]
+    if not sp:
+        per_layer = write_config(tmp_path / "per-layer.json", base="ds_pp2_tp2_sp.json",
+                                 tensor_parallel={"size": 2, "sequence_parallel": sp}, train={"recompute": modes})
+        runs += ["--run", f"per-layer recompute: --model llama-tiny --init-from {tmp_path / 'init-llama-tiny.pt'} "
+                          f"--deepspeed_config {per_layer}"]
     proc, ranks = launch(4, ds, "--steps", str(STEPS), *runs, out_dir=tmp_path, cwd=tmp_path,
                          script="tests/models_in_turn.py", timeout=360)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if not sp:
+        got, (want_losses, want_norms) = ranks[0]["runs"]["per-layer recompute"], want["llama-tiny"]
+        assert got["recompute"] == modes
+        built = {int(i): m for r in ranks.values() for i, m in r["runs"]["per-layer recompute"]["recomputed_layers"].items()}
+        assert built == {i: m for i, m in enumerate(modes) if m != "none"}  # as DeepSpeed and the layers run them
+        assert ranks[0]["runs"]["llama-tiny"]["recomputed_layers"] == {}
+        assert got["losses"][0] == pytest.approx(want_losses[0], rel=1e-5)
+        assert got["grad_norms"][0] == pytest.approx(want_norms[0], rel=1e-5)
+        assert got["losses"] == pytest.approx(want_losses, rel=1e-4)
     for name in MODELS:
         got = ranks[0]["runs"][name]
         want_losses, want_norms = want[name]

@@ -1,7 +1,7 @@
 """Where a rank sits in DeepSpeed's pipeline, and which layers it builds.
 
-Reads ``PipelineModule._topo``, ``._grid``, ``._layer_specs``, ``._local_start``/``._local_stop``
-and calls ``._set_bounds``: DeepSpeed-private, see ``ds_pipe_ext.compat``.
+Reads ``PipelineModule._topo``, ``._grid``, ``._layer_specs``, ``._local_start``/``._local_stop``,
+``.forward_funcs`` and calls ``._set_bounds``: DeepSpeed-private, see ``ds_pipe_ext.compat``.
 """
 
 from __future__ import annotations
@@ -65,6 +65,26 @@ def local_layer_range(module) -> tuple[int, int]:
 def set_local_layers(module, start: int, stop: int) -> None:
     """Make this rank build layers [start, stop) (before DeepSpeed's ``_build``)."""
     module._set_bounds(start=start, stop=stop)
+
+
+def layer_index_of(module, func) -> int:
+    """The global layer index of one of this stage's forward functions.  DeepSpeed 0.19 (tested 0.19.8)
+    asks ``_is_checkpointable(funcs)`` with ``forward_funcs[start:end]`` of a stage (one at a time at
+    interval 1, precomputed when the engine is built)."""
+    return module._local_start + next(k for k, g in enumerate(module.forward_funcs) if g is func)
+
+
+def checkpointed_layers(module) -> list[int]:
+    """The global indices of this stage's layers DeepSpeed's forward runs under its activation checkpoint:
+    ``is_checkpointable_results``, one answer per run of ``activation_checkpoint_interval`` layers, as the
+    engine precomputed them (DeepSpeed 0.19, tested 0.19.8)."""
+    interval = module.activation_checkpoint_interval
+    if not interval:
+        return []
+    start, stop = local_layer_range(module)
+    n = len(module.forward_funcs)
+    return [start + k for run, checkpointed in zip(range(0, n, interval), module.is_checkpointable_results)
+            if checkpointed for k in range(run, min(run + interval, n))]
 
 
 def local_layers(module) -> Iterator[tuple[int, nn.Module]]:

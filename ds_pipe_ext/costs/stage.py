@@ -74,6 +74,24 @@ def recompute_modes(costs: Sequence) -> list[list]:
     return out
 
 
+def with_layer_recompute(costs: Sequence, modes: Sequence[str], *, selective_built: bool) -> list:
+    """``costs`` as each layer runs under its recompute mode: "full" keeps the layer's input (the previous
+    layer's output) and replays its forward in the backward; "selective" keeps what its attention core does
+    not and replays that core, unless the costs were measured on layers built that way
+    (``selective_built``: a profile of the layers as they run)."""
+    from dataclasses import replace
+
+    out = []
+    for i, (c, mode) in enumerate(zip(costs, modes)):
+        if mode == "full":
+            c = replace(c, activation_bytes=int(costs[i - 1].output_bytes) if i else 0,
+                        backward_s=c.backward_s + c.recompute_s, recompute_s=0.0)
+        elif mode == "selective" and not selective_built and c.selective_kept_bytes is not None:
+            c = replace(c, activation_bytes=c.selective_kept_bytes, backward_s=c.backward_s + c.selective_replay_s)
+        out.append(c)
+    return out
+
+
 def replayed(cost, *, recompute: bool) -> bool:
     """Whether backward replays this layer's forward: under activation checkpointing, a layer that
     has a replay cost (``StageCost.recomputed_layers``, the step model's cost per replayed layer)."""

@@ -9,12 +9,14 @@ fails (an infeasible memory cap, say), every rank raises the same error instead 
 waiting forever in a collective.
 
 Private DeepSpeed state is reached through ``ds_pipe_ext.compat`` only; the
-``_partition_layers`` override below is the one exception subclassing requires.
+``_partition_layers`` and ``_is_checkpointable`` overrides below are the exceptions subclassing requires.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+
 import torch
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
@@ -26,6 +28,7 @@ from ..costs.model import CostModel
 from ..costs.profiler import profile_layers
 from ..costs.estimate import DTYPE_BYTES
 from ..costs.peak import PipelinePeakRule, ZeroSettings
+from ..costs.stage import with_layer_recompute
 from ..costs.zero import layer_states_by_rule
 from ..layout import Layout, LayoutError
 from ..partition import PartitionError
@@ -35,6 +38,7 @@ from ..simulate.step_model import StepModel
 from .config import PipelineSettings
 from .decide import decide_and_broadcast
 from .freeze import frozen_flags
+from .recompute import with_selective_recompute
 from . import schedules as _engine_order  # noqa: F401 - hands the step model DeepSpeed's order of instructions
 
 log = logging.getLogger(__name__)
@@ -66,6 +70,10 @@ class PipelineModule(_DeepSpeedPipelineModule):
             is the cost model's to know (a family's ``cost_model(cfg, impl)``, ``models.costs``).
         expert_parallel: the EP degree of DeepSpeed MoE layers among ``layers`` (their ``ep_size``): their
             experts' gradients and optimizer states partition over dp / ep ranks.
+        recompute: one mode per layer, "none", "selective" (attention's core replayed: a ``LayerSpec`` whose
+            layer takes ``selective_recompute``) or "full" (the layer's forward replayed, through DeepSpeed's
+            own checkpointing at interval 1: ``_is_checkpointable`` answers per layer).  Nothing is wrapped,
+            so a checkpoint saved under one choice loads under another.  Not with an interval.
     """
 
     def __init__(
@@ -85,6 +93,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         zero_stage: int = 0,
         zero_optimization: dict | None = None,
         expert_parallel: int = 1,
+        recompute: Sequence[str] | None = None,
         **deepspeed_kwargs,
     ):
         settings = settings or PipelineSettings(stages=num_stages or 1)
@@ -92,6 +101,11 @@ class PipelineModule(_DeepSpeedPipelineModule):
         interval = settings.activation_checkpoint_interval if activation_checkpoint_interval is None else activation_checkpoint_interval
         stages = topology.get_dim("pipe") if topology is not None else num_stages
         layers = list(layers)
+        self._ext_layer_recompute = None
+        if recompute is not None:
+            layers = with_selective_recompute(layers, recompute, interval)
+            self._ext_layer_recompute = list(recompute)
+            interval = 1 if "full" in recompute else 0  # DeepSpeed asks _is_checkpointable layer by layer
         # Everything that can be checked without communication fails here, identically on every rank.
         spec, _ = lookup(method)
         if stages is not None and stages > len(layers):
@@ -129,7 +143,8 @@ class PipelineModule(_DeepSpeedPipelineModule):
         self._ext_expert_parallel = expert_parallel
         self._ext_zero = ZeroSettings.from_ds_config({"zero_optimization": {**(zero_optimization or {}),
                                                                              "stage": zero_stage}})
-        self._ext_recompute = interval > 0
+        # every layer checkpointed by an interval (a mode per layer is in the layers' costs instead)
+        self._ext_recompute = interval > 0 and self._ext_layer_recompute is None
         if interval > 0 and settings.use_reentrant is not True and "activation_checkpoint_func" not in deepspeed_kwargs:
             # DeepSpeed's default (reentrant) checkpoint drops the gradient of a first layer whose input
             # needs none (an embedding's token ids) and so checkpoints only some layers; the
@@ -148,6 +163,13 @@ class PipelineModule(_DeepSpeedPipelineModule):
             activation_checkpoint_interval=interval,
             **deepspeed_kwargs,
         )
+
+    def _is_checkpointable(self, funcs) -> bool:
+        """DeepSpeed's question at interval 1 (``_precompute_checkpointable_values``, asked once per layer):
+        with a mode per layer, whether this one is "full"."""
+        if self._ext_layer_recompute is None:
+            return super()._is_checkpointable(funcs)
+        return all(self._ext_layer_recompute[ds_engine.layer_index_of(self, f)] == "full" for f in funcs)
 
     # DeepSpeed calls this from its __init__, after the topology and groups exist.
     def get_additional_losses(self):
@@ -198,6 +220,8 @@ class PipelineModule(_DeepSpeedPipelineModule):
                 f"its layer_costs must return one LayerCost per layer (or use partition_method 'profiled')"
             )
         costs = freeze_costs(costs, frozen, measured=source == "profiled") if any(frozen) else costs
+        if self._ext_layer_recompute is not None:  # profiled layers are built as they will run
+            costs = with_layer_recompute(costs, self._ext_layer_recompute, selective_built=source == "profiled")
         # model states as DeepSpeed allocates them for this run's ZeRO stage and data-parallel degree;
         # the profile runs fp32, the analytic source its own dtype (16 bits: with fp32 masters)
         element = DTYPE_BYTES[self._ext_settings.analytic.dtype] if source == "analytic" else 4

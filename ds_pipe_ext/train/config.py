@@ -37,7 +37,9 @@ class TrainSection(ConfigModel):
     data: str | None = None  # a Megatron indexed dataset (PATH.bin + PATH.idx); None: synthetic tokens
     save_interval: int = Field(0, ge=0)  # with --save: every N steps (0: after the last step only)
     keep_last: int = Field(2, ge=1)  # complete checkpoints kept; older ones are deleted
-    recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
+    # activation recomputation: one mode for every layer, or one per pipeline layer (a plan's choice per
+    # stage; selective where the layer has an attention core, full through DeepSpeed's own checkpointing)
+    recompute: Literal["none", "selective", "full"] | list[Literal["none", "selective", "full"]] = "none"
     log: Literal["auto", "progress", "json"] = "auto"  # auto: a progress bar on a terminal, JSON lines otherwise
     # per-rank memory cap: after every step each rank compares its peak with it (allocator peak on
     # GPU; on CPU the tensors it held, counted by the instrumentation, which it therefore needs);
@@ -149,6 +151,15 @@ def build_run_config(ds: dict, *, train: dict | None = None, pipeline: dict | No
     pipe_cfg = None
     if "pipeline" in ds:
         merged = _merge(ds.get("pipeline"), pipe_overrides, "pipeline")
+        if isinstance(train_cfg.recompute, list):
+            if merged.get("activation_checkpoint_interval", 0):
+                raise ConfigError("train.recompute gives a mode per layer and pipeline.activation_checkpoint_interval "
+                                  "checkpoints every run of layers: keep one (remove the interval, or make "
+                                  "train.recompute one mode)")
+            if "activation_checkpointing" in ds:
+                raise ConfigError("train.recompute gives a mode per layer, recomputed by DeepSpeed's non-reentrant "
+                                  "checkpoint, and DeepSpeed's activation_checkpointing section configures its "
+                                  "reentrant one (partition_activations, cpu_checkpointing): keep one")
         if train_cfg.recompute == "full":
             if merged.get("activation_checkpoint_interval", 1) not in (0, 1):
                 raise ConfigError('train.recompute = "full" recomputes every layer: remove '
@@ -156,6 +167,9 @@ def build_run_config(ds: dict, *, train: dict | None = None, pipeline: dict | No
             merged["activation_checkpoint_interval"] = 1
         pipe_cfg = parse_section(PipelineSettings, merged, "pipeline")
         ds["pipeline"] = merged
+    if isinstance(train_cfg.recompute, list) and pipe_cfg is None:
+        raise ConfigError("train.recompute gives a mode per pipeline layer, but this ds.json has no \"pipeline\" "
+                          "section (it trains data parallel): give one mode, or add a pipeline")
     instrumented = (pipe_cfg.instrument.enabled if pipe_cfg is not None
                     else bool({**(instrument_section or {}), **(instrument or {})}.get("enabled")))
     if train_cfg.memory_cap_gib is not None and not instrumented:

@@ -138,6 +138,7 @@ class Trainer:
 def summarize(built: Built, losses: list[float], step_times: list[float]) -> dict:
     """What the run measured (a pure function of the build and the loop's figures)."""
     from ..compat.engine import coordinates, local_layer_range
+    from ..pipe.recompute import built_recompute
 
     cfg, layout = built.cfg, built.layout
     # step 1 pays for warm-up; a step whose allocations were traced (instrument.peak_step) for profiling
@@ -162,6 +163,8 @@ def summarize(built: Built, losses: list[float], step_times: list[float]) -> dic
         "samples_per_s": global_batch / statistics.median(timed),
         "global_batch": global_batch, "grad_norms": built.grad_norms,
         "tensor_parallel": layout.tp, "sequence_parallel": layout.sp, "recompute": cfg.train.recompute,
+        # what this rank's layers recompute as built ({layer: "full" | "selective"})
+        "recomputed_layers": ({str(i): m for i, m in built_recompute(built.model).items()} if pipelined else None),
         "data": cfg.train.data or "synthetic",
     }
 

@@ -1,0 +1,76 @@
+"""One recompute mode per pipeline layer, built into the layers DeepSpeed's ``PipelineModule`` makes.
+
+    none        the layer keeps what autograd saves
+    selective   attention's core is replayed in the backward (the layer takes ``selective_recompute``)
+    full        the layer keeps its input and replays its forward: DeepSpeed's own activation
+                checkpointing at interval 1, answered per layer (``PipelineModule._is_checkpointable``)
+
+Nothing is wrapped: state-dict keys are the same under every choice, so a checkpoint saved under one
+loads under another.  Everything here is checked before any layer is built, identically on every rank.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+from deepspeed.pipe import LayerSpec
+
+from ..partition import PartitionError
+
+MODES = ("none", "selective", "full")
+
+
+def supports_selective(layer) -> bool:
+    """A ``LayerSpec`` whose layer takes ``selective_recompute`` (ds_pipe_ext's GPT, Llama and MoE blocks)."""
+    if not isinstance(layer, LayerSpec) or type(layer) is not LayerSpec:
+        return False
+    try:
+        return "selective_recompute" in inspect.signature(layer.typename).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def built_recompute(module) -> dict[int, str]:
+    """What this stage's built layers recompute, read back from them: {global layer index: "full" (run under
+    DeepSpeed's checkpoint) or "selective" (an attention that replays its core)}; layers without, left out."""
+    from ..compat import engine as ds_engine
+
+    out = {i: "selective" for i, layer in ds_engine.local_layers(module)
+           if any(getattr(m, "selective_recompute", False) for m in layer.modules())}
+    out.update({i: "full" for i in ds_engine.checkpointed_layers(module)})
+    return dict(sorted(out.items()))
+
+
+def with_selective_recompute(layers: list, recompute: Sequence[str], interval: int) -> list:
+    """``layers`` with each "selective" one rebuilt to replay its attention core; the errors name the fix."""
+    modes = list(recompute)
+    if len(modes) != len(layers):
+        raise PartitionError(f"recompute gives {len(modes)} modes for {len(layers)} pipeline layers: give one per "
+                             f"layer (embedding, blocks, head)")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise PartitionError(f"recompute mode(s) {unknown}: use {', '.join(MODES)}")
+    if interval:
+        raise PartitionError(f"a recompute mode per layer and activation_checkpoint_interval = {interval} both say "
+                             f"which layers replay their forward: keep one")
+    unsupported = [i for i, (mode, layer) in enumerate(zip(modes, layers))
+                   if mode == "selective" and not supports_selective(layer)]
+    if unsupported:
+        raise PartitionError(f"layer(s) {unsupported} have no selective recompute (only ds_pipe_ext's blocks replay "
+                             f"their attention core; Hugging Face layers, embeddings and heads do not): give them "
+                             f"\"none\" or \"full\"")
+    out = list(layers)
+    for i, mode in enumerate(modes):
+        if mode == "selective":
+            spec = layers[i]
+            args = list(spec.module_args)
+            # a family passes the flag as the layer's third positional argument (cfg, impl, flag) or not at all
+            params = list(inspect.signature(spec.typename).parameters)
+            at = params.index("selective_recompute")
+            if len(args) > at:
+                args[at] = True
+                out[i] = LayerSpec(spec.typename, *args, **spec.module_kwargs)
+            else:
+                out[i] = LayerSpec(spec.typename, *args, **{**spec.module_kwargs, "selective_recompute": True})
+    return out
