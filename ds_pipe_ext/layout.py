@@ -261,6 +261,8 @@ class Layout:
         recompute = section("train").get("recompute", "none")
         if isinstance(recompute, list):  # one mode per layer: the layout says the one all share, else none
             recompute = recompute[0] if recompute and len(set(recompute)) == 1 else "none"
+        if recompute == "auto":  # decided with the split (the run's summary and report say what)
+            recompute = "none"
         if recompute == "none" and pipe.get("activation_checkpoint_interval", 0):
             recompute = "full"
         offload = (zero.get("offload_optimizer") or {}).get("device") == "cpu"

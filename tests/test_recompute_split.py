@@ -29,10 +29,12 @@ def random_instance(rng: random.Random):
     m = rng.randint(1, 8)
     inflight = [min(p - s, m) for s in range(p)]
     reserve = [rng.uniform(0.0, 2.0) for _ in range(p)]
-    return times, static, options, p, inflight, reserve
+    # half the instances: the optimizer step's bytes per layer, a second bound whatever the modes
+    step = [rng.uniform(0.0, 12.0) for _ in range(n)] if rng.random() < 0.5 else None
+    return times, static, options, p, inflight, reserve, step
 
 
-def brute_stage(times, static, options, i, j, budget_cap, inflight, reserve):
+def brute_stage(times, static, options, i, j, budget_cap, inflight, reserve, step):
     """(least stage time, least memory) over every choice of modes of layers i..j-1 fitting the cap."""
     layers = options[i:j]
     choice = np.array(list(itertools.product(*[range(len(layer)) for layer in layers])))
@@ -43,16 +45,17 @@ def brute_stage(times, static, options, i, j, budget_cap, inflight, reserve):
     memory = (sum(static[i:j]) + inflight * kept[rows, choice].sum(axis=1) + replay[rows, choice].max(axis=1)
               + reserve)
     time = sum(times[i:j]) + rtime[rows, choice].sum(axis=1)
-    fits = memory <= budget_cap
-    return (float(time[fits].min()) if fits.any() else np.inf), float(memory.min())
+    at_step = sum(step[i:j]) if step else 0.0
+    fits = (memory <= budget_cap) & (at_step <= budget_cap)
+    return (float(time[fits].min()) if fits.any() else np.inf), max(float(memory.min()), at_step)
 
 
-def brute_force(times, static, options, p, cap, inflight, reserve):
+def brute_force(times, static, options, p, cap, inflight, reserve, step):
     n = len(times)
     best, best_parts, least_cap = np.inf, None, np.inf
     for cuts in itertools.combinations(range(1, n), p - 1):  # lexicographic order of parts
         parts = [0, *cuts, n]
-        stages = [brute_stage(times, static, options, parts[s], parts[s + 1], cap, inflight[s], reserve[s])
+        stages = [brute_stage(times, static, options, parts[s], parts[s + 1], cap, inflight[s], reserve[s], step)
                   for s in range(p)]
         value = max(t for t, _ in stages)
         least_cap = min(least_cap, max(mem for _, mem in stages))
@@ -65,19 +68,19 @@ def test_the_joint_split_is_brute_forces_on_300_random_instances():
     rng = random.Random(2026)
     infeasible = solved = 0
     for trial in range(300):
-        times, static, options, p, inflight, reserve = random_instance(rng)
-        _, _, least_cap = brute_force(times, static, options, p, np.inf, inflight, reserve)
+        times, static, options, p, inflight, reserve, step = random_instance(rng)
+        _, _, least_cap = brute_force(times, static, options, p, np.inf, inflight, reserve, step)
         cap = least_cap * rng.choice([0.9, 0.999, 1.001, 1.05, 1.3, 2.0, 10.0])  # not on the boundary's rounding
-        want, want_parts, _ = brute_force(times, static, options, p, cap, inflight, reserve)
+        want, want_parts, _ = brute_force(times, static, options, p, cap, inflight, reserve, step)
+        kw = dict(inflight=inflight, reserve=reserve, step_bytes=step)
         if want == np.inf:
             with pytest.raises(InfeasibleMemoryCap) as err:
-                partition_with_recompute(times, static, options, p, memory_cap=cap, inflight=inflight, reserve=reserve)
+                partition_with_recompute(times, static, options, p, memory_cap=cap, **kw)
             assert err.value.min_feasible_cap == pytest.approx(least_cap, rel=1e-9), trial
-            partition_with_recompute(times, static, options, p, memory_cap=least_cap * (1 + 1e-9), inflight=inflight,
-                                     reserve=reserve)  # the smallest cap it names fits
+            partition_with_recompute(times, static, options, p, memory_cap=least_cap * (1 + 1e-9), **kw)  # it fits
             infeasible += 1
             continue
-        got = partition_with_recompute(times, static, options, p, memory_cap=cap, inflight=inflight, reserve=reserve)
+        got = partition_with_recompute(times, static, options, p, memory_cap=cap, **kw)
         assert got.bottleneck == pytest.approx(want, rel=1e-9), trial
         assert got.parts == want_parts, trial
         # what it returns is what it claims: each stage's time and memory from its modes, all under the cap

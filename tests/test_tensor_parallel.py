@@ -128,6 +128,32 @@ def test_tp_parity_with_single_process(tmp_path, sp, tied):
     assert len(want["qwen3-tiny"][2]) == 6  # q and k norms of 3 blocks
 
 
+def auto_recompute_cap() -> float:
+    """A cap (GiB) between the smallest any split of llama-tiny fits with recompute chosen per layer and the
+    smallest without, by the costs the PP 2 x TP 2 launch's analytic partition computes (micro-batch 4, 4
+    micro-batches, fp32, ZeRO-0)."""
+    from ds_pipe_ext.costs.hardware import get_device
+    from ds_pipe_ext.costs.peak import PipelinePeakRule, ZeroSettings
+    from ds_pipe_ext.costs.zero import layer_states_by_rule
+    from ds_pipe_ext.models import family_of
+    from ds_pipe_ext.models.layers import LOCAL
+    from ds_pipe_ext.partition import InfeasibleMemoryCap, partition_jointly, partition_min_max
+    from ds_pipe_ext.train.data import SyntheticTokens
+
+    cfg = tiny(False, "llama-tiny")
+    tokens = next(SyntheticTokens(cfg.vocab_size, 4, cfg.seq_len, seed=0))[0]
+    costs = family_of(cfg).cost_model(cfg, LOCAL).layer_costs(tokens, tp=2, device=get_device("cpu"), dtype="fp32")
+    costs = layer_states_by_rule(costs, stage=0, dp=1, element_bytes=4)
+    rule = PipelinePeakRule(ZeroSettings.from_ds_config({"zero_optimization": {"stage": 0}}), 1, 4)
+    least = []
+    for split in (partition_jointly, partition_min_max):
+        with pytest.raises(InfeasibleMemoryCap) as err:
+            split(costs, 2, memory_cap_gib=1e-6, micro_batches=4, peak_rule=rule)
+        least.append(err.value.min_feasible_cap / 2**30)
+    assert least[0] < least[1]
+    return sum(least) / 2
+
+
 def serial_reference(cfg, weights_path, steps, *, micro_batch=4, gas=4, seed=1234, lr=3e-4):
     """What train.py computes in one process: same data stream as DP rank 0, mean of the micro-batch losses."""
     from ds_pipe_ext.models import family_of
@@ -179,6 +205,17 @@ def test_pp2_tp2_parity_through_deepspeed(tmp_path, sp):
                                  tensor_parallel={"size": 2, "sequence_parallel": sp}, train={"recompute": modes})
         runs += ["--run", f"per-layer recompute: --model llama-tiny --init-from {tmp_path / 'init-llama-tiny.pt'} "
                           f"--deepspeed_config {per_layer}"]
+        # recompute="auto": the modes chosen with the analytic split under a cap that no split fits without
+        # recompute; and under a cap nothing fits, the same error on every rank naming the smallest cap
+        cap = auto_recompute_cap()
+        for name, gib in (("auto", cap), ("auto infeasible", cap / 100)):
+            file = name.replace(" ", "-")
+            auto = write_config(tmp_path / f"{file}.json", base="ds_pp2_tp2_sp.json",
+                                tensor_parallel={"size": 2, "sequence_parallel": False}, train={"recompute": "auto"},
+                                pipeline={"partition_method": "analytic", "memory_cap_gib": gib,
+                                          "instrument": {"enabled": True, "run_dir": str(tmp_path / file)}})
+            runs += ["--run", f"{name}: --model llama-tiny --init-from {tmp_path / 'init-llama-tiny.pt'} "
+                              f"--deepspeed_config {auto}"]
     proc, ranks = launch(4, ds, "--steps", str(STEPS), *runs, out_dir=tmp_path, cwd=tmp_path,
                          script="tests/models_in_turn.py", timeout=360)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -188,6 +225,21 @@ def test_pp2_tp2_parity_through_deepspeed(tmp_path, sp):
         built = {int(i): m for r in ranks.values() for i, m in r["runs"]["per-layer recompute"]["recomputed_layers"].items()}
         assert built == {i: m for i, m in enumerate(modes) if m != "none"}  # as DeepSpeed and the layers run them
         assert ranks[0]["runs"]["llama-tiny"]["recomputed_layers"] == {}
+        from ds_pipe_ext.instrument.report import build_report, render_report_table
+        from ds_pipe_ext.instrument.rundir import RunDir
+
+        chosen = RunDir(tmp_path / "auto").read_predicted().layer_recompute
+        assert len(chosen) == 7 and set(chosen) - {"none"}, chosen
+        built = {int(i): m for r in ranks.values() for i, m in r["runs"]["auto"]["recomputed_layers"].items()}
+        assert built == {i: m for i, m in enumerate(chosen) if m != "none"}
+        got = ranks[0]["runs"]["auto"]
+        assert got["losses"][0] == pytest.approx(want_losses[0], rel=1e-5)
+        assert got["losses"] == pytest.approx(want_losses, rel=1e-4)
+        table = render_report_table(build_report(tmp_path / "auto"))
+        assert "recompute per stage" in table and "of cap" in table
+        error = ranks[0]["runs"]["auto infeasible"]["error"]
+        assert "the smallest cap that admits a partition is" in error
+        assert all(r["runs"]["auto infeasible"]["error"] == error for r in ranks.values())
         assert got["losses"][0] == pytest.approx(want_losses[0], rel=1e-5)
         assert got["grad_norms"][0] == pytest.approx(want_norms[0], rel=1e-5)
         assert got["losses"] == pytest.approx(want_losses, rel=1e-4)

@@ -57,6 +57,11 @@ def layer_specs(module) -> list:
     return module._layer_specs
 
 
+def set_layer_specs(module, specs: list) -> None:
+    """Replace the layers DeepSpeed will build (between its partition and its ``_build``)."""
+    module._layer_specs = list(specs)
+
+
 def local_layer_range(module) -> tuple[int, int]:
     """[start, stop) of the layers this rank's stage builds."""
     return module._local_start, module._local_stop

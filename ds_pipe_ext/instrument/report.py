@@ -117,6 +117,14 @@ def build_report(run_dir: str | Path) -> dict:
         "bottleneck_stage_memory": max(range(p), key=lambda s: rows[s]["meas_memory_bytes"]),
         "predicted_bubble_fraction": step.simulation.bubble_fraction,
     }
+    if pred.layer_recompute is not None:  # what each stage recomputes, and its measured peak against the cap
+        for r, st in zip(rows, stages):
+            i, j = r["layers"]
+            r["recompute"] = {k: pred.layer_recompute[k] for k in range(i, j) if pred.layer_recompute[k] != "none"}
+            traced = (st.get("step_peak") or {}).get("peak_bytes")
+            r["meas_peak_bytes"], r["meas_peak_source"] = ((traced, "traced") if traced
+                                                           else (r["meas_memory_bytes"], "states + activations"))
+    summary["memory_cap_gib"] = pred.memory_cap_gib
     routed = [st["expert_imbalance_mean"] for st in stages if "expert_imbalance_mean" in st]
     summary["expert_imbalance"] = sum(routed) / len(routed) if routed else None
     return {"summary": summary, "stages": rows, "routers": router_rows(stages)}
@@ -135,6 +143,11 @@ def router_rows(stages: list[dict]) -> list[dict]:
                          "dropped_fraction": st.get("dropped_token_fraction_mean", 0.0),
                          "loss_terms": st.get("loss_terms", {})})
     return rows
+
+
+def _layer_list(modes: dict, mode: str) -> str:
+    chosen = [str(k) for k, m in modes.items() if m == mode]
+    return ",".join(chosen) if chosen else "-"
 
 
 def render_report_table(rep: dict) -> str:
@@ -170,6 +183,15 @@ def render_report_table(rep: dict) -> str:
         f"step (1F1B, bubble {100 * s['predicted_bubble_fraction']:.0f}%): predicted {s['predicted_step_ms']:.1f} ms, "
         f"measured {s['measured_step_ms']:.1f} ms, error {s['step_error_pct']:+.1f}%",
     ]
+    if any("recompute" in r for r in rows):
+        cap = s.get("memory_cap_gib")
+        lines += ["", "recompute per stage (a mode per layer" + (f"; the split's memory cap {cap:.4g} GiB = {cap * 1024:.1f} MiB" if cap else "")
+                  + "): layers replaying their forward (full) or attention core (selective), and the measured peak"]
+        lines += render_table(
+            ["stage", "full", "selective", "peak MiB", "measured as"] + (["of cap"] if cap else []),
+            [[str(r["stage"]), _layer_list(r["recompute"], "full"), _layer_list(r["recompute"], "selective"),
+              f"{r['meas_peak_bytes'] / MIB:.1f}", r["meas_peak_source"]]
+             + ([f"{100 * r['meas_peak_bytes'] / (cap * 2**30):.0f}%"] if cap else []) for r in rows])
     routers = rep.get("routers") or []
     if routers:
         terms = routers[-1]["loss_terms"]

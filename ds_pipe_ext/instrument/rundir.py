@@ -33,6 +33,8 @@ class Predicted:
     refined_from: str | None = None
     overheads: dict | None = None  # measured per-stage extras (instrument.refine.measured_overheads)
     layout: dict | None = None  # the ``layout.Layout`` the run ran (its to_dict); None in older run directories
+    layer_recompute: list[str] | None = None  # a recompute mode per layer (given, or "auto"'s choice); None: none
+    memory_cap_gib: float | None = None  # the cap the split (and "auto"'s modes) fit each stage's peak under
 
     @property
     def schedule(self) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from ..costs.stage import held_activation_bytes
 from .algorithms import InfeasibleMemoryCap, PartitionError, partition_min_max_lists
 
-__all__ = ["partition_min_max", "PartitionError", "InfeasibleMemoryCap", "cost_lists"]
+__all__ = ["partition_min_max", "partition_jointly", "PartitionError", "InfeasibleMemoryCap", "cost_lists"]
 
 GIB = 2**30
 
@@ -103,3 +103,27 @@ def partition_min_max(
         stage_reserve_bytes=reserve,
         step_bytes=step,
     )
+
+
+def partition_jointly(costs: Sequence, num_stages: int, *, memory_cap_gib: float, micro_batches: int | None = None,
+                      schedule: str = "1f1b", peak_rule=None):
+    """The split and each layer's recompute mode together (``partition.recompute``): the smallest slowest
+    stage, layer times plus the forwards replayed, such that every stage's peak fits the cap (with
+    ``peak_rule``: its layers' states as held in a backward, its reserve and its optimizer step, as
+    ``partition_min_max``'s cap; the modes each layer offers: ``costs.stage.recompute_modes``).  Returns
+    a ``partition.recompute.JointSplit`` (parts, a mode per layer, the stages' times and memory)."""
+    from ..costs.stage import in_flight, recompute_modes
+    from .recompute import partition_with_recompute
+
+    costs = list(costs)
+    m = micro_batches or num_stages
+    if peak_rule is not None:
+        static = [float(c.static_bytes) for c in peak_rule.layer_states(costs)]
+        reserve = peak_rule.stage_reserves(costs, num_stages, micro_batches=m)
+        step = peak_rule.step_bytes(costs)
+    else:
+        static, reserve, step = [float(c.static_bytes) for c in costs], None, None
+    return partition_with_recompute([c.time_s() for c in costs], static, recompute_modes(costs), num_stages,
+                                    memory_cap=memory_cap_gib * GIB,
+                                    inflight=[in_flight(s, num_stages, m, schedule) for s in range(num_stages)],
+                                    reserve=reserve, step_bytes=step)

@@ -14,7 +14,8 @@ Stage s holding layers [i, j) with one mode each costs
     time   = sum(time[i:j]) + sum(replay_time)
     memory = sum(static[i:j]) + inflight[s] * sum(kept_bytes) + max(replay_bytes) + reserve[s]
 
-(a backward replays one layer at a time, so only the largest replay adds to the peak).
+(a backward replays one layer at a time, so only the largest replay adds to the peak), and, where given,
+sum(step[i:j]) <= cap too (the optimizer step's bytes, whatever the modes).
 
 The cheapest modes for one stage (``cheapest_modes``) are a multiple-choice knapsack with a max term.
 For each candidate largest replay R (one of the stage's own values, smallest first), only modes replaying
@@ -104,7 +105,8 @@ def _cheapest_modes(options: tuple, budget: float, inflight: int) -> tuple[float
 def partition_with_recompute(times: Sequence[float], static_bytes: Sequence[float],
                              options: Sequence[Sequence[RecomputeMode]], num_stages: int, *,
                              memory_cap: float, inflight: Sequence[int],
-                             reserve: Sequence[float] | None = None) -> JointSplit:
+                             reserve: Sequence[float] | None = None,
+                             step_bytes: Sequence[float] | None = None) -> JointSplit:
     """The split into ``num_stages`` stages and a recompute mode per layer with the smallest slowest stage
     (layer times plus replays) such that every stage fits ``memory_cap``; ``inflight[s]``: micro-batches
     stage s holds (``costs.stage.in_flight``); ``reserve[s]``: what it holds whatever its layers.
@@ -120,14 +122,17 @@ def partition_with_recompute(times: Sequence[float], static_bytes: Sequence[floa
     if any(not layer for layer in options):
         raise PartitionError("every layer needs at least one recompute mode (none)")
     reserve = [0.0] * p if reserve is None else list(reserve)
-    prefix_t, prefix_m = [0.0], [0.0]
-    for t, m in zip(times, static_bytes):
+    prefix_t, prefix_m, prefix_step = [0.0], [0.0], [0.0]
+    for t, m, b in zip(times, static_bytes, step_bytes or [0.0] * n):
         prefix_t.append(prefix_t[-1] + t)
         prefix_m.append(prefix_m[-1] + m)
+        prefix_step.append(prefix_step[-1] + b)
     frozen = tuple(tuple(layer) for layer in options)
 
     @lru_cache(maxsize=None)
     def stage(s: int, i: int, j: int) -> tuple[float, tuple[int, ...]] | None:
+        if prefix_step[j] - prefix_step[i] > memory_cap:
+            return None
         budget = memory_cap - reserve[s] - (prefix_m[j] - prefix_m[i])
         found = _cheapest_modes(frozen[i:j], budget, inflight[s])
         if found is None:
@@ -155,7 +160,7 @@ def partition_with_recompute(times: Sequence[float], static_bytes: Sequence[floa
             best[s][i] = min(max(cost(s, i, j), best[s + 1][j]) for j in {max(lo, a - 1), a})
     bound = best[0][0]
     if bound == INF:
-        raise InfeasibleMemoryCap(memory_cap, _smallest_cap(frozen, prefix_m, inflight, reserve, n, p))
+        raise InfeasibleMemoryCap(memory_cap, _smallest_cap(frozen, prefix_m, prefix_step, inflight, reserve, n, p))
     # the lexicographically smallest parts within the bound: each stage ends at the first j whose rest
     # fits the bound (best[s + 1][j] only falls with j, and the stage's cost there is within it)
     parts, modes, stage_times, stage_memory = [0], [], [], []
@@ -179,7 +184,7 @@ def partition_with_recompute(times: Sequence[float], static_bytes: Sequence[floa
     return JointSplit(parts, modes, best[0][0], stage_times, stage_memory)
 
 
-def _smallest_cap(options, prefix_m, inflight, reserve, n: int, p: int) -> float:
+def _smallest_cap(options, prefix_m, prefix_step, inflight, reserve, n: int, p: int) -> float:
     """The smallest cap any split fits with its leanest modes: min over splits of the most any stage needs."""
     @lru_cache(maxsize=None)
     def need(s: int, i: int, j: int) -> float:
@@ -187,7 +192,7 @@ def _smallest_cap(options, prefix_m, inflight, reserve, n: int, p: int) -> float
         lean = min(inflight[s] * sum(min(m.kept_bytes for m in layer if m.replay_bytes <= r) for layer in layers) + r
                    for r in sorted({m.replay_bytes for layer in layers for m in layer})
                    if all(any(m.replay_bytes <= r for m in layer) for layer in layers))
-        return prefix_m[j] - prefix_m[i] + reserve[s] + lean
+        return max(prefix_m[j] - prefix_m[i] + reserve[s] + lean, prefix_step[j] - prefix_step[i])
 
     best = [[INF] * (n + 1) for _ in range(p + 1)]
     best[p][n] = 0.0

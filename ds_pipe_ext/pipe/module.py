@@ -31,14 +31,14 @@ from ..costs.peak import PipelinePeakRule, ZeroSettings
 from ..costs.stage import with_layer_recompute
 from ..costs.zero import layer_states_by_rule
 from ..layout import Layout, LayoutError
-from ..partition import PartitionError
+from ..partition import PartitionError, partition_jointly
 from ..partition.methods import PartitionRequest, lookup
 from ..partition.report import PartitionPlan, build_plan
 from ..simulate.step_model import StepModel
 from .config import PipelineSettings
 from .decide import decide_and_broadcast
 from .freeze import frozen_flags
-from .recompute import with_selective_recompute
+from .recompute import check_auto_recompute, with_selective_recompute
 from . import schedules as _engine_order  # noqa: F401 - hands the step model DeepSpeed's order of instructions
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ class PipelineModule(_DeepSpeedPipelineModule):
         recompute: one mode per layer, "none", "selective" (attention's core replayed: a ``LayerSpec`` whose
             layer takes ``selective_recompute``) or "full" (the layer's forward replayed, through DeepSpeed's
             own checkpointing at interval 1: ``_is_checkpointable`` answers per layer).  Nothing is wrapped,
-            so a checkpoint saved under one choice loads under another.  Not with an interval.
+            so a checkpoint saved under one choice loads under another.  Not with an interval.  "auto":
+            chosen with the split under the memory cap ("profiled" / "analytic"; ``partition_jointly``).
     """
 
     def __init__(
@@ -101,13 +102,16 @@ class PipelineModule(_DeepSpeedPipelineModule):
         interval = settings.activation_checkpoint_interval if activation_checkpoint_interval is None else activation_checkpoint_interval
         stages = topology.get_dim("pipe") if topology is not None else num_stages
         layers = list(layers)
-        self._ext_layer_recompute = None
-        if recompute is not None:
+        # Everything that can be checked without communication fails here, identically on every rank.
+        spec, _ = lookup(method)
+        self._ext_layer_recompute: list[str] | str | None = None
+        if recompute == "auto":
+            check_auto_recompute(spec.needs_costs, settings.memory_cap_gib, interval, settings.schedule)
+            self._ext_layer_recompute, interval = "auto", 1  # decided with the split, before the layers are built
+        elif recompute is not None:
             layers = with_selective_recompute(layers, recompute, interval)
             self._ext_layer_recompute = list(recompute)
             interval = 1 if "full" in recompute else 0  # DeepSpeed asks _is_checkpointable layer by layer
-        # Everything that can be checked without communication fails here, identically on every rank.
-        spec, _ = lookup(method)
         if stages is not None and stages > len(layers):
             raise PartitionError(
                 f"{stages} pipeline stages but only {len(layers)} layers: use at most {len(layers)} stages "
@@ -169,6 +173,8 @@ class PipelineModule(_DeepSpeedPipelineModule):
         with a mode per layer, whether this one is "full"."""
         if self._ext_layer_recompute is None:
             return super()._is_checkpointable(funcs)
+        if isinstance(self._ext_layer_recompute, str):
+            raise RuntimeError('recompute="auto" was not decided before the engine asked which layers recompute')
         return all(self._ext_layer_recompute[ds_engine.layer_index_of(self, f)] == "full" for f in funcs)
 
     # DeepSpeed calls this from its __init__, after the topology and groups exist.
@@ -186,14 +192,23 @@ class PipelineModule(_DeepSpeedPipelineModule):
             self._take_parts([int(b) for b in self.parts])
             return
         peers = ds_engine.profiling_peers(self) if spec.cost_source == "profiled" else {0}
-        parts, plan, costs = decide_and_broadcast(
+        parts, plan, costs, modes = decide_and_broadcast(
             lambda: self._decide(spec, arg, method) if self.global_rank == 0 else self.compute_layer_costs("profiled"),
             what=f"partition_method={method!r}", rank=self.global_rank, group=self.world_group, peers=peers)
         self.partition_plan, self.layer_costs = plan, costs
+        if modes is not None:  # recompute="auto": the modes decided with the split, built as the layers are
+            ds_engine.set_layer_specs(self, with_selective_recompute(ds_engine.layer_specs(self), modes, 0))
+            self._ext_layer_recompute = modes
         if self.global_rank == 0 and plan is not None:
             log.info("ds_pipe_ext partition\n%s", plan.to_table())
             print(plan.to_table(), flush=True)
         self._take_parts(parts)
+
+    @property
+    def layer_recompute(self) -> list[str] | None:
+        """A recompute mode per layer (given, or what "auto" chose with the split); None without."""
+        modes = self._ext_layer_recompute
+        return list(modes) if isinstance(modes, list) else None
 
     @property
     def schedule_name(self) -> str:
@@ -220,7 +235,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
                 f"its layer_costs must return one LayerCost per layer (or use partition_method 'profiled')"
             )
         costs = freeze_costs(costs, frozen, measured=source == "profiled") if any(frozen) else costs
-        if self._ext_layer_recompute is not None:  # profiled layers are built as they will run
+        if isinstance(self._ext_layer_recompute, list):  # profiled layers are built as they will run
             costs = with_layer_recompute(costs, self._ext_layer_recompute, selective_built=source == "profiled")
         # model states as DeepSpeed allocates them for this run's ZeRO stage and data-parallel degree;
         # the profile runs fp32, the analytic source its own dtype (16 bits: with fp32 masters)
@@ -258,7 +273,9 @@ class PipelineModule(_DeepSpeedPipelineModule):
         return PipelinePeakRule(self._ext_zero, ds_engine.data_parallel_degree(self), element,
                                 ep=self._ext_expert_parallel)
 
-    def _decide(self, spec, arg: str, method: str) -> tuple[list[int], PartitionPlan | None, list | None]:
+    def _decide(self, spec, arg: str, method: str) -> tuple[list[int], PartitionPlan | None, list | None,
+                                                            list[str] | None]:
+        """(parts, the plan, the layer costs it was made from, the recompute modes "auto" chose)."""
         settings = self._ext_settings
         bandwidth = settings.link_bandwidth
         cache: dict = {}
@@ -273,6 +290,14 @@ class PipelineModule(_DeepSpeedPipelineModule):
             return cache["costs"]
 
         step_model = StepModel.load(settings.step_model) if settings.step_model and spec.needs_costs else None
+        if self._ext_layer_recompute == "auto":
+            joint = partition_jointly(costs(spec.cost_source), self.num_stages, memory_cap_gib=settings.memory_cap_gib,
+                                      micro_batches=self._ext_micro_batches, schedule=self.schedule_name,
+                                      peak_rule=self._peak_rule(spec))
+            ran = with_layer_recompute(cache["costs"], joint.modes, selective_built=False)
+            plan = build_plan(method, joint.parts, ran, micro_batches=self._ext_micro_batches, link_bandwidth=bandwidth,
+                              recompute=False, schedule=self.schedule_name, step_model=step_model)
+            return joint.parts, plan, ran, joint.modes
         request = PartitionRequest(
             num_stages=self.num_stages,
             num_layers=len(ds_engine.layer_specs(self)),
@@ -288,13 +313,13 @@ class PipelineModule(_DeepSpeedPipelineModule):
         )
         parts = [int(b) for b in spec.solve(request)]
         if "costs" not in cache:
-            return parts, None, None
+            return parts, None, None, None
         plan = build_plan(
             method, parts, cache["costs"], micro_batches=self._ext_micro_batches,
             link_bandwidth=bandwidth, recompute=self._ext_recompute, schedule=self.schedule_name,
             step_model=step_model,
         )
-        return parts, plan, cache["costs"]
+        return parts, plan, cache["costs"], None
 
 
 class DualPipeVPipelineModule(DualPipeVModule, PipelineModule):

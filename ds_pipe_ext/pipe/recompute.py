@@ -42,6 +42,22 @@ def built_recompute(module) -> dict[int, str]:
     return dict(sorted(out.items()))
 
 
+def check_auto_recompute(needs_costs: bool, memory_cap_gib, interval: int, schedule: str) -> None:
+    """What recompute="auto" needs: layer costs (partition_method "profiled" or "analytic"), a memory cap
+    to fit, no interval of DeepSpeed's, and a schedule with one chunk a rank."""
+    if not needs_costs:
+        raise PartitionError('recompute = "auto" is decided with the split from layer costs: use partition_method '
+                             '"profiled" or "analytic"')
+    if memory_cap_gib is None:
+        raise PartitionError('recompute = "auto" recomputes what the memory cap needs: set pipeline.memory_cap_gib '
+                             '(or choose the modes yourself)')
+    if interval:
+        raise PartitionError(f'recompute = "auto" and activation_checkpoint_interval = {interval} both say which '
+                             f'layers replay their forward: keep one')
+    if schedule == "dualpipev":
+        raise PartitionError('recompute = "auto" splits one chunk a rank; DualPipeV pairs two: use 1f1b or gpipe')
+
+
 def with_selective_recompute(layers: list, recompute: Sequence[str], interval: int) -> list:
     """``layers`` with each "selective" one rebuilt to replay its attention core; the errors name the fix."""
     modes = list(recompute)

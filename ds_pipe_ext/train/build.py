@@ -111,7 +111,7 @@ def build_pipeline(cfg: RunConfig, model_cfg, layout: Layout, specs, loss_fn, im
         settings=cfg.pipeline, profile_batch=profile_batch, micro_batches=cfg.grad_accum,
         cost_key={"model": model_cfg.to_dict()}, cost_model=cost_model,
         zero_stage=layout.zero, zero_optimization=cfg.deepspeed.get("zero_optimization"), expert_parallel=layout.ep,
-        recompute=cfg.train.recompute if isinstance(cfg.train.recompute, list) else None,
+        recompute=cfg.train.recompute if isinstance(cfg.train.recompute, list) or cfg.train.recompute == "auto" else None,
         seed_layers=True,  # layer i starts from seed + i: the same weights under any partition
         base_seed=cfg.train.seed,
     )
@@ -255,6 +255,7 @@ def start_instrumentation(built: Built, overheads: dict | None):
         RunDir(settings.instrument.run_dir).write_predicted(Predicted(
             method=settings.partition_method, parts=list(model.parts), micro_batches=built.cfg.grad_accum,
             layer_costs=costs, recompute=settings.activation_checkpoint_interval > 0,
+            layer_recompute=model.layer_recompute, memory_cap_gib=settings.memory_cap_gib,
             link_bandwidth=settings.link_bandwidth, refined_from=settings.refine_from, overheads=overheads,
             layout=built.layout.to_dict()))
     sink = RunSink(settings.instrument.run_dir, built.rank, every=settings.instrument.every,

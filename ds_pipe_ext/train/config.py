@@ -38,8 +38,9 @@ class TrainSection(ConfigModel):
     save_interval: int = Field(0, ge=0)  # with --save: every N steps (0: after the last step only)
     keep_last: int = Field(2, ge=1)  # complete checkpoints kept; older ones are deleted
     # activation recomputation: one mode for every layer, or one per pipeline layer (a plan's choice per
-    # stage; selective where the layer has an attention core, full through DeepSpeed's own checkpointing)
-    recompute: Literal["none", "selective", "full"] | list[Literal["none", "selective", "full"]] = "none"
+    # stage; selective where the layer has an attention core, full through DeepSpeed's own checkpointing),
+    # or "auto": each layer's mode chosen with the split to fit pipeline.memory_cap_gib
+    recompute: Literal["none", "selective", "full", "auto"] | list[Literal["none", "selective", "full"]] = "none"
     log: Literal["auto", "progress", "json"] = "auto"  # auto: a progress bar on a terminal, JSON lines otherwise
     # per-rank memory cap: after every step each rank compares its peak with it (allocator peak on
     # GPU; on CPU the tensors it held, counted by the instrumentation, which it therefore needs);
@@ -151,7 +152,18 @@ def build_run_config(ds: dict, *, train: dict | None = None, pipeline: dict | No
     pipe_cfg = None
     if "pipeline" in ds:
         merged = _merge(ds.get("pipeline"), pipe_overrides, "pipeline")
-        if isinstance(train_cfg.recompute, list):
+        if train_cfg.recompute == "auto":
+            from ..partition import PartitionError
+            from ..partition.methods import lookup
+            from ..pipe.recompute import check_auto_recompute
+
+            try:
+                check_auto_recompute(lookup(merged.get("partition_method", "profiled"))[0].needs_costs,
+                                     merged.get("memory_cap_gib"), merged.get("activation_checkpoint_interval", 0),
+                                     merged.get("schedule", "1f1b"))
+            except PartitionError as e:
+                raise ConfigError(str(e)) from None
+        if isinstance(train_cfg.recompute, list) or train_cfg.recompute == "auto":
             if merged.get("activation_checkpoint_interval", 0):
                 raise ConfigError("train.recompute gives a mode per layer and pipeline.activation_checkpoint_interval "
                                   "checkpoints every run of layers: keep one (remove the interval, or make "
@@ -167,7 +179,7 @@ def build_run_config(ds: dict, *, train: dict | None = None, pipeline: dict | No
             merged["activation_checkpoint_interval"] = 1
         pipe_cfg = parse_section(PipelineSettings, merged, "pipeline")
         ds["pipeline"] = merged
-    if isinstance(train_cfg.recompute, list) and pipe_cfg is None:
+    if (isinstance(train_cfg.recompute, list) or train_cfg.recompute == "auto") and pipe_cfg is None:
         raise ConfigError("train.recompute gives a mode per pipeline layer, but this ds.json has no \"pipeline\" "
                           "section (it trains data parallel): give one mode, or add a pipeline")
     instrumented = (pipe_cfg.instrument.enabled if pipe_cfg is not None
