@@ -89,8 +89,8 @@ def test_the_joint_split_is_brute_forces_on_300_random_instances():
             i, j = got.parts[s], got.parts[s + 1]
             chosen = [by_name[k][got.modes[k]] for k in range(i, j)]
             time = sum(times[i:j]) + sum(m.replay_time for m in chosen)
-            memory = (sum(static[i:j]) + inflight[s] * sum(m.kept_bytes for m in chosen)
-                      + max(m.replay_bytes for m in chosen) + reserve[s])
+            memory = max(sum(static[i:j]) + inflight[s] * sum(m.kept_bytes for m in chosen)
+                         + max(m.replay_bytes for m in chosen) + reserve[s], sum(step[i:j]) if step else 0.0)
             assert got.stage_times[s] == pytest.approx(time, rel=1e-12)
             assert got.stage_memory[s] == pytest.approx(memory, rel=1e-12) and memory <= cap * (1 + 1e-12)
         assert max(got.stage_times) == got.bottleneck

@@ -55,7 +55,7 @@ class JointSplit:
     modes: list[str]  # one per layer
     bottleneck: float  # the slowest stage's time, recompute included
     stage_times: list[float]
-    stage_memory: list[float]
+    stage_memory: list[float]  # each stage's peak by the rule: its backward's or its optimizer step's
 
 
 def cheapest_modes(options: Sequence[Sequence[RecomputeMode]], budget: float,
@@ -69,8 +69,9 @@ def cheapest_modes(options: Sequence[Sequence[RecomputeMode]], budget: float,
 def _cheapest_modes(options: tuple, budget: float, inflight: int) -> tuple[float, tuple[int, ...]] | None:
     if budget < 0:
         return None
-    # the quickest modes (no recompute, usually): the answer whenever they fit
-    quick = tuple(min(range(len(layer)), key=lambda k: (layer[k].replay_time, layer[k].kept_bytes)) for layer in options)
+    # the quickest modes (no recompute, usually; the first listed among equally quick): the answer whenever
+    # they fit
+    quick = tuple(min(range(len(layer)), key=lambda k: (layer[k].replay_time, k)) for layer in options)
     chosen = [layer[k] for layer, k in zip(options, quick)]
     if inflight * sum(m.kept_bytes for m in chosen) + max((m.replay_bytes for m in chosen), default=0.0) <= budget:
         return sum(m.replay_time for m in chosen), quick
@@ -179,8 +180,8 @@ def partition_with_recompute(times: Sequence[float], static_bytes: Sequence[floa
         parts.append(j)
         modes += [m.name for m in chosen]
         stage_times.append(time)
-        stage_memory.append(prefix_m[j] - prefix_m[i] + inflight[s] * sum(m.kept_bytes for m in chosen)
-                            + max(m.replay_bytes for m in chosen) + reserve[s])
+        stage_memory.append(max(prefix_m[j] - prefix_m[i] + inflight[s] * sum(m.kept_bytes for m in chosen)
+                                + max(m.replay_bytes for m in chosen) + reserve[s], prefix_step[j] - prefix_step[i]))
     return JointSplit(parts, modes, best[0][0], stage_times, stage_memory)
 
 

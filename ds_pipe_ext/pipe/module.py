@@ -38,7 +38,7 @@ from ..simulate.step_model import StepModel
 from .config import PipelineSettings
 from .decide import decide_and_broadcast
 from .freeze import frozen_flags
-from .recompute import check_auto_recompute, with_selective_recompute
+from .recompute import check_auto_recompute, with_measured_selective, with_selective_recompute
 from . import schedules as _engine_order  # noqa: F401 - hands the step model DeepSpeed's order of instructions
 
 log = logging.getLogger(__name__)
@@ -252,8 +252,13 @@ class PipelineModule(_DeepSpeedPipelineModule):
         if len(ds_engine.profiling_peers(self)) > 1:
             # a cache hit on one TP rank but not another would leave the other waiting in a collective
             settings = settings.model_copy(update={"cache_dir": None})
-        return profile_layers(specs, inputs, labels=labels, loss_fn=self.loss_fn, settings=settings, device=device,
-                              key_fields=self._ext_cost_key)
+        costs = profile_layers(specs, inputs, labels=labels, loss_fn=self.loss_fn, settings=settings, device=device,
+                               key_fields=self._ext_cost_key)
+        if self._ext_layer_recompute == "auto":  # what the layers that can replay their attention core keep then
+            costs = with_measured_selective(costs, specs, lambda sel: profile_layers(
+                sel, inputs, labels=labels, loss_fn=self.loss_fn, settings=settings, device=device,
+                key_fields=self._ext_cost_key))
+        return costs
 
     def _analytic_costs(self, inputs) -> list:
         from ..costs.hardware import get_device

@@ -42,6 +42,22 @@ def built_recompute(module) -> dict[int, str]:
     return dict(sorted(out.items()))
 
 
+def with_measured_selective(costs: list, specs: list, profile) -> list:
+    """``costs`` (profiled as built) with each selective-capable layer's selective mode measured: ``profile``
+    runs the same layers built to replay their attention core; what that build keeps, and its extra
+    backward, become ``LayerCost.selective_kept_bytes`` / ``selective_replay_s``."""
+    from dataclasses import replace
+
+    capable = [supports_selective(s) for s in specs]
+    if not any(capable):
+        return costs
+    rebuilt = with_selective_recompute(specs, ["selective" if c else "none" for c in capable], 0)
+    measured = profile(rebuilt)
+    return [replace(c, selective_kept_bytes=int(m.activation_bytes),
+                    selective_replay_s=max(0.0, m.backward_s - c.backward_s)) if ok else c
+            for c, m, ok in zip(costs, measured, capable)]
+
+
 def check_auto_recompute(needs_costs: bool, memory_cap_gib, interval: int, schedule: str) -> None:
     """What recompute="auto" needs: layer costs (partition_method "profiled" or "analytic"), a memory cap
     to fit, no interval of DeepSpeed's, and a schedule with one chunk a rank."""
