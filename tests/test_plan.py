@@ -347,20 +347,27 @@ def test_smallest_need_is_the_least_over_layouts():
 @pytest.mark.multiprocess
 def test_emitted_ds_config_trains_with_train_py_on_2_ranks(tmp_path, capfd):
     """A plan for llama-tiny (the Llama family: 7 pipeline layers, grouped-query attention) emitted as a ds.json
-    trains under train.py on 2 ranks with the plan's split, micro-batching and recompute."""
+    trains under train.py on 2 ranks with the plan's split, micro-batching and recompute.  Under a cap (3.4 MB
+    a rank) where recomputing every layer is slower than recomputing some, the plan emits a mode per layer
+    with its split (issue 36), and the run builds exactly those."""
     from ds_pipe_ext.runner import launch
 
     ds = tmp_path / "plan.json"
     assert main(["plan", "--model", "llama-tiny", "--gpus", "2", "--device", "cpu", "--global-batch", "8",
-                 "--only", "pp=2,mb=2,recompute=full", "--emit-ds-config", str(ds)]) == 0
+                 "--only", "pp=2,mb=2,recompute=full", "--memory-fraction", "0.0003", "--emit-ds-config", str(ds)]) == 0
     out = capfd.readouterr().out
     emitted = json.loads(ds.read_text())
     parts = [int(b) for b in emitted["pipeline"]["partition_method"].removeprefix("parts:").split(",")]
-    assert f"parts {parts}" in out and "Megatron pipeline_model_parallel_layout: 'E" in out
+    modes = emitted["train"]["recompute"]
+    assert "with per-stage recompute: parts " + str(parts) in out and "(emitted)" in out
+    assert isinstance(modes, list) and len(modes) == 7 and {"full", "none"} <= set(modes)
+    assert "activation_checkpoint_interval" not in emitted["pipeline"]
     proc, ranks = launch(2, ds, "--steps", "2", out_dir=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(ranks) == [0, 1] and all(r["parts"] == parts for r in ranks.values())
-    assert (ranks[0]["micro_batch"], ranks[0]["grad_accum"], ranks[0]["recompute"]) == (2, 4, "full")
+    assert (ranks[0]["micro_batch"], ranks[0]["grad_accum"], ranks[0]["recompute"]) == (2, 4, modes)
+    built = {int(i): m for r in ranks.values() for i, m in r["recomputed_layers"].items()}
+    assert built == {i: m for i, m in enumerate(modes) if m != "none"}
     assert ranks[0]["model"] == "llama-tiny" and parts[-1] == 7
 
 
@@ -416,3 +423,21 @@ def test_a_mixture_of_experts_plan_shows_and_emits_expert_parallelism(tmp_path, 
     ds = json.loads(out.read_text())
     pick = Layout.from_ds_config(ds, 64)
     assert pick.ep > 1 and ds["moe"] == {"ep_size": pick.ep} and "-ep" in text
+
+
+def test_per_stage_recompute_beats_every_global_setting_on_gpt3_175b(capfd):
+    """GPT-3 175B on 1,024 A100-40GB, pp 8 x tp 8 x dp 16, 1F1B: the split and each layer's recompute chosen
+    together (after the search) predict a shorter step than none (its capped split), selective and full
+    recompute on every layer, and say which layers each stage recomputes."""
+    import re
+
+    steps = {}
+    for mode in ("none", "selective", "full"):
+        assert main(["plan", "--model", "gpt3-175b", "--gpus", "1024", "--device", "a100-40gb", "--only",
+                     f"pp=8,tp=8,dp=16,mb=1,recompute={mode},sp=on,schedule=1f1b,zero=1"]) == 0
+        out = capfd.readouterr().out
+        line = next(line for line in out.splitlines() if line.startswith("  with per-stage recompute"))
+        ours, theirs = map(float, re.search(r"step ([\d.]+) s against ([\d.]+) s", line).groups())
+        steps[mode] = theirs
+        assert ours < theirs and "stage 0: selective" in line
+    assert steps["selective"] < steps["none"] < steps["full"]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..layout import LayoutError
 from ..plan.space import PlanError, enumerate_layouts, parse_only
+from ..plan.recompute import apply_stage_recompute, describe
 from .common import expert_imbalance
 
 
@@ -118,6 +119,10 @@ def _search(args, cfg, model):
     return res
 
 
+def _short(parts: list[int]) -> str:
+    return ",".join(map(str, parts)) if len(parts) <= 12 else f"{','.join(map(str, parts[:5]))},...,{parts[-1]}"
+
+
 def _plan(args, checker) -> int:
     from ..plan.render import ds_config, megatron_layout, render_table, rows_json
     from ..plan.search import PlanResult
@@ -133,12 +138,20 @@ def _plan(args, checker) -> int:
         res = PlanResult(top=[model.evaluate_named(lay)], candidates=1, simulated=1, partitioned=1)
     else:
         res = _search(args, cfg, model)
+    apply_stage_recompute(model, res.top)  # the split and each layer's recompute together, where faster
     seconds = time.perf_counter() - t0
     best = res.best_runnable()
+    for cost in res.top:
+        if cost.stage_recompute is not None:
+            sr = cost.stage_recompute
+            cost.notes.append(f"per-stage recompute: step {sr.step_s:.3f} s ({cost.step_s / sr.step_s:.2f}x), "
+                              f"parts {_short(sr.parts)}, {sum(m != 'none' for m in sr.layer_recompute)} layers "
+                              f"recompute ({'; '.join(describe(sr.layer_recompute, sr.parts))})")
+    emitted = best.stage_recompute if best is not None and best.stage_recompute is not None else best
     if args.emit_ds_config:
         if best is None:
             raise PlanError("no layout DeepSpeed can run made the plan: nothing to emit")
-        Path(args.emit_ds_config).write_text(json.dumps(ds_config(best, model=args.model, dtype=model.dtype),
+        Path(args.emit_ds_config).write_text(json.dumps(ds_config(emitted, model=args.model, dtype=model.dtype),
                                                         indent=2) + "\n")
     if args.json:
         _emit(rows_json(res))
@@ -159,6 +172,12 @@ def _plan(args, checker) -> int:
             continue
         text, why = megatron_layout(cost, cfg.layers, checker)
         _emit(f"{label}: {cost.layout.name}, parts {cost.parts}")
+        if cost.stage_recompute is not None:
+            sr = cost.stage_recompute
+            _emit(f"  with per-stage recompute: parts {sr.parts}, step {sr.step_s:.3f} s against "
+                  f"{cost.step_s:.3f} s ({cost.step_s / sr.step_s:.2f}x), peak {sr.peak_memory_bytes / 2**30:.1f} GiB; "
+                  + "; ".join(describe(sr.layer_recompute, sr.parts))
+                  + (" (emitted)" if args.emit_ds_config and sr is emitted else ""))
         _emit(f"  Megatron pipeline_model_parallel_layout: {text!r} ({why})" if text else
               f"  Megatron pipeline_model_parallel_layout: none ({why})")
     if args.only:

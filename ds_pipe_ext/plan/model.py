@@ -42,7 +42,7 @@ from ..arch import as_description
 from ..costs import analytic as A
 from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs, layer_ops, rank_steps, shape_for
 from ..costs.hardware import DEVICES, DeviceSpec, adam_step_s, get_device
-from ..costs.stage import held_activation_bytes, stage_costs
+from ..costs.stage import held_activation_bytes, stage_costs, with_layer_recompute
 from ..costs.peak import PipelinePeakRule, ZeroSettings, step_peak, walks_schedule
 from ..costs.zero import RankMemory, layer_states_by_rule, rank_memory, state_bytes_per_param
 from ..layout import ZERO_SETTINGS, Layout
@@ -123,9 +123,14 @@ class LayoutCost:
     samples_per_s: float = 0.0
     mfu: float = 0.0
     notes: list[str] = field(default_factory=list)
+    layer_recompute: list[str] | None = None  # a recompute mode per layer, chosen with the split (plan.recompute)
+    stage_recompute: "LayoutCost | None" = None  # the layout under per-stage recompute, where that is faster
 
     def to_dict(self) -> dict:
-        return {**self.layout.to_dict(), "parts": self.parts, "step_s": self.step_s, "notes": self.notes,
+        extra = {"layer_recompute": self.layer_recompute} if self.layer_recompute else {}
+        if self.stage_recompute is not None:
+            extra["stage_recompute"] = self.stage_recompute.to_dict()
+        return {**self.layout.to_dict(), **extra, "parts": self.parts, "step_s": self.step_s, "notes": self.notes,
                 "samples_per_s": self.samples_per_s, "mfu": self.mfu, "peak_memory_bytes": self.peak_memory_bytes,
                 "memory": self.memory, "ranks": self.ranks, "bubble_fraction": self.bubble_fraction,
                 "pipeline_s": self.pipeline_s}
@@ -394,13 +399,14 @@ class PlanModel:
                                None if dualpipev else self.memory_cap / lay.chunks_per_rank / 2**30,
                                None if dualpipev else self.peak_rule(lay)))
 
-    def rank_peaks(self, lay: Layout, parts: list[int], rank_layers: list[list], held: list[float]) -> list[dict]:
+    def rank_peaks(self, lay: Layout, parts: list[int], rank_layers: list[list], held: list[float], *,
+                   additive: bool = False) -> list[dict]:
         """Every pipeline rank's memory at its peak (``costs.peak``: its step walked op by op in the
         schedule's order), the model states at the step beside; where the rule does not walk the schedule
         (several chunks a rank, a split backward), the additive form (``costs.zero.rank_memory``) over the
         schedule's held activations."""
         # beside each: the activations its schedule holds at most (the simulator's ``held_peak_bytes``)
-        if not walks_schedule(lay.schedule_spec):
+        if additive or not walks_schedule(lay.schedule_spec):
             threshold = int(ZERO_SETTINGS["stage3_param_persistence_threshold"])
             return [{**rank_memory(layers, activation_bytes=held[r], zero=lay.zero, dp=lay.dp, element_bytes=self.e,
                                    persistence_threshold=threshold, offload=lay.offload).to_dict(),
@@ -422,12 +428,15 @@ class PlanModel:
         return cost
 
     def evaluate(self, lay: Layout, parts: list[int] | None = None, *, check_memory: bool = True,
-                 update: bool = True, timeline: bool = False) -> LayoutCost:
+                 update: bool = True, timeline: bool = False, modes: list[str] | None = None) -> LayoutCost:
         """The layout's partition (the exact memory-capped min-max one unless given), memory and step
         (``update=False``: without the work after each rank's last backward; ``timeline``: keep the
-        simulation's timeline, for a chart)."""
+        simulation's timeline, for a chart; ``modes``: a recompute mode per layer, on the layout's costs
+        without recompute, its memory by the additive form)."""
         costs = self.costs_of(lay)
         full = lay.recompute == "full"
+        if modes is not None:
+            costs, full = with_layer_recompute(costs, modes, selective_built=False), False
         parts = parts or self.partition(lay)
         stages = stage_costs(costs, parts, micro_batches=lay.micro_batches, recompute=full,
                              schedule=lay.schedule_spec.name)
@@ -456,7 +465,7 @@ class PlanModel:
                       for p, lp, t, x in zip(rank_params, rank_layer_params, rank_time, rank_experts)])
         pipeline_s, bubble = pred.step_s, pred.simulation.bubble_fraction
         held = pred.simulation.held_peak_bytes  # per rank: what its schedule holds at its peak
-        memory = self.rank_peaks(lay, list(parts), rank_layers, held)
+        memory = self.rank_peaks(lay, list(parts), rank_layers, held, additive=modes is not None)
         heaviest = max(memory, key=lambda mem: mem["total_bytes"])
         if check_memory and heaviest["total_bytes"] > self.memory_cap:
             raise OutOfMemory(heaviest["total_bytes"])

@@ -146,6 +146,10 @@ def ds_config(cost: LayoutCost, *, model: str, steps: int = 10, dtype: str = "bf
     if not lay.runnable:
         raise ValueError(f"{lay.name}: DeepSpeed runs no {lay.schedule} schedule; emit a runnable layout")
     precision = {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}.get(dtype, {})
-    return lay.ds_config(train={"model": model, "steps": steps, "seed": 1234}, steps_per_print=10**6, **precision,
+    train = {"model": model, "steps": steps, "seed": 1234}
+    modes = getattr(cost, "layer_recompute", None)
+    if modes is not None:  # chosen with the split: train.py builds them, no second decision
+        train["recompute"] = modes
+    return lay.ds_config(train=train, steps_per_print=10**6, **precision,
                          pipeline={"partition_method": "parts:" + ",".join(map(str, cost.parts))}
                          if lay.pipelined else None)
