@@ -15,6 +15,7 @@ Private DeepSpeed state is reached through ``ds_pipe_ext.compat`` only; the
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from collections.abc import Sequence
 
 import torch
@@ -38,7 +39,7 @@ from ..simulate.step_model import StepModel
 from .config import PipelineSettings
 from .decide import decide_and_broadcast
 from .freeze import frozen_flags
-from .recompute import check_auto_recompute, with_measured_selective, with_selective_recompute
+from .recompute import check_auto_recompute, supports_selective, with_measured_selective, with_selective_recompute
 from . import schedules as _engine_order  # noqa: F401 - hands the step model DeepSpeed's order of instructions
 
 log = logging.getLogger(__name__)
@@ -296,7 +297,10 @@ class PipelineModule(_DeepSpeedPipelineModule):
 
         step_model = StepModel.load(settings.step_model) if settings.step_model and spec.needs_costs else None
         if self._ext_layer_recompute == "auto":
-            joint = partition_jointly(costs(spec.cost_source), self.num_stages, memory_cap_gib=settings.memory_cap_gib,
+            # a layer that cannot replay its attention core alone (a Hugging Face layer) is offered none or full
+            offered = [c if supports_selective(layer) else replace(c, selective_kept_bytes=None)
+                       for c, layer in zip(costs(spec.cost_source), ds_engine.layer_specs(self))]
+            joint = partition_jointly(offered, self.num_stages, memory_cap_gib=settings.memory_cap_gib,
                                       micro_batches=self._ext_micro_batches, schedule=self.schedule_name,
                                       peak_rule=self._peak_rule(spec))
             ran = with_layer_recompute(cache["costs"], joint.modes, selective_built=False)
