@@ -149,3 +149,23 @@ def test_zero3_releases_a_module_whose_reuse_is_farther_than_the_max_reuse_dista
     near = step_peak(RankStep(layers, DP_ORDER, 4, ZeroSettings(**z, max_reuse_distance=15), dp=2))
     far = step_peak(RankStep(layers, DP_ORDER, 4, ZeroSettings(**z), dp=2))
     assert (near.by_kind["gathered_bytes"], far.by_kind["gathered_bytes"]) == (40, 80)
+
+
+def test_a_recompute_mode_per_layer_walks_like_the_global_setting():
+    """The peak rule with a mode per layer: every layer alike is exactly the layout's one setting; a mix
+    lies between none and full on every stage."""
+    from dataclasses import replace
+
+    from ds_pipe_ext.models.registry import load_model
+
+    cfg = load_model("compare-cpu")
+    n = cfg.num_pipeline_layers
+    plain = Layout(pp=2, micro_batch=2, micro_batches=4)
+    peaks = {}
+    for mode in ("none", "selective", "full"):
+        glob = [step_peak(s).total_bytes for s in rank_steps(cfg, replace(plain, recompute=mode), parts=[0, 3, n])]
+        assert [step_peak(s).total_bytes for s in rank_steps(cfg, plain, parts=[0, 3, n], modes=[mode] * n)] == glob
+        peaks[mode] = glob
+    mixed = (["none", "full", "selective"] * n)[:n]
+    got = [step_peak(s).total_bytes for s in rank_steps(cfg, plain, parts=[0, 3, n], modes=mixed)]
+    assert all(peaks["full"][s] < got[s] < peaks["none"][s] for s in range(2))

@@ -140,24 +140,29 @@ def analytic_layer_costs(model, req: EstimateRequest, device: DeviceSpec) -> lis
 
 def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = None, dtype: str = "fp32",
                dp_rank: int | None = None, mask_bytes: int | None = None, fused_adam: bool = False,
-               zero: ZeroSettings | None = None) -> list[RankStep]:
+               zero: ZeroSettings | None = None, modes: list[str] | None = None) -> list[RankStep]:
     """Every pipeline rank's ``RankStep`` for ``model`` under ``lay`` (a ``Layout``; one rank without a
     pipeline), its layers' ops from the analytic model and its ZeRO settings from the ds.json the layout
     writes.  ``parts``: the pipeline's split (required with pp > 1); ``fused_adam``: the optimizer makes no
     temporaries (GPUs' FusedAdam; train.py's torch AdamW on CPU does); ``zero``: the run's ZeRO settings where
-    its ds.json has its own (``ZeroSettings.from_ds_config``), else those the layout writes."""
+    its ds.json has its own (``ZeroSettings.from_ds_config``), else those the layout writes.  ``modes``: a
+    recompute mode per pipeline layer (in place of the layout's one setting)."""
     desc = as_description(model)
     req = EstimateRequest(micro_batch=lay.micro_batch, seq=seq or desc.seq_len, tp=lay.tp, sp=lay.sp, dtype=dtype,
                           mask_bytes=mask_bytes, selective_recompute=lay.recompute == "selective", ep=lay.ep)
     shp = shape_for(desc, req)
-    selective = lay.recompute == "selective"  # the attention core's activations are not kept
-    ops = [[replace(op, activation_bytes=0.0) if selective and op.recompute else op for op in layer]
-           for _, _, layer in layer_ops(desc, shp)]
+    layers = layer_ops(desc, shp)
+    modes = list(modes) if modes is not None else [lay.recompute] * len(layers)
+    # selective: the attention core's activations are not kept
+    ops = [[replace(op, activation_bytes=0.0) if mode == "selective" and op.recompute else op for op in layer]
+           for (_, _, layer), mode in zip(layers, modes)]
+
     def checkpoint(start: int, stop: int) -> tuple | None:
         # full recompute keeps each layer's input: the hidden states (the embedding's token ids: ~nothing)
-        if lay.recompute != "full":
+        if "full" not in modes[start:stop]:
             return None
-        return tuple(0.0 if i == 0 else float(shp.replicated_sbh * e) for i in range(start, stop))
+        return tuple((0.0 if i == 0 else float(shp.replicated_sbh * e)) if modes[i] == "full" else None
+                     for i in range(start, stop))
 
     zero = zero or ZeroSettings.of_layout(lay)
     e = DTYPE_BYTES[dtype]

@@ -102,7 +102,8 @@ class RankStep:
     # parameter in the gradients' dtype, held from the start, beside the 16-bit ones autograd makes
     flat_grad_accumulation: bool = False
     # full recompute: each layer keeps only its input (these bytes, per layer) and replays its forward,
-    # saving its activations again, at the start of its backward (None: no recompute)
+    # saving its activations again, at the start of its backward (None: no recompute; a None entry: that
+    # layer recomputes nothing, a mode per layer)
     checkpoint_bytes: tuple | None = None
     offload: bool = False  # ZeRO-Offload: optimizer states (and ZeRO-3's partitions) and Adam in host memory
     fused_adam: bool = False  # a fused Adam (DeepSpeed's FusedAdam, apex) makes no temporaries; torch's unfused does
@@ -170,7 +171,9 @@ def _profile(layers: list, numels: list[int], e: int, z: ZeroSettings, persisten
             tensors = range(k, k + len(op.weights))
             gather.append(e * sum(numels[i] for i in tensors if i not in persistent) if z.stage == 3 else 0.0)
             k += len(op.weights)
-    kept = [op.activation_bytes for op in ops] if checkpoint is None else [0.0] * len(ops)
+    # a layer with a checkpoint entry keeps only that (its input) and replays the rest; None: none
+    ckpt = [None] * len(layers) if checkpoint is None else list(checkpoint)
+    kept = [0.0 if ckpt[layer_of[i]] is not None else op.activation_bytes for i, op in enumerate(ops)]
     replay = [sum(op.activation_bytes for op in layer) for layer in layers]
     # ZeRO-3 keeps a module gathered from its forward to its backward when the parameters fetched in
     # between (every later module's, forward and back) stay within stage3_max_reuse_distance elements
@@ -182,8 +185,8 @@ def _profile(layers: list, numels: list[int], e: int, z: ZeroSettings, persisten
     forward: dict = {}
     saved = gathered = 0.0
     for i, (op, g) in enumerate(zip(ops, gather)):
-        if checkpoint is not None and (i == 0 or layer_of[i] != layer_of[i - 1]):
-            saved += checkpoint[layer_of[i]]  # the layer's input, kept for its replay
+        if ckpt[layer_of[i]] is not None and (i == 0 or layer_of[i] != layer_of[i - 1]):
+            saved += ckpt[layer_of[i]]  # the layer's input, kept for its replay
         gathered += g  # gathered for its forward
         forward = _most(forward, {"activation_bytes": saved, "gathered_bytes": gathered,
                                   "temporary_bytes": float(sum(op.fwd_allocs))})
@@ -207,7 +210,7 @@ def _profile(layers: list, numels: list[int], e: int, z: ZeroSettings, persisten
 
     for i in range(len(ops) - 1, -1, -1):
         op, g = ops[i], gather[i]
-        if checkpoint is not None and (i == len(ops) - 1 or layer_of[i] != layer_of[i + 1]):
+        if ckpt[layer_of[i]] is not None and (i == len(ops) - 1 or layer_of[i] != layer_of[i + 1]):
             remaining += replay[layer_of[i]]  # the layer's forward replayed: its activations saved again
         if not stays[i]:
             held += g  # gathered again for its backward
@@ -223,8 +226,8 @@ def _profile(layers: list, numels: list[int], e: int, z: ZeroSettings, persisten
                 bucket_on = True  # made at the op's first gradient, while its input's gradient is alive
                 moment(upstream + allocs[0])
         remaining -= op.activation_bytes
-        if checkpoint is not None and (i == 0 or layer_of[i] != layer_of[i - 1]):
-            remaining -= checkpoint[layer_of[i]]  # its input, once the layer's backward is done
+        if ckpt[layer_of[i]] is not None and (i == 0 or layer_of[i] != layer_of[i - 1]):
+            remaining -= ckpt[layer_of[i]]  # its input, once the layer's backward is done
         held -= g  # released after its backward: its next use is the next step's forward
         upstream = op.bwd_allocs[0] if op.bwd_allocs else upstream
     return _Profile(forward, first, later, saved, gathered, any(op.weights for op in ops))

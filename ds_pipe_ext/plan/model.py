@@ -400,13 +400,13 @@ class PlanModel:
                                None if dualpipev else self.peak_rule(lay)))
 
     def rank_peaks(self, lay: Layout, parts: list[int], rank_layers: list[list], held: list[float], *,
-                   additive: bool = False) -> list[dict]:
+                   modes: list[str] | None = None) -> list[dict]:
         """Every pipeline rank's memory at its peak (``costs.peak``: its step walked op by op in the
         schedule's order), the model states at the step beside; where the rule does not walk the schedule
         (several chunks a rank, a split backward), the additive form (``costs.zero.rank_memory``) over the
         schedule's held activations."""
         # beside each: the activations its schedule holds at most (the simulator's ``held_peak_bytes``)
-        if additive or not walks_schedule(lay.schedule_spec):
+        if not walks_schedule(lay.schedule_spec):
             threshold = int(ZERO_SETTINGS["stage3_param_persistence_threshold"])
             return [{**rank_memory(layers, activation_bytes=held[r], zero=lay.zero, dp=lay.dp, element_bytes=self.e,
                                    persistence_threshold=threshold, offload=lay.offload).to_dict(),
@@ -414,7 +414,7 @@ class PlanModel:
                     for r, layers in enumerate(rank_layers)]
         steps = rank_steps(self.cfg, lay, parts=parts, seq=self.seq, dtype=self.dtype,
                            mask_bytes=self.e if self.device.name == "cpu" else 1,
-                           fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES)
+                           fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, modes=modes)
         return [{**RankMemory.from_peak(step_peak(step)).to_dict(), "held_activation_bytes": held[r]}
                 for r, step in enumerate(steps)]
 
@@ -432,7 +432,7 @@ class PlanModel:
         """The layout's partition (the exact memory-capped min-max one unless given), memory and step
         (``update=False``: without the work after each rank's last backward; ``timeline``: keep the
         simulation's timeline, for a chart; ``modes``: a recompute mode per layer, on the layout's costs
-        without recompute, its memory by the additive form)."""
+        without recompute)."""
         costs = self.costs_of(lay)
         full = lay.recompute == "full"
         if modes is not None:
@@ -465,7 +465,7 @@ class PlanModel:
                       for p, lp, t, x in zip(rank_params, rank_layer_params, rank_time, rank_experts)])
         pipeline_s, bubble = pred.step_s, pred.simulation.bubble_fraction
         held = pred.simulation.held_peak_bytes  # per rank: what its schedule holds at its peak
-        memory = self.rank_peaks(lay, list(parts), rank_layers, held, additive=modes is not None)
+        memory = self.rank_peaks(lay, list(parts), rank_layers, held, modes=modes)
         heaviest = max(memory, key=lambda mem: mem["total_bytes"])
         if check_memory and heaviest["total_bytes"] > self.memory_cap:
             raise OutOfMemory(heaviest["total_bytes"])
