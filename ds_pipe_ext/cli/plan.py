@@ -119,12 +119,8 @@ def _search(args, cfg, model):
     return res
 
 
-def _short(parts: list[int]) -> str:
-    return ",".join(map(str, parts)) if len(parts) <= 12 else f"{','.join(map(str, parts[:5]))},...,{parts[-1]}"
-
-
 def _plan(args, checker) -> int:
-    from ..plan.render import ds_config, megatron_layout, render_table, rows_json
+    from ..plan.render import ds_config, megatron_layout, render_table, rows_json, short_parts
     from ..plan.search import PlanResult
 
     t0 = time.perf_counter()
@@ -145,7 +141,7 @@ def _plan(args, checker) -> int:
         if cost.stage_recompute is not None:
             sr = cost.stage_recompute
             cost.notes.append(f"per-stage recompute: step {sr.step_s:.3f} s ({cost.step_s / sr.step_s:.2f}x), "
-                              f"parts {_short(sr.parts)}, {sum(m != 'none' for m in sr.layer_recompute)} layers "
+                              f"parts {short_parts(sr.parts)}, {sum(m != 'none' for m in sr.layer_recompute)} layers "
                               f"recompute ({'; '.join(describe(sr.layer_recompute, sr.parts))})")
     emitted = best.stage_recompute if best is not None and best.stage_recompute is not None else best
     if args.emit_ds_config:

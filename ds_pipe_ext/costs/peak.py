@@ -43,6 +43,7 @@ from functools import lru_cache
 
 from .moe_ops import is_expert_op
 from .zero import expert_parallel_states, layer_states_by_rule, layer_tensors, zero_model_states
+from .zero import overlapping_partition as _overlapping_partition
 
 PEAK_KINDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "gathered_bytes",
               "activation_bytes", "temporary_bytes")
@@ -124,21 +125,6 @@ class PeakMemory:
 
     def to_dict(self) -> dict:
         return {"phase": self.phase, **self.by_kind, "total_bytes": self.total_bytes}
-
-
-def _overlapping_partition(numels: list[int], dp: int, rank: int) -> int:
-    """Elements of the parameters that overlap ZeRO-1/2's partition ``rank`` of the flat buffer (padded
-    to 2 dp): DeepSpeed sizes ``grads_in_partition`` by them, whole."""
-    total = sum(numels)
-    padded = -(-total // (2 * dp)) * 2 * dp
-    part = padded // dp
-    lo, hi = rank * part, (rank + 1) * part
-    start, out = 0, 0
-    for n in numels:
-        if start < hi and start + n > lo:
-            out += n
-        start += n
-    return out
 
 
 def _most(a: dict, b: dict) -> dict:

@@ -123,8 +123,12 @@ def expert_parallel_states(dense_numels: list[int], expert_numels: list[int], *,
     return replace(summed, grad_bytes=4 * grads)
 
 
-def _overlap_elements(param_numels: list[int], lo: int, hi: int) -> int:
-    """Elements of the whole parameters that overlap the flat range [lo, hi)."""
+def overlapping_partition(param_numels: list[int], dp: int, rank: int) -> int:
+    """Elements of the parameters that overlap ZeRO-1/2's partition ``rank`` of the flat buffer (padded
+    to 2 dp), whole: what DeepSpeed sizes ``grads_in_partition`` by, and what a rank's gradients of a
+    group hold before its step."""
+    part = _ceil_div(sum(param_numels), 2 * dp) * 2
+    lo, hi = rank * part, (rank + 1) * part
     held, start = 0, 0
     for n in param_numels:
         if start < hi and start + n > lo:
@@ -149,7 +153,7 @@ def _fp32_grads_over_group_steps(groups: list[tuple[list[int], int, int]]) -> in
         n = sum(numels)
         part = _ceil_div(n, 2 * dp) * 2
         lo, hi = r * part, (r + 1) * part
-        storage += _overlap_elements(numels, lo, hi)
+        storage += overlapping_partition(numels, dp, r)
         starts = [sum(numels[:i]) for i in range(len(numels))]
         inside_one = any(start <= lo and hi <= start + k for start, k in zip(starts, numels))
         copies.append(0 if inside_one else part)

@@ -15,7 +15,7 @@ from .search import PlanResult
 GIB = 2**30
 
 
-def _parts(parts: list[int]) -> str:
+def short_parts(parts: list[int]) -> str:
     return ",".join(map(str, parts)) if len(parts) <= 12 else f"{','.join(map(str, parts[:5]))},...,{parts[-1]}"
 
 
@@ -27,7 +27,7 @@ def render_table(res: PlanResult, *, memory_cap: float) -> str:
         lay = c.layout
         rows.append([str(i), lay.name + ("" if lay.runnable else " (sim)"), str(lay.pp), str(lay.tp), str(lay.dp),
                      str(lay.zero), str(lay.micro_batch), str(lay.micro_batches), lay.recompute,
-                     "on" if lay.sp else "off", lay.schedule, _parts(c.parts),
+                     "on" if lay.sp else "off", lay.schedule, short_parts(c.parts),
                      f"{c.peak_memory_bytes / GIB:.1f}" + (" (over)" if c.peak_memory_bytes > memory_cap else ""),
                      f"{c.step_s:.3f}", f"{c.samples_per_s:.2f}", f"{100 * c.mfu:.1f}%"])
     numeric = {0, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15}
