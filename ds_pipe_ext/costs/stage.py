@@ -53,13 +53,22 @@ def held_activation_bytes(costs: Sequence, *, recompute: bool = False) -> list[f
     return [0.0] + [float(c.output_bytes) for c in costs[:-1]]
 
 
-def recompute_modes(costs: Sequence) -> list[list]:
-    """Per layer, the recompute modes it offers (``partition.recompute.RecomputeMode``): none; selective
+@dataclass(frozen=True)
+class RecomputeMode:
+    """One way a layer can run: the bytes it keeps per in-flight micro-batch, what its backward
+    re-materialises beside them, and the forward time it replays (``partition.recompute``)."""
+
+    name: str  # "none", "selective", "full"
+    kept_bytes: float
+    replay_bytes: float = 0.0
+    replay_time: float = 0.0
+
+
+def recompute_modes(costs: Sequence) -> list[list[RecomputeMode]]:
+    """Per layer, the recompute modes it offers: none; selective
     where it has an attention core to replay (``LayerCost.selective_kept_bytes``); full, keeping only its
     input (the previous layer's output; the first layer's token ids: nothing) and re-saving the rest in its
     backward."""
-    from ..partition.recompute import RecomputeMode
-
     out = []
     for i, c in enumerate(costs):
         act = float(c.activation_bytes)

@@ -36,17 +36,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..costs.stage import RecomputeMode
 from .problem import InfeasibleMemoryCap, PartitionError
 
+__all__ = ["RecomputeMode", "JointSplit", "cheapest_modes", "partition_with_recompute"]
+
 INF = math.inf
-
-
-@dataclass(frozen=True)
-class RecomputeMode:
-    name: str  # "none", "selective", "full"
-    kept_bytes: float
-    replay_bytes: float = 0.0
-    replay_time: float = 0.0
 
 
 @dataclass(frozen=True)
