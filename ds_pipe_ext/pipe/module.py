@@ -32,7 +32,7 @@ from ..costs.peak import PipelinePeakRule, ZeroSettings
 from ..costs.stage import with_layer_recompute
 from ..costs.zero import layer_states_by_rule
 from ..layout import Layout, LayoutError
-from ..partition import PartitionError, partition_jointly
+from ..partition import InfeasibleMemoryCap, PartitionError, partition_jointly
 from ..partition.methods import PartitionRequest, lookup
 from ..partition.report import PartitionPlan, build_plan
 from ..simulate.step_model import StepModel
@@ -279,6 +279,22 @@ class PipelineModule(_DeepSpeedPipelineModule):
         return PipelinePeakRule(self._ext_zero, ds_engine.data_parallel_degree(self), element,
                                 ep=self._ext_expert_parallel)
 
+    def _split_alone(self, spec, arg: str, costs, step_model) -> tuple[list[int], PartitionPlan] | None:
+        """The method's split without recompute under the cap, and its plan; None where nothing fits."""
+        settings = self._ext_settings
+        request = PartitionRequest(
+            num_stages=self.num_stages, num_layers=len(ds_engine.layer_specs(self)), costs=costs,
+            micro_batches=self._ext_micro_batches, memory_cap_gib=settings.memory_cap_gib,
+            link_bandwidth=settings.link_bandwidth, recompute=False, arg=arg, schedule=self.schedule_name,
+            step_model=step_model, peak_rule=self._peak_rule(spec))
+        try:
+            parts = [int(b) for b in spec.solve(request)]
+        except InfeasibleMemoryCap:
+            return None
+        return parts, build_plan(spec.name, parts, costs(spec.cost_source), micro_batches=self._ext_micro_batches,
+                                 link_bandwidth=settings.link_bandwidth, recompute=False, schedule=self.schedule_name,
+                                 step_model=step_model)
+
     def _decide(self, spec, arg: str, method: str) -> tuple[list[int], PartitionPlan | None, list | None,
                                                             list[str] | None]:
         """(parts, the plan, the layer costs it was made from, the recompute modes "auto" chose)."""
@@ -306,6 +322,12 @@ class PipelineModule(_DeepSpeedPipelineModule):
             ran = with_layer_recompute(cache["costs"], joint.modes, selective_built=False)
             plan = build_plan(method, joint.parts, ran, micro_batches=self._ext_micro_batches, link_bandwidth=bandwidth,
                               recompute=False, schedule=self.schedule_name, step_model=step_model)
+            # the split alone, where it fits, when the step model predicts it shorter (the joint choice
+            # minimises the slowest stage; the method's own split, the predicted step)
+            alone = self._split_alone(spec, arg, costs, step_model)
+            if alone is not None and alone[1].predicted_step_ms() < plan.predicted_step_ms():
+                parts, alone_plan = alone
+                return parts, alone_plan, cache["costs"], ["none"] * len(cache["costs"])
             return joint.parts, plan, ran, joint.modes
         request = PartitionRequest(
             num_stages=self.num_stages,
