@@ -31,15 +31,16 @@ def stage_recompute(model: PlanModel, cost: LayoutCost) -> LayoutCost | None:
 
 
 def apply_stage_recompute(model: PlanModel, top: list[LayoutCost]) -> None:
-    """Attach to each top layout its per-stage recompute where that is faster (``LayoutCost.stage_recompute``);
-    layouts alike but for their global recompute share one decision."""
+    """Attach to each top layout its per-stage recompute where that is faster and recomputes something
+    (``LayoutCost.stage_recompute``); layouts alike but for their global recompute share one decision."""
     seen: dict = {}
     for cost in top:
         key = replace(cost.layout, recompute="none")
         if key not in seen:
             seen[key] = stage_recompute(model, cost)
         better = seen[key]
-        if better is not None and better.step_s < cost.step_s:
+        # kept where some layer recomputes (a faster split without any is a matter of the split, not of this)
+        if better is not None and better.step_s < cost.step_s and set(better.layer_recompute) != {"none"}:
             cost.stage_recompute = better
 
 
