@@ -86,7 +86,7 @@ def checkpointed_layers(module) -> list[int]:
     interval = module.activation_checkpoint_interval
     if not interval:
         return []
-    start, stop = local_layer_range(module)
+    start, _ = local_layer_range(module)
     n = len(module.forward_funcs)
     return [start + k for run, checkpointed in zip(range(0, n, interval), module.is_checkpointable_results)
             if checkpointed for k in range(run, min(run + interval, n))]

@@ -69,14 +69,14 @@ def recompute_modes(costs: Sequence) -> list[list[RecomputeMode]]:
     where it has an attention core to replay (``LayerCost.selective_kept_bytes``); full, keeping only its
     input (the previous layer's output; the first layer's token ids: nothing) and re-saving the rest in its
     backward."""
+    inputs = held_activation_bytes(costs, recompute=True)  # what full recompute keeps: each layer's input
     out = []
-    for i, c in enumerate(costs):
+    for c, kept in zip(costs, inputs):
         act = float(c.activation_bytes)
         modes = [RecomputeMode("none", act)]
         if c.selective_kept_bytes is not None and c.selective_kept_bytes < act:
             modes.append(RecomputeMode("selective", float(c.selective_kept_bytes), act - c.selective_kept_bytes,
                                        float(c.selective_replay_s)))
-        kept = float(costs[i - 1].output_bytes) if i else 0.0
         if kept < act:
             modes.append(RecomputeMode("full", kept, act - kept, float(c.recompute_s)))
         out.append(modes)
@@ -90,11 +90,11 @@ def with_layer_recompute(costs: Sequence, modes: Sequence[str], *, selective_bui
     (``selective_built``: a profile of the layers as they run)."""
     from dataclasses import replace
 
+    inputs = held_activation_bytes(costs, recompute=True)
     out = []
-    for i, (c, mode) in enumerate(zip(costs, modes)):
+    for c, mode, kept in zip(costs, modes, inputs):
         if mode == "full":
-            c = replace(c, activation_bytes=int(costs[i - 1].output_bytes) if i else 0,
-                        backward_s=c.backward_s + c.recompute_s, recompute_s=0.0)
+            c = replace(c, activation_bytes=int(kept), backward_s=c.backward_s + c.recompute_s, recompute_s=0.0)
         elif mode == "selective" and not selective_built and c.selective_kept_bytes is not None:
             c = replace(c, activation_bytes=c.selective_kept_bytes, backward_s=c.backward_s + c.selective_replay_s)
         out.append(c)

@@ -61,14 +61,20 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _partition_grad_elements(param_numels: list[int], lo: int, hi: int) -> int:
-    """Elements of fp32 gradient a ZeRO-1/2 rank holds for its partition [lo, hi) of the flat buffer."""
+def _holding_parameter(param_numels: list[int], lo: int, hi: int) -> int | None:
+    """The size of the one parameter the flat range [lo, hi) lies inside; None where it spans several."""
     start = 0
     for n in param_numels:
-        if start <= lo and hi <= start + n:  # inside one parameter: a view of its whole gradient
+        if start <= lo and hi <= start + n:
             return n
         start += n
-    return hi - lo
+    return None
+
+
+def _partition_grad_elements(param_numels: list[int], lo: int, hi: int) -> int:
+    """Elements of fp32 gradient a ZeRO-1/2 rank holds for its partition [lo, hi) of the flat buffer."""
+    whole = _holding_parameter(param_numels, lo, hi)  # inside one parameter: a view of its whole gradient
+    return hi - lo if whole is None else whole
 
 
 def zero_model_states(param_numels: list[int], *, dp: int, stage: int, element_bytes: int = 4,
@@ -154,9 +160,7 @@ def _fp32_grads_over_group_steps(groups: list[tuple[list[int], int, int]]) -> in
         part = _ceil_div(n, 2 * dp) * 2
         lo, hi = r * part, (r + 1) * part
         storage += overlapping_partition(numels, dp, r)
-        starts = [sum(numels[:i]) for i in range(len(numels))]
-        inside_one = any(start <= lo and hi <= start + k for start, k in zip(starts, numels))
-        copies.append(0 if inside_one else part)
+        copies.append(0 if _holding_parameter(numels, lo, hi) is not None else part)
     last = storage if copies[-1] == 0 else copies[-1]
     return max([storage + c for c in copies[:-1]] + [last])
 

@@ -40,11 +40,17 @@ def measured_expert_imbalance(run_dir: str | Path) -> float:
     """A Mixture-of-Experts run's routing imbalance: each micro-batch's busiest expert against the mean,
     averaged over its steps, routed layers and ranks (``instrument.experts``), at least 1: the factor
     dropless routing pads the experts' work by (``EstimateRequest.expert_imbalance``)."""
-    stages = [st for st in load_run(run_dir).summary["stages"] if "expert_imbalance_mean" in st]
-    if not stages:
+    imbalance = _expert_imbalance(load_run(run_dir).summary["stages"])
+    if imbalance is None:
         raise ValueError(f"{run_dir}: no routed layers were recorded (not an instrumented run of a "
                          f"Mixture-of-Experts model); give the imbalance as a number >= 1 instead")
-    return max(1.0, sum(st["expert_imbalance_mean"] for st in stages) / len(stages))
+    return max(1.0, imbalance)
+
+
+def _expert_imbalance(stages: list[dict]) -> float | None:
+    """The stages' mean busiest-expert-over-mean per micro-batch; None without routed layers."""
+    routed = [st["expert_imbalance_mean"] for st in stages if "expert_imbalance_mean" in st]
+    return sum(routed) / len(routed) if routed else None
 
 
 def build_report(run_dir: str | Path) -> dict:
@@ -125,8 +131,7 @@ def build_report(run_dir: str | Path) -> dict:
             r["meas_peak_bytes"], r["meas_peak_source"] = ((traced, "traced") if traced
                                                            else (r["meas_memory_bytes"], "states + activations"))
     summary["memory_cap_gib"] = pred.memory_cap_gib
-    routed = [st["expert_imbalance_mean"] for st in stages if "expert_imbalance_mean" in st]
-    summary["expert_imbalance"] = sum(routed) / len(routed) if routed else None
+    summary["expert_imbalance"] = _expert_imbalance(stages)
     return {"summary": summary, "stages": rows, "routers": router_rows(stages)}
 
 

@@ -15,8 +15,8 @@ Private DeepSpeed state is reached through ``ds_pipe_ext.compat`` only; the
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
@@ -279,22 +279,6 @@ class PipelineModule(_DeepSpeedPipelineModule):
         return PipelinePeakRule(self._ext_zero, ds_engine.data_parallel_degree(self), element,
                                 ep=self._ext_expert_parallel)
 
-    def _split_alone(self, spec, arg: str, costs, step_model) -> tuple[list[int], PartitionPlan] | None:
-        """The method's split without recompute under the cap, and its plan; None where nothing fits."""
-        settings = self._ext_settings
-        request = PartitionRequest(
-            num_stages=self.num_stages, num_layers=len(ds_engine.layer_specs(self)), costs=costs,
-            micro_batches=self._ext_micro_batches, memory_cap_gib=settings.memory_cap_gib,
-            link_bandwidth=settings.link_bandwidth, recompute=False, arg=arg, schedule=self.schedule_name,
-            step_model=step_model, peak_rule=self._peak_rule(spec))
-        try:
-            parts = [int(b) for b in spec.solve(request)]
-        except InfeasibleMemoryCap:
-            return None
-        return parts, build_plan(spec.name, parts, costs(spec.cost_source), micro_batches=self._ext_micro_batches,
-                                 link_bandwidth=settings.link_bandwidth, recompute=False, schedule=self.schedule_name,
-                                 step_model=step_model)
-
     def _decide(self, spec, arg: str, method: str) -> tuple[list[int], PartitionPlan | None, list | None,
                                                             list[str] | None]:
         """(parts, the plan, the layer costs it was made from, the recompute modes "auto" chose)."""
@@ -312,23 +296,6 @@ class PipelineModule(_DeepSpeedPipelineModule):
             return cache["costs"]
 
         step_model = StepModel.load(settings.step_model) if settings.step_model and spec.needs_costs else None
-        if self._ext_layer_recompute == "auto":
-            # a layer that cannot replay its attention core alone (a Hugging Face layer) is offered none or full
-            offered = [c if supports_selective(layer) else replace(c, selective_kept_bytes=None)
-                       for c, layer in zip(costs(spec.cost_source), ds_engine.layer_specs(self))]
-            joint = partition_jointly(offered, self.num_stages, memory_cap_gib=settings.memory_cap_gib,
-                                      micro_batches=self._ext_micro_batches, schedule=self.schedule_name,
-                                      peak_rule=self._peak_rule(spec))
-            ran = with_layer_recompute(cache["costs"], joint.modes, selective_built=False)
-            plan = build_plan(method, joint.parts, ran, micro_batches=self._ext_micro_batches, link_bandwidth=bandwidth,
-                              recompute=False, schedule=self.schedule_name, step_model=step_model)
-            # the split alone, where it fits, when the step model predicts it shorter (the joint choice
-            # minimises the slowest stage; the method's own split, the predicted step)
-            alone = self._split_alone(spec, arg, costs, step_model)
-            if alone is not None and alone[1].predicted_step_ms() < plan.predicted_step_ms():
-                parts, alone_plan = alone
-                return parts, alone_plan, cache["costs"], ["none"] * len(cache["costs"])
-            return joint.parts, plan, ran, joint.modes
         request = PartitionRequest(
             num_stages=self.num_stages,
             num_layers=len(ds_engine.layer_specs(self)),
@@ -342,15 +309,35 @@ class PipelineModule(_DeepSpeedPipelineModule):
             step_model=step_model,
             peak_rule=self._peak_rule(spec),
         )
+
+        def plan_of(parts: list[int], layer_costs: list) -> PartitionPlan:
+            return build_plan(method, parts, layer_costs, micro_batches=self._ext_micro_batches,
+                              link_bandwidth=bandwidth, recompute=self._ext_recompute, schedule=self.schedule_name,
+                              step_model=step_model)
+
+        if self._ext_layer_recompute == "auto":
+            # a layer that cannot replay its attention core alone (a Hugging Face layer) is offered none or full
+            offered = [c if supports_selective(layer) else replace(c, selective_kept_bytes=None)
+                       for c, layer in zip(costs(spec.cost_source), ds_engine.layer_specs(self))]
+            joint = partition_jointly(offered, self.num_stages, memory_cap_gib=settings.memory_cap_gib,
+                                      micro_batches=self._ext_micro_batches, schedule=self.schedule_name,
+                                      peak_rule=request.peak_rule)
+            ran = with_layer_recompute(cache["costs"], joint.modes, selective_built=False)
+            plan = plan_of(joint.parts, ran)
+            # the method's own split without recompute, where it fits and the step model predicts it shorter
+            # (the joint choice minimises the slowest stage; the method's split, the predicted step)
+            try:
+                parts = [int(b) for b in spec.solve(request)]
+            except InfeasibleMemoryCap:
+                return joint.parts, plan, ran, joint.modes
+            alone = plan_of(parts, cache["costs"])
+            if alone.predicted_step_ms() < plan.predicted_step_ms():
+                return parts, alone, cache["costs"], ["none"] * len(cache["costs"])
+            return joint.parts, plan, ran, joint.modes
         parts = [int(b) for b in spec.solve(request)]
         if "costs" not in cache:
             return parts, None, None, None
-        plan = build_plan(
-            method, parts, cache["costs"], micro_batches=self._ext_micro_batches,
-            link_bandwidth=bandwidth, recompute=self._ext_recompute, schedule=self.schedule_name,
-            step_model=step_model,
-        )
-        return parts, plan, cache["costs"], None
+        return parts, plan_of(parts, cache["costs"]), cache["costs"], None
 
 
 class DualPipeVPipelineModule(DualPipeVModule, PipelineModule):
