@@ -23,9 +23,11 @@ over the group's link, or, where the device has measured ones (CPU ranks over gl
 ``costs.cpu_comm``), its measured latency and bandwidth per kind.  As DeepSpeed runs them: ZeRO-1
 all-reduces the gradient buckets at the boundary and all-gathers the updated weights, ZeRO-2 does
 the all-reduce every micro-batch (``use_multi_rank_bucket_allreduce``), ZeRO-3 gathers the weights
-forward and backward and reduce-scatters every micro-batch.  None of it is hidden under compute:
-the emitted ds.json sets ``overlap_comm`` off (``ZERO_SETTINGS``), and we have no measurement to fit
-how much DeepSpeed's prefetch hides, so ZeRO-2/3 steps are upper bounds where links are slow.
+forward and backward and reduce-scatters every micro-batch.  On CPU ranks none of it is hidden under
+compute (gloo runs on the cores that compute).  On a GPU, ZeRO-3 without a pipeline is priced by
+DeepSpeed's own prefetch (``plan.zero3``: the next module's all-gather under the current module's
+compute, with NCCL's latency per collective, ``costs.nccl``, and the run's buckets, ``zero_settings``);
+ZeRO-1/2's reductions stay serial after the last backward, as DeepSpeed's pipeline engine runs them.
 Adam is memory-bound: one fused pass on GPUs (~30 bytes a parameter), torch's unfused AdamW on CPU
 (~80), plus the page faults of its temporaries on a CPU (``adam_fresh_bytes``).  DeepSpeed's own
 passes over the gradients (flattening for the reduction, ZeRO's float64 norm, the flat partition)
@@ -42,6 +44,7 @@ from ..arch import as_description
 from ..costs import analytic as A
 from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs, layer_ops, rank_steps, shape_for
 from ..costs.hardware import DEVICES, DeviceSpec, adam_step_s, get_device
+from ..costs.nccl import ring_latency_s
 from ..costs.stage import held_activation_bytes, stage_costs, with_layer_recompute
 from ..costs.peak import PipelinePeakRule, ZeroSettings, step_peak, walks_schedule
 from ..costs.zero import RankMemory, layer_states_by_rule, rank_memory, state_bytes_per_param
@@ -51,6 +54,7 @@ from ..partition.methods import decide_offline
 from ..simulate.events import Link, Network
 from ..simulate.step_model import StepModel
 from .space import PlanError
+from .zero3 import ModuleTraffic, microbatch_s
 
 # Adam's memory traffic per parameter: fused (apex, Megatron) reads param, grad, m, v and writes
 # param, m, v and the 16-bit copy (~30 bytes); torch's single-tensor AdamW makes eight elementwise
@@ -146,8 +150,12 @@ class PlanModel:
 
     def __init__(self, cfg, device: DeviceSpec, cluster: Cluster, *, seq: int, global_batch: int,
                  dtype: str = "bf16", memory_fraction: float = USABLE_MEMORY, step_model: StepModel | None = None,
-                 network: Network | None = None, expert_imbalance: float = 1.0):
+                 network: Network | None = None, expert_imbalance: float = 1.0, zero_settings: dict | None = None,
+                 zero3_overlap: bool = True):
         self.cfg, self.device, self.cluster = as_description(cfg), device, cluster  # what the model computes
+        # the run's ZeRO buckets and thresholds (ours: what the emitted ds.json sets; a published run's: its own)
+        self.zero_settings = {**ZERO_SETTINGS, **(zero_settings or {})}
+        self.zero3_overlap = zero3_overlap
         self.expert_imbalance = expert_imbalance  # dropless routing: the busiest expert's load over the mean
         self.network = network  # the links between pipeline ranks where given (simulate's flags), else the cluster's
         # the engine's own terms per instruction and layer (fitted on instrumented runs of this device;
@@ -173,7 +181,8 @@ class PlanModel:
         """The same plan on another device (a fresh model: layer costs are cached per model)."""
         return PlanModel(self.cfg, device, self.cluster, seq=self.seq, global_batch=self.global_batch, dtype=self.dtype,
                          memory_fraction=self.memory_fraction, step_model=self.step_model, network=self.network,
-                         expert_imbalance=self.expert_imbalance)
+                         expert_imbalance=self.expert_imbalance, zero_settings=self.zero_settings,
+                         zero3_overlap=self.zero3_overlap)
 
     def _model_flops_per_sample(self) -> float:
         """Matrix and attention FLOPs of forward + backward of one sample (no recompute): MFU's numerator."""
@@ -235,7 +244,8 @@ class PlanModel:
         return Link(0.0, self._p2p_bandwidth(lay))
 
     def update_s(self, lay: Layout, params: float, layer_params: list[float] | tuple = (),
-                 hide_under: tuple[float, float] | None = None, expert_params: float = 0.0) -> float:
+                 hide_under: tuple[float, float] | None = None, expert_params: float = 0.0,
+                 zero3_exposed_s: float | None = None) -> float:
         """A rank's work after its last backward for ``params`` parameters: its DP collectives, DeepSpeed's
         own passes over the gradients (``engine_passes_s``) and Adam over the parameters it owns
         (ZeRO-2/3's per-micro-batch collectives too: with no overlap, where they sit does not change
@@ -248,13 +258,17 @@ class PlanModel:
         forward, ``hide_under`` = (forward s, backward s) of a micro-batch on the rank (None: all of it
         hides, the least it can cost: the bounds' case).  ``expert_params``: of ``params``, a rank's experts,
         whose gradients reduce over their expert-data-parallel group (dp / ep ranks) and whose optimizer
-        states partition over it."""
+        states partition over it.  ``zero3_exposed_s``: ZeRO-3's traffic a micro-batch leaves exposed
+        (``zero3_exposed_s``), where the prefetch chain prices it, in place of the serial formula."""
         if lay.runtime == "megatron":
             return self._megatron_update_s(lay, params, hide_under)
         experts = expert_params if lay.ep > 1 else 0.0  # at ep 1 the experts reduce with the rest
         dense = params - experts
         owned = dense / (lay.dp if lay.zero >= 1 else 1) + experts / (lay.dp // lay.ep if lay.zero >= 1 else 1)
-        comm = self._dp_comm_s(lay, dense, lay.dp) + self._dp_comm_s(lay, experts, lay.dp // lay.ep)
+        if zero3_exposed_s is not None:
+            comm = lay.micro_batches * zero3_exposed_s
+        else:
+            comm = self._dp_comm_s(lay, dense, lay.dp) + self._dp_comm_s(lay, experts, lay.dp // lay.ep)
         return comm + self.engine_passes_s(lay, params, layer_params) + adam_step_s(
             owned, self.device, bytes_per_param=self.adam_bytes_per_param,
             fresh_sizes=self.adam_fresh_bytes(lay, layer_params))
@@ -276,6 +290,49 @@ class PlanModel:
         if lay.zero == 2:  # all-reduce every micro-batch's gradients, all-gather once
             return m * coll("all-reduce") + coll("all-gather")
         return m * (2 * coll("all-gather") + coll("reduce-scatter"))  # ZeRO-3: every micro-batch
+
+    def zero3_prefetched(self, lay: Layout) -> bool:
+        """Whether ZeRO-3's traffic is priced by the prefetch chain (``plan.zero3``): DeepSpeed without a
+        pipeline on a GPU, whose NCCL kernels run beside the compute.  A CPU's gloo collectives run on the
+        cores that compute (ranks share two of them here, and were measured so): the serial formula.
+        ``zero3_overlap=False``: the serial formula everywhere (the model before the chain, for comparison)."""
+        return (self.zero3_overlap and lay.zero == 3 and lay.runtime == "deepspeed" and not lay.pipelined
+                and lay.ep == 1 and self.device.name != "cpu")
+
+    def zero3_exposed_s(self, lay: Layout) -> float:
+        """ZeRO-3's traffic one micro-batch leaves exposed beside its compute (``plan.zero3.microbatch_s``
+        minus the compute alone): per module, the all-gather of its parameters and the reduce-scatter of
+        its gradients over the DP group, ring bandwidth plus NCCL's latency (``costs.nccl``)."""
+        costs = self.costs_of(lay)
+        full = lay.recompute == "full"
+        shp = shape_for(self.cfg, EstimateRequest(micro_batch=lay.micro_batch, seq=self.seq, tp=lay.tp, sp=lay.sp,
+                                                  dtype=self.dtype), self.device)
+        n, bw = lay.dp, self._dp_bandwidth(lay)
+        per_node = self.cluster.gpus_per_node
+
+        settings = self.zero_settings
+        persistent = float(settings["stage3_param_persistence_threshold"])  # kept whole on every rank: never gathered
+        bucket = float(settings["reduce_bucket_size"])  # gradients reduce-scatter a full bucket at a time
+
+        def gather(elements: float) -> float:
+            if not elements:
+                return 0.0
+            return (self.device.collective_time(elements * self.e, "all-gather", n, bw)
+                    + ring_latency_s("all-gather", n, per_node))
+
+        def reduce(elements: float) -> float:
+            return (self.device.collective_time(elements * self.e, "reduce-scatter", n, bw)
+                    + ring_latency_s("reduce-scatter", n, per_node) * elements / bucket)
+
+        layers = []
+        for cost, (_, _, ops) in zip(costs, layer_ops(self.cfg, shp)):
+            owners = [op for op in ops if op.weights]
+            flops = sum(op.fwd_flops for op in owners) or 1.0
+            layers.append([ModuleTraffic(cost.forward_s * op.fwd_flops / flops, cost.backward_s * op.fwd_flops / flops,
+                                         gather(sum(w for w in op.weights if w > persistent)), reduce(sum(op.weights)))
+                           for op in owners])
+        compute = sum(c.time_s(recompute=full) for c in costs)
+        return max(0.0, microbatch_s(layers, recompute=full, overlap_reduce=lay.overlap_comm) - compute)
 
     def _megatron_update_s(self, lay: Layout, params: float, hide_under: tuple[float, float] | None) -> float:
         grads, bw = params * self.e, self._dp_bandwidth(lay)
@@ -458,11 +515,12 @@ class PlanModel:
             # Megatron sends 1/t of a boundary activation between stages and all-gathers it over TP (its
             # scatter/gather optimisation; under SP the activation is already the rank's shard)
             stages = [replace(st, boundary_out_bytes=st.boundary_out_bytes / lay.tp) for st in stages]
+        exposed = self.zero3_exposed_s(lay) if self.zero3_prefetched(lay) and update else None
         pred = self.step_model.predict(
             stages, m, schedule=spec.name if lay.pipelined else "none", runtime=lay.runtime,
             network=self._stage_network(lay), timeline=timeline,
-            update_s=[self.update_s(lay, p, lp, hide_under=tuple(t), expert_params=x) if update else 0.0
-                      for p, lp, t, x in zip(rank_params, rank_layer_params, rank_time, rank_experts)])
+            update_s=[self.update_s(lay, p, lp, hide_under=tuple(t), expert_params=x, zero3_exposed_s=exposed)
+                      if update else 0.0 for p, lp, t, x in zip(rank_params, rank_layer_params, rank_time, rank_experts)])
         pipeline_s, bubble = pred.step_s, pred.simulation.bubble_fraction
         held = pred.simulation.held_peak_bytes  # per rank: what its schedule holds at its peak
         memory = self.rank_peaks(lay, list(parts), rank_layers, held, modes=modes)
