@@ -19,7 +19,7 @@ The **predicted set** (``bench/data/published_at_scale.csv``, never fitted): pub
 DeepSpeed's pipeline engine (MT-NLG, BLOOM, GPT-NeoX-20B), ZeRO-3 without model parallelism and
 Megatron-LM's deep pipelines, each with its source, cluster, FLOP convention and the fields it leaves
 open ("assumed": reported apart).  Each is predicted by the A100 fit through the current model and the
-model before ZeRO-3's prefetch chain (``PlanModel(zero3_overlap=False)``), errors on iteration time.
+model without this issue's runtime terms (``PlanModel(runtime_terms=False)``), errors on iteration time.
 
 Ends with ``RESULT fitted_mean_error_pct=A predicted_mean_error_pct=B predicted_max_error_pct=C``
 (A: leave-one-out over both fitted tables; B, C: every predicted row).
@@ -175,7 +175,8 @@ def load_predicted() -> list[dict]:
             i = {k: int(r[k]) for k in ("layers", "hidden", "heads", "vocab", "seq", "tp", "pp", "dp", "global_batch",
                                          "micro_batch", "interleave", "sp", "zero", "overlap_comm", "gpus_per_node")}
             cfg = GPTConfig(name=r["name"], vocab_size=i["vocab"], hidden=i["hidden"], layers=i["layers"],
-                            heads=i["heads"], seq_len=i["seq"], dropout=float(r["dropout"]))
+                            heads=i["heads"], seq_len=i["seq"], dropout=float(r["dropout"]),
+                            tie_embeddings=bool(int(r["tied"])))
             lay = Layout(tp=i["tp"], pp=i["pp"], dp=i["dp"], micro_batch=i["micro_batch"], sp=bool(i["sp"]),
                          micro_batches=i["global_batch"] // (i["micro_batch"] * i["dp"]), zero=i["zero"],
                          recompute=r["recompute"], overlap_comm=bool(i["overlap_comm"]), runtime=r["runtime"],
@@ -202,13 +203,14 @@ def row_parts(r: dict) -> list[int]:
     return megatron_parts(layers, lay.num_chunks)
 
 
-def predict_row(r: dict, matrix_efficiency: float, *, zero3_overlap: bool = True) -> float:
-    """A predicted-set row's iteration time with the A100 fit (the model before ZeRO-3's prefetch chain
-    where ``zero3_overlap`` is off)."""
+def predict_row(r: dict, matrix_efficiency: float, *, runtime_terms: bool = True) -> float:
+    """A predicted-set row's iteration time with the A100 fit (without the runtime terms where
+    ``runtime_terms`` is off)."""
     row, lay, cfg = r["row"], r["layout"], r["cfg"]
     device = replace(DEVICES[row["device"]], **FIXED, matrix_efficiency=matrix_efficiency)
     model = PlanModel(cfg, device, r["cluster"], seq=cfg.seq_len, global_batch=lay.global_batch, dtype=row["dtype"],
-                      zero_settings=DEEPSPEED_ZERO_DEFAULTS, zero3_overlap=zero3_overlap)
+                      zero_settings=DEEPSPEED_ZERO_DEFAULTS, runtime_terms=runtime_terms,
+                      grad_accum_dtype=row["grad_accum_dtype"] or None)
     return model.evaluate(lay, row_parts(r), check_memory=False).step_s
 
 
@@ -231,7 +233,7 @@ def predicted_table(a100: dict) -> list[dict]:
     check_disjoint(rows)
     out = []
     for r in rows:
-        now, before = predict_row(r, eff), predict_row(r, eff, zero3_overlap=False)
+        now, before = predict_row(r, eff), predict_row(r, eff, runtime_terms=False)
         out.append({**r, "predicted_s": now, "before_s": before,
                     "error_pct": 100 * (now / r["published_s"] - 1), "before_error_pct": 100 * (before / r["published_s"] - 1)})
     return out
@@ -302,7 +304,8 @@ def predicted_report(rows: list[dict]) -> str:
              "time in seconds: a source giving TFLOP/s per GPU is converted by its own FLOP count (`tflops96`: "
              "96 B s L h^2 (1 + s/6h + V/16Lh), the recomputed forward counted, as Megatron-LM 2021, "
              "Megatron-DeepSpeed and GPT-NeoX log it); `iter_s`: the source's own seconds. Predicted with the "
-             "A100 fit above; *before*: the same model without ZeRO-3's prefetch chain (the serial formula). "
+             "A100 fit above; *before*: the same model without DeepSpeed's runtime terms (`runtime_terms=False`: ZeRO-3 serial, "
+             "BF16_Optimizer's reduction in bf16 and no tied-gradient all-reduce). "
              "*assumed*: a field the source leaves open (reported apart; see the notes below the table).", "", "```"]
     table = []
     for r in rows:

@@ -45,7 +45,7 @@ def test_full_recompute_gathers_each_module_again_in_the_backward():
 
 def _zero3_step(device: str, *, overlap: bool, buckets: dict | None = None) -> float:
     cfg = load_model_config("gpt3-175b")
-    model = PlanModel.on_its_cluster(cfg, plan_device(device), seq=2048, global_batch=1536, zero3_overlap=overlap,
+    model = PlanModel.on_its_cluster(cfg, plan_device(device), seq=2048, global_batch=1536, runtime_terms=overlap,
                                      zero_settings=buckets)
     lay = Layout(pp=1, tp=1, dp=384, zero=3, micro_batch=4, micro_batches=1, recompute="full")
     return model.evaluate(lay, check_memory=False).step_s
@@ -82,4 +82,48 @@ def test_every_predicted_row_names_its_source_cluster_and_flop_convention():
         assert r["group"] in ("deepspeed-engine", "deep-pipeline", "zero3", "megatron"), r["name"]
         assert int(r["tp"]) * int(r["pp"]) * int(r["dp"]) % int(r["gpus_per_node"]) == 0, r["name"]
         for field in filter(None, r["assumed"].split(";")):  # an assumed field names a column or a setting
-            assert field in r or field in ("schedule", "micro_batch", "interleave", "zero3_buckets", "intra_gbs"), field
+            assert field in r or field in ("schedule", "micro_batch", "dtype", "interleave", "zero3_buckets", "intra_gbs"), field
+
+
+def _a100_model(name: str, **kw) -> PlanModel:
+    cfg = load_model_config(name)
+    return PlanModel.on_its_cluster(cfg, plan_device("a100"), seq=cfg.seq_len, global_batch=64, dtype="bf16", **kw)
+
+
+def test_bf16_optimizer_reduces_fp32_gradients_and_partitions_its_states():
+    # DeepSpeed's BF16_Optimizer (a bf16 pipeline without ZeRO) accumulating in fp32: the fp32 gradient
+    # buffers are all-reduced, the updated bf16 partitions all-gathered, Adam runs on the rank's 1/dp share
+    model = _a100_model("gpt3-1.3b", grad_accum_dtype="fp32")
+    before = _a100_model("gpt3-1.3b", runtime_terms=False)
+    lay = Layout(pp=2, tp=1, dp=8, zero=0, micro_batch=1, micro_batches=8)
+    params = 6.5e8
+    assert model.bf16_optimizer(lay) and not before.bf16_optimizer(lay)
+    bw, dev = model._dp_bandwidth(lay), model.device
+    from ds_pipe_ext.costs.hardware import adam_step_s
+    expected = (dev.collective_time(params * 4, "all-reduce", 8, bw) + dev.collective_time(params * 2, "all-gather", 8, bw)
+                + model.engine_passes_s(lay, params)
+                + adam_step_s(params / 8, dev, bytes_per_param=model.adam_bytes_per_param))
+    assert model.update_s(lay, params) == pytest.approx(expected)
+    # without the term: ZeRO-0's rule, the bf16 gradients all-reduced and Adam over every parameter
+    assert before.update_s(lay, params) == pytest.approx(
+        dev.collective_time(params * 2, "all-reduce", 8, bw) + before.engine_passes_s(lay, params)
+        + adam_step_s(params, dev, bytes_per_param=before.adam_bytes_per_param))
+    # DeepSpeed 0.19's default accumulates in the training dtype: bf16 gradients reduced
+    default = _a100_model("gpt3-1.3b")
+    assert default.update_s(lay, params) == pytest.approx(expected - dev.collective_time(params * 4, "all-reduce", 8, bw)
+                                                         + dev.collective_time(params * 2, "all-reduce", 8, bw))
+    # with ZeRO-1 DeepSpeed's ZeRO optimizer runs instead: its rule is unchanged
+    z1 = Layout(pp=2, tp=1, dp=8, zero=1, micro_batch=1, micro_batches=8)
+    assert model.update_s(z1, params) == before.update_s(z1, params)
+
+
+def test_tied_embedding_gradients_are_all_reduced_between_first_and_last_stage():
+    model = _a100_model("gpt2-small")  # ties its head to the embedding
+    lay = Layout(pp=4, tp=1, dp=2, zero=1, micro_batch=1, micro_batches=8)
+    tied = model.costs_of(lay)[0].param_bytes / model.e
+    extra = model.device.collective_time(tied * model.e, "all-reduce", 2, model._tied_bandwidth(lay))
+    assert extra > 0
+    assert model.update_s(lay, 1e8, tied_params=tied) - model.update_s(lay, 1e8) == pytest.approx(extra)
+    with_terms = model.evaluate(lay, check_memory=False).step_s
+    without = _a100_model("gpt2-small", runtime_terms=False).evaluate(lay, check_memory=False).step_s
+    assert with_terms > without

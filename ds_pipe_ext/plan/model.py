@@ -151,11 +151,17 @@ class PlanModel:
     def __init__(self, cfg, device: DeviceSpec, cluster: Cluster, *, seq: int, global_batch: int,
                  dtype: str = "bf16", memory_fraction: float = USABLE_MEMORY, step_model: StepModel | None = None,
                  network: Network | None = None, expert_imbalance: float = 1.0, zero_settings: dict | None = None,
-                 zero3_overlap: bool = True):
+                 runtime_terms: bool = True, grad_accum_dtype: str | None = None):
         self.cfg, self.device, self.cluster = as_description(cfg), device, cluster  # what the model computes
         # the run's ZeRO buckets and thresholds (ours: what the emitted ds.json sets; a published run's: its own)
         self.zero_settings = {**ZERO_SETTINGS, **(zero_settings or {})}
-        self.zero3_overlap = zero3_overlap
+        # DeepSpeed's runtime at scale as its source runs it (ZeRO-3's prefetch, BF16_Optimizer's fp32
+        # reduction and partitioned step, the tied-gradient all-reduce); False: the model without these
+        # terms, which bench/calibrate_at_scale.py sets beside it
+        self.runtime_terms = runtime_terms
+        # ds.json's data_types.grad_accum_dtype: the dtype BF16_Optimizer accumulates and reduces gradients in
+        # (DeepSpeed 0.19: the training dtype unless set; the 2022 branch BLOOM ran: fp32)
+        self.grad_accum_dtype = grad_accum_dtype or dtype
         self.expert_imbalance = expert_imbalance  # dropless routing: the busiest expert's load over the mean
         self.network = network  # the links between pipeline ranks where given (simulate's flags), else the cluster's
         # the engine's own terms per instruction and layer (fitted on instrumented runs of this device;
@@ -182,7 +188,7 @@ class PlanModel:
         return PlanModel(self.cfg, device, self.cluster, seq=self.seq, global_batch=self.global_batch, dtype=self.dtype,
                          memory_fraction=self.memory_fraction, step_model=self.step_model, network=self.network,
                          expert_imbalance=self.expert_imbalance, zero_settings=self.zero_settings,
-                         zero3_overlap=self.zero3_overlap)
+                         runtime_terms=self.runtime_terms, grad_accum_dtype=self.grad_accum_dtype)
 
     def _model_flops_per_sample(self) -> float:
         """Matrix and attention FLOPs of forward + backward of one sample (no recompute): MFU's numerator."""
@@ -245,7 +251,7 @@ class PlanModel:
 
     def update_s(self, lay: Layout, params: float, layer_params: list[float] | tuple = (),
                  hide_under: tuple[float, float] | None = None, expert_params: float = 0.0,
-                 zero3_exposed_s: float | None = None) -> float:
+                 zero3_exposed_s: float | None = None, tied_params: float = 0.0) -> float:
         """A rank's work after its last backward for ``params`` parameters: its DP collectives, DeepSpeed's
         own passes over the gradients (``engine_passes_s``) and Adam over the parameters it owns
         (ZeRO-2/3's per-micro-batch collectives too: with no overlap, where they sit does not change
@@ -259,16 +265,22 @@ class PlanModel:
         hides, the least it can cost: the bounds' case).  ``expert_params``: of ``params``, a rank's experts,
         whose gradients reduce over their expert-data-parallel group (dp / ep ranks) and whose optimizer
         states partition over it.  ``zero3_exposed_s``: ZeRO-3's traffic a micro-batch leaves exposed
-        (``zero3_exposed_s``), where the prefetch chain prices it, in place of the serial formula."""
+        (``zero3_exposed_s``), where the prefetch chain prices it, in place of the serial formula.
+        ``tied_params``: a tied embedding's parameters on this rank, whose gradients DeepSpeed's pipeline
+        engine all-reduces between the first and last stage (``ReduceTiedGrads``) before the DP reduction."""
         if lay.runtime == "megatron":
             return self._megatron_update_s(lay, params, hide_under)
         experts = expert_params if lay.ep > 1 else 0.0  # at ep 1 the experts reduce with the rest
         dense = params - experts
-        owned = dense / (lay.dp if lay.zero >= 1 else 1) + experts / (lay.dp // lay.ep if lay.zero >= 1 else 1)
+        sharded = lay.zero >= 1 or self.bf16_optimizer(lay)  # BF16_Optimizer partitions its fp32 states like ZeRO-1
+        owned = dense / (lay.dp if sharded else 1) + experts / (lay.dp // lay.ep if sharded else 1)
         if zero3_exposed_s is not None:
             comm = lay.micro_batches * zero3_exposed_s
         else:
             comm = self._dp_comm_s(lay, dense, lay.dp) + self._dp_comm_s(lay, experts, lay.dp // lay.ep)
+        if tied_params:
+            comm += self.device.collective_time(tied_params * self.grad_reduce_bytes(lay), "all-reduce", 2,
+                                                self._tied_bandwidth(lay))
         return comm + self.engine_passes_s(lay, params, layer_params) + adam_step_s(
             owned, self.device, bytes_per_param=self.adam_bytes_per_param,
             fresh_sizes=self.adam_fresh_bytes(lay, layer_params))
@@ -283,6 +295,9 @@ class PlanModel:
 
         # DeepSpeed's ZeRO-1/2 reduce gradients by all-reducing buckets that span every rank's
         # slice (``use_multi_rank_bucket_allreduce``, on by default), then each keeps its slice
+        if self.bf16_optimizer(lay):  # its gradient buffers all-reduced, then the updated bf16 partitions gathered
+            return (self.device.collective_time(params * self.grad_reduce_bytes(lay), "all-reduce", n, bw)
+                    + self.device.collective_time(grads, "all-gather", n, bw))
         if lay.zero == 0:
             return coll("all-reduce")
         if lay.zero == 1:  # at the boundary: all-reduce, then all-gather the updated weights
@@ -291,12 +306,29 @@ class PlanModel:
             return m * coll("all-reduce") + coll("all-gather")
         return m * (2 * coll("all-gather") + coll("reduce-scatter"))  # ZeRO-3: every micro-batch
 
+    def bf16_optimizer(self, lay: Layout) -> bool:
+        """Whether DeepSpeed runs this layout with its ``BF16_Optimizer`` (a bf16 pipeline without ZeRO:
+        ``_do_optimizer_sanity_check``): it accumulates gradients in flat buffers of ``grad_accum_dtype``,
+        all-reduces those (``_bf16_reduce_grads`` -> ``get_grads_for_reduction``) and partitions the fp32
+        master weights and moments over DP like ZeRO-1, all-gathering the updated bf16 partitions."""
+        return (self.runtime_terms and lay.runtime == "deepspeed" and self.dtype == "bf16" and lay.zero == 0
+                and lay.pipelined)
+
+    def grad_reduce_bytes(self, lay: Layout) -> float:
+        """Bytes of a gradient element as DeepSpeed reduces it: ``grad_accum_dtype`` under ``BF16_Optimizer``
+        (the tied weights' ``_hp_grad`` too), else the training dtype."""
+        return DTYPE_BYTES[self.grad_accum_dtype] if self.bf16_optimizer(lay) else self.e
+
+    def _tied_bandwidth(self, lay: Layout) -> float:
+        # the first and last stage are (pp - 1) tp x dp ranks apart: the same node only if they fit in it
+        return self.cluster.bandwidth((lay.pp - 1) * lay.tp * lay.dp + 1) * self.device.comm_efficiency
+
     def zero3_prefetched(self, lay: Layout) -> bool:
         """Whether ZeRO-3's traffic is priced by the prefetch chain (``plan.zero3``): DeepSpeed without a
         pipeline on a GPU, whose NCCL kernels run beside the compute.  A CPU's gloo collectives run on the
         cores that compute (ranks share two of them here, and were measured so): the serial formula.
-        ``zero3_overlap=False``: the serial formula everywhere (the model before the chain, for comparison)."""
-        return (self.zero3_overlap and lay.zero == 3 and lay.runtime == "deepspeed" and not lay.pipelined
+        ``runtime_terms=False``: the serial formula everywhere."""
+        return (self.runtime_terms and lay.zero == 3 and lay.runtime == "deepspeed" and not lay.pipelined
                 and lay.ep == 1 and self.device.name != "cpu")
 
     def zero3_exposed_s(self, lay: Layout) -> float:
@@ -516,11 +548,16 @@ class PlanModel:
             # scatter/gather optimisation; under SP the activation is already the rank's shard)
             stages = [replace(st, boundary_out_bytes=st.boundary_out_bytes / lay.tp) for st in stages]
         exposed = self.zero3_exposed_s(lay) if self.zero3_prefetched(lay) and update else None
+        tied = [0.0] * lay.pp  # DeepSpeed's tied embedding: its gradient all-reduced between first and last rank
+        first, last = chunk_rank[0], chunk_rank[len(parts) - 2]
+        if self.runtime_terms and lay.runtime == "deepspeed" and getattr(self.cfg, "tied_head", False) and first != last:
+            tied[first] = tied[last] = costs[0].param_bytes / self.e
         pred = self.step_model.predict(
             stages, m, schedule=spec.name if lay.pipelined else "none", runtime=lay.runtime,
             network=self._stage_network(lay), timeline=timeline,
-            update_s=[self.update_s(lay, p, lp, hide_under=tuple(t), expert_params=x, zero3_exposed_s=exposed)
-                      if update else 0.0 for p, lp, t, x in zip(rank_params, rank_layer_params, rank_time, rank_experts)])
+            update_s=[self.update_s(lay, p, lp, hide_under=tuple(t), expert_params=x, zero3_exposed_s=exposed,
+                                    tied_params=tp_) if update else 0.0
+                      for p, lp, t, x, tp_ in zip(rank_params, rank_layer_params, rank_time, rank_experts, tied)])
         pipeline_s, bubble = pred.step_s, pred.simulation.bubble_fraction
         held = pred.simulation.held_peak_bytes  # per rank: what its schedule holds at its peak
         memory = self.rank_peaks(lay, list(parts), rank_layers, held, modes=modes)
