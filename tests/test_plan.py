@@ -43,6 +43,19 @@ def plan_model(model="gpt3-175b", gpus=1024, device="a100", global_batch=1536, *
     return build_model(args)
 
 
+def test_plan_prints_both_runtimes_side_by_side(capfd):
+    # DeepSpeed's engines by default; --runtime both adds Megatron-LM's, whose layouts shard at most the
+    # optimizer states (its distributed optimizer)
+    assert main(["plan", "--model", "gpt3-1.3b", "--gpus", "16", "--device", "a100", "--runtime", "both",
+                 "--json", "--top", "3"]) == 0
+    both = json.loads(capfd.readouterr().out)
+    assert set(both) == {"deepspeed", "megatron"}
+    assert {r["runtime"] for r in both["deepspeed"]} == {"deepspeed"}
+    assert {r["runtime"] for r in both["megatron"]} == {"megatron"} and all(r["zero"] <= 1 for r in both["megatron"])
+    assert main(["plan", "--model", "gpt3-1.3b", "--gpus", "16", "--device", "a100", "--json", "--top", "3"]) == 0
+    assert json.loads(capfd.readouterr().out) == both["deepspeed"]
+
+
 def test_gpt3_175b_on_1024_a100_top10_fits_in_80gb_and_json_has_the_fields(capfd):
     assert main(["plan", "--model", "gpt3-175b", "--gpus", "1024", "--device", "a100", "--global-batch", "1536",
                  "--json"]) == 0

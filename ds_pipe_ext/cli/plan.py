@@ -3,7 +3,11 @@
     ds-pipe-ext plan --model gpt3-175b --gpus 1024 --device a100 --global-batch 1536 [--top 10] [--json]
                      [--gpus-per-node 8] [--intra-node-gbs 300 --inter-node-gbs 25] [--seq S]
                      [--only "pp=8,tp=8,dp=16,mb=1,recompute=full,sp=on,zero=1,schedule=1f1b"]
-                     [--emit-ds-config ds.json]
+                     [--emit-ds-config ds.json] [--runtime deepspeed|megatron|both]
+
+``--runtime``: whose runtime runs the layouts: DeepSpeed's engines (the default: what train.py runs),
+Megatron-LM's (its own 1F1B and interleaving, overlapped DP reduction, distributed optimizer), or both,
+Megatron's table printed after DeepSpeed's with the two picks' steps side by side.
 """
 
 from __future__ import annotations
@@ -92,11 +96,13 @@ def cmd_plan(args) -> int:
             checker.close()
 
 
-def _search(args, cfg, model):
+def _search(args, cfg, model, runtime: str = "deepspeed"):
     from ..plan.search import search
 
     layouts, dropped = enumerate_layouts(cfg, args.gpus, gpus_per_node=model.cluster.gpus_per_node,
                                          global_batch=model.global_batch)
+    if runtime != "deepspeed":  # Megatron-LM shards optimizer states (its distributed optimizer), not more
+        layouts = [replace(lay, runtime=runtime) for lay in layouts if lay.zero <= 1]
     bar = None
     if not args.json and len(layouts) > 500:
         from tqdm import tqdm
@@ -133,7 +139,10 @@ def _plan(args, checker) -> int:
             raise PlanError(f"--only: {e}") from None
         res = PlanResult(top=[model.evaluate_named(lay)], candidates=1, simulated=1, partitioned=1)
     else:
-        res = _search(args, cfg, model)
+        res = _search(args, cfg, model, "megatron" if args.runtime == "megatron" else "deepspeed")
+    other = None
+    if args.runtime == "both" and not args.only:
+        other = _search(args, cfg, model, "megatron")
     apply_stage_recompute(model, res.top)  # the split and each layer's recompute together, where faster
     seconds = time.perf_counter() - t0
     best = res.best_runnable()
@@ -150,7 +159,11 @@ def _plan(args, checker) -> int:
         Path(args.emit_ds_config).write_text(json.dumps(ds_config(emitted, model=args.model, dtype=model.dtype),
                                                         indent=2) + "\n")
     if args.json:
-        _emit(rows_json(res))
+        if other is None:
+            _emit(rows_json(res))
+        else:
+            _emit(json.dumps({"deepspeed": json.loads(rows_json(res)), "megatron": json.loads(rows_json(other))},
+                             indent=1))
         return 0
     d = model.device
     if d.collectives:
@@ -188,6 +201,14 @@ def _plan(args, checker) -> int:
     elif args.emit_ds_config:
         _emit(f"wrote {args.emit_ds_config}: deepspeed --num_gpus {best.layout.world_size} train.py "
               f"--deepspeed_config {args.emit_ds_config}")
+    if other is not None and other.top:
+        mine, theirs = res.top[0], other.top[0]
+        _emit("\nthe same cluster under Megatron-LM's runtime (its 1F1B and interleaving, DP reduction overlapped, "
+              "distributed optimizer):")
+        _emit(render_table(other, memory_cap=model.memory_cap))
+        _emit(f"pick under megatron: {theirs.layout.name}, step {theirs.step_s:.3f} s; under deepspeed: "
+              f"{mine.layout.name}, step {mine.step_s:.3f} s ({mine.step_s / theirs.step_s:.2f}x Megatron's)")
+        seconds = time.perf_counter() - t0
     _emit(f"planned in {seconds:.2f} s")
     return 0
 
@@ -214,6 +235,9 @@ def add_parser(sub) -> None:
     p.add_argument("--expert-imbalance", type=expert_imbalance, default=1.0, metavar="X|RUN_DIR",
                    help="Mixture-of-Experts, dropless: the busiest expert's load over the mean (>= 1), or an "
                         "instrumented run directory to read it from (default 1: balanced)")
+    p.add_argument("--runtime", default="deepspeed", choices=["deepspeed", "megatron", "both"],
+                   help="whose runtime runs the layouts: DeepSpeed's engines (default: what train.py runs), "
+                        "Megatron-LM's, or both side by side")
     p.add_argument("--json", action="store_true", help="print the layouts as JSON")
     p.add_argument("--emit-ds-config", default=None, metavar="FILE",
                    help="write the best layout DeepSpeed runs as a ds.json for train.py")
