@@ -206,9 +206,12 @@ def row_parts(r: dict) -> list[int]:
 def predict_row(r: dict, matrix_efficiency: float, *, runtime_terms: bool = True) -> float:
     """A predicted-set row's iteration time with the A100 fit (without the runtime terms where
     ``runtime_terms`` is off)."""
-    row, lay, cfg = r["row"], r["layout"], r["cfg"]
-    device = replace(DEVICES[row["device"]], **FIXED, matrix_efficiency=matrix_efficiency)
-    model = PlanModel(cfg, device, r["cluster"], seq=cfg.seq_len, global_batch=lay.global_batch, dtype=row["dtype"],
+    row, lay, cfg, cluster = r["row"], r["layout"], r["cfg"], r["cluster"]
+    # the row's own links for every collective, TP's inside the layers too
+    device = replace(DEVICES[row["device"]], **FIXED, matrix_efficiency=matrix_efficiency,
+                     gpus_per_node=cluster.gpus_per_node, intra_node_bandwidth=cluster.intra_node_bandwidth,
+                     inter_node_bandwidth=cluster.inter_node_bandwidth)
+    model = PlanModel(cfg, device, cluster, seq=cfg.seq_len, global_batch=lay.global_batch, dtype=row["dtype"],
                       zero_settings=DEEPSPEED_ZERO_DEFAULTS, runtime_terms=runtime_terms,
                       grad_accum_dtype=row["grad_accum_dtype"] or None)
     return model.evaluate(lay, row_parts(r), check_memory=False).step_s
