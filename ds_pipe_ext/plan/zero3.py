@@ -16,7 +16,7 @@ overlapped, the previous event's reduce-scatter).  Pure: plain lists in, seconds
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 @dataclass(frozen=True)
@@ -59,4 +59,22 @@ def microbatch_s(layers: Sequence[Sequence[ModuleTraffic]], *, recompute: bool, 
     return chain_s(forward, overlap_reduce=False) + chain_s(backward, overlap_reduce=overlap_reduce)
 
 
-__all__ = ["ModuleTraffic", "chain_s", "microbatch_s"]
+def exposed_s(costs: Sequence, layer_op_lists: Sequence[Sequence], *, gather: Callable[[float], float],
+              reduce: Callable[[float], float], persistent: float, recompute: bool, overlap_reduce: bool) -> float:
+    """The traffic one micro-batch leaves exposed beside its compute: ``microbatch_s`` minus the compute.
+    ``costs``: each layer's ``LayerCost``; ``layer_op_lists``: each layer's ops (``costs.estimate.layer_ops``),
+    an op with weights being one module, its share of the layer's time its share of the forward FLOPs;
+    ``gather`` / ``reduce``: seconds of an all-gather / reduce-scatter of that many elements; tensors of
+    at most ``persistent`` elements stay whole on every rank and are never gathered."""
+    layers = []
+    for cost, ops in zip(costs, layer_op_lists):
+        owners = [op for op in ops if op.weights]
+        flops = sum(op.fwd_flops for op in owners) or 1.0
+        layers.append([ModuleTraffic(cost.forward_s * op.fwd_flops / flops, cost.backward_s * op.fwd_flops / flops,
+                                     gather(sum(w for w in op.weights if w > persistent)), reduce(sum(op.weights)))
+                       for op in owners])
+    compute = sum(c.time_s(recompute=recompute) for c in costs)
+    return max(0.0, microbatch_s(layers, recompute=recompute, overlap_reduce=overlap_reduce) - compute)
+
+
+__all__ = ["ModuleTraffic", "chain_s", "exposed_s", "microbatch_s"]

@@ -1,0 +1,185 @@
+"""A rank's work after its last backward, as each runtime runs it: the data-parallel collectives, the
+runtime's own passes over the gradients, the optimizer step.  ``PlanModel`` mixes this in; its methods
+read the model's device, cluster, dtype and the run's settings (``zero_settings``, ``runtime_terms``,
+``grad_accum_dtype``).
+
+DeepSpeed (read from 0.19's source): ZeRO-0 all-reduces the gradients after the last backward; a bf16
+pipeline without ZeRO runs ``BF16_Optimizer`` (its accumulation buffers all-reduced, the updated bf16
+partitions all-gathered, 1/dp of the states updated); ZeRO-1 all-reduces the gradient buckets at the
+boundary and all-gathers the updated weights, ZeRO-2 all-reduces every micro-batch
+(``use_multi_rank_bucket_allreduce``); ZeRO-3 gathers weights forward and backward and reduce-scatters
+every micro-batch: serially on CPU ranks, under DeepSpeed's prefetch on a GPU (``plan.zero3``).  A tied
+embedding's gradient is all-reduced between the first and last stage (``ReduceTiedGrads``).
+Megatron-LM: reduce-scatter and all-gather with its distributed optimizer, half hidden under the last
+backward and half under the first forward with ``overlap_comm``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..costs.estimate import DTYPE_BYTES, EstimateRequest, layer_ops, shape_for
+from ..costs.hardware import adam_step_s
+from ..costs.nccl import ring_latency_s
+from ..layout import Layout
+from .zero3 import exposed_s
+
+
+class RankUpdate:
+    """The update-time terms of ``PlanModel`` (a mixin: ``self`` is the model)."""
+
+    def update_s(self, lay: Layout, params: float, layer_params: list[float] | tuple = (),
+                 hide_under: tuple[float, float] | None = None, expert_params: float = 0.0,
+                 zero3_exposed_s: float | None = None, tied_params: float = 0.0) -> float:
+        """A rank's work after its last backward for ``params`` parameters: its DP collectives, DeepSpeed's
+        own passes over the gradients (``engine_passes_s``) and Adam over the parameters it owns
+        (ZeRO-2/3's per-micro-batch collectives too: with no overlap, where they sit does not change
+        the step of one rank's serial work).  ``layer_params``: the rank's layers' parameter counts,
+        for the page faults of the large tensors a CPU maps afresh every step (none on GPUs).
+
+        Under the ``megatron`` runtime: the gradients' all-reduce (reduce-scatter, then the parameters'
+        all-gather, with its distributed optimizer, ZeRO-1), and no DeepSpeed passes; with
+        ``overlap_comm`` half of it hides under the rank's last backward and half under its first
+        forward, ``hide_under`` = (forward s, backward s) of a micro-batch on the rank (None: all of it
+        hides, the least it can cost: the bounds' case).  ``expert_params``: of ``params``, a rank's experts,
+        whose gradients reduce over their expert-data-parallel group (dp / ep ranks) and whose optimizer
+        states partition over it.  ``zero3_exposed_s``: ZeRO-3's traffic a micro-batch leaves exposed
+        (``zero3_exposed_s``), where the prefetch chain prices it, in place of the serial formula.
+        ``tied_params``: a tied embedding's parameters on this rank, whose gradients DeepSpeed's pipeline
+        engine all-reduces between the first and last stage (``ReduceTiedGrads``) before the DP reduction."""
+        if lay.runtime == "megatron":
+            return self._megatron_update_s(lay, params, hide_under)
+        experts = expert_params if lay.ep > 1 else 0.0  # at ep 1 the experts reduce with the rest
+        dense = params - experts
+        sharded = lay.zero >= 1 or self.bf16_optimizer(lay)  # BF16_Optimizer partitions its fp32 states like ZeRO-1
+        owned = dense / (lay.dp if sharded else 1) + experts / (lay.dp // lay.ep if sharded else 1)
+        if zero3_exposed_s is not None:
+            comm = lay.micro_batches * zero3_exposed_s
+        else:
+            comm = self._dp_comm_s(lay, dense, lay.dp) + self._dp_comm_s(lay, experts, lay.dp // lay.ep)
+        if tied_params:
+            comm += self.device.collective_time(tied_params * self.grad_reduce_bytes(lay), "all-reduce", 2,
+                                                self._tied_bandwidth(lay))
+        return comm + self.engine_passes_s(lay, params, layer_params) + adam_step_s(
+            owned, self.device, bytes_per_param=self.adam_bytes_per_param,
+            fresh_sizes=self.adam_fresh_bytes(lay, layer_params))
+
+    def _dp_comm_s(self, lay: Layout, params: float, n: int) -> float:
+        """DeepSpeed's data-parallel collectives of ``params`` parameters' gradients over ``n`` ranks (the
+        dp group; a rank's experts: their expert-data-parallel group of dp / ep)."""
+        m, grads, bw = lay.micro_batches, params * self.e, self._dp_bandwidth(lay)
+
+        def coll(kind: str) -> float:
+            return self.device.collective_time(grads, kind, n, bw)
+
+        # DeepSpeed's ZeRO-1/2 reduce gradients by all-reducing buckets that span every rank's
+        # slice (``use_multi_rank_bucket_allreduce``, on by default), then each keeps its slice
+        if self.bf16_optimizer(lay):  # its gradient buffers all-reduced, then the updated bf16 partitions gathered
+            return (self.device.collective_time(params * self.grad_reduce_bytes(lay), "all-reduce", n, bw)
+                    + self.device.collective_time(grads, "all-gather", n, bw))
+        if lay.zero == 0:
+            return coll("all-reduce")
+        if lay.zero == 1:  # at the boundary: all-reduce, then all-gather the updated weights
+            return coll("all-reduce") + coll("all-gather")
+        if lay.zero == 2:  # all-reduce every micro-batch's gradients, all-gather once
+            return m * coll("all-reduce") + coll("all-gather")
+        return m * (2 * coll("all-gather") + coll("reduce-scatter"))  # ZeRO-3: every micro-batch
+
+    def bf16_optimizer(self, lay: Layout) -> bool:
+        """Whether DeepSpeed runs this layout with its ``BF16_Optimizer`` (a bf16 pipeline without ZeRO:
+        ``_do_optimizer_sanity_check``): it accumulates gradients in flat buffers of ``grad_accum_dtype``,
+        all-reduces those (``_bf16_reduce_grads`` -> ``get_grads_for_reduction``) and partitions the fp32
+        master weights and moments over DP like ZeRO-1, all-gathering the updated bf16 partitions."""
+        return (self.runtime_terms and lay.runtime == "deepspeed" and self.dtype == "bf16" and lay.zero == 0
+                and lay.pipelined)
+
+    def grad_reduce_bytes(self, lay: Layout) -> float:
+        """Bytes of a gradient element as DeepSpeed reduces it: ``grad_accum_dtype`` under ``BF16_Optimizer``
+        (the tied weights' ``_hp_grad`` too), else the training dtype."""
+        return DTYPE_BYTES[self.grad_accum_dtype] if self.bf16_optimizer(lay) else self.e
+
+    def _tied_bandwidth(self, lay: Layout) -> float:
+        # the first and last stage are (pp - 1) tp x dp ranks apart: the same node only if they fit in it
+        return self.cluster.bandwidth((lay.pp - 1) * lay.tp * lay.dp + 1) * self.device.comm_efficiency
+
+    def zero3_prefetched(self, lay: Layout) -> bool:
+        """Whether ZeRO-3's traffic is priced by the prefetch chain (``plan.zero3``): DeepSpeed without a
+        pipeline on a GPU, whose NCCL kernels run beside the compute.  A CPU's gloo collectives run on the
+        cores that compute (ranks share two of them here, and were measured so): the serial formula.
+        ``runtime_terms=False``: the serial formula everywhere."""
+        return (self.runtime_terms and lay.zero == 3 and lay.runtime == "deepspeed" and not lay.pipelined
+                and lay.ep == 1 and self.device.name != "cpu")
+
+    def zero3_exposed_s(self, lay: Layout) -> float:
+        """ZeRO-3's traffic one micro-batch leaves exposed beside its compute (``plan.zero3.exposed_s``): per
+        module, the all-gather of its parameters and the reduce-scatter of its gradients over the DP group,
+        ring bandwidth plus NCCL's latency (``costs.nccl``), under the run's buckets (``zero_settings``)."""
+        n, bw, per_node = lay.dp, self._dp_bandwidth(lay), self.cluster.gpus_per_node
+        bucket = float(self.zero_settings["reduce_bucket_size"])  # gradients reduce-scatter a bucket at a time
+
+        def gather(elements: float) -> float:
+            return (self.device.collective_time(elements * self.e, "all-gather", n, bw)
+                    + ring_latency_s("all-gather", n, per_node)) if elements else 0.0
+
+        def reduce(elements: float) -> float:
+            return (self.device.collective_time(elements * self.e, "reduce-scatter", n, bw)
+                    + ring_latency_s("reduce-scatter", n, per_node) * elements / bucket)
+
+        shp = shape_for(self.cfg, EstimateRequest(micro_batch=lay.micro_batch, seq=self.seq, tp=lay.tp, sp=lay.sp,
+                                                  dtype=self.dtype), self.device)
+        return exposed_s(self.costs_of(lay), [ops for _, _, ops in layer_ops(self.cfg, shp)], gather=gather,
+                         reduce=reduce, persistent=float(self.zero_settings["stage3_param_persistence_threshold"]),
+                         recompute=lay.recompute == "full", overlap_reduce=lay.overlap_comm)
+
+    def _megatron_update_s(self, lay: Layout, params: float, hide_under: tuple[float, float] | None) -> float:
+        grads, bw = params * self.e, self._dp_bandwidth(lay)
+        kinds = ("reduce-scatter", "all-gather") if lay.zero >= 1 else ("all-reduce",)
+        comm = sum(self.device.collective_time(grads, kind, lay.dp, bw) for kind in kinds)
+        if lay.overlap_comm:
+            fwd, bwd = hide_under if hide_under is not None else (math.inf, math.inf)
+            comm = max(0.0, comm / 2 - bwd) + max(0.0, comm / 2 - fwd)
+        owned = params / (lay.dp if lay.zero >= 1 else 1)
+        return comm + adam_step_s(owned, self.device, bytes_per_param=self.adam_bytes_per_param)
+
+    def engine_passes_s(self, lay: Layout, params: float, layer_params: list[float] | tuple = ()) -> float:
+        """DeepSpeed's own memory passes over a rank's gradients each step, beside the collectives and
+        Adam (read from DeepSpeed 0.19's source; on CPU ranks they are a visible share of the step):
+
+        - ZeRO-0 (``engine.allreduce_gradients`` -> ``buffered_allreduce_fallback``, run even when the
+          DP group is one rank, as in every pipeline here): the gradients are flattened into a new
+          buffer (read + write), scaled by 1/dp when dp > 1 (read + write), all-reduced and copied
+          back (read + write); the trainer then reads them once for the gradient norm.  A CPU pays
+          first touches for the flat buffer (one per 5e8 elements) every step.
+        - ZeRO-1/2/3 (``get_grad_norm_direct``): every owned gradient is converted to float64 for the
+          norm (read e, write 8, read 8), the owned gradients are flattened into a new fp32 partition
+          (read e, write 4) and the updated fp32 partition is copied into the 16-bit one (read 4,
+          write e); ZeRO-1/2 also copy each micro-batch's gradients through the reduction bucket
+          (read + write) when they reduce.  A CPU pays first touches for the float64 copies of
+          large gradients and for the flat partition.
+        """
+        e, dp, m = self.e, lay.dp, lay.micro_batches
+        if lay.zero == 0:
+            traffic = (4 + (2 if dp > 1 else 0) + 1) * e * params
+            bucket = 5e8
+            fresh = [e * min(bucket, params - i * bucket) for i in range(math.ceil(params / bucket))]
+        else:
+            owned = params / dp
+            reductions = {1: 1, 2: m}.get(lay.zero, 0)
+            traffic = (e + 16) * owned + (e + 4) * owned + (4 + e) * owned + reductions * 2 * e * params
+            fresh = [8.0 * p / dp for p in layer_params if 8.0 * p / dp > self.device.fresh_alloc_min_bytes]
+            fresh.append(4.0 * owned)
+        return (traffic / (self.device.hbm_bandwidth * self.device.memory_efficiency)
+                + self.device.fresh_alloc_time(fresh))
+
+    def adam_fresh_bytes(self, lay: Layout, layer_params: list[float]) -> tuple:
+        """The fp32 tensors whose Adam temporaries are mapped afresh each step on a CPU (glibc: above its
+        mmap threshold): under ZeRO the rank's one flat partition, else each layer over the threshold
+        counted as one tensor (its embedding or head matrix; a block's matrices are each smaller)."""
+        if not self.device.fresh_page_bandwidth:
+            return ()
+        if lay.zero >= 1:
+            return (4.0 * sum(layer_params) / lay.dp,)
+        return tuple(4.0 * p for p in layer_params if 4.0 * p > self.device.fresh_alloc_min_bytes)
+
+
+__all__ = ["RankUpdate"]
