@@ -166,6 +166,11 @@ def flops_with_recompute(B: int, s: int, L: int, h: int, V: int) -> float:
     return 96.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
+def model_flops(B: int, s: int, L: int, h: int, V: int) -> float:
+    """The count without the recomputed forward (model FLOPs): 72 B s L h^2 (1 + s / 6h + V / 12Lh)."""
+    return 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+
+
 def load_predicted() -> list[dict]:
     """The predicted set: every row's model, layout, cluster and published iteration time (a TFLOP/s figure
     converted by its source's own FLOP count)."""
@@ -182,11 +187,14 @@ def load_predicted() -> list[dict]:
                          recompute=r["recompute"], overlap_comm=bool(i["overlap_comm"]), runtime=r["runtime"],
                          schedule=f"interleaved:{i['interleave']}" if i["interleave"] > 1 else None)
             published = float(r["published"])
-            if r["convention"] == "tflops96":
-                published = flops_with_recompute(lay.global_batch, cfg.seq_len, cfg.layers, cfg.hidden,
-                                                 cfg.vocab_size) / (published * 1e12 * lay.world_size)
+            if r["convention"] in ("tflops96", "tflops72"):
+                flops = flops_with_recompute(lay.global_batch, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size)
+                if r["convention"] == "tflops72":
+                    flops = model_flops(lay.global_batch, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size)
+                published = flops / (published * 1e12 * lay.world_size)
             elif r["convention"] != "iter_s":
-                raise ValueError(f"{PREDICTED.name}: {r['name']}: convention {r['convention']!r} (iter_s | tflops96)")
+                raise ValueError(f"{PREDICTED.name}: {r['name']}: convention {r['convention']!r} "
+                                 f"(iter_s | tflops96 | tflops72)")
             cluster = Cluster(i["gpus_per_node"], float(r["intra_gbs"]) * 1e9, float(r["inter_gbs_per_gpu"]) * 1e9)
             rows.append({"row": r, "cfg": cfg, "layout": lay, "cluster": cluster, "published_s": published,
                          "assumed": [a for a in r["assumed"].split(";") if a]})
@@ -306,7 +314,8 @@ def predicted_report(rows: list[dict]) -> str:
              f"`{PREDICTED.relative_to(ROOT)}` (one row per run: source, cluster, FLOP convention, settings). Iteration "
              "time in seconds: a source giving TFLOP/s per GPU is converted by its own FLOP count (`tflops96`: "
              "96 B s L h^2 (1 + s/6h + V/16Lh), the recomputed forward counted, as Megatron-LM 2021, "
-             "Megatron-DeepSpeed and GPT-NeoX log it); `iter_s`: the source's own seconds. Predicted with the "
+             "Megatron-DeepSpeed and GPT-NeoX log it; `tflops72`: 72 B s L h^2 (1 + s/6h + V/12Lh), model FLOPs); "
+             "`iter_s`: the source's own seconds. Predicted with the "
              "A100 fit above; *before*: the same model without DeepSpeed's runtime terms (`runtime_terms=False`: ZeRO-3 serial, "
              "BF16_Optimizer's reduction in bf16 and no tied-gradient all-reduce). "
              "*assumed*: a field the source leaves open (reported apart; see the notes below the table).", "", "```"]
