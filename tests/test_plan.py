@@ -54,6 +54,10 @@ def test_plan_prints_both_runtimes_side_by_side(capfd):
     assert {r["runtime"] for r in both["megatron"]} == {"megatron"} and all(r["zero"] <= 1 for r in both["megatron"])
     assert main(["plan", "--model", "gpt3-1.3b", "--gpus", "16", "--device", "a100", "--json", "--top", "3"]) == 0
     assert json.loads(capfd.readouterr().out) == both["deepspeed"]
+    # a ds.json is DeepSpeed's: refused under Megatron's runtime, before any planning
+    assert main(["plan", "--model", "gpt3-1.3b", "--gpus", "16", "--device", "a100", "--runtime", "megatron",
+                 "--emit-ds-config", "ds.json"]) != 0
+    assert "--runtime deepspeed" in capfd.readouterr().err
 
 
 def test_gpt3_175b_on_1024_a100_top10_fits_in_80gb_and_json_has_the_fields(capfd):

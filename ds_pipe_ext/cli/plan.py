@@ -130,6 +130,9 @@ def _plan(args, checker) -> int:
     from ..plan.search import PlanResult
 
     t0 = time.perf_counter()
+    if args.emit_ds_config and args.runtime == "megatron":
+        raise PlanError("--emit-ds-config writes a ds.json for DeepSpeed's engine: plan with --runtime deepspeed "
+                        "(or both), not megatron")
     cfg, model = build_model(args)
     if args.only:  # the layout the user named is evaluated whatever its memory, and marked if over the cap
         lay = parse_only(args.only, gpus=args.gpus, global_batch=model.global_batch)
@@ -145,7 +148,7 @@ def _plan(args, checker) -> int:
         other = _search(args, cfg, model, "megatron")
     apply_stage_recompute(model, res.top)  # the split and each layer's recompute together, where faster
     seconds = time.perf_counter() - t0
-    best = res.best_runnable()
+    best = res.best_runnable() if args.runtime != "megatron" else None  # what DeepSpeed runs, if it runs it
     for cost in res.top:
         if cost.stage_recompute is not None:
             sr = cost.stage_recompute
@@ -195,7 +198,7 @@ def _plan(args, checker) -> int:
         lay = res.top[0].layout
         for run in matching(cfg.name, d.name, args.gpus, lay, model.seq, model.global_batch):
             _emit("\n".join(beside(run, res.top[0], d.matrix_flops[model.dtype])))
-    if best is None:
+    if best is None and args.runtime != "megatron":
         _emit("no layout DeepSpeed runs (1F1B, GPipe, DualPipeV or no pipeline) fits: the plan has simulated "
               "alternatives only")
     elif args.emit_ds_config:
