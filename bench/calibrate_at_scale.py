@@ -57,6 +57,17 @@ START, LOWER, UPPER = np.array([0.8]), np.array([0.2]), np.array([1.0])
 DEEPSPEED_ZERO_DEFAULTS = {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
                            "stage3_param_persistence_threshold": 1e5}
 
+def flops_with_recompute(B: int, s: int, L: int, h: int, V: int) -> float:
+    """Narayanan et al.'s count, the recomputed forward included (Megatron-DeepSpeed's and GPT-NeoX's logs
+    use it too): 96 B s L h^2 (1 + s / 6h + V / 16Lh)."""
+    return 96.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+
+
+def model_flops(B: int, s: int, L: int, h: int, V: int) -> float:
+    """The count without the recomputed forward (model FLOPs): 72 B s L h^2 (1 + s / 6h + V / 12Lh)."""
+    return 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+
+
 # What each source leaves open, and what we assume (stated in the report)
 SOURCES = {
     "a100": dict(
@@ -64,8 +75,7 @@ SOURCES = {
         cluster=Cluster(8, 300e9, 25e9),
         layout=lambda r: dict(micro_batch=int(r["micro_batch"]), interleave=int(r["interleave_chunks"]),
                               recompute="full", sp=False, overlap_comm=False, zero=0),
-        # the paper counts the recomputed forward: F = 96 B s l h^2 (1 + s/6h + V/16lh)
-        flops=lambda B, s, L, h, V: 96.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)),
+        flops=flops_with_recompute,  # the paper counts the recomputed forward
         assumptions=["micro-batch and interleaving from Megatron-LM's sc21/run_table_1.sh (given in the table)",
                      "full activation recompute on every row (the paper's setting); fp16 with fp32 master weights",
                      "dropout 0.1 (Megatron's default), fused (1-byte masks); vocabulary 51200, sequence 2048",
@@ -77,7 +87,7 @@ SOURCES = {
         layout=lambda r: dict(micro_batch=1, interleave=1, recompute="selective", sp=int(r["tp"]) > 1,
                               overlap_comm=True, zero=1),  # ZeRO-1: Megatron's distributed optimizer
         # model FLOPs without recompute (Megatron-LM's num_floating_point_operations; MFU = this / 989 TFLOP/s)
-        flops=lambda B, s, L, h, V: 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)),
+        flops=model_flops,
         assumptions=["micro-batch 1 (not stated)", "selective recompute, sequence parallelism whenever TP > 1 "
                      "(not stated; Megatron-core's recommended settings)", "no interleaving (not stated)",
                      "DP gradient reduce-scatter and parameter all-gather overlapped (the README: overlap on), "
@@ -158,17 +168,6 @@ def calibrate(name: str) -> dict:
 
 GROUPS = {"deepspeed-engine": "DeepSpeed's pipeline engine", "deep-pipeline": "deep pipelines (35+ stages)",
           "zero3": "ZeRO-3 without model parallelism", "megatron": "Megatron-LM, shallower"}
-
-
-def flops_with_recompute(B: int, s: int, L: int, h: int, V: int) -> float:
-    """Narayanan et al.'s count, the recomputed forward included (Megatron-DeepSpeed's and GPT-NeoX's logs
-    use it too): 96 B s L h^2 (1 + s / 6h + V / 16Lh)."""
-    return 96.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
-
-
-def model_flops(B: int, s: int, L: int, h: int, V: int) -> float:
-    """The count without the recomputed forward (model FLOPs): 72 B s L h^2 (1 + s / 6h + V / 12Lh)."""
-    return 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
 
 
 def load_predicted() -> list[dict]:

@@ -211,7 +211,6 @@ def _plan(args, checker) -> int:
         _emit(render_table(other, memory_cap=model.memory_cap))
         _emit(f"pick under megatron: {theirs.layout.name}, step {theirs.step_s:.3f} s; under deepspeed: "
               f"{mine.layout.name}, step {mine.step_s:.3f} s ({mine.step_s / theirs.step_s:.2f}x Megatron's)")
-        seconds = time.perf_counter() - t0
     _emit(f"planned in {seconds:.2f} s")
     return 0
 

@@ -372,7 +372,7 @@ class PlanModel(RankUpdate):
         exposed = self.zero3_exposed_s(lay) if self.zero3_prefetched(lay) and update else None
         tied = [0.0] * lay.pp  # DeepSpeed's tied embedding: its gradient all-reduced between first and last rank
         first, last = chunk_rank[0], chunk_rank[len(parts) - 2]
-        if self.runtime_terms and lay.runtime == "deepspeed" and getattr(self.cfg, "tied_head", False) and first != last:
+        if self.runtime_terms and lay.runtime == "deepspeed" and self.cfg.tied_head and first != last:
             tied[first] = tied[last] = costs[0].param_bytes / self.e
         pred = self.step_model.predict(
             stages, m, schedule=spec.name if lay.pipelined else "none", runtime=lay.runtime,

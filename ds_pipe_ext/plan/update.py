@@ -72,13 +72,13 @@ class RankUpdate:
         def coll(kind: str) -> float:
             return self.device.collective_time(grads, kind, n, bw)
 
-        # DeepSpeed's ZeRO-1/2 reduce gradients by all-reducing buckets that span every rank's
-        # slice (``use_multi_rank_bucket_allreduce``, on by default), then each keeps its slice
         if self.bf16_optimizer(lay):  # its gradient buffers all-reduced, then the updated bf16 partitions gathered
             return (self.device.collective_time(params * self.grad_reduce_bytes(lay), "all-reduce", n, bw)
-                    + self.device.collective_time(grads, "all-gather", n, bw))
+                    + coll("all-gather"))
         if lay.zero == 0:
             return coll("all-reduce")
+        # DeepSpeed's ZeRO-1/2 reduce gradients by all-reducing buckets that span every rank's
+        # slice (``use_multi_rank_bucket_allreduce``, on by default), then each keeps its slice
         if lay.zero == 1:  # at the boundary: all-reduce, then all-gather the updated weights
             return coll("all-reduce") + coll("all-gather")
         if lay.zero == 2:  # all-reduce every micro-batch's gradients, all-gather once

@@ -63,16 +63,19 @@ def exposed_s(costs: Sequence, layer_op_lists: Sequence[Sequence], *, gather: Ca
               reduce: Callable[[float], float], persistent: float, recompute: bool, overlap_reduce: bool) -> float:
     """The traffic one micro-batch leaves exposed beside its compute: ``microbatch_s`` minus the compute.
     ``costs``: each layer's ``LayerCost``; ``layer_op_lists``: each layer's ops (``costs.estimate.layer_ops``),
-    an op with weights being one module, its share of the layer's time its share of the forward FLOPs;
+    an op with weights being one module, its share of the layer's time its share of the forward FLOPs
+    (equal shares where they have none; a layer without weights is one module with no traffic);
     ``gather`` / ``reduce``: seconds of an all-gather / reduce-scatter of that many elements; tensors of
     at most ``persistent`` elements stay whole on every rank and are never gathered."""
     layers = []
     for cost, ops in zip(costs, layer_op_lists):
         owners = [op for op in ops if op.weights]
-        flops = sum(op.fwd_flops for op in owners) or 1.0
-        layers.append([ModuleTraffic(cost.forward_s * op.fwd_flops / flops, cost.backward_s * op.fwd_flops / flops,
+        flops = sum(op.fwd_flops for op in owners)
+        # every second of the layer lands on some module, so the chain's compute is the layers' own
+        shares = [op.fwd_flops / flops for op in owners] if flops else [1 / len(owners)] * len(owners)
+        layers.append([ModuleTraffic(cost.forward_s * share, cost.backward_s * share,
                                      gather(sum(w for w in op.weights if w > persistent)), reduce(sum(op.weights)))
-                       for op in owners])
+                       for op, share in zip(owners, shares)] or [ModuleTraffic(cost.forward_s, cost.backward_s, 0, 0)])
     compute = sum(c.time_s(recompute=recompute) for c in costs)
     return max(0.0, microbatch_s(layers, recompute=recompute, overlap_reduce=overlap_reduce) - compute)
 
