@@ -36,9 +36,9 @@ RUNTIMES = ("deepspeed", "megatron")
 NO_PIPELINE = "none"
 
 # DeepSpeed's memory-relevant ZeRO settings, written into every ZeRO config so that the cost model
-# predicts what DeepSpeed really allocates.  Bucket sizes: DeepSpeed's defaults (5e8 elements) are
-# sized for GPUs; these keep the buffers small beside a model on CPU.  Persistence threshold 0:
-# DeepSpeed's default (1e5 elements) would keep every parameter of a small model whole on every
+# predicts what DeepSpeed really allocates.  On a CPU: buckets far below DeepSpeed's defaults (5e8
+# elements, sized for GPUs) keep the buffers small beside a small model, and persistence threshold 0,
+# since DeepSpeed's default (1e5 elements) would keep every parameter of a small model whole on every
 # rank under ZeRO-3, which is not ZeRO-3.  ``overlap_comm`` is the layout's own field.
 ZERO_SETTINGS = {
     "reduce_bucket_size": 5e6,
@@ -47,6 +47,19 @@ ZERO_SETTINGS = {
     "stage3_param_persistence_threshold": 0,
     "contiguous_gradients": True,
 }
+
+
+def zero_settings_for(hidden: int, device: str) -> dict:
+    """The ZeRO settings a plan for ``device`` writes: ``ZERO_SETTINGS`` on a CPU; on a GPU, buckets sized to
+    the model as transformers' DeepSpeed integration fills its "auto" values (reduce bucket h^2, ZeRO-3's
+    prefetch bucket 0.9 h^2 and persistence threshold 10 h) and DeepSpeed's default all-gather bucket.
+    CPU-sized buckets on a GPU cluster make every ZeRO-3 collective latency-bound (hundreds of ring steps
+    per bucket at hundreds of ranks)."""
+    if device == "cpu":
+        return dict(ZERO_SETTINGS)
+    return {**ZERO_SETTINGS, "reduce_bucket_size": hidden * hidden, "allgather_bucket_size": 5e8,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden}
 
 
 def _overlap_comm(zero_section: dict) -> bool:
@@ -277,14 +290,17 @@ class Layout:
             schedule=pipe.get("schedule", "1f1b") if "pipeline" in ds else NO_PIPELINE,
             offload=offload, overlap_comm=_overlap_comm(zero), ep=ep)
 
-    def zero_section(self) -> dict:
+    def zero_section(self, settings: dict | None = None) -> dict:
         """ds.json's ``zero_optimization`` for this layout's stage (offload aside): what the memory rules
-        read, for any runtime."""
-        return {"stage": self.zero, **ZERO_SETTINGS, "overlap_comm": self.overlap_comm}
+        read, for any runtime; ``settings``: the buckets and threshold (``zero_settings_for``), else
+        ``ZERO_SETTINGS``."""
+        return {"stage": self.zero, **(ZERO_SETTINGS if settings is None else settings), "overlap_comm": self.overlap_comm}
 
-    def ds_config(self, *, train: dict | None = None, pipeline: dict | None = None, **top) -> dict:
+    def ds_config(self, *, train: dict | None = None, pipeline: dict | None = None, zero_settings: dict | None = None,
+                  **top) -> dict:
         """The ds.json that runs this layout (the one writer): the sections a layout decides, with
-        ``train`` and ``pipeline`` keys of the caller's merged in, and other top-level keys as given."""
+        ``train`` and ``pipeline`` keys of the caller's merged in, ZeRO's buckets from ``zero_settings`` (else
+        ``ZERO_SETTINGS``), and other top-level keys as given."""
         if self.runtime != "deepspeed" or not self.runnable:
             raise LayoutError(f"{self.name}: DeepSpeed runs no {self.schedule} schedule ({self.runtime} runtime); "
                               f"write a ds.json for a runnable layout")
@@ -300,7 +316,7 @@ class Layout:
         if self.ep > 1:  # ours: DeepSpeed's own "expert_parallel" section is AutoEP
             ds["moe"] = {"ep_size": self.ep}
         if self.zero:
-            ds["zero_optimization"] = self.zero_section()
+            ds["zero_optimization"] = self.zero_section(zero_settings)
             if self.offload:  # the optimizer's states at any stage; the parameters too under ZeRO-3
                 ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
                 if self.zero == 3:

@@ -458,3 +458,26 @@ def test_per_stage_recompute_beats_every_global_setting_on_gpt3_175b(capfd):
         steps[mode] = theirs
         assert ours < theirs and "stage 0: selective" in line
     assert steps["selective"] < steps["none"] < steps["full"]
+
+
+def test_a_gpu_plan_prices_and_emits_zero_buckets_sized_to_the_model(tmp_path, capfd):
+    """On a GPU the plan's ZeRO buckets are transformers' "auto" sizes for the model (h^2, 0.9 h^2, 10 h),
+    priced and written alike; CPU-sized buckets (5e6 elements) would make ZeRO-3 on 384 A100 latency-bound."""
+    from ds_pipe_ext.layout import ZERO_SETTINGS, zero_settings_for
+
+    h = 12288  # gpt3-175b
+    out = tmp_path / "ds.json"
+    only = "pp=1,tp=1,dp=384,mb=4,recompute=full,zero=3"
+    assert main(["plan", "--model", "gpt3-175b", "--gpus", "384", "--device", "a100", "--global-batch", "1536",
+                 "--only", only, "--emit-ds-config", str(out)]) == 0
+    capfd.readouterr()
+    zero = json.loads(out.read_text())["zero_optimization"]
+    assert (zero["stage"], zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
+            zero["stage3_param_persistence_threshold"]) == (3, h * h, int(0.9 * h * h), 10 * h)
+    assert zero_settings_for(512, "cpu") == ZERO_SETTINGS
+    _, model = plan_model(gpus=384)
+    lay = parse_only(only, gpus=384, global_batch=1536)
+    priced = model.evaluate_named(lay).step_s
+    small = type(model)(model.cfg, model.device, model.cluster, seq=model.seq, global_batch=1536,
+                        dtype=model.dtype, zero_settings=ZERO_SETTINGS).evaluate_named(lay).step_s
+    assert small > 1.3 * priced  # each bucket's NCCL latency, hundreds of ring steps at 384 ranks

@@ -159,8 +159,8 @@ def _plan(args, checker) -> int:
     if args.emit_ds_config:
         if best is None:
             raise PlanError("no layout DeepSpeed can run made the plan: nothing to emit")
-        Path(args.emit_ds_config).write_text(json.dumps(ds_config(emitted, model=args.model, dtype=model.dtype),
-                                                        indent=2) + "\n")
+        Path(args.emit_ds_config).write_text(json.dumps(
+            ds_config(emitted, model=args.model, dtype=model.dtype, zero_settings=model.zero_settings), indent=2) + "\n")
     if args.json:
         if other is None:
             _emit(rows_json(res))

@@ -74,9 +74,9 @@ class ZeroSettings:
                    contiguous_gradients=bool(get("contiguous_gradients")))
 
     @classmethod
-    def of_layout(cls, lay) -> "ZeroSettings":
-        """The settings a ``Layout`` writes into its ds.json (``Layout.zero_section``)."""
-        return cls.from_ds_config({"zero_optimization": lay.zero_section()} if lay.zero else {})
+    def of_layout(cls, lay, settings: dict | None = None) -> "ZeroSettings":
+        """The settings a ``Layout`` writes into its ds.json (``Layout.zero_section``, with ``settings``)."""
+        return cls.from_ds_config({"zero_optimization": lay.zero_section(settings)} if lay.zero else {})
 
 
 def walks_schedule(spec) -> bool:

@@ -37,7 +37,7 @@ from ..costs.hardware import DEVICES, DeviceSpec, get_device
 from ..costs.stage import held_activation_bytes, stage_costs, with_layer_recompute
 from ..costs.peak import PipelinePeakRule, ZeroSettings, step_peak, walks_schedule
 from ..costs.zero import RankMemory, layer_states_by_rule, rank_memory, state_bytes_per_param
-from ..layout import ZERO_SETTINGS, Layout
+from ..layout import Layout, zero_settings_for
 from ..partition.algorithms import InfeasibleMemoryCap, partition_min_max_lists, smallest_feasible_cap_lists
 from ..partition.methods import decide_offline
 from ..simulate.events import Link, Network
@@ -143,7 +143,7 @@ class PlanModel(RankUpdate):
                  runtime_terms: bool = True, grad_accum_dtype: str | None = None):
         self.cfg, self.device, self.cluster = as_description(cfg), device, cluster  # what the model computes
         # the run's ZeRO buckets and thresholds (ours: what the emitted ds.json sets; a published run's: its own)
-        self.zero_settings = {**ZERO_SETTINGS, **(zero_settings or {})}
+        self.zero_settings = {**zero_settings_for(self.cfg.hidden, device.name), **(zero_settings or {})}
         # DeepSpeed's runtime at scale as its source runs it (ZeRO-3's prefetch, BF16_Optimizer's fp32
         # reduction and partitioned step, the tied-gradient all-reduce); False: the model without these
         # terms, which bench/calibrate_at_scale.py sets beside it
@@ -244,7 +244,7 @@ class PlanModel(RankUpdate):
         it applies: one model chunk a rank; None elsewhere (the additive form at the step)."""
         if not walks_schedule(lay.schedule_spec):
             return None
-        return PipelinePeakRule(ZeroSettings.of_layout(lay), lay.dp, self.e,
+        return PipelinePeakRule(ZeroSettings.of_layout(lay, self.zero_settings), lay.dp, self.e,
                                 fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, ep=lay.ep)
 
     def _memory_lists(self, lay: Layout, costs) -> dict:
@@ -318,14 +318,15 @@ class PlanModel(RankUpdate):
         schedule's held activations."""
         # beside each: the activations its schedule holds at most (the simulator's ``held_peak_bytes``)
         if not walks_schedule(lay.schedule_spec):
-            threshold = int(ZERO_SETTINGS["stage3_param_persistence_threshold"])
+            threshold = int(self.zero_settings["stage3_param_persistence_threshold"])
             return [{**rank_memory(layers, activation_bytes=held[r], zero=lay.zero, dp=lay.dp, element_bytes=self.e,
                                    persistence_threshold=threshold, offload=lay.offload).to_dict(),
                      "held_activation_bytes": held[r]}
                     for r, layers in enumerate(rank_layers)]
         steps = rank_steps(self.cfg, lay, parts=parts, seq=self.seq, dtype=self.dtype,
                            mask_bytes=self.e if self.device.name == "cpu" else 1,
-                           fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, modes=modes)
+                           fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, modes=modes,
+                           zero=ZeroSettings.of_layout(lay, self.zero_settings))
         return [{**RankMemory.from_peak(step_peak(step)).to_dict(), "held_activation_bytes": held[r]}
                 for r, step in enumerate(steps)]
 

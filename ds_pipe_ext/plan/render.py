@@ -140,8 +140,10 @@ class MegatronLayoutChecker:
             self.proc.kill()
 
 
-def ds_config(cost: LayoutCost, *, model: str, steps: int = 10, dtype: str = "bf16") -> dict:
-    """The ds.json that trains this layout with train.py (its split as ``"parts:..."``)."""
+def ds_config(cost: LayoutCost, *, model: str, steps: int = 10, dtype: str = "bf16",
+              zero_settings: dict | None = None) -> dict:
+    """The ds.json that trains this layout with train.py (its split as ``"parts:..."``, ZeRO's buckets as
+    the plan priced them: ``PlanModel.zero_settings``)."""
     lay = cost.layout
     if not lay.runnable:
         raise ValueError(f"{lay.name}: DeepSpeed runs no {lay.schedule} schedule; emit a runnable layout")
@@ -150,6 +152,6 @@ def ds_config(cost: LayoutCost, *, model: str, steps: int = 10, dtype: str = "bf
     modes = getattr(cost, "layer_recompute", None)
     if modes is not None:  # chosen with the split: train.py builds them, no second decision
         train["recompute"] = modes
-    return lay.ds_config(train=train, steps_per_print=10**6, **precision,
+    return lay.ds_config(train=train, steps_per_print=10**6, zero_settings=zero_settings, **precision,
                          pipeline={"partition_method": "parts:" + ",".join(map(str, cost.parts))}
                          if lay.pipelined else None)
