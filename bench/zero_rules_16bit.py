@@ -4,13 +4,16 @@
 
 `ds-pipe-ext compare` checks the allocation rules in fp32, which is what its CPU runs train.  This
 bench checks the 16-bit half of the rules (16-bit parameters beside fp32 master weights): for ZeRO-1,
--2 and -3 it launches ``deepspeed --num_gpus WORLD`` on itself with ``"bf16": {"enabled": true}``,
-counts the tensors every rank holds around the optimizer step (``instrument.memory.ModelStateProbe``),
-and compares each kind with ``costs.zero.zero_model_states(element_bytes=2)``.  The parameter sizes
-are odd on purpose, so that ZeRO's padding shows.  DeepSpeed's own estimate is printed beside them.
-Nothing is fitted.
+-2 and -3, and for DeepSpeed's ``BF16_Optimizer`` (which DeepSpeed 0.19 picks for bf16 under its
+pipeline without ZeRO, accumulating gradients in bf16, and for bf16 ZeRO-1 with ``grad_accum_dtype``
+fp32), it launches ``deepspeed --num_gpus WORLD`` on itself with ``"bf16": {"enabled": true}``, counts
+the tensors every rank holds around the optimizer step (``instrument.memory.ModelStateProbe``), and
+compares each kind with ``costs.zero.zero_model_states(element_bytes=2)`` (``bf16_optimizer_states``
+and its accumulation buffer for BF16_Optimizer).  The parameter sizes are odd on purpose, so that the
+padding shows.  DeepSpeed's own estimate is printed beside them.  Nothing is fitted.
 
-Ends with ``RESULT zero_16bit_max_error_pct=X`` (the largest error over kinds, stages and ranks).
+Ends with ``RESULT zero_16bit_max_error_pct=X bf16_optimizer_max_error_pct=Y`` (the largest error over
+kinds and ranks: ZeRO-1/2/3; BF16_Optimizer's two cases).
 """
 
 from __future__ import annotations
@@ -34,13 +37,21 @@ def build_model():
                                torch.nn.Linear(95, 1000))
 
 
-def worker(stage: int) -> None:
+CASES = {  # name: (the engine's ZeRO stage, grad_accum_dtype, under DeepSpeed's pipeline)
+    "zero1": (1, None, False), "zero2": (2, None, False), "zero3": (3, None, False),
+    "bf16-pipeline": (0, None, True),  # BF16_Optimizer, gradients accumulated in bf16
+    "bf16-zero1-fp32-accum": (1, "fp32", False),  # BF16_Optimizer, gradients accumulated in fp32
+}
+
+
+def worker(case: str) -> None:
     import deepspeed
     import torch
 
-    from ds_pipe_ext.costs.zero import zero_model_states
+    from ds_pipe_ext.costs.zero import bf16_accumulation_bytes, bf16_optimizer_states, zero_model_states
     from ds_pipe_ext.instrument.memory import ModelStateProbe
 
+    stage, accum, pipelined = CASES[case]
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = build_model()
@@ -48,54 +59,76 @@ def worker(stage: int) -> None:
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
               "zero_optimization": {"stage": stage, **SETTINGS}}
+    if accum:
+        config["data_types"] = {"grad_accum_dtype": accum}
+    if pipelined:
+        from deepspeed.pipe import PipelineModule
+
+        model = PipelineModule(layers=list(model), num_stages=1, loss_fn=lambda out, _: out.float().pow(2).mean())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     probe = ModelStateProbe(engine.module, engine.optimizer)
+    batches = iter(lambda: (torch.randint(0, 1000, (2, 8)), torch.zeros(2)), None)
     for _ in range(2):
-        out = engine(torch.randint(0, 1000, (2, 8)))
-        engine.backward(out.float().pow(2).mean())
-        engine.step()
+        if pipelined:
+            engine.train_batch(data_iter=batches)
+        else:
+            out = engine(next(batches)[0])
+            engine.backward(out.float().pow(2).mean())
+            engine.step()
     dp = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
-    predicted = zero_model_states(numels, dp=dp, stage=stage, element_bytes=2, rank=rank).to_dict()
+    bf16_optimizer = type(engine.optimizer).__name__ == "BF16_Optimizer"
+    if bf16_optimizer:
+        accum_bytes = 4 if accum == "fp32" else 2
+        predicted = bf16_optimizer_states(numels, dp=dp, accum_bytes=accum_bytes).to_dict()
+        predicted["grad_bytes"] += bf16_accumulation_bytes(numels, dp=dp, accum_bytes=accum_bytes)
+    else:
+        predicted = zero_model_states(numels, dp=dp, stage=stage, element_bytes=2, rank=rank).to_dict()
     # one write per line: the ranks share the launcher's stdout, unbuffered (python -u), so print's
     # separate write of the newline could let the other rank's line in between
-    sys.stdout.write("RESULT-RANK " + json.dumps({"stage": stage, "rank": rank, "params": sum(numels),
+    sys.stdout.write("RESULT-RANK " + json.dumps({"case": case, "stage": stage, "rank": rank, "params": sum(numels),
+                                                 "optimizer": type(engine.optimizer).__name__,
                                                  "measured": probe.read(), "predicted": predicted}) + "\n")
     sys.stdout.flush()
+    torch.distributed.barrier()  # leave together: a rank tearing gloo down under another can abort it
+    torch.distributed.destroy_process_group()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--stage", type=int, default=None, help=argparse.SUPPRESS)  # a launched worker
+    ap.add_argument("--case", choices=sorted(CASES), default=None, help=argparse.SUPPRESS)  # a launched worker
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the launcher adds it
     args = ap.parse_args()
-    if args.stage is not None:
-        return worker(args.stage)
+    if args.case is not None:
+        return worker(args.case)
 
     from ds_pipe_ext.compat.zero import deepspeed_estimate_bytes
-
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in build_model().modules())
     from ds_pipe_ext.runner import launch
 
-    worst, lines = 0.0, []
-    for stage in (1, 2, 3):
-        proc, _ = launch(args.world, None, "--stage", str(stage), timeout=600, script="bench/zero_rules_16bit.py")
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in build_model().modules())
+    worst = {"zero": 0.0, "bf16": 0.0}
+    lines = []
+    for case, (stage, _, _) in CASES.items():
+        proc, _ = launch(args.world, None, "--case", case, timeout=600, script="bench/zero_rules_16bit.py")
         ranks = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
                  if line.startswith("RESULT-RANK ")]
         if proc.returncode or len(ranks) != args.world:
-            sys.exit(f"ZeRO-{stage} launch failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+            sys.exit(f"{case} launch failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
         for r in sorted(ranks, key=lambda r: r["rank"]):
+            group = "bf16" if r["optimizer"] == "BF16_Optimizer" else "zero"
+            if case.startswith("bf16") != (group == "bf16"):
+                sys.exit(f"{case}: DeepSpeed chose {r['optimizer']}, not the optimizer this case is for")
             for kind, want in r["predicted"].items():
                 got = r["measured"][kind]
-                worst = max(worst, 100 * abs(got - want) / max(got, 1))
+                worst[group] = max(worst[group], 100 * abs(got - want) / max(got, 1))
             total = sum(r["measured"].values())
-            est = deepspeed_estimate_bytes(r["params"], largest, dp=args.world, stage=stage)
-            lines.append(f"ZeRO-{stage} rank {r['rank']}: measured {r['measured']}  predicted {r['predicted']}  "
-                         f"total {total} B, DeepSpeed's estimate {est if est is not None else 'n/a'} B")
-    print(f"bf16 on {args.world} CPU ranks, {ranks[0]['params']} parameters (odd: ZeRO pads):")
+            est = deepspeed_estimate_bytes(r["params"], largest, dp=args.world, stage=stage) if group == "zero" else None
+            lines.append(f"{case} ({r['optimizer']}) rank {r['rank']}: measured {r['measured']}  predicted "
+                         f"{r['predicted']}  total {total} B, DeepSpeed's estimate {est if est is not None else 'n/a'} B")
+    print(f"bf16 on {args.world} CPU ranks, {ranks[0]['params']} parameters (odd: the flat buffers pad):")
     print("\n".join(lines))
-    print(f"RESULT zero_16bit_max_error_pct={worst:.3f}")
+    print(f"RESULT zero_16bit_max_error_pct={worst['zero']:.3f} bf16_optimizer_max_error_pct={worst['bf16']:.3f}")
 
 
 if __name__ == "__main__":

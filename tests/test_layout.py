@@ -196,3 +196,16 @@ def test_layer_states_follow_the_rule_and_the_cap_counts_them():
     with pytest.raises(InfeasibleMemoryCap):
         partition_min_max(costs, 2, memory_cap_bytes=cap, micro_batches=2)
     assert partition_min_max(z1, 2, memory_cap_bytes=cap, micro_batches=2) == [0, 2, 4]
+
+
+@pytest.mark.parametrize("accum", [2, 4])
+def test_bf16_optimizer_states_are_what_deepspeed_allocated(accum):
+    # bench/zero_rules_16bit.py on 2 CPU ranks (DeepSpeed 0.19.8, bf16): its odd model (320,000 + 6,175 + 96,000
+    # elements, padded to 422,176) under BF16_Optimizer, gradients accumulated in bf16 (a pipeline without ZeRO)
+    # and in fp32 (ZeRO-1 with grad_accum_dtype fp32): every rank held exactly these bytes
+    from ds_pipe_ext.costs.zero import bf16_accumulation_bytes, bf16_optimizer_states
+
+    numels = [320_000, 64 * 95, 95, 95 * 1000, 1000]
+    states = bf16_optimizer_states(numels, dp=2, accum_bytes=accum)
+    grads = states.grad_bytes + bf16_accumulation_bytes(numels, dp=2, accum_bytes=accum)
+    assert (states.param_bytes, grads, states.optimizer_bytes) == (844_352, 2_533_054, 2_533_056)

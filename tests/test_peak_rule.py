@@ -95,7 +95,7 @@ def test_rank_steps_read_the_zero_settings_the_layout_writes():
     assert dp.zero.persistence_threshold == int(ZERO_SETTINGS["stage3_param_persistence_threshold"])
     assert [k for k, _ in dp.order] == ["F", "B", "F", "B"]
     pipe = rank_steps(cfg, Layout(pp=2, micro_batch=2, micro_batches=2), parts=[0, 3, 6], dtype="bf16")
-    assert [s.pipe_buffers for s in pipe] == [2, 2] and all(s.flat_grad_accumulation for s in pipe)
+    assert [s.pipe_buffers for s in pipe] == [2, 2] and [s.flat_grad_bytes for s in pipe] == [2, 2]
     assert pipe[1].output_bytes == 2 * 256 * 8192 * 2  # the logits, in bf16
     with pytest.raises(ValueError, match="needs its split"):
         rank_steps(cfg, Layout(pp=2, micro_batch=2, micro_batches=2))
@@ -169,3 +169,34 @@ def test_a_recompute_mode_per_layer_walks_like_the_global_setting():
     mixed = (["none", "full", "selective"] * n)[:n]
     got = [step_peak(s).total_bytes for s in rank_steps(cfg, plain, parts=[0, 3, n], modes=mixed)]
     assert all(peaks["full"][s] < got[s] < peaks["none"][s] for s in range(2))
+
+
+@pytest.mark.parametrize("accum", [2, 4])
+def test_bf16_optimizer_partitions_master_weights_and_moments_in_both_forms(accum):
+    # DeepSpeed's BF16_Optimizer (bf16 under its pipeline without ZeRO): bf16 weights and gradients whole, a
+    # flat accumulation buffer of `accum` bytes an element, fp32 master weights and moments on 1/dp.  compare-cpu
+    # on 2 stages x dp 2: the partitioner's form equals the walked rule on the last stage, and the optimizer
+    # states are half ZeRO-0's 16-bit ones
+    from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs
+    from ds_pipe_ext.costs.hardware import get_device
+    from ds_pipe_ext.costs.peak import PipelinePeakRule
+    from ds_pipe_ext.costs.stage import held_activation_bytes
+    from ds_pipe_ext.models.registry import load_model
+    from ds_pipe_ext.partition.problem import make_problem
+
+    cfg = load_model("compare-cpu")
+    costs = analytic_layer_costs(cfg, EstimateRequest(micro_batch=2, seq=256, dtype="bf16", mask_bytes=4),
+                                 get_device("cpu"))
+    lay = Layout(pp=2, dp=2, zero=0, micro_batch=2, micro_batches=2)
+    rule = PipelinePeakRule(ZeroSettings(), dp=2, element_bytes=2, bf16_optimizer_accum_bytes=accum)
+    pb = make_problem([1.0] * 6, 2, static_bytes=[c.static_bytes for c in rule.layer_states(costs)],
+                      activation_bytes=held_activation_bytes(costs), micro_batches=2,
+                      stage_reserve_bytes=rule.stage_reserves(costs, 2, micro_batches=2), step_bytes=rule.step_bytes(costs))
+    walked = rank_steps(cfg, lay, parts=[0, 3, 6], dtype="bf16", mask_bytes=4, bf16_optimizer_accum_bytes=accum)
+    plain = rank_steps(cfg, lay, parts=[0, 3, 6], dtype="bf16", mask_bytes=4)
+    last, zero0 = step_peak(walked[1]), step_peak(plain[1])
+    assert pb.stage_memory(1, 3, 6) == pytest.approx(last.total_bytes, rel=1e-6)
+    numels = sum(n for layer in walked[1].layers for op in layer for n in op.weights)
+    padded = -(-numels // 4) * 4
+    assert last.by_kind["optimizer_bytes"] == 12 * padded // 2 == pytest.approx(zero0.by_kind["optimizer_bytes"] / 2, rel=1e-5)
+    assert last.by_kind["param_bytes"] == 2 * padded

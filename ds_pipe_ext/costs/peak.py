@@ -32,6 +32,10 @@ keeps, at every moment, the bytes alive by kind as DeepSpeed 0.19 allocates them
   of the largest tensor the inner optimizer steps (torch's single-tensor AdamW, train.py's on CPU,
   computes the square root of the second moment, then its quotient), which under ZeRO-1/2/3 and 16-bit
   ZeRO-0 is the flat partition; none for a fused Adam (DeepSpeed's FusedAdam on GPUs).
+- **BF16_Optimizer** (bf16 ZeRO-0 under DeepSpeed's pipeline): bf16 weights and gradients whole, a flat
+  accumulation buffer in ``grad_accum_dtype`` held from the start, fp32 master weights and moments on
+  the rank's 1/dp partition (``costs.zero.bf16_optimizer_states``; measured on CPU ranks by
+  ``bench/zero_rules_16bit.py``).
 
 Pure arithmetic on ``OpCost`` lists: no torch.
 """
@@ -42,7 +46,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from .moe_ops import is_expert_op
-from .zero import expert_parallel_states, layer_states_by_rule, layer_tensors, zero_model_states
+from .zero import (bf16_accumulation_bytes, bf16_optimizer_states, expert_parallel_states, layer_states_by_rule,
+                   layer_tensors, zero_model_states)
 from .zero import overlapping_partition as _overlapping_partition
 
 PEAK_KINDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "gathered_bytes",
@@ -99,9 +104,12 @@ class RankStep:
     pipe_buffers: int = 0  # a pipeline stage's buffers of sent outputs and received inputs (0: no pipeline)
     output_bytes: float = 0.0  # what the rank's last layer outputs per micro-batch (kept in a pipe buffer)
     input_bytes: float = 0.0  # what it receives per micro-batch (0 on the first stage)
-    # BF16_Optimizer (16-bit ZeRO-0 under a pipeline) accumulates gradients into a flat buffer of every
-    # parameter in the gradients' dtype, held from the start, beside the 16-bit ones autograd makes
-    flat_grad_accumulation: bool = False
+    # 16-bit ZeRO-0 under a pipeline accumulates gradients into a flat buffer of every parameter, held from
+    # the start beside the 16-bit ones autograd makes: an element's bytes (0: no such buffer)
+    flat_grad_bytes: int = 0
+    # DeepSpeed's BF16_Optimizer (bf16 ZeRO-0 under its pipeline): fp32 master weights and moments on the
+    # rank's 1/dp partition (``costs.zero.bf16_optimizer_states``), the flat buffer in grad_accum_dtype
+    bf16_optimizer: bool = False
     # full recompute: each layer keeps only its input (these bytes, per layer) and replays its forward,
     # saving its activations again, at the start of its backward (None: no recompute; a None entry: that
     # layer recomputes nothing, a mode per layer)
@@ -242,6 +250,8 @@ def step_peak(rank: RankStep) -> PeakMemory:
         dense = [n for layer in rank.layers for op in layer if not is_expert_op(op) for n in op.weights]
         states = expert_parallel_states(dense, expert, dp=dp, ep=rank.ep, stage=z.stage, element_bytes=e,
                                         rank=rank.dp_rank)
+    elif rank.bf16_optimizer:
+        states = bf16_optimizer_states(numels, dp=dp, accum_bytes=rank.flat_grad_bytes)
     else:
         states = zero_model_states(numels, dp=dp, stage=z.stage, element_bytes=e, rank=rank.dp_rank,
                                    persistence_threshold=z.persistence_threshold)
@@ -249,7 +259,8 @@ def step_peak(rank: RankStep) -> PeakMemory:
     bucket = float(e * z.reduce_bucket_size) if z.contiguous_gradients and z.stage else 0.0
     persistent = {i for i, n in enumerate(numels) if z.stage == 3 and n <= z.persistence_threshold}
     prof = _profile(rank.layers, numels, e, z, persistent, bucket, rank.checkpoint_bytes)
-    flat = float(e * sum(numels)) if rank.flat_grad_accumulation else 0.0
+    flat = float(bf16_accumulation_bytes(numels, dp=dp, accum_bytes=rank.flat_grad_bytes) if rank.bf16_optimizer
+                 else rank.flat_grad_bytes * sum(numels))
 
     # held the whole step: the states (ZeRO-3's persistent parameters whole among the parameters)
     fixed = {"param_bytes": 0.0 if rank.offload and z.stage == 3 else float(states.param_bytes),
@@ -327,22 +338,35 @@ class PipelinePeakRule:
     element_bytes: int = 4
     fused_adam: bool = False  # the optimizer step makes no temporaries
     ep: int = 1  # expert parallelism: the experts' states partition over dp / ep ranks
+    # DeepSpeed's BF16_Optimizer: its accumulation buffer's element bytes (grad_accum_dtype); 0: another optimizer
+    bf16_optimizer_accum_bytes: int = 0
+
+    def _states(self, costs: list) -> list:
+        """Per layer, its states by ZeRO's rule; under BF16_Optimizer, ZeRO-1's (master weights and moments
+        on 1/dp), its gradients set by the caller."""
+        stage = 1 if self.bf16_optimizer_accum_bytes else self.zero.stage
+        return layer_states_by_rule(costs, stage=stage, dp=self.dp, element_bytes=self.element_bytes, ep=self.ep)
 
     def step_bytes(self, costs: list) -> list[float]:
         """Per layer, what its stage holds for it at the optimizer step: the states as at the step (ZeRO's
         rule), 16-bit ZeRO-0's flat accumulation buffer, and Adam's two fp32 temporaries (of the flat
         partition, its share per layer; of the layer's largest tensor where torch steps each parameter,
         fp32 ZeRO-0: a bound, the stage's largest being at most the sum)."""
-        e, z = self.element_bytes, self.zero.stage
+        e, z, a = self.element_bytes, self.zero.stage, self.bf16_optimizer_accum_bytes
         out = []
-        for c, ruled in zip(costs, layer_states_by_rule(costs, stage=z, dp=self.dp, element_bytes=e, ep=self.ep)):
+        for c, ruled in zip(costs, self._states(costs)):
             params = c.param_bytes / e
             trainable = c.grad_bytes > 0
             flat = e * params if e < 4 and z == 0 and trainable else 0.0
+            if a and trainable:  # bf16 gradients, the accumulation buffer, its partition cast to fp32 if bf16
+                ruled = replace(ruled, grad_bytes=round(e * params))
+                flat = a * params + (4.0 * params / self.dp if a < 4 else 0.0)
             if self.fused_adam or not trainable:
                 adam = 0.0
-            elif z == 0 and e == 4:
+            elif z == 0 and e == 4 and not a:
                 adam = 8.0 * max(layer_tensors(c, e), default=0)
+            elif a:  # the flat fp32 partition
+                adam = 8.0 * params / self.dp
             else:  # the flat fp32 partitions: the dense one over dp, the experts' over dp / ep
                 experts = c.expert_param_bytes / e
                 adam = 8.0 * ((params - experts) / self.dp + experts * self.ep / self.dp) if z else 8.0 * params
@@ -353,11 +377,11 @@ class PipelinePeakRule:
         """``LayerCost`` records whose states are what a stage holds during its backward: parameters and
         optimizer states by ZeRO's rule, every gradient in the parameters' dtype (ZeRO-0 and -1 keep them
         to the step), and 16-bit ZeRO-0's flat accumulation buffer beside them."""
-        e = self.element_bytes
-        per_grad = e * (2 if e < 4 and self.zero.stage == 0 else 1)
+        e, a = self.element_bytes, self.bf16_optimizer_accum_bytes
+        # 16-bit ZeRO-0: the gradients and the flat accumulation buffer (BF16_Optimizer's in grad_accum_dtype)
+        per_grad = e + a if a else e * (2 if e < 4 and self.zero.stage == 0 else 1)
         out = []
-        for c, ruled in zip(costs, layer_states_by_rule(costs, stage=self.zero.stage, dp=self.dp, element_bytes=e,
-                                                        ep=self.ep)):
+        for c, ruled in zip(costs, self._states(costs)):
             out.append(_with_grads(ruled, round(per_grad * c.param_bytes / e) if c.grad_bytes > 0 else 0))
         return out
 

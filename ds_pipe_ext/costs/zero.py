@@ -25,10 +25,14 @@ allocation rule (DeepSpeed 0.19, Adam; one parameter group, or the groups of Dee
   below ``stage3_param_persistence_threshold`` elements also stays whole on every
   rank; `ds-pipe-ext compare` writes the threshold into every ZeRO-3 config.
 
+- ``BF16_Optimizer`` (``bf16_optimizer_states``), which DeepSpeed picks for bf16 under its pipeline
+  without ZeRO (and for bf16 ZeRO-1 accumulating in fp32): the bf16 weights and their gradients whole,
+  a flat accumulation buffer in ``grad_accum_dtype``, fp32 master weights and moments on 1/dp as ZeRO-1.
+
 16-bit training keeps 16-bit parameters beside the fp32 master copies, by the same rules;
 under ZeRO-3 its reduced-gradient buffer is 16-bit too.  Both precisions are measured:
 fp32 in `ds-pipe-ext compare` (tests/test_compare.py), bf16 on 2 CPU ranks under ZeRO-1/2/3
-in ``bench/zero_rules_16bit.py``.
+and BF16_Optimizer in ``bench/zero_rules_16bit.py``.
 
 DeepSpeed's own estimators (``estimate_zero2/3_model_states_mem_needs``, cross-checked in
 tests/test_compare.py) assume 16-bit training and differ from these rules in two terms: ZeRO-2's
@@ -103,6 +107,27 @@ def zero_model_states(param_numels: list[int], *, dp: int, stage: int, element_b
     part = sum(_ceil_div(k, dp) for k in param_numels)
     persistent = sum(k for k in param_numels if k <= persistence_threshold)
     return ModelStates(param_bytes=e * (part + persistent), grad_bytes=e * part + 4 * part, optimizer_bytes=12 * part)
+
+
+def bf16_optimizer_states(param_numels: list[int], *, dp: int, accum_bytes: int) -> ModelStates:
+    """Bytes a rank holds at the step under DeepSpeed's ``BF16_Optimizer`` (bf16 under a pipeline without
+    ZeRO, ``runtime/bf16_optimizer.py``): the bf16 weights in one flat buffer padded to ``2 dp`` elements and
+    their gradients (made by autograd, zeroed, never freed), whole; fp32 master weights and Adam's two
+    moments on the rank's ``padded / dp`` partition, as ZeRO-1; and, where the gradients accumulate in
+    bf16 (``accum_bytes`` 2), the partition cast to fp32 for the step.  The flat accumulation buffer
+    (``accum_bytes`` x padded, held from the start) is counted apart, as the peak rule holds it."""
+    if dp < 1:
+        raise ValueError(f"dp = {dp}: the data-parallel degree must be >= 1")
+    n = sum(param_numels)
+    padded = _ceil_div(n, 2 * dp) * 2 * dp
+    part = padded // dp
+    return ModelStates(param_bytes=2 * padded, grad_bytes=2 * n + (4 * part if accum_bytes < 4 else 0),
+                       optimizer_bytes=12 * part)
+
+
+def bf16_accumulation_bytes(param_numels: list[int], *, dp: int, accum_bytes: int) -> int:
+    """``BF16_Optimizer``'s flat gradient-accumulation buffer: every (padded) parameter in ``accum_bytes``."""
+    return accum_bytes * _ceil_div(sum(param_numels), 2 * dp) * 2 * dp
 
 
 def expert_parallel_states(dense_numels: list[int], expert_numels: list[int], *, dp: int, ep: int, stage: int,

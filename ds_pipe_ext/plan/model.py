@@ -245,7 +245,8 @@ class PlanModel(RankUpdate):
         if not walks_schedule(lay.schedule_spec):
             return None
         return PipelinePeakRule(ZeroSettings.of_layout(lay, self.zero_settings), lay.dp, self.e,
-                                fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, ep=lay.ep)
+                                fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, ep=lay.ep,
+                                bf16_optimizer_accum_bytes=self.bf16_optimizer_accum_bytes(lay))
 
     def _memory_lists(self, lay: Layout, costs) -> dict:
         """The partitioner's memory lists for ``lay``: the peak rule's where it applies, else the states at
@@ -326,7 +327,8 @@ class PlanModel(RankUpdate):
         steps = rank_steps(self.cfg, lay, parts=parts, seq=self.seq, dtype=self.dtype,
                            mask_bytes=self.e if self.device.name == "cpu" else 1,
                            fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, modes=modes,
-                           zero=ZeroSettings.of_layout(lay, self.zero_settings))
+                           zero=ZeroSettings.of_layout(lay, self.zero_settings),
+                           bf16_optimizer_accum_bytes=self.bf16_optimizer_accum_bytes(lay))
         return [{**RankMemory.from_peak(step_peak(step)).to_dict(), "held_activation_bytes": held[r]}
                 for r, step in enumerate(steps)]
 
