@@ -203,9 +203,10 @@ def test_estimate_compare_is_the_memory_side_without_launches(capsys):
     out = json.loads(capsys.readouterr().out)
     rows = {r["config"]: r for r in out["rows"]}
     assert out["world"] == 64 and {r["global_batch"] for r in rows.values()} == {16}
-    # ZeRO-3 divides the parameters over dp 8 as well: a rank holds an eighth of ZeRO-1's (both tp-sharded)
+    # ZeRO-3 divides the parameters over dp 8 as well: a rank holds an eighth of ZeRO-1's (both tp-sharded), and
+    # whole the tensors at or below the GPU plan's persistence threshold (10 h elements: norms and biases, 0.3%)
     z1, z3 = rows["zero1-tp8"]["predicted_bytes"], rows["zero3-tp8"]["predicted_bytes"]
-    assert z3["param_bytes"] == pytest.approx(z1["param_bytes"] / 8, rel=1e-3)
+    assert z1["param_bytes"] / 8 < z3["param_bytes"] < 1.005 * z1["param_bytes"] / 8
     assert z3["optimizer_bytes"] == pytest.approx(z1["optimizer_bytes"], rel=1e-3)
     # GPT-3 at micro-batch 1 without recompute: only offloading ZeRO-3's states fits in 80 GiB
     assert [name for name, r in rows.items() if r["status"] == "fits"] == ["zero3-offload-tp8"]
