@@ -49,17 +49,21 @@ ZERO_SETTINGS = {
 }
 
 
-def zero_settings_for(hidden: int, device: str) -> dict:
+def zero_settings_for(hidden: int, device: str, *, largest_module: int = 0) -> dict:
     """The ZeRO settings a plan for ``device`` writes: ``ZERO_SETTINGS`` on a CPU; on a GPU, buckets sized to
     the model as transformers' DeepSpeed integration fills its "auto" values (reduce bucket h^2, ZeRO-3's
     prefetch bucket 0.9 h^2 and persistence threshold 10 h) and DeepSpeed's default all-gather bucket.
     CPU-sized buckets on a GPU cluster make every ZeRO-3 collective latency-bound (hundreds of ring steps
-    per bucket at hundreds of ranks)."""
+    per bucket at hundreds of ranks).  DeepSpeed prefetches nothing while the parameters gathered exceed
+    ``stage3_max_live_parameters`` (1e9 elements by default: less than two of GPT-3 175B's MLP matrices), so
+    the plan, which prices the prefetch of the next module, lets the largest module (``largest_module``
+    elements) and the next one live together."""
     if device == "cpu":
         return dict(ZERO_SETTINGS)
     return {**ZERO_SETTINGS, "reduce_bucket_size": hidden * hidden, "allgather_bucket_size": 5e8,
             "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-            "stage3_param_persistence_threshold": 10 * hidden}
+            "stage3_param_persistence_threshold": 10 * hidden,
+            "stage3_max_live_parameters": max(int(1e9), 2 * largest_module)}
 
 
 def _overlap_comm(zero_section: dict) -> bool:

@@ -474,6 +474,9 @@ def test_a_gpu_plan_prices_and_emits_zero_buckets_sized_to_the_model(tmp_path, c
     zero = json.loads(out.read_text())["zero_optimization"]
     assert (zero["stage"], zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
             zero["stage3_param_persistence_threshold"]) == (3, h * h, int(0.9 * h * h), 10 * h)
+    # DeepSpeed prefetches nothing while more than stage3_max_live_parameters are gathered: the largest module
+    # (the embedding, 51,200 x h, above an MLP matrix's 4 h^2 + 4 h) and the next must fit, as the plan prices
+    assert zero["stage3_max_live_parameters"] == 2 * 51200 * h > 2 * (4 * h * h + 4 * h) > 1e9
     assert zero_settings_for(512, "cpu") == ZERO_SETTINGS
     _, model = plan_model(gpus=384)
     lay = parse_only(only, gpus=384, global_batch=1536)

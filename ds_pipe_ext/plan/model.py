@@ -143,7 +143,9 @@ class PlanModel(RankUpdate):
                  runtime_terms: bool = True, grad_accum_dtype: str | None = None):
         self.cfg, self.device, self.cluster = as_description(cfg), device, cluster  # what the model computes
         # the run's ZeRO buckets and thresholds (ours: what the emitted ds.json sets; a published run's: its own)
-        self.zero_settings = {**zero_settings_for(self.cfg.hidden, device.name), **(zero_settings or {})}
+        self.zero_settings = {**zero_settings_for(self.cfg.hidden, device.name,
+                                                  largest_module=self._largest_module(seq, dtype)),
+                              **(zero_settings or {})}
         # DeepSpeed's runtime at scale as its source runs it (ZeRO-3's prefetch, BF16_Optimizer's fp32
         # reduction and partitioned step, the tied-gradient all-reduce); False: the model without these
         # terms, which bench/calibrate_at_scale.py sets beside it
@@ -237,6 +239,11 @@ class PlanModel(RankUpdate):
         if measured:  # CPU ranks: gloo's measured send, not the memory copy
             return Link(measured[0], measured[1])
         return Link(0.0, self._p2p_bandwidth(lay))
+
+    def _largest_module(self, seq: int, dtype: str) -> int:
+        """Elements of the model's largest module (one op's weights, what ZeRO-3 gathers at once), unsharded."""
+        shp = shape_for(self.cfg, EstimateRequest(micro_batch=1, seq=seq, tp=1, dtype=dtype), self.device)
+        return max((sum(op.weights) for _, _, ops in layer_ops(self.cfg, shp) for op in ops), default=0)
 
     # -- one layout ----------------------------------------------------------------------------
     def peak_rule(self, lay: Layout) -> PipelinePeakRule | None:
