@@ -43,6 +43,22 @@ def test_full_recompute_gathers_each_module_again_in_the_backward():
     assert microbatch_s([layer], recompute=False, overlap_reduce=True) == pytest.approx(1.5 + 0.5 + 2 + 0.5)
 
 
+def test_a_module_used_again_within_the_reuse_distance_is_not_gathered_again():
+    # DeepSpeed releases a module after each use unless it is used again within stage3_max_reuse_distance
+    # elements: under full recompute the last module of a layer (nothing between its replay and its backward)
+    # stays gathered.  Two modules of 10 elements, gathers (3) longer than compute (forward 1, backward 2):
+    # forward 3 + max(1, 3) + 1 = 7; backward, every visit gathering: 3 + 3 + 3 + max(2, 3) + 2 = 14
+    layer = [ModuleTraffic(forward_s=1.0, backward_s=2.0, gather_s=3.0, reduce_s=0.0, elements=10.0)] * 2
+    assert microbatch_s([layer], recompute=True, overlap_reduce=False) == pytest.approx(7 + 14)
+    # distance 5: the second module's backward follows its replay directly (kept); the first module's
+    # replay and backward each have the other module (10 elements) in between (gathered):
+    # 3 + max(1, 3) + max(1, 0) + max(2, 3) + 2 = 12
+    assert microbatch_s([layer], recompute=True, overlap_reduce=False, max_reuse=5) == pytest.approx(7 + 12)
+    # without recompute the last module's backward follows its forward directly
+    assert microbatch_s([layer], recompute=False, overlap_reduce=False, max_reuse=5) == pytest.approx(
+        7 + max(2, 3) + 2)
+
+
 def _zero3_step(device: str, *, overlap: bool, buckets: dict | None = None) -> float:
     cfg = load_model_config("gpt3-175b")
     model = PlanModel.on_its_cluster(cfg, plan_device(device), seq=2048, global_batch=1536, runtime_terms=overlap,

@@ -21,6 +21,7 @@ import math
 from ..costs.estimate import DTYPE_BYTES, EstimateRequest, layer_ops, shape_for
 from ..costs.hardware import adam_step_s
 from ..costs.nccl import ring_latency_s
+from ..costs.peak import DEEPSPEED_ZERO_DEFAULTS
 from ..layout import Layout
 from .zero3 import exposed_s
 
@@ -134,7 +135,9 @@ class RankUpdate:
                                                   dtype=self.dtype), self.device)
         return exposed_s(self.costs_of(lay), [ops for _, _, ops in layer_ops(self.cfg, shp)], gather=gather,
                          reduce=reduce, persistent=float(self.zero_settings["stage3_param_persistence_threshold"]),
-                         recompute=lay.recompute == "full", overlap_reduce=lay.overlap_comm)
+                         recompute=lay.recompute == "full", overlap_reduce=lay.overlap_comm,
+                         max_reuse=float(self.zero_settings.get("stage3_max_reuse_distance",
+                                                                DEEPSPEED_ZERO_DEFAULTS["stage3_max_reuse_distance"])))
 
     def _megatron_update_s(self, lay: Layout, params: float, hide_under: tuple[float, float] | None) -> float:
         grads, bw = params * self.e, self._dp_bandwidth(lay)

@@ -4,9 +4,13 @@ DeepSpeed's ZeRO-3 (``PartitionedParameterCoordinator.fetch_sub_module``) gather
 before it runs and, once the module's order is traced, prefetches the next modules' parameters while the
 current one computes: at least one module ahead (the first parameter is taken whatever
 ``stage3_prefetch_bucket_size`` says, more while the bucket has room).  A module's parameters are
-released after its forward, so with full activation recompute the backward gathers them twice: once for
-the replayed forward and once for the backward.  With ``overlap_comm`` the gradients' reduce-scatter runs
-on its own stream and shares the link with the next gathers; without it the reduction waits.
+released after each use unless it is used again within ``stage3_max_reuse_distance`` elements of other
+modules' parameters (``__params_to_release``: the trace from the next module on, each visit's parameters
+counted, until the distance is reached), so with full activation recompute the backward gathers a module
+twice (for the replayed forward and for the backward) unless the modules after it in its layer, replayed
+and run back, hold fewer elements than that: the last module of every layer is always kept.  With
+``overlap_comm`` the gradients' reduce-scatter runs on its own stream and shares the link with the next
+gathers; without it the reduction waits.
 
 So a pass is a chain of (compute, traffic) events: the first event's gather is exposed, then each event
 takes the longer of its compute and the traffic the link carries meanwhile (the next event's gather and,
@@ -26,6 +30,7 @@ class ModuleTraffic:
     backward_s: float  # the backward proper (without a replayed forward)
     gather_s: float  # all-gather of its parameters
     reduce_s: float  # reduce-scatter of its gradients
+    elements: float = 0.0  # its parameters' elements (what DeepSpeed's reuse distance counts)
 
 
 def chain_s(events: Sequence[tuple[float, float, float]], *, overlap_reduce: bool) -> float:
@@ -46,27 +51,51 @@ def chain_s(events: Sequence[tuple[float, float, float]], *, overlap_reduce: boo
     return total
 
 
-def microbatch_s(layers: Sequence[Sequence[ModuleTraffic]], *, recompute: bool, overlap_reduce: bool) -> float:
+def _visits(layers: Sequence[Sequence[ModuleTraffic]], recompute: bool) -> list[tuple[tuple, ModuleTraffic, str]]:
+    """DeepSpeed's trace of one micro-batch: every module's forward, then per layer from the last its replayed
+    forward (full recompute) and its backward in reverse module order, as ((layer, module), module, "F" | "R"
+    | "B")."""
+    visits = [((i, j), m, "F") for i, layer in enumerate(layers) for j, m in enumerate(layer)]
+    for i in reversed(range(len(layers))):
+        if recompute:
+            visits += [((i, j), m, "R") for j, m in enumerate(layers[i])]
+        visits += [((i, j), m, "B") for j, m in reversed(list(enumerate(layers[i])))]
+    return visits
+
+
+def microbatch_s(layers: Sequence[Sequence[ModuleTraffic]], *, recompute: bool, overlap_reduce: bool,
+                 max_reuse: float = 0.0) -> float:
     """One micro-batch's forward and backward through ``layers`` (each a list of modules in forward order)
     with ZeRO-3's traffic: the forward pass, then per layer from the last the replayed forward (under
-    full recompute, gathering again) and the backward in reverse module order."""
-    forward = [(m.forward_s, m.gather_s, 0.0) for layer in layers for m in layer]
-    backward = []
-    for layer in reversed(layers):
-        if recompute:
-            backward += [(m.forward_s, m.gather_s, 0.0) for m in layer]
-        backward += [(m.backward_s, m.gather_s, m.reduce_s) for m in reversed(layer)]
-    return chain_s(forward, overlap_reduce=False) + chain_s(backward, overlap_reduce=overlap_reduce)
+    full recompute) and the backward in reverse module order.  A visit gathers its module unless the
+    module stayed gathered since its previous visit: fewer than ``max_reuse`` elements visited in between
+    (0: every visit gathers)."""
+    visits = _visits(layers, recompute)
+    before = [0.0]  # elements visited before each visit
+    for _, m, _ in visits:
+        before.append(before[-1] + m.elements)
+    last: dict[tuple, int] = {}
+    events = []
+    for k, (key, m, kind) in enumerate(visits):
+        prev = last.get(key)
+        kept = prev is not None and before[k] - before[prev + 1] < max_reuse
+        last[key] = k
+        events.append((m.backward_s if kind == "B" else m.forward_s, 0.0 if kept else m.gather_s,
+                       m.reduce_s if kind == "B" else 0.0))
+    forward = sum(len(layer) for layer in layers)
+    return chain_s(events[:forward], overlap_reduce=False) + chain_s(events[forward:], overlap_reduce=overlap_reduce)
 
 
 def exposed_s(costs: Sequence, layer_op_lists: Sequence[Sequence], *, gather: Callable[[float], float],
-              reduce: Callable[[float], float], persistent: float, recompute: bool, overlap_reduce: bool) -> float:
+              reduce: Callable[[float], float], persistent: float, recompute: bool, overlap_reduce: bool,
+              max_reuse: float = 0.0) -> float:
     """The traffic one micro-batch leaves exposed beside its compute: ``microbatch_s`` minus the compute.
     ``costs``: each layer's ``LayerCost``; ``layer_op_lists``: each layer's ops (``costs.estimate.layer_ops``),
     an op with weights being one module, its share of the layer's time its share of the forward FLOPs
     (equal shares where they have none; a layer without weights is one module with no traffic);
     ``gather`` / ``reduce``: seconds of an all-gather / reduce-scatter of that many elements; tensors of
-    at most ``persistent`` elements stay whole on every rank and are never gathered."""
+    at most ``persistent`` elements stay whole on every rank and are never gathered; ``max_reuse``:
+    ``stage3_max_reuse_distance``."""
     layers = []
     for cost, ops in zip(costs, layer_op_lists):
         owners = [op for op in ops if op.weights]
@@ -74,10 +103,12 @@ def exposed_s(costs: Sequence, layer_op_lists: Sequence[Sequence], *, gather: Ca
         # every second of the layer lands on some module, so the chain's compute is the layers' own
         shares = [op.fwd_flops / flops for op in owners] if flops else [1 / len(owners)] * len(owners)
         layers.append([ModuleTraffic(cost.forward_s * share, cost.backward_s * share,
-                                     gather(sum(w for w in op.weights if w > persistent)), reduce(sum(op.weights)))
+                                     gather(sum(w for w in op.weights if w > persistent)), reduce(sum(op.weights)),
+                                     float(sum(op.weights)))
                        for op, share in zip(owners, shares)] or [ModuleTraffic(cost.forward_s, cost.backward_s, 0, 0)])
     compute = sum(c.time_s(recompute=recompute) for c in costs)
-    return max(0.0, microbatch_s(layers, recompute=recompute, overlap_reduce=overlap_reduce) - compute)
+    return max(0.0, microbatch_s(layers, recompute=recompute, overlap_reduce=overlap_reduce, max_reuse=max_reuse)
+               - compute)
 
 
 __all__ = ["ModuleTraffic", "chain_s", "exposed_s", "microbatch_s"]
