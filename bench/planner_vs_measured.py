@@ -31,7 +31,8 @@ median.  Rounds alternate direction (forwards when r is even, backwards when odd
 2 stages (1F1B; micro-batch 1 and 2; GPipe at 1), TP 2 (micro-batch 1 and 2, SP on and off), DP 2
 with ZeRO-1/2/3 (micro-batch 1 and 2), plus the planner's pick when it is not among them.  Each
 launch is `train.py` with the ds.json the planner emits for that layout (`plan.render.ds_config`),
-4 steps, the first a warm-up; its figure is the median of the rest.
+5 steps, the first two a warm-up (ZeRO-1/2 layouts' second step still runs 1.15-1.19x their later ones:
+runs v8/v9, 36 launches of the calibration layout); its figure is the median of the rest.
 
     python bench/planner_vs_measured.py [--rounds 3] [--out runs/planner-vs-measured-v6]
 
@@ -61,7 +62,7 @@ from ds_pipe_ext.plan.space import enumerate_layouts  # noqa: E402
 from ds_pipe_ext.plan.speed import fit_speed  # noqa: E402
 from ds_pipe_ext.runner import launch  # noqa: E402
 
-RANKS, GLOBAL_BATCH, STEPS = 2, 4, 4
+RANKS, GLOBAL_BATCH, STEPS, WARMUP = 2, 4, 5, 2
 MODEL = ""  # set by main(): OUT/bench-cpu-tp.toml, bench-cpu with vocab_pad_to = 256
 GRID = [  # (pp, tp, dp, zero, micro-batch, sp, schedule)
     (2, 1, 1, 0, 1, False, "1f1b"), (2, 1, 1, 0, 2, False, "1f1b"), (2, 1, 1, 0, 1, False, "gpipe"),
@@ -104,7 +105,7 @@ def measure(lay: Layout, model: PlanModel, out: Path) -> float | None:
     if proc.returncode != 0 or 0 not in ranks:
         print(f"    {lay.name}: launch failed (exit {proc.returncode})\n{proc.stderr[-1500:]}", flush=True)
         return None
-    sps = ranks[0]["samples_per_s"]
+    sps = GLOBAL_BATCH / statistics.median(ranks[0]["step_s_each"][WARMUP:])  # the steady steps
     PARTS[lay.name] = cost.parts
     done.write_text(json.dumps({"samples_per_s": sps, "parts": cost.parts, "launch_s": time.perf_counter() - t0}))
     return sps
