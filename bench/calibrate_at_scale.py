@@ -187,9 +187,8 @@ def load_predicted() -> list[dict]:
                          schedule=f"interleaved:{i['interleave']}" if i["interleave"] > 1 else None)
             published = float(r["published"])
             if r["convention"] in ("tflops96", "tflops72"):
-                flops = flops_with_recompute(lay.global_batch, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size)
-                if r["convention"] == "tflops72":
-                    flops = model_flops(lay.global_batch, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size)
+                count = model_flops if r["convention"] == "tflops72" else flops_with_recompute
+                flops = count(lay.global_batch, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size)
                 published = flops / (published * 1e12 * lay.world_size)
             elif r["convention"] != "iter_s":
                 raise ValueError(f"{PREDICTED.name}: {r['name']}: convention {r['convention']!r} "

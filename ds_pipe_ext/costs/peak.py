@@ -342,10 +342,14 @@ class PipelinePeakRule:
     bf16_optimizer_accum_bytes: int = 0
 
     def _states(self, costs: list) -> list:
-        """Per layer, its states by ZeRO's rule; under BF16_Optimizer, ZeRO-1's (master weights and moments
-        on 1/dp), its gradients set by the caller."""
-        stage = 1 if self.bf16_optimizer_accum_bytes else self.zero.stage
-        return layer_states_by_rule(costs, stage=stage, dp=self.dp, element_bytes=self.element_bytes, ep=self.ep)
+        """Per layer, its states at the step by ZeRO's rule; under BF16_Optimizer ZeRO-1's master weights and
+        moments on 1/dp beside its whole 16-bit gradients (``bf16_optimizer_states``, the accumulation buffer
+        apart)."""
+        e = self.element_bytes
+        if not self.bf16_optimizer_accum_bytes:
+            return layer_states_by_rule(costs, stage=self.zero.stage, dp=self.dp, element_bytes=e, ep=self.ep)
+        return [replace(r, grad_bytes=r.param_bytes if c.grad_bytes > 0 else 0)
+                for c, r in zip(costs, layer_states_by_rule(costs, stage=1, dp=self.dp, element_bytes=e, ep=self.ep))]
 
     def step_bytes(self, costs: list) -> list[float]:
         """Per layer, what its stage holds for it at the optimizer step: the states as at the step (ZeRO's
@@ -358,12 +362,11 @@ class PipelinePeakRule:
             params = c.param_bytes / e
             trainable = c.grad_bytes > 0
             flat = e * params if e < 4 and z == 0 and trainable else 0.0
-            if a and trainable:  # bf16 gradients, the accumulation buffer, its partition cast to fp32 if bf16
-                ruled = replace(ruled, grad_bytes=round(e * params))
+            if a and trainable:  # the accumulation buffer, and its partition cast to fp32 where it is bf16
                 flat = a * params + (4.0 * params / self.dp if a < 4 else 0.0)
             if self.fused_adam or not trainable:
                 adam = 0.0
-            elif z == 0 and e == 4 and not a:
+            elif z == 0 and e == 4:
                 adam = 8.0 * max(layer_tensors(c, e), default=0)
             elif a:  # the flat fp32 partition
                 adam = 8.0 * params / self.dp

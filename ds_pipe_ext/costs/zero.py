@@ -65,6 +65,12 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _flat_padded(n: int, dp: int) -> int:
+    """Elements of a flat buffer of ``n`` parameters padded to ``2 dp`` (``nccl_start_alignment_factor`` x dp),
+    as ZeRO-1/2 and BF16_Optimizer flatten a parameter group."""
+    return _ceil_div(n, 2 * dp) * 2 * dp
+
+
 def _holding_parameter(param_numels: list[int], lo: int, hi: int) -> int | None:
     """The size of the one parameter the flat range [lo, hi) lies inside; None where it spans several."""
     start = 0
@@ -96,8 +102,7 @@ def zero_model_states(param_numels: list[int], *, dp: int, stage: int, element_b
     if stage == 0:
         return ModelStates(param_bytes=e * n, grad_bytes=e * n + master * n, optimizer_bytes=(8 + master) * n)
     if stage in (1, 2):
-        alignment = 2 * dp
-        padded = _ceil_div(n, alignment) * alignment
+        padded = _flat_padded(n, dp)
         part = padded // dp
         grads = part
         if e == 4:  # in 16-bit the conversion to fp32 copies, and the view's source is freed
@@ -119,7 +124,7 @@ def bf16_optimizer_states(param_numels: list[int], *, dp: int, accum_bytes: int)
     if dp < 1:
         raise ValueError(f"dp = {dp}: the data-parallel degree must be >= 1")
     n = sum(param_numels)
-    padded = _ceil_div(n, 2 * dp) * 2 * dp
+    padded = _flat_padded(n, dp)
     part = padded // dp
     return ModelStates(param_bytes=2 * padded, grad_bytes=2 * n + (4 * part if accum_bytes < 4 else 0),
                        optimizer_bytes=12 * part)
@@ -127,7 +132,7 @@ def bf16_optimizer_states(param_numels: list[int], *, dp: int, accum_bytes: int)
 
 def bf16_accumulation_bytes(param_numels: list[int], *, dp: int, accum_bytes: int) -> int:
     """``BF16_Optimizer``'s flat gradient-accumulation buffer: every (padded) parameter in ``accum_bytes``."""
-    return accum_bytes * _ceil_div(sum(param_numels), 2 * dp) * 2 * dp
+    return accum_bytes * _flat_padded(sum(param_numels), dp)
 
 
 def expert_parallel_states(dense_numels: list[int], expert_numels: list[int], *, dp: int, ep: int, stage: int,

@@ -246,12 +246,16 @@ class PlanModel(RankUpdate):
         return max((sum(op.weights) for _, _, ops in layer_ops(self.cfg, shp) for op in ops), default=0)
 
     # -- one layout ----------------------------------------------------------------------------
+    def zero_of(self, lay: Layout) -> ZeroSettings:
+        """The ZeRO settings ``lay`` runs with: its stage, this plan's buckets and thresholds."""
+        return ZeroSettings.of_layout(lay, self.zero_settings)
+
     def peak_rule(self, lay: Layout) -> PipelinePeakRule | None:
         """The partitioner's form of the peak rule for this layout (``costs.peak.PipelinePeakRule``), where
         it applies: one model chunk a rank; None elsewhere (the additive form at the step)."""
         if not walks_schedule(lay.schedule_spec):
             return None
-        return PipelinePeakRule(ZeroSettings.of_layout(lay, self.zero_settings), lay.dp, self.e,
+        return PipelinePeakRule(self.zero_of(lay), lay.dp, self.e,
                                 fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, ep=lay.ep,
                                 bf16_optimizer_accum_bytes=self.bf16_optimizer_accum_bytes(lay))
 
@@ -334,7 +338,7 @@ class PlanModel(RankUpdate):
         steps = rank_steps(self.cfg, lay, parts=parts, seq=self.seq, dtype=self.dtype,
                            mask_bytes=self.e if self.device.name == "cpu" else 1,
                            fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, modes=modes,
-                           zero=ZeroSettings.of_layout(lay, self.zero_settings),
+                           zero=self.zero_of(lay),
                            bf16_optimizer_accum_bytes=self.bf16_optimizer_accum_bytes(lay))
         return [{**RankMemory.from_peak(step_peak(step)).to_dict(), "held_activation_bytes": held[r]}
                 for r, step in enumerate(steps)]

@@ -1,6 +1,6 @@
 """A rank's work after its last backward, as each runtime runs it: the data-parallel collectives, the
 runtime's own passes over the gradients, the optimizer step.  ``PlanModel`` mixes this in; its methods
-read the model's device, cluster, dtype and the run's settings (``zero_settings``, ``runtime_terms``,
+read the model's device, cluster, dtype and the run's settings (``zero_settings`` and ``zero_of``, ``runtime_terms``,
 ``grad_accum_dtype``).
 
 DeepSpeed (read from 0.19's source): ZeRO-0 all-reduces the gradients after the last backward; a bf16
@@ -21,7 +21,6 @@ import math
 from ..costs.estimate import DTYPE_BYTES, EstimateRequest, layer_ops, shape_for
 from ..costs.hardware import adam_step_s
 from ..costs.nccl import ring_latency_s
-from ..costs.peak import DEEPSPEED_ZERO_DEFAULTS
 from ..layout import Layout
 from .zero3 import exposed_s
 
@@ -136,8 +135,7 @@ class RankUpdate:
         return exposed_s(self.costs_of(lay), [ops for _, _, ops in layer_ops(self.cfg, shp)], gather=gather,
                          reduce=reduce, persistent=float(self.zero_settings["stage3_param_persistence_threshold"]),
                          recompute=lay.recompute == "full", overlap_reduce=lay.overlap_comm,
-                         max_reuse=float(self.zero_settings.get("stage3_max_reuse_distance",
-                                                                DEEPSPEED_ZERO_DEFAULTS["stage3_max_reuse_distance"])))
+                         max_reuse=float(self.zero_of(lay).max_reuse_distance))
 
     def _megatron_update_s(self, lay: Layout, params: float, hide_under: tuple[float, float] | None) -> float:
         grads, bw = params * self.e, self._dp_bandwidth(lay)
