@@ -188,11 +188,12 @@ def test_bf16_optimizer_partitions_master_weights_and_moments_in_both_forms(accu
     costs = analytic_layer_costs(cfg, EstimateRequest(micro_batch=2, seq=256, dtype="bf16", mask_bytes=4),
                                  get_device("cpu"))
     lay = Layout(pp=2, dp=2, zero=0, micro_batch=2, micro_batches=2)
-    rule = PipelinePeakRule(ZeroSettings(), dp=2, element_bytes=2, bf16_optimizer_accum_bytes=accum)
+    bf16 = ZeroSettings(bf16_accum_bytes=accum)  # DeepSpeed's BF16_Optimizer in place of ZeRO's
+    rule = PipelinePeakRule(bf16, dp=2, element_bytes=2)
     pb = make_problem([1.0] * 6, 2, static_bytes=[c.static_bytes for c in rule.layer_states(costs)],
                       activation_bytes=held_activation_bytes(costs), micro_batches=2,
                       stage_reserve_bytes=rule.stage_reserves(costs, 2, micro_batches=2), step_bytes=rule.step_bytes(costs))
-    walked = rank_steps(cfg, lay, parts=[0, 3, 6], dtype="bf16", mask_bytes=4, bf16_optimizer_accum_bytes=accum)
+    walked = rank_steps(cfg, lay, parts=[0, 3, 6], dtype="bf16", mask_bytes=4, zero=bf16)
     plain = rank_steps(cfg, lay, parts=[0, 3, 6], dtype="bf16", mask_bytes=4)
     last, zero0 = step_peak(walked[1]), step_peak(plain[1])
     assert pb.stage_memory(1, 3, 6) == pytest.approx(last.total_bytes, rel=1e-6)

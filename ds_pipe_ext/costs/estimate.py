@@ -140,16 +140,14 @@ def analytic_layer_costs(model, req: EstimateRequest, device: DeviceSpec) -> lis
 
 def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = None, dtype: str = "fp32",
                dp_rank: int | None = None, mask_bytes: int | None = None, fused_adam: bool = False,
-               zero: ZeroSettings | None = None, modes: list[str] | None = None,
-               bf16_optimizer_accum_bytes: int = 0) -> list[RankStep]:
+               zero: ZeroSettings | None = None, modes: list[str] | None = None) -> list[RankStep]:
     """Every pipeline rank's ``RankStep`` for ``model`` under ``lay`` (a ``Layout``; one rank without a
     pipeline), its layers' ops from the analytic model and its ZeRO settings from the ds.json the layout
     writes.  ``parts``: the pipeline's split (required with pp > 1); ``fused_adam``: the optimizer makes no
     temporaries (GPUs' FusedAdam; train.py's torch AdamW on CPU does); ``zero``: the run's ZeRO settings where
-    its ds.json has its own (``ZeroSettings.from_ds_config``), else those the layout writes.  ``modes``: a
-    recompute mode per pipeline layer (in place of the layout's one setting).  ``bf16_optimizer_accum_bytes``:
-    DeepSpeed runs the pipeline with its ``BF16_Optimizer``, accumulating gradients in elements of these
-    bytes (its ``grad_accum_dtype``); 0: another optimizer."""
+    its ds.json has its own (``ZeroSettings.from_ds_config``; its ``bf16_accum_bytes`` where DeepSpeed runs
+    the pipeline with its ``BF16_Optimizer``), else those the layout writes.  ``modes``: a recompute mode per
+    pipeline layer (in place of the layout's one setting)."""
     desc = as_description(model)
     req = EstimateRequest(micro_batch=lay.micro_batch, seq=seq or desc.seq_len, tp=lay.tp, sp=lay.sp, dtype=dtype,
                           mask_bytes=mask_bytes, selective_recompute=lay.recompute == "selective", ep=lay.ep)
@@ -189,8 +187,7 @@ def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = 
         steps.append(RankStep(ops[parts[s]:parts[s + 1]], order, e, zero, dp=lay.dp, dp_rank=dp_rank,
                               pipe_buffers=max(2, min(lay.pp - s, lay.micro_batches)),
                               output_bytes=logits if last else boundary, input_bytes=boundary if s else 0.0,
-                              flat_grad_bytes=bf16_optimizer_accum_bytes or (e if e < 4 and lay.zero == 0 else 0),
-                              bf16_optimizer=bool(bf16_optimizer_accum_bytes),
+                              flat_grad_bytes=zero.bf16_accum_bytes or (e if e < 4 and lay.zero == 0 else 0),
                               checkpoint_bytes=checkpoint(parts[s], parts[s + 1]), offload=lay.offload,
                               fused_adam=fused_adam, ep=lay.ep))
     return steps

@@ -67,6 +67,13 @@ class ZeroSettings:
     persistence_threshold: int = int(DEEPSPEED_ZERO_DEFAULTS["stage3_param_persistence_threshold"])
     max_reuse_distance: int = int(DEEPSPEED_ZERO_DEFAULTS["stage3_max_reuse_distance"])
     contiguous_gradients: bool = True
+    # DeepSpeed runs its BF16_Optimizer in place of ZeRO's (bf16 ZeRO-0 under its pipeline): the element bytes
+    # of its gradient-accumulation buffer (``data_types.grad_accum_dtype``); 0: another optimizer
+    bf16_accum_bytes: int = 0
+
+    @property
+    def bf16_optimizer(self) -> bool:
+        return self.bf16_accum_bytes > 0
 
     @classmethod
     def from_ds_config(cls, ds: dict) -> "ZeroSettings":
@@ -79,9 +86,11 @@ class ZeroSettings:
                    contiguous_gradients=bool(get("contiguous_gradients")))
 
     @classmethod
-    def of_layout(cls, lay, settings: dict | None = None) -> "ZeroSettings":
-        """The settings a ``Layout`` writes into its ds.json (``Layout.zero_section``, with ``settings``)."""
-        return cls.from_ds_config({"zero_optimization": lay.zero_section(settings)} if lay.zero else {})
+    def of_layout(cls, lay, settings: dict | None = None, *, bf16_accum_bytes: int = 0) -> "ZeroSettings":
+        """The settings a ``Layout`` writes into its ds.json (``Layout.zero_section``, with ``settings``);
+        ``bf16_accum_bytes``: where DeepSpeed runs the layout with its BF16_Optimizer (see the field)."""
+        zero = cls.from_ds_config({"zero_optimization": lay.zero_section(settings)} if lay.zero else {})
+        return replace(zero, bf16_accum_bytes=bf16_accum_bytes) if bf16_accum_bytes else zero
 
 
 def walks_schedule(spec) -> bool:
@@ -105,11 +114,9 @@ class RankStep:
     output_bytes: float = 0.0  # what the rank's last layer outputs per micro-batch (kept in a pipe buffer)
     input_bytes: float = 0.0  # what it receives per micro-batch (0 on the first stage)
     # 16-bit ZeRO-0 under a pipeline accumulates gradients into a flat buffer of every parameter, held from
-    # the start beside the 16-bit ones autograd makes: an element's bytes (0: no such buffer)
+    # the start beside the 16-bit ones autograd makes: an element's bytes (0: no such buffer; under
+    # BF16_Optimizer, ``zero.bf16_accum_bytes`` sizes it)
     flat_grad_bytes: int = 0
-    # DeepSpeed's BF16_Optimizer (bf16 ZeRO-0 under its pipeline): fp32 master weights and moments on the
-    # rank's 1/dp partition (``costs.zero.bf16_optimizer_states``), the flat buffer in grad_accum_dtype
-    bf16_optimizer: bool = False
     # full recompute: each layer keeps only its input (these bytes, per layer) and replays its forward,
     # saving its activations again, at the start of its backward (None: no recompute; a None entry: that
     # layer recomputes nothing, a mode per layer)
@@ -250,8 +257,8 @@ def step_peak(rank: RankStep) -> PeakMemory:
         dense = [n for layer in rank.layers for op in layer if not is_expert_op(op) for n in op.weights]
         states = expert_parallel_states(dense, expert, dp=dp, ep=rank.ep, stage=z.stage, element_bytes=e,
                                         rank=rank.dp_rank)
-    elif rank.bf16_optimizer:
-        states = bf16_optimizer_states(numels, dp=dp, accum_bytes=rank.flat_grad_bytes)
+    elif z.bf16_optimizer:
+        states = bf16_optimizer_states(numels, dp=dp, accum_bytes=z.bf16_accum_bytes)
     else:
         states = zero_model_states(numels, dp=dp, stage=z.stage, element_bytes=e, rank=rank.dp_rank,
                                    persistence_threshold=z.persistence_threshold)
@@ -259,7 +266,7 @@ def step_peak(rank: RankStep) -> PeakMemory:
     bucket = float(e * z.reduce_bucket_size) if z.contiguous_gradients and z.stage else 0.0
     persistent = {i for i, n in enumerate(numels) if z.stage == 3 and n <= z.persistence_threshold}
     prof = _profile(rank.layers, numels, e, z, persistent, bucket, rank.checkpoint_bytes)
-    flat = float(bf16_accumulation_bytes(numels, dp=dp, accum_bytes=rank.flat_grad_bytes) if rank.bf16_optimizer
+    flat = float(bf16_accumulation_bytes(numels, dp=dp, accum_bytes=z.bf16_accum_bytes) if z.bf16_optimizer
                  else rank.flat_grad_bytes * sum(numels))
 
     # held the whole step: the states (ZeRO-3's persistent parameters whole among the parameters)
@@ -338,15 +345,13 @@ class PipelinePeakRule:
     element_bytes: int = 4
     fused_adam: bool = False  # the optimizer step makes no temporaries
     ep: int = 1  # expert parallelism: the experts' states partition over dp / ep ranks
-    # DeepSpeed's BF16_Optimizer: its accumulation buffer's element bytes (grad_accum_dtype); 0: another optimizer
-    bf16_optimizer_accum_bytes: int = 0
 
     def _states(self, costs: list) -> list:
         """Per layer, its states at the step by ZeRO's rule; under BF16_Optimizer ZeRO-1's master weights and
         moments on 1/dp beside its whole 16-bit gradients (``bf16_optimizer_states``, the accumulation buffer
         apart)."""
         e = self.element_bytes
-        if not self.bf16_optimizer_accum_bytes:
+        if not self.zero.bf16_optimizer:
             return layer_states_by_rule(costs, stage=self.zero.stage, dp=self.dp, element_bytes=e, ep=self.ep)
         return [replace(r, grad_bytes=r.param_bytes if c.grad_bytes > 0 else 0)
                 for c, r in zip(costs, layer_states_by_rule(costs, stage=1, dp=self.dp, element_bytes=e, ep=self.ep))]
@@ -356,7 +361,7 @@ class PipelinePeakRule:
         rule), 16-bit ZeRO-0's flat accumulation buffer, and Adam's two fp32 temporaries (of the flat
         partition, its share per layer; of the layer's largest tensor where torch steps each parameter,
         fp32 ZeRO-0: a bound, the stage's largest being at most the sum)."""
-        e, z, a = self.element_bytes, self.zero.stage, self.bf16_optimizer_accum_bytes
+        e, z, a = self.element_bytes, self.zero.stage, self.zero.bf16_accum_bytes
         out = []
         for c, ruled in zip(costs, self._states(costs)):
             params = c.param_bytes / e
@@ -380,7 +385,7 @@ class PipelinePeakRule:
         """``LayerCost`` records whose states are what a stage holds during its backward: parameters and
         optimizer states by ZeRO's rule, every gradient in the parameters' dtype (ZeRO-0 and -1 keep them
         to the step), and 16-bit ZeRO-0's flat accumulation buffer beside them."""
-        e, a = self.element_bytes, self.bf16_optimizer_accum_bytes
+        e, a = self.element_bytes, self.zero.bf16_accum_bytes
         # 16-bit ZeRO-0: the gradients and the flat accumulation buffer (BF16_Optimizer's in grad_accum_dtype)
         per_grad = e + a if a else e * (2 if e < 4 and self.zero.stage == 0 else 1)
         out = []

@@ -247,8 +247,10 @@ class PlanModel(RankUpdate):
 
     # -- one layout ----------------------------------------------------------------------------
     def zero_of(self, lay: Layout) -> ZeroSettings:
-        """The ZeRO settings ``lay`` runs with: its stage, this plan's buckets and thresholds."""
-        return ZeroSettings.of_layout(lay, self.zero_settings)
+        """The ZeRO settings ``lay`` runs with: its stage, this plan's buckets and thresholds, and whether
+        DeepSpeed runs it with its BF16_Optimizer."""
+        accum = DTYPE_BYTES[self.grad_accum_dtype] if self.bf16_optimizer(lay) else 0
+        return ZeroSettings.of_layout(lay, self.zero_settings, bf16_accum_bytes=accum)
 
     def peak_rule(self, lay: Layout) -> PipelinePeakRule | None:
         """The partitioner's form of the peak rule for this layout (``costs.peak.PipelinePeakRule``), where
@@ -256,8 +258,7 @@ class PlanModel(RankUpdate):
         if not walks_schedule(lay.schedule_spec):
             return None
         return PipelinePeakRule(self.zero_of(lay), lay.dp, self.e,
-                                fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, ep=lay.ep,
-                                bf16_optimizer_accum_bytes=self.bf16_optimizer_accum_bytes(lay))
+                                fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, ep=lay.ep)
 
     def _memory_lists(self, lay: Layout, costs) -> dict:
         """The partitioner's memory lists for ``lay``: the peak rule's where it applies, else the states at
@@ -338,8 +339,7 @@ class PlanModel(RankUpdate):
         steps = rank_steps(self.cfg, lay, parts=parts, seq=self.seq, dtype=self.dtype,
                            mask_bytes=self.e if self.device.name == "cpu" else 1,
                            fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, modes=modes,
-                           zero=self.zero_of(lay),
-                           bf16_optimizer_accum_bytes=self.bf16_optimizer_accum_bytes(lay))
+                           zero=self.zero_of(lay))
         return [{**RankMemory.from_peak(step_peak(step)).to_dict(), "held_activation_bytes": held[r]}
                 for r, step in enumerate(steps)]
 

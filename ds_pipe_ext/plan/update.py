@@ -93,11 +93,6 @@ class RankUpdate:
         return (self.runtime_terms and lay.runtime == "deepspeed" and self.dtype == "bf16" and lay.zero == 0
                 and lay.pipelined)
 
-    def bf16_optimizer_accum_bytes(self, lay: Layout) -> int:
-        """The bytes of an element of ``BF16_Optimizer``'s gradient-accumulation buffer where DeepSpeed runs
-        this layout with it (what the memory rules hold for it), else 0."""
-        return DTYPE_BYTES[self.grad_accum_dtype] if self.bf16_optimizer(lay) else 0
-
     def grad_reduce_bytes(self, lay: Layout) -> float:
         """Bytes of a gradient element as DeepSpeed reduces it: ``grad_accum_dtype`` under ``BF16_Optimizer``
         (the tied weights' ``_hp_grad`` too), else the training dtype."""
