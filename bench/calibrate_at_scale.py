@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers  # noqa: E402
 from ds_pipe_ext.costs.hardware import DEVICES  # noqa: E402
-from ds_pipe_ext.plan.model import Cluster, PlanModel  # noqa: E402
+from ds_pipe_ext.plan.machine import Cluster  # noqa: E402
+from ds_pipe_ext.plan.model import PlanModel  # noqa: E402
 from ds_pipe_ext.layout import Layout  # noqa: E402
 from ds_pipe_ext.models.config import GPTConfig  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402

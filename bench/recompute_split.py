@@ -12,7 +12,7 @@ fixed by rule from them before any launch:
     cap 2  the largest cap (in 0.5% steps down from that peak) at which the memory-capped split without
            recompute fits but moves at least 2 blocks from the best split
 
-The caps are on the partitioner's peak rule (``costs.peak.PipelinePeakRule``: states as held in a backward,
+The caps are on the partitioner's peak rule (``costs.peak_rule.PipelinePeakRule``: states as held in a backward,
 in-flight activations, buckets, pipe buffers, temporaries), and every run also checks them as
 ``train.memory_cap_gib``, which on CPU counts the tensors a rank holds (model states at the optimizer step +
 saved activations, from the instrumentation), not the process's RSS.
@@ -51,7 +51,8 @@ GIB = 2**30
 def profiled_costs():
     """bench-cpu's layers profiled here (cached), their selective mode measured too, with the model states
     train.py's pipeline holds (fp32, ZeRO-0, dp 1), and the peak rule the partitioner applies."""
-    from ds_pipe_ext.costs.peak import PipelinePeakRule, ZeroSettings
+    from ds_pipe_ext.costs.peak import ZeroSettings
+    from ds_pipe_ext.costs.peak_rule import PipelinePeakRule
     from ds_pipe_ext.costs.profiler import profile_layers
     from ds_pipe_ext.costs.types import ProfileSettings
     from ds_pipe_ext.costs.zero import layer_states_by_rule

@@ -6,7 +6,8 @@ import pytest
 from ds_pipe_ext.costs.hardware import DEVICES
 from ds_pipe_ext.layout import Layout
 from ds_pipe_ext.models.config import GPTConfig
-from ds_pipe_ext.plan.model import Cluster, PlanModel
+from ds_pipe_ext.plan.machine import Cluster
+from ds_pipe_ext.plan.model import PlanModel
 
 A100 = DEVICES["a100-80gb"]
 CLUSTER = Cluster(8, 300e9, 25e9)

@@ -121,7 +121,7 @@ def test_the_partitioners_form_bounds_the_peak_and_equals_it_on_the_last_stage(z
     # share in the rule: a bucket, 19 MiB, of slack there)
     from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs
     from ds_pipe_ext.costs.hardware import get_device
-    from ds_pipe_ext.costs.peak import PipelinePeakRule
+    from ds_pipe_ext.costs.peak_rule import PipelinePeakRule
     from ds_pipe_ext.costs.stage import held_activation_bytes
     from ds_pipe_ext.models.registry import load_model
     from ds_pipe_ext.partition.problem import make_problem
@@ -179,7 +179,7 @@ def test_bf16_optimizer_partitions_master_weights_and_moments_in_both_forms(accu
     # states are half ZeRO-0's 16-bit ones
     from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs
     from ds_pipe_ext.costs.hardware import get_device
-    from ds_pipe_ext.costs.peak import PipelinePeakRule
+    from ds_pipe_ext.costs.peak_rule import PipelinePeakRule
     from ds_pipe_ext.costs.stage import held_activation_bytes
     from ds_pipe_ext.models.registry import load_model
     from ds_pipe_ext.partition.problem import make_problem

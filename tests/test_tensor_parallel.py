@@ -133,7 +133,8 @@ def auto_recompute_cap() -> float:
     smallest without, by the costs the PP 2 x TP 2 launch's analytic partition computes (micro-batch 4, 4
     micro-batches, fp32, ZeRO-0)."""
     from ds_pipe_ext.costs.hardware import get_device
-    from ds_pipe_ext.costs.peak import PipelinePeakRule, ZeroSettings
+    from ds_pipe_ext.costs.peak import ZeroSettings
+    from ds_pipe_ext.costs.peak_rule import PipelinePeakRule
     from ds_pipe_ext.costs.zero import layer_states_by_rule
     from ds_pipe_ext.models import family_of
     from ds_pipe_ext.models.layers import LOCAL

@@ -9,7 +9,8 @@ import pytest
 from ds_pipe_ext.costs.nccl import NET_HOP_S, NVLINK_HOP_S, RING_BASE_S, ring_latency_s
 from ds_pipe_ext.layout import Layout
 from ds_pipe_ext.models import load_model_config
-from ds_pipe_ext.plan.model import PlanModel, plan_device
+from ds_pipe_ext.plan.machine import plan_device
+from ds_pipe_ext.plan.model import PlanModel
 from ds_pipe_ext.plan.zero3 import ModuleTraffic, chain_s, microbatch_s
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ def cmd_estimate(args) -> int:
     from ..costs.estimate import EstimateRequest, estimate_layers, layer_ops, op_rows, shape_for
     from ..models import family_of, load_model
     from ..partition.report import render_table
-    from ..plan.model import plan_device
+    from ..plan.machine import plan_device
 
     check_shape(args)
     cfg = load_model(args.model)
@@ -134,7 +134,7 @@ def cmd_estimate_compare(args) -> int:
     from ..models import load_model
     from ..partition.methods import decide_offline
     from ..partition.report import render_table
-    from ..plan.model import plan_device
+    from ..plan.machine import plan_device
 
     if not args.world:
         raise ValueError("estimate --compare needs --world N (the number of GPUs)")

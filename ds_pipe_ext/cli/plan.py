@@ -58,7 +58,8 @@ def profiled_cpu(cfg, device, seq: int):
 
 def build_model(args):
     from ..models import load_model
-    from ..plan.model import USABLE_MEMORY, Cluster, PlanModel, plan_device
+    from ..plan.machine import Cluster, plan_device
+    from ..plan.model import USABLE_MEMORY, PlanModel
 
     cfg = load_model(args.model)
     device = plan_device(args.device)

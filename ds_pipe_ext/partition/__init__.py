@@ -61,7 +61,7 @@ def partition_min_max(
         recompute: activation checkpointing: time includes the replayed forward and
             a layer keeps no activations in flight.
         schedule: "1f1b" (DeepSpeed's) or "gpipe": how many micro-batches a stage holds.
-        peak_rule: a ``costs.peak.PipelinePeakRule``: the cap applies to each stage's peak over the step
+        peak_rule: a ``costs.peak_rule.PipelinePeakRule``: the cap applies to each stage's peak over the step
             (its layers' states as held during a backward, its in-flight activations and its reserve:
             buckets, pipe buffers, temporaries) instead of the states at the step plus activations.
 

@@ -26,7 +26,7 @@ class PartitionRequest:
     arg: str = ""  # the text after "name:" for prefix methods
     schedule: str = "1f1b"  # how many micro-batches each stage holds (``costs.stage.in_flight``)
     step_model: object = None  # simulate.step_model.StepModel: what a step costs beyond the layers (None: nothing)
-    peak_rule: object = None  # costs.peak.PipelinePeakRule: the memory cap applies to each stage's peak
+    peak_rule: object = None  # costs.peak_rule.PipelinePeakRule: the memory cap applies to each stage's peak
 
 
 @dataclass(frozen=True)

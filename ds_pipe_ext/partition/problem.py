@@ -125,7 +125,7 @@ def make_problem(
     """Validate the inputs and precompute prefix sums.
 
     ``stage_reserve_bytes[s]``: what stage s holds beside its layers' states and activations whatever
-    its layers (the peak rule's reserve, ``costs.peak.PipelinePeakRule``), counted in its memory.
+    its layers (the peak rule's reserve, ``costs.peak_rule.PipelinePeakRule``), counted in its memory.
     ``step_bytes``: per layer, what its stage holds for it at the optimizer step (states as at the step,
     Adam's temporaries); a stage's memory is then the larger of its backward's and its step's.
 

@@ -28,7 +28,8 @@ from ..costs.layers import is_layer_spec
 from ..costs.model import CostModel
 from ..costs.profiler import profile_layers
 from ..costs.estimate import DTYPE_BYTES
-from ..costs.peak import PipelinePeakRule, ZeroSettings
+from ..costs.peak import ZeroSettings
+from ..costs.peak_rule import PipelinePeakRule
 from ..costs.stage import with_layer_recompute
 from ..costs.zero import layer_states_by_rule
 from ..layout import Layout, LayoutError
@@ -63,7 +64,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
             each layer's model-state bytes follow DeepSpeed's allocation rule for it over this
             topology's data-parallel ranks (``costs.zero``), which the memory cap then counts.
         zero_optimization: ds.json's ``zero_optimization`` section (its reduction bucket): the memory
-            cap applies to each stage's peak over the step (``costs.peak.PipelinePeakRule``); None:
+            cap applies to each stage's peak over the step (``costs.peak_rule.PipelinePeakRule``); None:
             DeepSpeed's defaults for ``zero_stage``.
         cost_model: a ``costs.model.CostModel`` describing the layers analytically;
             required by "analytic".  It is the one hook for parallel degrees: the TP

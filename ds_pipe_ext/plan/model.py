@@ -31,18 +31,18 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..arch import as_description
-from ..costs import analytic as A
 from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs, layer_ops, rank_steps, shape_for
-from ..costs.hardware import DEVICES, DeviceSpec, get_device
+from ..costs.hardware import DeviceSpec
 from ..costs.stage import held_activation_bytes, stage_costs, with_layer_recompute
-from ..costs.peak import PipelinePeakRule, ZeroSettings, step_peak, walks_schedule
+from ..costs.peak import ZeroSettings, step_peak, walks_schedule
+from ..costs.peak_rule import PipelinePeakRule
 from ..costs.zero import RankMemory, layer_states_by_rule, rank_memory, state_bytes_per_param
 from ..layout import Layout, zero_settings_for
 from ..partition.algorithms import InfeasibleMemoryCap, partition_min_max_lists, smallest_feasible_cap_lists
 from ..partition.methods import decide_offline
 from ..simulate.events import Link, Network
 from ..simulate.step_model import StepModel
-from .space import PlanError
+from .machine import Cluster
 from .update import RankUpdate
 
 # Adam's memory traffic per parameter: fused (apex, Megatron) reads param, grad, m, v and writes
@@ -50,41 +50,6 @@ from .update import RankUpdate
 # passes over fp32 tensors (decay, two moment updates, sqrt, two scalings, the update): ~80 bytes.
 FUSED_ADAM_BYTES, UNFUSED_ADAM_BYTES = 30.0, 80.0
 USABLE_MEMORY = 0.9  # of the device's memory; the rest: CUDA context, NCCL buffers, fragmentation
-
-def plan_device(name: str) -> DeviceSpec:
-    """A named device (``get_device``: with its calibrated efficiencies), "cpu" (measured here), or a
-    SPEC.toml whose keys are ``DeviceSpec``'s fields (a ``base`` key starts from a named device)."""
-    if name.endswith(".toml"):
-        import tomllib
-        from pathlib import Path
-
-        try:
-            data = tomllib.loads(Path(name).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise PlanError(f"--device {name}: cannot read the device spec ({e})") from None
-        base = data.pop("base", None)
-        try:
-            return replace(plan_device(base), **data) if base else DeviceSpec(**data)
-        except TypeError as e:
-            raise PlanError(f"--device {name}: {e}; the keys are DeviceSpec's fields "
-                            f"({', '.join(DeviceSpec.__dataclass_fields__)}) or base = \"a100\"") from None
-    try:
-        device = get_device(name)
-    except A.AnalyticError as e:
-        raise PlanError(f"--device: {e}, or a SPEC.toml") from None
-    return device
-
-
-@dataclass(frozen=True)
-class Cluster:
-    gpus_per_node: int
-    intra_node_bandwidth: float  # bytes/s per GPU, one direction
-    inter_node_bandwidth: float
-
-    def bandwidth(self, span: int) -> float:
-        """A group whose ranks span ``span`` consecutive GPUs stays inside a node only if they fit."""
-        return self.intra_node_bandwidth if span <= self.gpus_per_node else self.inter_node_bandwidth
-
 
 @lru_cache(maxsize=256)
 def _analytic_split(states: tuple, chunks: int, micro_batches: int, recompute: bool, schedule: str,
@@ -143,8 +108,8 @@ class PlanModel(RankUpdate):
                  runtime_terms: bool = True, grad_accum_dtype: str | None = None):
         self.cfg, self.device, self.cluster = as_description(cfg), device, cluster  # what the model computes
         # the run's ZeRO buckets and thresholds (ours: what the emitted ds.json sets; a published run's: its own)
-        self.zero_settings = {**zero_settings_for(self.cfg.hidden, device.name,
-                                                  largest_module=self._largest_module(seq, dtype)),
+        largest = 0 if device.name == "cpu" else self._largest_module(seq, dtype)  # CPU buckets are fixed
+        self.zero_settings = {**zero_settings_for(self.cfg.hidden, device.name, largest_module=largest),
                               **(zero_settings or {})}
         # DeepSpeed's runtime at scale as its source runs it (ZeRO-3's prefetch, BF16_Optimizer's fp32
         # reduction and partitioned step, the tied-gradient all-reduce); False: the model without these
@@ -253,7 +218,7 @@ class PlanModel(RankUpdate):
         return ZeroSettings.of_layout(lay, self.zero_settings, bf16_accum_bytes=accum)
 
     def peak_rule(self, lay: Layout) -> PipelinePeakRule | None:
-        """The partitioner's form of the peak rule for this layout (``costs.peak.PipelinePeakRule``), where
+        """The partitioner's form of the peak rule for this layout (``costs.peak_rule.PipelinePeakRule``), where
         it applies: one model chunk a rank; None elsewhere (the additive form at the step)."""
         if not walks_schedule(lay.schedule_spec):
             return None
@@ -408,4 +373,4 @@ class PlanModel(RankUpdate):
         return out
 
 
-__all__ = ["Cluster", "LayoutCost", "OutOfMemory", "PlanModel", "plan_device", "DEVICES", "USABLE_MEMORY"]
+__all__ = ["LayoutCost", "OutOfMemory", "PlanModel", "USABLE_MEMORY"]
