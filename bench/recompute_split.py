@@ -76,24 +76,11 @@ def profiled_costs():
 
 
 def stage_peaks(costs, rule, parts, modes=None) -> list[float]:
-    """Each stage's peak by the partitioner's rule (``partition.recompute``'s form: states as held in a
-    backward, in-flight kept bytes, the largest replay, the reserve; or the optimizer step's bytes), its
-    layers run under ``modes`` (None: none)."""
-    from ds_pipe_ext.costs.stage import in_flight, recompute_modes
+    """Each stage's peak by the joint partitioner's rule (``partition.joint_stage_memory``), its layers run
+    under ``modes`` (None: none)."""
+    from ds_pipe_ext.partition import joint_stage_memory
 
-    modes = modes or ["none"] * len(costs)
-    by_name = [{m.name: m for m in layer} for layer in recompute_modes(costs)]
-    chosen = [by_name[i][m] for i, m in enumerate(modes)]
-    static = [c.static_bytes for c in rule.layer_states(costs)]
-    reserve = rule.stage_reserves(costs, 2, micro_batches=MICRO_BATCHES)
-    step = rule.step_bytes(costs)
-    out = []
-    for s in range(2):
-        i, j = parts[s], parts[s + 1]
-        during = (sum(static[i:j]) + in_flight(s, 2, MICRO_BATCHES) * sum(m.kept_bytes for m in chosen[i:j])
-                  + max(m.replay_bytes for m in chosen[i:j]) + reserve[s])
-        out.append(max(during, sum(step[i:j])))
-    return out
+    return joint_stage_memory(costs, parts, modes, micro_batches=MICRO_BATCHES, peak_rule=rule)
 
 
 def fixed_caps(costs, rule) -> dict:

@@ -105,3 +105,26 @@ def test_a_stage_of_alike_blocks_recomputes_the_cheapest_count():
     time, choice = cheapest_modes([block] * 8, 100.0, 2)
     assert time == 4.0 and sorted(choice).count(1) == 4
     assert cheapest_modes([block] * 8, 2 * 8 + 9.0, 2) is None  # all recompute: 16 + 10 > 25
+
+
+def test_joint_stage_memory_is_what_the_joint_partitioner_holds_to_its_cap():
+    """``partition.joint_stage_memory`` evaluates a given split and modes by the rule ``partition_jointly``
+    caps: on its own choice it gives the stages' memory the choice reports, under the tightest cap."""
+    from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs
+    from ds_pipe_ext.costs.hardware import get_device
+    from ds_pipe_ext.costs.peak import ZeroSettings
+    from ds_pipe_ext.costs.peak_rule import PipelinePeakRule
+    from ds_pipe_ext.models.registry import load_model
+    from ds_pipe_ext.partition import joint_stage_memory, partition_jointly
+
+    cfg = load_model("llama-tiny")
+    costs = analytic_layer_costs(cfg, EstimateRequest(micro_batch=4, seq=cfg.seq_len), get_device("cpu"))
+    rule = PipelinePeakRule(ZeroSettings(), element_bytes=4)
+    with pytest.raises(InfeasibleMemoryCap) as err:
+        partition_jointly(costs, 2, memory_cap_gib=1e-6, micro_batches=8, peak_rule=rule)
+    cap = err.value.min_feasible_cap
+    got = partition_jointly(costs, 2, memory_cap_gib=cap / 2**30, micro_batches=8, peak_rule=rule)
+    assert {"none", "full"} <= set(got.modes)  # the tightest cap makes some layers, not all, recompute
+    memory = joint_stage_memory(costs, got.parts, got.modes, micro_batches=8, peak_rule=rule)
+    assert memory == pytest.approx(got.stage_memory, rel=1e-12) and max(memory) <= cap * (1 + 1e-12)
+    assert max(joint_stage_memory(costs, got.parts, None, micro_batches=8, peak_rule=rule)) > cap

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from ..costs.stage import held_activation_bytes
 from .algorithms import InfeasibleMemoryCap, PartitionError, partition_min_max_lists
 
-__all__ = ["partition_min_max", "partition_jointly", "PartitionError", "InfeasibleMemoryCap", "cost_lists"]
+__all__ = ["partition_min_max", "partition_jointly", "joint_stage_memory", "PartitionError", "InfeasibleMemoryCap",
+           "cost_lists"]
 
 GIB = 2**30
 
@@ -112,18 +113,40 @@ def partition_jointly(costs: Sequence, num_stages: int, *, memory_cap_gib: float
     ``peak_rule``: its layers' states as held in a backward, its reserve and its optimizer step, as
     ``partition_min_max``'s cap; the modes each layer offers: ``costs.stage.recompute_modes``).  Returns
     a ``partition.recompute.JointSplit`` (parts, a mode per layer, the stages' times and memory)."""
-    from ..costs.stage import in_flight, recompute_modes
+    from ..costs.stage import recompute_modes
     from .recompute import partition_with_recompute
 
     costs = list(costs)
-    m = micro_batches or num_stages
-    if peak_rule is not None:
-        static = [float(c.static_bytes) for c in peak_rule.layer_states(costs)]
-        reserve = peak_rule.stage_reserves(costs, num_stages, micro_batches=m)
-        step = peak_rule.step_bytes(costs)
-    else:
-        static, reserve, step = [float(c.static_bytes) for c in costs], None, None
+    static, inflight, reserve, step = _joint_lists(costs, num_stages, micro_batches, schedule, peak_rule)
     return partition_with_recompute([c.time_s() for c in costs], static, recompute_modes(costs), num_stages,
-                                    memory_cap=memory_cap_gib * GIB,
-                                    inflight=[in_flight(s, num_stages, m, schedule) for s in range(num_stages)],
-                                    reserve=reserve, step_bytes=step)
+                                    memory_cap=memory_cap_gib * GIB, inflight=inflight, reserve=reserve,
+                                    step_bytes=step)
+
+
+def joint_stage_memory(costs: Sequence, parts: Sequence[int], modes: Sequence[str] | None = None, *,
+                       micro_batches: int | None = None, schedule: str = "1f1b", peak_rule=None) -> list[float]:
+    """Each stage's peak, by ``partition_jointly``'s rule, of a given split whose layers run ``modes`` (a
+    recompute mode's name per layer; None: none recompute): what the joint partitioner holds to its cap."""
+    from ..costs.stage import recompute_modes
+    from .recompute import stage_memory
+
+    costs, p = list(costs), len(parts) - 1
+    static, inflight, reserve, step = _joint_lists(costs, p, micro_batches, schedule, peak_rule)
+    modes = list(modes) if modes is not None else ["none"] * len(costs)
+    chosen = [{m.name: m for m in layer}[mode] for layer, mode in zip(recompute_modes(costs), modes)]
+    return [stage_memory(static[i:j], chosen[i:j], inflight[s], reserve[s] if reserve else 0.0,
+                         step[i:j] if step else ())
+            for s, (i, j) in enumerate(zip(parts[:-1], parts[1:]))]
+
+
+def _joint_lists(costs: list, num_stages: int, micro_batches: int | None, schedule: str, peak_rule):
+    """(static bytes per layer, in-flight micro-batches per stage, reserve per stage, step bytes per layer)
+    for the joint rule: the peak rule's where given, else the layers' own states and no reserve."""
+    from ..costs.stage import in_flight
+
+    m = micro_batches or num_stages
+    inflight = [in_flight(s, num_stages, m, schedule) for s in range(num_stages)]
+    if peak_rule is None:
+        return [float(c.static_bytes) for c in costs], inflight, None, None
+    return ([float(c.static_bytes) for c in peak_rule.layer_states(costs)], inflight,
+            peak_rule.stage_reserves(costs, num_stages, micro_batches=m), peak_rule.step_bytes(costs))

@@ -39,7 +39,7 @@ from functools import lru_cache
 from ..costs.stage import RecomputeMode
 from .problem import InfeasibleMemoryCap, PartitionError
 
-__all__ = ["RecomputeMode", "JointSplit", "cheapest_modes", "partition_with_recompute"]
+__all__ = ["RecomputeMode", "JointSplit", "cheapest_modes", "partition_with_recompute", "stage_memory"]
 
 INF = math.inf
 
@@ -51,6 +51,15 @@ class JointSplit:
     bottleneck: float  # the slowest stage's time, recompute included
     stage_times: list[float]
     stage_memory: list[float]  # each stage's peak by the rule: its backward's or its optimizer step's
+
+
+def stage_memory(static_bytes: Sequence[float], chosen: Sequence[RecomputeMode], inflight: int, reserve: float = 0.0,
+                 step_bytes: Sequence[float] = ()) -> float:
+    """One stage's peak by the rule above: its backward's (its layers' states, ``inflight`` micro-batches of the
+    kept bytes, the largest replay, the reserve), or its optimizer step's bytes where larger."""
+    during = (sum(static_bytes) + inflight * sum(m.kept_bytes for m in chosen)
+              + max((m.replay_bytes for m in chosen), default=0.0) + reserve)
+    return max(during, sum(step_bytes))
 
 
 def cheapest_modes(options: Sequence[Sequence[RecomputeMode]], budget: float,
@@ -159,7 +168,7 @@ def partition_with_recompute(times: Sequence[float], static_bytes: Sequence[floa
         raise InfeasibleMemoryCap(memory_cap, _smallest_cap(frozen, prefix_m, prefix_step, inflight, reserve, n, p))
     # the lexicographically smallest parts within the bound: each stage ends at the first j whose rest
     # fits the bound (best[s + 1][j] only falls with j, and the stage's cost there is within it)
-    parts, modes, stage_times, stage_memory = [0], [], [], []
+    parts, modes, stage_times, stage_peaks = [0], [], [], []
     for s in range(p):
         i = parts[-1]
         a, b = i + 1, n - (p - s - 1)
@@ -175,9 +184,9 @@ def partition_with_recompute(times: Sequence[float], static_bytes: Sequence[floa
         parts.append(j)
         modes += [m.name for m in chosen]
         stage_times.append(time)
-        stage_memory.append(max(prefix_m[j] - prefix_m[i] + inflight[s] * sum(m.kept_bytes for m in chosen)
-                                + max(m.replay_bytes for m in chosen) + reserve[s], prefix_step[j] - prefix_step[i]))
-    return JointSplit(parts, modes, best[0][0], stage_times, stage_memory)
+        stage_peaks.append(stage_memory(static_bytes[i:j], chosen, inflight[s], reserve[s],
+                                        step_bytes[i:j] if step_bytes is not None else ()))
+    return JointSplit(parts, modes, best[0][0], stage_times, stage_peaks)
 
 
 def _smallest_cap(options, prefix_m, prefix_step, inflight, reserve, n: int, p: int) -> float:
