@@ -44,6 +44,11 @@ class Built:
     peak_measure: str = ""  # what "peak memory" means in this run (instrument.memory.reset_process_peak)
     cap_measure: str = ""  # what train.memory_cap_gib is compared with (trainer.rank_peak_bytes)
 
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the model's family runs expert parallelism (its groups and its checkpoints' expert files)."""
+        return family_of(self.model_cfg).expert_parallel
+
 
 def run_layout(cfg: RunConfig, model_cfg, world: int) -> Layout:
     """The run's layout, read from its validated ds.json sections by ``Layout.from_ds_config`` (pipeline
@@ -320,7 +325,8 @@ def build(cfg: RunConfig) -> Built:
               + (" (sequence parallel)" if layout.sp else ""), flush=True)
     overheads = refine_overheads(cfg)
     model = build_model(cfg, model_cfg, layout)
-    if family_of(model_cfg).expert_parallel:  # every rank, stages without MoE layers too (a hang otherwise)
+    experts = family_of(model_cfg).expert_parallel
+    if experts:  # every rank, stages without MoE layers too (a hang otherwise)
         from ..compat.engine import ensure_expert_groups
 
         ensure_expert_groups(layout.ep, layout.pp)
@@ -340,7 +346,7 @@ def build(cfg: RunConfig) -> Built:
         built.sink, built.recorder = start_data_parallel_instrumentation(built)
     if cfg.options.load:
         built.start_step = int(checkpoint.load(engine, cfg.options.load, layout=layout, parts=parts,
-                                               experts=family_of(model_cfg).expert_parallel)["step"])
+                                               experts=experts)["step"])
     if cfg.zero_stage == 0:  # under ZeRO the gradients are partitioned (and freed) before the inner step
         from ..compat.optimizer import unwrap_optimizer
 

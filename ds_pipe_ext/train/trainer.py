@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..models import family_of
 from . import checkpoint
 from .build import Built
 
@@ -101,7 +100,7 @@ class Trainer:
         cfg = self.built.cfg
         checkpoint.save(self.built.engine, cfg.options.save, step=step, layout=self.built.layout, parts=self.built.parts,
                         keep_last=cfg.train.keep_last, client_state={"data_position": step * cfg.grad_accum},
-                        experts=family_of(self.built.model_cfg).expert_parallel)
+                        experts=self.built.expert_parallel)
 
     def run(self) -> dict:
         cfg, first = self.built.cfg, self.built.start_step
