@@ -21,7 +21,7 @@ import torch
 
 from ..compat.comm import time_collectives
 from .experts import ExpertLoadMeter
-from .memory import ModelStateProbe, SavedActivationMeter, process_peak_bytes
+from .memory import ModelStateProbe, SavedActivationMeter, step_memory_fields
 from .peak import PeakTracer
 
 
@@ -72,9 +72,7 @@ class DataParallelRecorder:
                "forward_ms": list(self.times["forward"]), "backward_ms": list(self.times["backward"])}
         for kind in ("optimizer_step", "reduce_grads", "all_gather"):
             rec[f"{kind}_ms"] = sum(self.times.get(kind, []))
-        rec.update(self.states.read())
-        rec["activation_peak_bytes"] = self.meter.peak
-        rec.update(process_peak_bytes(self.device))
+        rec.update(step_memory_fields(self.states, self.meter, self.device))
         if self.experts:
             rec.update(self.experts.read())
         peak = self.tracer.step_ended(self.step) if self.tracer is not None else None

@@ -22,7 +22,7 @@ import torch
 from ..compat.engine import loss_terms
 from ..compat.instructions import unwrap_engine, wrap_engine
 from .experts import ExpertLoadMeter
-from .memory import ModelStateProbe, SavedActivationMeter, process_peak_bytes
+from .memory import ModelStateProbe, SavedActivationMeter, step_memory_fields
 from .peak import PeakTracer
 
 # instruction class name -> record key
@@ -166,9 +166,7 @@ class StageRecorder:
         for kind in [*_KINDS.values(), "aggregate_loss"]:
             if kind not in ("forward", "backward"):
                 rec[f"{kind}_ms"] = sum(self.times.get(kind, []))
-        rec.update(self.states.read())
-        rec["activation_peak_bytes"] = self.meter.peak
-        rec.update(process_peak_bytes(self.device))
+        rec.update(step_memory_fields(self.states, self.meter, self.device))
         if self.experts:
             rec.update(self.experts.read())
         terms = loss_terms(eng)  # the loss's named terms (MoE: lm and aux loss)

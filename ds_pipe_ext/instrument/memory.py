@@ -58,6 +58,12 @@ def _vm_hwm_bytes() -> int | None:
     return None
 
 
+def step_memory_fields(states: "ModelStateProbe", meter: "SavedActivationMeter", device) -> dict:
+    """A step record's memory on one rank: the model states by kind, the saved activations' peak and the
+    process's (or the CUDA allocator's) peak."""
+    return {**states.read(), "activation_peak_bytes": meter.peak, **process_peak_bytes(device)}
+
+
 def process_peak_bytes(device: torch.device | None = None) -> dict[str, int]:
     """Peak allocator memory on GPU; peak resident set size of the process on CPU (since the last
     ``reset_process_peak``, on Linux)."""
