@@ -35,7 +35,8 @@ DeepSpeed's `uniform` and `parameters` by the splits their own functions choose.
 
     python bench/partition_speedup.py [--rounds 2] [--cycles 6] [--playoff-steps 4] [--playoff-launch build|cycle] [--out DIR]
     python bench/partition_speedup.py --model bench-cpu-llama    (Llama: adds Megatron's accounting to the
-        built-ins, and a simulated 4- and 8-stage comparison of the hand rules on llama3-8b)
+        built-ins, and a simulated 4- and 8-stage comparison of the hand rules on llama3-8b; docs/RESULTS.md
+        has it at the default 16 micro-batches and at --micro-batches 32 --cycles 12)
     python bench/partition_speedup.py --model bench-cpu-moe      (Mixture-of-Experts at ep 1: first records
         the step model's prediction from layers profiled here, prediction.json, before any launch)
     python bench/partition_speedup.py --model bench-cpu-moe --predict-only
