@@ -108,8 +108,8 @@ class PlanModel(RankUpdate):
                  runtime_terms: bool = True, grad_accum_dtype: str | None = None):
         self.cfg, self.device, self.cluster = as_description(cfg), device, cluster  # what the model computes
         # the run's ZeRO buckets and thresholds (ours: what the emitted ds.json sets; a published run's: its own)
-        largest = 0 if device.name == "cpu" else self._largest_module(seq, dtype)  # CPU buckets are fixed
-        self.zero_settings = {**zero_settings_for(self.cfg.hidden, device.name, largest_module=largest),
+        self.zero_settings = {**zero_settings_for(self.cfg.hidden, device.name,
+                                                  largest_module=self._largest_module(seq, dtype)),
                               **(zero_settings or {})}
         # DeepSpeed's runtime at scale as its source runs it (ZeRO-3's prefetch, BF16_Optimizer's fp32
         # reduction and partitioned step, the tied-gradient all-reduce); False: the model without these

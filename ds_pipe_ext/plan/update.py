@@ -113,9 +113,10 @@ class RankUpdate:
     def zero3_exposed_s(self, lay: Layout) -> float:
         """ZeRO-3's traffic one micro-batch leaves exposed beside its compute (``plan.zero3.exposed_s``): per
         module, the all-gather of its parameters and the reduce-scatter of its gradients over the DP group,
-        ring bandwidth plus NCCL's latency (``costs.nccl``), under the run's buckets (``zero_settings``)."""
+        ring bandwidth plus NCCL's latency (``costs.nccl``), under the run's buckets (``zero_of``)."""
         n, bw, per_node = lay.dp, self._dp_bandwidth(lay), self.cluster.gpus_per_node
-        bucket = float(self.zero_settings["reduce_bucket_size"])  # gradients reduce-scatter a bucket at a time
+        zero = self.zero_of(lay)
+        bucket = float(zero.reduce_bucket_size)  # gradients reduce-scatter a bucket at a time
 
         def gather(elements: float) -> float:
             return (self.device.collective_time(elements * self.e, "all-gather", n, bw)
@@ -128,9 +129,9 @@ class RankUpdate:
         shp = shape_for(self.cfg, EstimateRequest(micro_batch=lay.micro_batch, seq=self.seq, tp=lay.tp, sp=lay.sp,
                                                   dtype=self.dtype), self.device)
         return exposed_s(self.costs_of(lay), [ops for _, _, ops in layer_ops(self.cfg, shp)], gather=gather,
-                         reduce=reduce, persistent=float(self.zero_settings["stage3_param_persistence_threshold"]),
+                         reduce=reduce, persistent=float(zero.persistence_threshold),
                          recompute=lay.recompute == "full", overlap_reduce=lay.overlap_comm,
-                         max_reuse=float(self.zero_of(lay).max_reuse_distance))
+                         max_reuse=float(zero.max_reuse_distance))
 
     def _megatron_update_s(self, lay: Layout, params: float, hide_under: tuple[float, float] | None) -> float:
         grads, bw = params * self.e, self._dp_bandwidth(lay)
