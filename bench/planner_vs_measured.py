@@ -18,7 +18,10 @@ Calibration, in two steps:
    over loopback is the same cores' work, so a loaded machine slows it alike).  The micro-benchmarks
    keep their fastest run, and on this shared machine a launch ran 1.3-1.6x slower than they and the
    layer profile imply (runs/planner-vs-measured-v4).  v5 scaled compute and memory only: the
-   collective-heavy layouts then looked fast, and the ranking fell from 0.845 to 0.709.
+   collective-heavy layouts then looked fast, and the ranking fell from 0.845 to 0.709.  The factor is
+   the speed of ranks computing together (the calibration layout's ranks always do); a pipeline's
+   item while the other stage idles runs at the spec's speed, as the layers were profiled
+   (``StepModel.alone_share``; v8-v10 predicted the pipelines 5-18% slow without it).
 Every other layout is a prediction; the calibration layout is left out of the rank correlation and
 the error, and the figures without step 2 are printed as well.
 
@@ -205,7 +208,8 @@ def main() -> None:
         factor, cal_model = fit_speed(model, by_name[CALIBRATION], PARTS[CALIBRATION], GLOBAL_BATCH / done[CALIBRATION])
         print(f"calibration: {CALIBRATION} measured {done[CALIBRATION]:.3f} samples/s (median of its "
               f"{len(raw[CALIBRATION])} reference launches) -> compute, memory and gloo rates x {factor:.3f} (gloo over "
-              f"loopback is the same cores' work); every other layout is a prediction")
+              f"loopback is the same cores' work) while ranks compute together, alone x 1; every other layout is a "
+              f"prediction")
     print("measured: the median over rounds of a launch's samples/s over its neighbouring reference launches, times the "
           "reference's median; raw: the median of the launches themselves")
     print(f"{'layout':<36} {'measured samples/s':>24} {'raw':>6} {'0 launches':>17} {'1 launch':>17}  role")

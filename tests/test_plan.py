@@ -199,7 +199,9 @@ def test_one_measured_step_calibrates_the_speed_and_leaves_the_links():
 
 def test_on_cpu_ranks_the_calibration_scales_gloos_links_with_the_cores():
     """Gloo over loopback is work of the same cores: on a 'cpu' device with measured collectives the
-    fitted factor scales them too, so every layout's step scales alike and the ranking stays."""
+    fitted factor scales them too, so a layout whose ranks always compute together (DP) scales alike.
+    The factor is their speed together: a pipeline's items while the other stage idles run at the
+    spec's speed, so the pipeline's step grows by less."""
     from ds_pipe_ext.plan.speed import at_speed, fit_speed, links_are_cpu_work
 
     _, model = plan_model("tiny", gpus=2, device="a100", global_batch=4)
@@ -212,9 +214,14 @@ def test_on_cpu_ranks_the_calibration_scales_gloos_links_with_the_cores():
     measured = 1.25 * cpu.evaluate(lays[0], parts[lays[0].name]).step_s
     factor, fitted = fit_speed(cpu, lays[0], parts[lays[0].name], measured)
     assert factor == pytest.approx(0.8, rel=1e-6)
-    for lay in lays:  # every step / 0.8, collectives, p2p and page faults included
-        assert fitted.evaluate(lay, parts[lay.name]).step_s == pytest.approx(
-            cpu.evaluate(lay, parts[lay.name]).step_s / 0.8, rel=1e-6)
+    assert fitted.step_model.alone_share == pytest.approx(0.8, rel=1e-6) and model.step_model.alone_share == 1.0
+    dp, pipe = (cpu.evaluate(lay, parts[lay.name]).step_s for lay in lays)
+    # DP: the step / 0.8, collectives and page faults included
+    assert fitted.evaluate(lays[0], parts[lays[0].name]).step_s == pytest.approx(dp / 0.8, rel=1e-6)
+    # (this tiny pipeline's step is mostly its update and p2p, which stay at the fitted speed)
+    assert pipe < fitted.evaluate(lays[1], parts[lays[1].name]).step_s < 0.999 * pipe / 0.8
+    gpu_factor, gpu_fitted = fit_speed(model, lays[0], parts[lays[0].name], 1.25 * model.evaluate(lays[0]).step_s)
+    assert gpu_fitted.step_model.alone_share == 1.0  # a device a rank: no one else's compute slows it
 
 
 def test_deepspeed_passes_over_the_gradients_are_counted_even_with_one_dp_rank():

@@ -201,6 +201,27 @@ def test_a_rank_woken_while_the_cores_are_taken_waits_for_one():
     assert no_sharing.predict(stages, 4).step_s == pytest.approx(StepModel(cores=4).predict(stages, 4).step_s)
 
 
+def test_an_item_no_other_rank_computes_beside_takes_its_alone_share():
+    """CPU ranks slow each other while they compute together: costs are for ranks together, and an
+    item while no other rank computes takes ``alone_share`` of its time.  One micro-batch through two
+    stages: every item runs alone, so the step is the share of the item sum (to the fixed point's
+    damping, 2^-6 of the gap).  Ranks in lockstep (``peers`` > 1: a TP or DP group) never run alone;
+    two micro-batches overlap in part, so their step falls by less than the share."""
+    costs = [LayerCost(f"L{i}", 1.0, 2.0) for i in range(2)]
+    alone = StepModel(alone_share=0.5)
+    one = stage_costs(costs, [0, 1, 2], micro_batches=1)
+    assert StepModel().predict(one, 1, schedule="gpipe", runtime="megatron").step_s == pytest.approx(6.0)
+    assert alone.predict(one, 1, schedule="gpipe", runtime="megatron").step_s == pytest.approx(3.0 + 3.0 / 64)
+    assert alone.predict(one, 1, schedule="gpipe", runtime="megatron", peers=2).step_s == pytest.approx(6.0)
+    whole = stage_costs(costs, [0, 2], micro_batches=2)  # one rank, alone: nothing else computes
+    assert alone.predict(whole, 2, schedule="none").step_s == pytest.approx(6.0 + 6.0 / 64)
+    two = stage_costs(costs, [0, 1, 2], micro_batches=2)
+    base, shared = (m.predict(two, 2, schedule="1f1b", runtime="megatron").step_s for m in (StepModel(), alone))
+    assert 0.5 * base * 1.01 < shared < base
+    with pytest.raises(StepModelError, match="alone_share"):
+        StepModel(alone_share=0.0)
+
+
 def test_step_model_files_round_trip_and_bad_ones_say_what_to_do(tmp_path):
     model = StepModel(forward_scale=1.2, cores=2, calibrated_on=("x",))
     model.save(tmp_path / "m.json")

@@ -355,7 +355,7 @@ class PlanModel(RankUpdate):
             tied[first] = tied[last] = costs[0].param_bytes / self.e
         pred = self.step_model.predict(
             stages, m, schedule=spec.name if lay.pipelined else "none", runtime=lay.runtime,
-            network=self._stage_network(lay), timeline=timeline,
+            network=self._stage_network(lay), timeline=timeline, peers=lay.tp * lay.dp,
             update_s=[self.update_s(lay, p, lp, hide_under=tuple(t), expert_params=x, zero3_exposed_s=exposed,
                                     tied_params=tp_) if update else 0.0
                       for p, lp, t, x, tp_ in zip(rank_params, rank_layer_params, rank_time, rank_experts, tied)])

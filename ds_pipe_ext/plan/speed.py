@@ -11,6 +11,13 @@ cores' work: CPU ranks talk gloo over loopback TCP, copies through the kernel on
 compute, so a loaded machine slows them alike (scaling compute alone would make the layouts heavy
 in collectives look relatively fast; docs/RESULTS.md, the planner).  A GPU's NVLink or network does
 not slow with its SMs: there the links stay.
+
+CPU ranks with a core each still slow each other while they compute together (one memory system and
+its caches): a pipeline's stages ran 1.1-1.25x their one-process profile, data-parallel ranks, always in
+the same pass, 1.3-1.6x (docs/RESULTS.md, issue 37).  So on CPU ranks the factor is the speed of ranks
+computing together, and a compute item during which no other rank computes runs at the spec's own
+speed, as the layers were profiled, alone (``StepModel.alone_share`` = the factor).  Fitted on a layout
+whose ranks always compute together (data or tensor parallel), the factor is the same either way.
 """
 
 from __future__ import annotations
@@ -54,7 +61,10 @@ def fit_speed(model: PlanModel, lay: Layout, parts: list[int], measured_step_s: 
     scale_links = links_are_cpu_work(model.device) if links is None else links
 
     def at(factor: float) -> PlanModel:
-        return model.on_device(at_speed(model.device, factor, links=scale_links))
+        out = model.on_device(at_speed(model.device, factor, links=scale_links))
+        if scale_links:  # CPU ranks: only computing together runs at the fitted speed
+            out.step_model = replace(out.step_model, alone_share=min(1.0, factor))
+        return out
 
     lo, hi = math.log(1 / 16), math.log(16)
     for _ in range(50):

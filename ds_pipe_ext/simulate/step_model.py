@@ -16,6 +16,10 @@ A step on DeepSpeed's engine costs more, and not only on the slowest stage:
       -> ranks that share ``cores`` CPU cores slow each other down while they compute together,
          and a rank that slept in a send or receive waits p2p_wake_s for a core when its partner
          arrives while the other ranks hold every core (the OS scheduler's wake-up)
+      -> CPU ranks slow each other even with a core each (one memory system, shared caches): costs are
+         for ranks computing together, and an item during which no other rank computes takes
+         alone_share of its time (the ranks of one stage, its TP and DP group, compute in lockstep:
+         ``predict``'s ``peers``; so only a pipeline's items can run alone)
       -> + each rank's optimizer step right after its last backward (optimizer_fixed_s +
          optimizer_s_per_param_byte x its parameter bytes); on a CPU the ranks' updates share one
          memory system (``shared_memory``: updates that overlap split its bandwidth)
@@ -80,6 +84,9 @@ class StepModel:
     step_fixed_s: float = 0.0
     cores: float | None = None  # ranks share this many cores (CPU); None: a device per rank
     shared_memory: bool = False  # CPU: the ranks' optimizer updates (memory-bound) share one memory bandwidth
+    # CPU: the share of its time a compute item takes while no other rank computes (1: ranks do not slow
+    # each other, a device each); ``plan.speed.fit_speed`` sets it on CPU ranks
+    alone_share: float = 1.0
     calibrated_on: tuple[str, ...] = ()  # the runs it was fitted on
 
     def __post_init__(self) -> None:
@@ -91,6 +98,8 @@ class StepModel:
                 raise StepModelError(f"StepModel.{f.name} = {v!r}: must be a finite number >= 0")
         if self.cores is not None and self.cores <= 0 or self.p2p_bandwidth is not None and self.p2p_bandwidth <= 0:
             raise StepModelError("StepModel.cores and p2p_bandwidth must be positive (or null)")
+        if not 0 < self.alone_share <= 1:
+            raise StepModelError(f"StepModel.alone_share = {self.alone_share}: a share of an item's time, in (0, 1]")
 
     # --- the terms --------------------------------------------------------------------------
     def stage_forward_s(self, stage) -> float:
@@ -115,7 +124,7 @@ class StepModel:
     # --- one step ---------------------------------------------------------------------------
     def predict(self, stages: Sequence, micro_batches: int, *, schedule: str = "1f1b", runtime: str = "deepspeed",
                 network: Network | None = None, update_s: Sequence[float] | None = None,
-                timeline: bool = True) -> "StepPrediction":
+                timeline: bool = True, peers: int = 1) -> "StepPrediction":
         """One step of ``stages`` (``costs.stage.StageCost``, one per chunk in pipeline order).
 
         ``runtime``: "deepspeed" runs DeepSpeed's engine order and its blocking transfers where its
@@ -124,7 +133,8 @@ class StepModel:
         ``update_s``: per rank, work after its last backward beyond this model's optimizer term (what
         a layout's DP collectives and update add, or what a refined run measured).  ``timeline=False``
         keeps no per-item slots (the planner predicts thousands of layouts).  ``schedule`` "none" (no
-        pipeline) is one stage.
+        pipeline) is one stage.  ``peers``: the ranks that compute each stage in lockstep (its TP x DP
+        group), which keep one another from ever computing alone (``alone_share``).
         """
         if runtime not in RUNTIMES:
             raise StepModelError(f"runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")
@@ -135,7 +145,7 @@ class StepModel:
                            activation_bytes=[st.activation_bytes for st in stages])
         network = network or Network(Link(self.p2p_latency_s, self.p2p_bandwidth))
         sim, slowdown = simulate_shared_cores(sched, costs, network, self.cores, wake_s=self.p2p_wake_s,
-                                              timeline=timeline)
+                                              timeline=timeline, alone_share=self.alone_share if peers == 1 else 1.0)
         params = [0.0] * sched.num_ranks
         for c, st in enumerate(stages):
             params[sched.chunk_rank[c]] += st.param_bytes
@@ -322,14 +332,18 @@ def processor_sharing(start_s: Sequence[float], work_s: Sequence[float]) -> list
 
 
 def simulate_shared_cores(schedule: Schedule, costs: ChunkCosts, network: Network, cores: float | None, *,
-                          wake_s: float = 0.0, timeline: bool = True) -> tuple[StepSimulation, dict]:
+                          wake_s: float = 0.0, timeline: bool = True,
+                          alone_share: float = 1.0) -> tuple[StepSimulation, dict]:
     """The step where ranks share ``cores`` cores: an item that runs while k ranks compute takes
     max(1, k / cores) times as long (processor sharing), and a rank that slept at a rendezvous waits
     ``wake_s`` for a core when, besides its partner, enough other ranks compute to fill the cores.
+    The share of an item's time during which no other rank computes runs ``alone_share`` as long.
     Found as a fixed point: simulate, measure each compute item's mean overlap with the others and
     who computes at each rendezvous, stretch and delay, simulate again."""
-    if not cores or schedule.num_ranks <= cores:
+    shares_cores = bool(cores) and schedule.num_ranks > cores
+    if not shares_cores and alone_share == 1.0:
         return simulate(schedule, costs, network=network, timeline=timeline), {}
+    cores = cores if shares_cores else float(schedule.num_ranks)
     sim = simulate(schedule, costs, network=network)
     slowdown: dict = {}
     wake: dict = {}
@@ -339,7 +353,9 @@ def simulate_shared_cores(schedule: Schedule, costs: ChunkCosts, network: Networ
         for s in slots:
             overlap = sum(max(0.0, min(s.end_s, o.end_s) - max(s.start_s, o.start_s))
                           for o in slots if o.rank != s.rank)
-            target[(s.rank, s.work)] = max(1.0, (1.0 + overlap / (s.end_s - s.start_s)) / cores)
+            together = overlap / (s.end_s - s.start_s)  # mean count of other ranks computing alongside
+            alone = 1.0 - min(1.0, together)
+            target[(s.rank, s.work)] = max(1.0, (1.0 + together) / cores) * (1.0 - alone * (1.0 - alone_share))
         # damped, so that two items do not take turns being slowed
         slowdown = {k: (slowdown.get(k, 1.0) + v) / 2 for k, v in target.items()}
         if wake_s:
