@@ -10,8 +10,12 @@ Ranks that compute at once also share the memory bandwidth and caches: a GEMM or
 in each of two ranks than in one alone.  The ratio of the two speeds scales the cpu spec's peaks.
 
 Measured once per rank count (the ranks spawned on this machine, one thread each, as the
-launches run) and cached next to the cpu spec.  Each kind at two sizes, each the fastest of its
-repeats; latency and bandwidth solve the two-point line ``t = latency + ring_factor * bytes / busbw``
+launches run) and cached next to the cpu spec.  Each kind at two sizes, as a training step meets
+it: between two GEMMs (a block's, at bench scale), its cost the median loop of GEMM + call less the
+loop of GEMMs alone.  A rank that reaches the call first sleeps in it and is woken when its partner
+arrives; on this machine a small all-reduce costs 0.2-0.4 ms back to back after a barrier (the
+fastest of its repeats, what this module measured before) and 2.7-3.6 ms between GEMMs.  Latency and
+bandwidth solve the two-point line ``t = latency + ring_factor * bytes / busbw``
 (``hardware.ring_time``'s factor, so the figures drop straight into its formulas).
 """
 
@@ -44,6 +48,11 @@ def _worker(rank: int, world: int, init_file: str, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     times: dict[str, dict[int, float]] = {k: {} for k in KINDS}
+    left, right = torch.randn(256, 512), torch.randn(512, 1536)  # bench-cpu's QKV GEMM at micro-batch 1
+
+    def gemm():
+        return left @ right
+
     for size in (SMALL, LARGE):
         n = size // 4
         full, shard = torch.randn(n), torch.randn(n // world)
@@ -54,15 +63,11 @@ def _worker(rank: int, world: int, init_file: str, out_path: str) -> None:
             # a neighbour's send and receive, as a pipeline boundary moves one activation
             "p2p": lambda: dist.send(full, 1) if rank == 0 else (dist.recv(full, 0) if rank == 1 else None),
         }
+        loops, repeats = (2, 3) if size == LARGE else (40, 5)
+        alone = _per_loop(dist, gemm, loops, repeats)
         for kind, call in calls.items():
             call()
-            best = float("inf")
-            for _ in range(3 if size == LARGE else 20):
-                dist.barrier()
-                t0 = time.perf_counter()
-                call()
-                best = min(best, time.perf_counter() - t0)
-            times[kind][size] = best
+            times[kind][size] = max(_per_loop(dist, lambda: (gemm(), call()), loops, repeats) - alone, 0.0)
     shared = {}  # per-rank speed with every rank busy, over its speed alone (same kernel, same timing)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     x, y = torch.empty(16 * 2**20), torch.empty(16 * 2**20)  # 64 MiB: beyond the caches
@@ -86,6 +91,22 @@ def _worker(rank: int, world: int, init_file: str, out_path: str) -> None:
     dist.destroy_process_group()
 
 
+def _per_loop(dist, body, loops: int, repeats: int) -> float:
+    """Seconds per call of ``body``: the median over ``repeats`` of the mean over ``loops`` calls, the
+    ranks set off together by a barrier."""
+    import statistics
+
+    body()
+    took = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(loops):
+            body()
+        took.append((time.perf_counter() - t0) / loops)
+    return statistics.median(took)
+
+
 def fit(times: dict[str, dict], world: int) -> dict[str, list[float]]:
     """{kind: [latency_s, bus_bandwidth]} from {kind: {bytes: seconds}} at two sizes."""
     out = {}
@@ -102,7 +123,7 @@ def measure_cpu_ranks(world: int = 2, cache_dir: str | None = ".ds_pipe_ext_cach
     bandwidth bytes/s]} over gloo, "shared": {"matrix": f, "memory": f}}, where f is a rank's GEMM
     (memory-copy) speed while every rank runs one, over its speed alone: ranks share the cores'
     memory bandwidth and caches, and the single-process micro-benchmarks see neither."""
-    path = Path(cache_dir) / f"cpu-ranks-v2-{world}ranks.json" if cache_dir else None
+    path = Path(cache_dir) / f"cpu-ranks-v3-{world}ranks.json" if cache_dir else None
     if path is not None and path.is_file():
         try:
             got = json.loads(path.read_text())
