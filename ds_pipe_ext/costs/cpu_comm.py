@@ -2,9 +2,10 @@
 their share of the cores.
 
 The ``cpu`` spec's link figure is a memory copy (23 GB/s here), but ranks talk through gloo over
-loopback TCP: an all-reduce reaches ~2 GB/s of bus bandwidth and gloo's all-gather and
-reduce-scatter only ~0.7 GB/s, with 0.1-0.3 ms per call.  The planner charges data-parallel
-reductions, ZeRO's gathers, TP's per-layer collectives and pipeline p2p with these.
+loopback TCP: an all-reduce reaches ~1.5 GB/s of bus bandwidth and gloo's all-gather and
+reduce-scatter only ~0.5 GB/s, and a call between a step's kernels costs 1-3 ms before any byte
+moves.  The planner charges data-parallel reductions, ZeRO's gathers, TP's per-layer collectives and
+pipeline p2p with these.
 
 Ranks that compute at once also share the memory bandwidth and caches: a GEMM or a copy runs slower
 in each of two ranks than in one alone.  The ratio of the two speeds scales the cpu spec's peaks.
