@@ -15,7 +15,7 @@ launches run) and cached next to the cpu spec.  Each kind at two sizes, as a tra
 it: between two GEMMs (a block's, at bench scale), its cost the median loop of GEMM + call less the
 loop of GEMMs alone.  A rank that reaches the call first sleeps in it and is woken when its partner
 arrives; on this machine a small all-reduce costs 0.2-0.4 ms back to back after a barrier (the
-fastest of its repeats, what this module measured before) and 2.7-3.6 ms between GEMMs.  Latency and
+fastest of 20 calls) and 2.7-3.6 ms between GEMMs, which is what a step pays.  Latency and
 bandwidth solve the two-point line ``t = latency + ring_factor * bytes / busbw``
 (``hardware.ring_time``'s factor, so the figures drop straight into its formulas).
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,8 +67,7 @@ def _worker(rank: int, world: int, init_file: str, out_path: str) -> None:
         }
         loops, repeats = (2, 3) if size == LARGE else (40, 5)
         alone = _per_loop(dist, gemm, loops, repeats)
-        for kind, call in calls.items():
-            call()
+        for kind, call in calls.items():  # _per_loop's first GEMM + call warms the collective up
             times[kind][size] = max(_per_loop(dist, lambda: (gemm(), call()), loops, repeats) - alone, 0.0)
     shared = {}  # per-rank speed with every rank busy, over its speed alone (same kernel, same timing)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
@@ -94,9 +94,7 @@ def _worker(rank: int, world: int, init_file: str, out_path: str) -> None:
 
 def _per_loop(dist, body, loops: int, repeats: int) -> float:
     """Seconds per call of ``body``: the median over ``repeats`` of the mean over ``loops`` calls, the
-    ranks set off together by a barrier."""
-    import statistics
-
+    ranks set off together by a barrier (after one call to warm up)."""
     body()
     took = []
     for _ in range(repeats):

@@ -343,7 +343,7 @@ def simulate_shared_cores(schedule: Schedule, costs: ChunkCosts, network: Networ
     shares_cores = bool(cores) and schedule.num_ranks > cores
     if not shares_cores and alone_share == 1.0:
         return simulate(schedule, costs, network=network, timeline=timeline), {}
-    cores = cores if shares_cores else float(schedule.num_ranks)
+    cores = cores if shares_cores else float(schedule.num_ranks)  # a core each: no stretch, no wake-up wait
     sim = simulate(schedule, costs, network=network)
     slowdown: dict = {}
     wake: dict = {}
