@@ -271,6 +271,8 @@ def profile_layers(
     pass whatever else changes the costs (model config, TP/SP degree, ...).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:  # the current device, by name: timers, peaks, RNG fork
+        device = torch.device("cuda", torch.cuda.current_device())
     host = {}
     if device.type == "cpu":
         from ..compat.cpu_shims import steady_host_allocator, training_mmap_threshold

@@ -50,7 +50,12 @@ def load_layer_optimizer_states(engine, ckpt_dir: str | Path) -> None:
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: the checkpoint was not written by ds_pipe_ext "
                                     f"(or with another tensor-parallel degree)")
-        saved = torch.load(path)
+        saved = read_layer_states(path, engine.device)
         for name, p in layer.named_parameters():
             if name in saved:
-                opt.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in saved[name].items()}
+                opt.state[p] = dict(saved[name])
+
+
+def read_layer_states(path: Path, device: torch.device) -> dict:
+    """One layer's saved optimizer states, on the loading rank's device (not the saving rank's GPU)."""
+    return torch.load(path, map_location=device)

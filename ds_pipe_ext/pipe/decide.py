@@ -16,6 +16,8 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from ..device import collective_device
+
 T = TypeVar("T")
 
 
@@ -37,7 +39,7 @@ def decide_and_broadcast(decide: Callable[[], T], *, what: str, rank: int | None
             decide()  # takes part in rank 0's collectives; only rank 0's result is used
         except Exception:  # noqa: BLE001 - rank 0 reports the failure to everyone
             pass
-    dist.broadcast_object_list(outcome, src=0, group=group)
+    dist.broadcast_object_list(outcome, src=0, group=group, device=collective_device(group))
     result, error = outcome
     if error is not None:
         raise DecisionError(f"{what} failed on rank 0: {error}")

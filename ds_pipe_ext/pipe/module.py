@@ -23,6 +23,7 @@ from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
 
 from ..compat import engine as ds_engine
+from ..device import rank_device, select_rank_device
 from ..costs.frozen import freeze_costs
 from ..costs.layers import is_layer_spec
 from ..costs.model import CostModel
@@ -100,6 +101,9 @@ class PipelineModule(_DeepSpeedPipelineModule):
         **deepspeed_kwargs,
     ):
         settings = settings or PipelineSettings(stages=num_stages or 1)
+        # DeepSpeed moves the built stage to cuda:LOCAL_RANK; the profile and the partition's broadcast
+        # come before that, and must run on that GPU too (a user's script may not have selected it)
+        select_rank_device()
         method = partition_method or settings.partition_method
         interval = settings.activation_checkpoint_interval if activation_checkpoint_interval is None else activation_checkpoint_interval
         stages = topology.get_dim("pipe") if topology is not None else num_stages
@@ -249,7 +253,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         inputs, labels = self._ext_profile_batch
         if source == "analytic":
             return self._analytic_costs(inputs)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = rank_device()
         settings = self._ext_settings.profile
         if len(ds_engine.profiling_peers(self)) > 1:
             # a cache hit on one TP rank but not another would leave the other waiting in a collective

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..config_model import ConfigError
+from ..device import select_rank_device
 from ..models import family_of, load_model
 from ..layout import Layout, LayoutError
 from ..pipe.decide import decide_and_broadcast
@@ -76,6 +77,7 @@ def init_process_group() -> None:
 
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    select_rank_device()  # cuda:LOCAL_RANK before NCCL starts: every rank on its own GPU
     steady_host_allocator()  # CPU only: a step's page faults must not depend on what ran before it
     skip_deepspeed_shm_op()  # CPU only: no C++ JIT build (and no stale build locks) at start-up
     deepspeed.init_distributed()
@@ -129,7 +131,8 @@ def build_data_parallel(cfg: RunConfig, model_cfg, specs, loss_fn):
 
 def load_full_state(model: torch.nn.Module, path: str, *, tp: int, pipelined: bool) -> None:
     """Copy a SequentialGPT state dict ("layers.<i>.…") into this rank's model, TP-sliced."""
-    full = torch.load(path)
+    first = next(iter(model.parameters()), None)
+    full = torch.load(path, map_location=first.device if first is not None else "cpu")
     if pipelined:  # a PipelineModule names its layers "<i>.…"
         full = {k.removeprefix("layers."): v for k, v in full.items()}
     if tp > 1:
@@ -225,7 +228,11 @@ def global_grad_norm(model, layout: Layout) -> float:
         from megatron.core import parallel_state
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    dense, experts = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    # on the gradients' device: the all-reduce below runs on it (NCCL takes CUDA tensors only)
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    dense = torch.zeros((), dtype=torch.float64, device=device)
+    experts = torch.zeros((), dtype=torch.float64, device=device)
     for p in model.parameters():
         if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
             if getattr(p, "allreduce", True) is False:  # DeepSpeed's mark on expert parameters

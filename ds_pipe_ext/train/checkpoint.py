@@ -92,14 +92,25 @@ class _FaultInjector:
         self.check()
 
 
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+def rng_state() -> dict:
+    """Every generator a step draws from: dropout on a GPU draws from this rank's CUDA generator."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device's: this rank's GPU
+    return state
 
 
-def _restore_rng(state: dict) -> None:
+def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def read_rng(path: Path) -> dict:
+    """RNG states are CPU byte tensors whatever device saved them (torch and torch.cuda take them so)."""
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def save(engine, save_dir: str | Path, *, step: int, layout: Layout, parts: list[int] | None, keep_last: int,
@@ -112,7 +123,7 @@ def save(engine, save_dir: str | Path, *, step: int, layout: Layout, parts: list
     fault.check()
     if repartitionable(layout, experts=experts):
         save_layer_optimizer_states(engine, ckpt, after_each=fault.wrote)
-    torch.save(_rng_state(), ckpt / f"rng_rank{rank:03d}.pt")
+    torch.save(rng_state(), ckpt / f"rng_rank{rank:03d}.pt")
     fault.wrote()
     dist.barrier()  # every rank has written every file
     if rank == 0:
@@ -183,5 +194,5 @@ def load(engine, load_dir: str | Path, *, layout: Layout, parts: list[int] | Non
         load_layer_optimizer_states(engine, ckpt)
     rng = ckpt / f"rng_rank{dist.get_rank():03d}.pt"
     if rng.is_file():  # absent when resuming on more ranks than wrote the checkpoint
-        _restore_rng(torch.load(rng, weights_only=False))
+        restore_rng(read_rng(rng))
     return client_state or {"step": manifest["step"]}

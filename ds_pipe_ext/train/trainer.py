@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..device import collective_device
 from . import checkpoint
 from .build import Built
 
@@ -62,9 +63,10 @@ def rank_peak_bytes(built: Built) -> int:
     return int(sum(last[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes")))
 
 
-def over_memory_cap(cap_gib: float, mine: int) -> dict | None:
-    """Collective: every rank's peak; the heaviest rank's when it exceeds the cap, else None."""
-    everyone = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+def over_memory_cap(cap_gib: float, mine: int, device: torch.device) -> dict | None:
+    """Collective: every rank's peak; the heaviest rank's when it exceeds the cap, else None.
+    ``device``: the process group's (``device.collective_device``)."""
+    everyone = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
     everyone[dist.get_rank()] = mine
     dist.all_reduce(everyone)  # a sum of one-hot rows: every rank's peak, on every rank
     rank = int(everyone.argmax())
@@ -115,7 +117,8 @@ class Trainer:
             for hook in self.hooks:
                 hook(step, loss)
             if cfg.train.memory_cap_gib is not None:
-                self.oom = over_memory_cap(cfg.train.memory_cap_gib, rank_peak_bytes(self.built))
+                self.oom = over_memory_cap(cfg.train.memory_cap_gib, rank_peak_bytes(self.built),
+                                           collective_device())
                 if self.oom is not None:  # every rank got the same answer: all stop here, together
                     self.oom.update(after_step=step, measure=self.built.cap_measure)
                     if self.built.rank == 0:

@@ -1,0 +1,40 @@
+"""Which device a rank computes on, and which device a process group's collectives take.
+
+One rank per GPU: ``deepspeed --num_gpus N`` sets ``LOCAL_RANK`` for each process, and every
+rank must select ``cuda:LOCAL_RANK`` before its first CUDA allocation or collective; otherwise
+every rank lands on ``cuda:0`` (NCCL then refuses two ranks on one device, or hangs).
+DeepSpeed selects it inside ``deepspeed.initialize``, which is too late for what
+``PipelineModule.__init__`` does first (profiling, the partition's broadcast).
+
+NCCL takes CUDA tensors only; gloo takes CPU tensors (and forgives CUDA ones by copying).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def local_rank() -> int:
+    """This process's index on its node, as the launcher set it (0 outside a launcher)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def rank_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` where CUDA is available, else the CPU."""
+    return torch.device("cuda", local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def select_rank_device() -> torch.device:
+    """Make ``rank_device()`` the current CUDA device (as ``deepspeed.initialize`` would later); returns it."""
+    device = rank_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def collective_device(group=None) -> torch.device:
+    """The device of the tensors a collective over ``group`` takes: CUDA under NCCL, the CPU under gloo."""
+    return rank_device() if dist.get_backend(group) == "nccl" else torch.device("cpu")
