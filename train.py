@@ -24,6 +24,7 @@ from ds_pipe_ext.config_model import ConfigError
 from ds_pipe_ext.train.config import RunConfig, build_run_config, read_ds_json
 
 ERROR_GRACE_S = 3.0  # seconds a failing rank waits before exiting: the launcher's poll is 1 s
+OOM_EXIT = 3  # out of memory, or stopped at train.memory_cap_gib: a result (an `oom` row), not a success
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,6 +76,8 @@ def main(argv=None, on_engine=None) -> dict:
 
 
 if __name__ == "__main__":
+    import torch
+
     from ds_pipe_ext.models.config import ModelConfigError
     from ds_pipe_ext.partition import PartitionError
     from ds_pipe_ext.pipe.decide import DecisionError
@@ -84,6 +87,13 @@ if __name__ == "__main__":
 
     try:
         summary = main()
+    except torch.OutOfMemoryError as e:
+        # a result, as the memory cap's stop is: exit 3 at once, and the launcher ends the other ranks
+        # (which may wait in a collective this rank will not join)
+        print(f"error: out of memory on rank {os.environ.get('RANK', '?')}: {str(e).splitlines()[0]} - lower "
+              f"train_micro_batch_size_per_gpu, recompute (train.recompute), more stages, or a higher ZeRO stage",
+              file=sys.stderr, flush=True)
+        exit_process(OOM_EXIT)
     except (ConfigError, ModelConfigError, PartitionError, DecisionError, CheckpointError) as e:
         # the same message on every rank, then a clean non-zero exit (no hang, no traceback)
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -91,5 +101,4 @@ if __name__ == "__main__":
         # that reached the same error a moment later would die before saying so.  Stay a little.
         time.sleep(ERROR_GRACE_S)
         exit_process(2)
-    # 3: stopped at train.memory_cap_gib: a result, reported in the metrics, but not a success
-    exit_process(3 if summary.get("status") == "oom" else 0)
+    exit_process(OOM_EXIT if summary.get("status") == "oom" else 0)
