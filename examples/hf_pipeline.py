@@ -1,6 +1,6 @@
-"""Launched by tests/test_hf.py: a Hugging Face save_pretrained directory as a DeepSpeed pipeline on 2 ranks.
+"""A Hugging Face save_pretrained directory as a DeepSpeed pipeline (tests/test_hf.py, bench/gpu_path.py).
 
-    deepspeed --num_gpus 2 tests/hf_pipeline.py --model DIR --steps 2 --checkpoint CKPT --metrics-out OUT/m.json
+    deepspeed --num_gpus 2 examples/hf_pipeline.py --model DIR --steps 2 --checkpoint CKPT --metrics-out OUT/m.json
 
 What a user's script adds is the three lines marked "the user's lines".  First, on every rank, a padded
 profile batch must fail with the same error (rank 0 profiles; the error reaches every rank, no hang);
@@ -34,6 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--metrics-out", required=True)
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
@@ -42,7 +43,7 @@ def main() -> None:
     skip_deepspeed_shm_op()
     deepspeed.init_distributed()
     rank = torch.distributed.get_rank()
-    settings = PipelineSettings(stages=2, partition_method="profiled", profile={"cache_dir": None, "warmup": 0,
+    settings = PipelineSettings(stages=args.stages, partition_method="profiled", profile={"cache_dir": None, "warmup": 0,
                                                                                 "repeats": 1})
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     metrics = {"rank": rank}
@@ -51,7 +52,7 @@ def main() -> None:
     padded = torch.ones_like(tokens)
     padded[:, -3:] = 0
     try:
-        PipelineModule(hf.pipeline_layers(args.model), num_stages=2, loss_fn=hf.causal_lm_loss, settings=settings,
+        PipelineModule(hf.pipeline_layers(args.model), num_stages=args.stages, loss_fn=hf.causal_lm_loss, settings=settings,
                        profile_batch=((tokens, padded), labels), micro_batches=MICRO_BATCHES)
         metrics["padded_error"] = None
     except Exception as e:  # noqa: BLE001 - the test reads what each rank was told
@@ -59,7 +60,7 @@ def main() -> None:
 
     # the user's lines
     layers = hf.pipeline_layers(args.model)
-    model = PipelineModule(layers, num_stages=2, loss_fn=hf.causal_lm_loss, settings=settings,
+    model = PipelineModule(layers, num_stages=args.stages, loss_fn=hf.causal_lm_loss, settings=settings,
                            profile_batch=next(batches(vocab, 0)), micro_batches=MICRO_BATCHES)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                       config={"train_micro_batch_size_per_gpu": MICRO_BATCH,

@@ -144,7 +144,7 @@ def test_deepspeed_trains_a_save_pretrained_directory_on_2_ranks(tmp_path):
     same error, no hang; the checkpoint exports to a directory transformers loads with the trained weights."""
     from ds_pipe_ext.runner import launch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from hf_pipeline import MICRO_BATCHES, batches
 
     torch.manual_seed(5)
@@ -154,7 +154,7 @@ def test_deepspeed_trains_a_save_pretrained_directory_on_2_ranks(tmp_path):
     data = batches(256, 1234)
     want_first = sum(model(x, labels=y).loss.item() for x, y in (next(data) for _ in range(MICRO_BATCHES))) / MICRO_BATCHES
     proc, ranks = launch(2, None, "--model", str(path), "--steps", "2", "--checkpoint", str(tmp_path / "ckpt"),
-                         out_dir=tmp_path, cwd=tmp_path, script="tests/hf_pipeline.py", timeout=300)
+                         out_dir=tmp_path, cwd=tmp_path, script="examples/hf_pipeline.py", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(ranks) == [0, 1]
     for r in ranks.values():
