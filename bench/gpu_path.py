@@ -1,107 +1,334 @@
-"""The GPU path on a CUDA device (run where a GPU is lent; no test depends on it).
+"""The GPU path checked in one run, on one GPU (<= 80 GB): the user's command and its neighbours.
 
-1. Layer times: the embedding, one block and the head + loss of GPT models profiled with CUDA
-   events (bf16 and fp32), against the analytic roofline on the datasheet spec of the device
-   ("h100": efficiencies at their 0.7 defaults) and on the planner's spec (matrix efficiency fitted
-   on published Megatron-LM runs, docs/CALIBRATION.md).  Nothing here was fitted to these layers.
-2. The profiler's timer: its CUDA-event forward time against a synchronised wall-clock loop of
-   the same block (an independent clock).
-3. Memory: saved-activation bytes, analytic against the profiler's saved-tensor hooks, and the
-   allocator peak above resting memory during one layer's forward + backward (what the next
-   issue, memory at the peak, must predict).
-4. (--launches) single-GPU train.py per ZeRO stage (0, 1, 2, 3, 3 + offload) through the same
-   launcher and row builder as `ds-pipe-ext compare`, instrumented: the allocator peak and the
-   model states each rank recorded, beside the ZeRO rule's prediction.
+Each part is real launches through ``ds_pipe_ext.runner.launch`` (a line per launch as it ends);
+``--parts`` reruns any of them alone:
 
-Not yet run on a GPU: the task that wrote it had none lent (its launch part ran on CPU with
-`tiny`: every ZeRO row ok, model states exact).  The first session with a GPU runs it and puts the
-figures in docs/RESULTS.md.
+  train    the root ds.json job on one rank (1 stage, ``tiny``); then a bf16 GPT-2 medium 1-stage pipeline,
+           ``profiled``, under ZeRO-0 and ZeRO-1, instrumented; then ``ds-pipe-ext report`` on that run
+  compare  ``compare``'s data-parallel rows ZeRO-0, 1, 2, 3 (gpt2-medium fp32, micro-batch 8 x 2): samples/s,
+           the model states and the peak, measured against predicted
+  offload  ZeRO-3 with its states in CPU memory (DeepSpeed's CPU Adam compiles on first use, about a minute)
+  hf       a small random Hugging Face Llama written here, as a 1-stage pipeline through ``ds_pipe_ext.hf``
+  oom      a layout the peak rule says needs at least 1.5x the device's memory: an ``oom`` row, every
+           process gone within 60 s
+  layers   per-layer times and bytes of GPT blocks, profiled against the analytic model on the spec of the
+           device it runs on (``h100``/``h200``/``a100`` by name); no launch
 
-    python bench/gpu_path.py [--launches] [--out DIR]
+``--cpu-dry-run`` runs the same plan on CPU ranks with ``tiny`` in fp32 (no offload; the layer part on the
+``cpu`` spec; the ``oom`` part against a memory cap standing in for the device's memory): ``make test`` runs it,
+so the script cannot rot between GPU runs.
 
-Last line: RESULT device=... block_time_error_pct_datasheet=X block_time_error_pct_planner=Y
-timer_agreement_pct=Z activation_bytes_worst_error_pct=W [zero_states_worst_error_pct=V]
+    python bench/gpu_path.py [--parts train,compare,offload,hf,oom,layers] [--out DIR] [--cpu-dry-run]
+
+Last line: RESULT device=... launches_ok=K/N oom_row=oom oom_exit_s=S zero_states_worst_error_pct=V
+[block_time_error_pct_datasheet=X block_time_error_pct_planner=Y timer_agreement_pct=Z activation_bytes_worst_error_pct=W]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs  # noqa: E402
-from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
-from ds_pipe_ext.costs.layers import build_for_profiling  # noqa: E402
-from ds_pipe_ext.costs.profiler import profile_layers  # noqa: E402
-from ds_pipe_ext.costs.types import ProfileSettings  # noqa: E402
-from ds_pipe_ext.models.config import GPTConfig, load_model_config  # noqa: E402
-from ds_pipe_ext.models.gpt import gpt_layer_specs, lm_loss  # noqa: E402
+from ds_pipe_ext.compare.configs import CompareConfig  # noqa: E402
+from ds_pipe_ext.compare.run import (Comparison, DeepSpeedLauncher, LaunchResult, launch_status,  # noqa: E402
+                                     model_state_error_pct, run_comparison)
+from ds_pipe_ext.layout import Layout  # noqa: E402
+from ds_pipe_ext.models.config import load_model_config  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
+from ds_pipe_ext.runner import ROOT, launch  # noqa: E402
 
-# (model, micro-batch, sequence, dtype): a block of 1024 and of 2048 hidden, both precisions
-CASES = [("gpt2-medium", 8, 1024, "bf16"), ("gpt2-medium", 8, 1024, "fp32"),
-         ("gpt3-1.3b", 4, 2048, "bf16"), ("gpt3-1.3b", 4, 2048, "fp32")]
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-LAYERS = ("embedding", "block", "head+loss")
+PARTS = ("train", "compare", "offload", "hf", "oom", "layers")
 MiB = 2**20
+OOM_EXIT_LIMIT_S = 60
 
 
-def profile_case(name: str, b: int, seq: int, dtype: str):
-    cfg = load_model_config(name)
-    cfg = GPTConfig.from_dict({**cfg.to_dict(), "seq_len": seq, "tie_embeddings": False}, name=cfg.name)
-    specs = gpt_layer_specs(cfg)
-    tokens = torch.randint(0, cfg.vocab_size, (b, seq + 1), generator=torch.Generator().manual_seed(0))
-    settings = ProfileSettings(warmup=3, repeats=10, cache_dir=None, progress=False)
-    measured = profile_layers([specs[0], specs[1], specs[-1]], tokens[:, :-1], labels=tokens[:, 1:],
-                              loss_fn=lm_loss, settings=settings, device="cuda", dtype=TORCH_DTYPES[dtype])
-    return cfg, specs, measured
+@dataclass(frozen=True)
+class Target:
+    """What the plan runs on: one GPU, or CPU ranks standing in for it."""
+
+    cuda: bool
+    gpt: str  # the GPT of the train and compare parts
+    dtype: str  # the train part's pipeline precision
+    big: str  # the oom part's model
+    micro_batch: int
+    steps: int
+    timeout: int
+
+    @classmethod
+    def for_run(cls, cpu_dry_run: bool) -> "Target":
+        if cpu_dry_run:
+            return cls(cuda=False, gpt="tiny", dtype="fp32", big="tiny", micro_batch=2, steps=3, timeout=240)
+        return cls(cuda=True, gpt="gpt2-medium", dtype="bf16", big="gpt3-1.3b", micro_batch=8, steps=6, timeout=600)
 
 
-def analytic_case(cfg, b: int, seq: int, dtype: str, device):
-    rows = analytic_layer_costs(cfg, EstimateRequest(micro_batch=b, seq=seq, dtype=dtype), device)
-    return [rows[0], rows[1], rows[-1]]
+@dataclass
+class Run:
+    part: str
+    name: str
+    status: str
+    seconds: float
+    samples_per_s: float | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def line(self) -> str:
+        speed = f"{self.samples_per_s:.2f} samples/s" if self.samples_per_s else "-"
+        return f"  [{self.part}] {self.name}: {self.status} in {self.seconds:.0f} s, {speed} {self.note}".rstrip()
 
 
-def wall_clock_forward(spec, x: torch.Tensor, dtype: torch.dtype, n: int = 20) -> float:
-    """The block's forward timed by the host clock around synchronised loops: the profiler's
-    CUDA events should read the same."""
-    module, call = build_for_profiling(spec)
-    module.to(device="cuda", dtype=dtype)
-    x = x.to("cuda").detach().requires_grad_(True)
-    for _ in range(3):
-        call(x)
-    times = []
-    for _ in range(5):
-        torch.cuda.synchronize()
+def _report(run: Run) -> Run:
+    print(run.line(), flush=True)
+    return run
+
+
+def launch_train(part: str, name: str, ds: dict, out: Path, t: Target, *, instrument: bool = False) -> Run:
+    """``deepspeed --num_gpus 1 train.py --deepspeed_config DS`` in OUT/PART/NAME."""
+    work = out / part / name
+    work.mkdir(parents=True, exist_ok=True)
+    config = work / "ds.json"
+    config.write_text(json.dumps(ds, indent=1))
+    args = ["--instrument", str(work / "run")] if instrument else []
+    t0 = time.perf_counter()
+    try:
+        proc, ranks = launch(1, config, *args, out_dir=work, cwd=work, timeout=t.timeout)
+        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
+    except subprocess.TimeoutExpired:
+        rc, ranks, tail = 124, {}, f"timed out after {t.timeout} s"
+    seconds = time.perf_counter() - t0
+    metrics = ranks.get(0)
+    status = launch_status(LaunchResult(rc, metrics, None, tail))
+    run = Run(part, name, status, seconds, metrics.get("samples_per_s") if metrics else None,
+              extra={"work": str(work), "metrics": metrics})
+    if status != "ok":
+        run.note = "\n" + tail[-1500:]
+    return _report(run)
+
+
+def pipeline_config(t: Target, zero: int) -> dict:
+    """A 1-stage ``profiled`` pipeline of the target's GPT in its precision, as a GPU user's ds.json says it."""
+    ds = json.loads((ROOT / "launch_scripts" / "ds_gpu_bf16.json").read_text())
+    ds.update(train_micro_batch_size_per_gpu=t.micro_batch, gradient_accumulation_steps=2,
+              zero_optimization={"stage": zero})
+    ds["pipeline"] = {**ds["pipeline"], "stages": 1, "profile": {"warmup": 2, "repeats": 5, "cache_dir": None}}
+    ds["train"] = {"model": t.gpt, "steps": t.steps, "seed": 1234, "log": "json"}
+    if t.dtype != "bf16":
+        ds.pop("bf16")
+    return ds
+
+
+def train_part(t: Target, out: Path) -> list[Run]:
+    root = json.loads((ROOT / "ds.json").read_text())
+    root["pipeline"]["stages"] = 1
+    root["train"] = {**root["train"], "steps": t.steps, "log": "json"}
+    runs = [launch_train("train", "ds.json-1-rank", root, out, t)]
+    for zero in (0, 1):
+        runs.append(launch_train("train", f"{t.gpt}-{t.dtype}-pp1-z{zero}", pipeline_config(t, zero), out, t,
+                                 instrument=True))
+    run_dir = Path(runs[-1].extra["work"]) / "run"
+    t0 = time.perf_counter()
+    cli = "import sys; from ds_pipe_ext.cli import main; sys.exit(main(sys.argv[1:]))"  # ds-pipe-ext, wherever installed
+    proc = subprocess.run([sys.executable, "-c", cli, "report", str(run_dir), "--png", str(run_dir / "report.png")],
+                          capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    report = Run("train", f"report {run_dir.parent.name}", "ok" if proc.returncode == 0 else "failed",
+                 time.perf_counter() - t0, note="" if proc.returncode == 0 else "\n" + proc.stderr[-1500:])
+    if proc.returncode == 0:
+        print(proc.stdout, flush=True)
+    return [*runs, _report(report)]
+
+
+def comparison(t: Target, out: Path, model: str, cap_gib: float | None = None) -> Comparison:
+    from ds_pipe_ext.compare.predict import model_shape
+
+    model_cfg = load_model_config(model)
+    return Comparison(out, model=model, model_cfg=model_cfg, shape=model_shape(model_cfg), steps=t.steps,
+                      memory_cap_gib=cap_gib, launcher=DeepSpeedLauncher(timeout=t.timeout), cpu_only=not t.cuda)
+
+
+def rows_as_runs(part: str, rows: list[dict], seconds: list[float]) -> list[Run]:
+    return [_report(Run(part, r["config"], r["status"], s, r.get("samples_per_s"),
+                        note=("\n" + r.get("error", "")[-1500:]) if r["status"] == "failed" else "", extra={"row": r}))
+            for r, s in zip(rows, seconds)]
+
+
+def run_rows(part: str, configs: list[CompareConfig], cmp: Comparison) -> list[Run]:
+    runs = []
+    for cfg in configs:  # one at a time: a line per launch as it ends
         t0 = time.perf_counter()
-        for _ in range(n):
-            call(x)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / n)
-    return statistics.median(times)
+        rows = run_comparison([cfg], cmp, progress=False)
+        runs += rows_as_runs(part, rows, [time.perf_counter() - t0])
+    return runs
 
 
-def layer_part() -> dict:
-    datasheet, planner = get_device("h100", calibrated=False), get_device("h100")
+def memory_table(runs: list[Run], title: str) -> None:
+    table = []
+    for run in runs:
+        r = run.extra["row"]
+        mb, pb = r.get("measured_bytes") or {}, r.get("predicted_bytes") or {}
+        cell = lambda d, k: f"{d[k] / MiB:.0f}" if k in d else "-"  # noqa: E731
+        table.append([r["config"], r["status"], f"{r['samples_per_s']:.1f}" if r.get("samples_per_s") else "-",
+                      *(f"{cell(mb, k)} / {cell(pb, k)}" for k in ("param_bytes", "grad_bytes", "optimizer_bytes",
+                                                                  "activation_bytes")),
+                      f"{r['peak_memory_bytes'] / MiB:.0f}" if r.get("peak_memory_bytes") else "-",
+                      f"{r['predicted_peak_memory_bytes'] / MiB:.0f}" if r.get("predicted_peak_memory_bytes") else "-"])
+    print(f"\n{title} (measured / predicted MiB)")
+    print("\n".join(render_table(["config", "status", "samples/s", "params", "grads", "optimizer", "activations",
+                                  "peak measured", "peak predicted"], table)), flush=True)
+
+
+def compare_part(t: Target, out: Path) -> list[Run]:
+    configs = [CompareConfig(f"zero{z}", Layout(dp=1, zero=z, micro_batch=t.micro_batch, micro_batches=2))
+               for z in (0, 1, 2, 3)]
+    runs = run_rows("compare", configs, comparison(t, out / "compare", t.gpt))
+    memory_table(runs, f"compare, {t.gpt} fp32, micro-batch {t.micro_batch} x 2, data parallel on one rank")
+    return runs
+
+
+def offload_part(t: Target, out: Path) -> list[Run]:
+    cfg = CompareConfig("zero3-offload", Layout(dp=1, zero=3, micro_batch=t.micro_batch, micro_batches=2,
+                                                offload=True))
+    runs = run_rows("offload", [cfg], comparison(t, out / "compare", t.gpt))
+    memory_table(runs, f"ZeRO-3 + offload, {t.gpt} fp32")
+    return runs
+
+
+def hf_part(t: Target, out: Path) -> list[Run]:
+    """A random Llama saved with save_pretrained, trained as a 1-stage pipeline by examples/hf_pipeline.py."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    work = out / "hf"
+    work.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    AutoModelForCausalLM.from_config(config).save_pretrained(work / "llama")
+    t0 = time.perf_counter()
+    proc, ranks = launch(1, None, "--model", str(work / "llama"), "--stages", "1", "--steps", "2", "--checkpoint",
+                         str(work / "ckpt"), out_dir=work, cwd=work, script="examples/hf_pipeline.py",
+                         timeout=t.timeout)
+    ok = proc.returncode == 0 and 0 in ranks and all(l == l for l in ranks[0]["losses"])  # noqa: E741 - not NaN
+    return [_report(Run("hf", "llama-2-layers-pp1", "ok" if ok else "failed", time.perf_counter() - t0,
+                        note="" if ok else "\n" + (proc.stdout + proc.stderr)[-1500:]))]
+
+
+def device_memory_bytes() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def predicted_peak(cmp: Comparison, cfg: CompareConfig, cuda: bool) -> int:
+    """What runs out of memory, predicted: on a GPU the allocator's peak over the step; on CPU ranks what
+    ``train.memory_cap_gib`` is compared with there (the tensors held at the step: states + saved activations)."""
+    from ds_pipe_ext.compare.predict import layer_activation_bytes, predicted_ranks
+
+    acts = layer_activation_bytes(cmp.model_cfg, cfg)
+    key = "peak_bytes" if cuda else "total_bytes"
+    return max(r[key] for r in predicted_ranks(cfg, cmp.shape, acts, model_cfg=cmp.model_cfg))
+
+
+def oom_part(t: Target, out: Path) -> list[Run]:
+    """The smallest micro-batch of ``t.big`` (data parallel, ZeRO-0, fp32) whose predicted peak is at least
+    1.5x the device's memory, launched: it must end as an ``oom`` row, every process gone within 60 s.
+    On CPU ranks ``train.memory_cap_gib`` stands in for the device's memory (predicted peak / 1.5)."""
+    cmp = comparison(t, out / "oom", t.big)
+    layout = lambda b: Layout(dp=1, zero=0, micro_batch=b, micro_batches=1)  # noqa: E731
+    if t.cuda:
+        memory, b = device_memory_bytes(), 1
+        while predicted_peak(cmp, CompareConfig("zero0", layout(b)), True) < 1.5 * memory:
+            b *= 2
+    else:
+        b = t.micro_batch
+        memory = int(predicted_peak(cmp, CompareConfig("zero0", layout(b)), False) / 1.5)
+        cmp.cap = memory / 2**30
+    cfg = CompareConfig(f"zero0-mb{b}", layout(b))
+    peak = predicted_peak(cmp, cfg, t.cuda)
+    print(f"  [oom] {t.big} micro-batch {b}: predicted {peak / MiB:.0f} MiB = {peak / memory:.2f}x the "
+          f"{'device' if t.cuda else 'cap standing in for the device'}'s {memory / MiB:.0f} MiB", flush=True)
+    t0 = time.perf_counter()
+    (run,) = run_rows("oom", [cfg], cmp)
+    run.seconds = time.perf_counter() - t0
+    left = leftover_processes(str(out / "oom"))
+    run.extra.update(left=left, predicted_over_memory=peak / memory)
+    if left:
+        run.status, run.note = "hung", f"processes left: {left}"
+    print(f"  [oom] ended in {run.seconds:.0f} s (limit {OOM_EXIT_LIMIT_S}), processes left: {left or 'none'}",
+          flush=True)
+    return [run]
+
+
+def leftover_processes(marker: str) -> list[int]:
+    """Processes whose command line names ``marker`` (this run's directory): a launch must leave none."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if marker in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+    return found
+
+
+def spec_name(t: Target) -> str:
+    """The datasheet spec of the device this runs on, by its name."""
+    if not t.cuda:
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    for key, spec in (("H200", "h200"), ("H100", "h100"), ("A100", "a100" if device_memory_bytes() > 50e9 else
+                                                                       "a100-40gb")):
+        if key in name:
+            return spec
+    raise SystemExit(f"bench/gpu_path.py: no datasheet spec for {name!r}: add one to costs/hardware.py")
+
+
+def layers_part(t: Target, out: Path) -> dict:
+    """Embedding, one block and head + loss profiled, against the analytic model on the device's datasheet
+    spec and on the planner's (calibrated) spec; the block's forward against a host clock."""
+    from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs
+    from ds_pipe_ext.costs.hardware import get_device
+    from ds_pipe_ext.costs.layers import build_for_profiling
+    from ds_pipe_ext.costs.profiler import profile_layers
+    from ds_pipe_ext.costs.types import ProfileSettings
+    from ds_pipe_ext.models.config import GPTConfig
+    from ds_pipe_ext.models.gpt import gpt_layer_specs, lm_loss
+
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    cases = ([("gpt2-medium", 8, 1024, "bf16"), ("gpt2-medium", 8, 1024, "fp32"), ("gpt3-1.3b", 4, 2048, "bf16"),
+              ("gpt3-1.3b", 4, 2048, "fp32")] if t.cuda else [("tiny", 2, None, "fp32")])
+    device = "cuda" if t.cuda else "cpu"
+    spec = spec_name(t)
+    datasheet = get_device(spec, calibrated=False, cache_dir=str(out / "cache"))
+    planner = get_device(spec, cache_dir=str(out / "cache"))
     rows, block_dat, block_plan, timer, acts = [], [], [], [], []
-    for name, b, seq, dtype in CASES:
-        cfg, specs, measured = profile_case(name, b, seq, dtype)
-        a_dat = analytic_case(cfg, b, seq, dtype, datasheet)
-        a_plan = analytic_case(cfg, b, seq, dtype, planner)
-        for label, m, ad, ap in zip(LAYERS, measured, a_dat, a_plan):
-            t = m.forward_s + m.backward_s
-            err_d = 100 * ((ad.forward_s + ad.backward_s) / t - 1)
-            err_p = 100 * ((ap.forward_s + ap.backward_s) / t - 1)
+    for name, b, seq, dtype in cases:
+        cfg = load_model_config(name)
+        seq = seq or cfg.seq_len
+        cfg = GPTConfig.from_dict({**cfg.to_dict(), "seq_len": seq, "tie_embeddings": False}, name=cfg.name)
+        specs = gpt_layer_specs(cfg)
+        tokens = torch.randint(0, cfg.vocab_size, (b, seq + 1), generator=torch.Generator().manual_seed(0))
+        measured = profile_layers([specs[0], specs[1], specs[-1]], tokens[:, :-1], labels=tokens[:, 1:],
+                                  loss_fn=lm_loss, settings=ProfileSettings(warmup=3, repeats=10, cache_dir=None,
+                                                                            progress=False),
+                                  device=device, dtype=dtypes[dtype])
+        req = EstimateRequest(micro_batch=b, seq=seq, dtype=dtype)
+        a_dat, a_plan = ([r[0], r[1], r[-1]] for r in (analytic_layer_costs(cfg, req, d) for d in (datasheet, planner)))
+        for label, m, ad, ap in zip(("embedding", "block", "head+loss"), measured, a_dat, a_plan):
+            total = m.forward_s + m.backward_s
+            err_d = 100 * ((ad.forward_s + ad.backward_s) / total - 1)
+            err_p = 100 * ((ap.forward_s + ap.backward_s) / total - 1)
             act_err = 100 * (ad.activation_bytes / m.activation_bytes - 1) if m.activation_bytes else 0.0
             rows.append([f"{name} b{b} s{seq} {dtype}", label, f"{1e3 * m.forward_s:.3f}", f"{1e3 * m.backward_s:.3f}",
-                         f"{1e3 * m.recompute_s:.3f}", f"{1e3 * (ad.forward_s + ad.backward_s):.3f}", f"{err_d:+.1f}",
+                         f"{1e3 * (ad.forward_s + ad.backward_s):.3f}", f"{err_d:+.1f}",
                          f"{1e3 * (ap.forward_s + ap.backward_s):.3f}", f"{err_p:+.1f}",
                          f"{m.activation_bytes / MiB:.1f}", f"{ad.activation_bytes / MiB:.1f}", f"{act_err:+.1f}",
                          f"{m.peak_bytes / MiB:.1f}"])
@@ -109,74 +336,86 @@ def layer_part() -> dict:
             if label == "block":
                 block_dat.append(abs(err_d))
                 block_plan.append(abs(err_p))
-        # the timer check on the block, at its real input (the embedding's output)
-        x = torch.randn(b, seq, cfg.hidden, generator=torch.Generator().manual_seed(1))
-        wall = wall_clock_forward(specs[1], x.to(TORCH_DTYPES[dtype]), TORCH_DTYPES[dtype])
+        x = torch.randn(b, seq, cfg.hidden, generator=torch.Generator().manual_seed(1)).to(dtypes[dtype])
+        wall = host_clock_forward(build_for_profiling(specs[1]), x, device, dtypes[dtype])
         timer.append(100 * abs(measured[1].forward_s / wall - 1))
-        print(f"  {name} b{b} s{seq} {dtype}: block forward {1e3 * measured[1].forward_s:.3f} ms (CUDA events) vs "
-              f"{1e3 * wall:.3f} ms (host clock around synchronised loops)", flush=True)
-    print("\n".join(render_table(["case", "layer", "fwd ms", "bwd ms", "recompute ms", "analytic datasheet ms", "err %",
-                        "analytic planner ms", "err %", "saved MiB (hooks)", "saved MiB (analytic)", "err %",
-                        "allocator peak MiB"], rows)))
+    print(f"\nlayers on {spec} ({device}): profiled against analytic (datasheet, planner)")
+    print("\n".join(render_table(["case", "layer", "fwd ms", "bwd ms", "analytic datasheet ms", "err %",
+                                  "analytic planner ms", "err %", "saved MiB (hooks)", "saved MiB (analytic)", "err %",
+                                  "allocator peak MiB"], rows)), flush=True)
     return {"block_time_error_pct_datasheet": round(statistics.median(block_dat), 1),
             "block_time_error_pct_planner": round(statistics.median(block_plan), 1),
             "timer_agreement_pct": round(max(timer), 1),
             "activation_bytes_worst_error_pct": round(max(acts), 1)}
 
 
-def launch_part(out: Path, model: str, micro_batch: int, steps: int) -> dict:
-    """One single-GPU train.py per ZeRO stage, rows as `ds-pipe-ext compare` builds them."""
-    from ds_pipe_ext.compare.configs import CompareConfig
-    from ds_pipe_ext.compare.predict import model_shape
-    from ds_pipe_ext.compare.run import Comparison, DeepSpeedLauncher, model_state_error_pct, run_comparison
-    from ds_pipe_ext.layout import Layout
-
-    configs = [CompareConfig(f"zero{z}", Layout(dp=1, zero=z, micro_batch=micro_batch, micro_batches=2))
-               for z in (0, 1, 2, 3)]
-    configs.append(CompareConfig("zero3-offload", Layout(dp=1, zero=3, micro_batch=micro_batch, micro_batches=2,
-                                                         offload=True)))
-    model_cfg = load_model_config(model)
-    comparison = Comparison(out, model=model, model_cfg=model_cfg, shape=model_shape(model_cfg), steps=steps,
-                            memory_cap_gib=None, launcher=DeepSpeedLauncher(timeout=300), cpu_only=False)
-    rows = run_comparison(configs, comparison, progress=False)
-    table = []
-    for r in rows:
-        mb = r.get("measured_bytes") or {}
-        pb = r.get("predicted_bytes") or {}
-        cell = lambda d, k: f"{d[k] / MiB:.0f}" if k in d else "-"  # noqa: E731
-        table.append([r["config"], r["status"], f"{r['samples_per_s']:.1f}" if r.get("samples_per_s") else "-",
-                      *(f"{cell(mb, k)} / {cell(pb, k)}" for k in ("param_bytes", "grad_bytes", "optimizer_bytes",
-                                                                  "activation_bytes")),
-                      f"{r['peak_memory_bytes'] / MiB:.0f}" if r.get("peak_memory_bytes") else "-",
-                      f"{r['predicted_peak_memory_bytes'] / MiB:.0f}" if r.get("predicted_peak_memory_bytes") else "-"])
-        if r["status"] != "ok":
-            print(f"  {r['config']}: {r['status']}\n{r.get('error', '')[-1200:]}")
-    print(f"\nsingle-GPU train.py, {model}, micro-batch {micro_batch} x 2, fp32 (measured / predicted MiB)")
-    print("\n".join(render_table(["config", "status", "samples/s", "params", "grads", "optimizer", "activations",
-                        "allocator peak", "predicted total"], table)))
-    (out / "rows.json").write_text(json.dumps(rows, indent=1))
-    return {"zero_states_worst_error_pct": round(model_state_error_pct(rows), 3)}
+def host_clock_forward(built, x: torch.Tensor, device: str, dtype: torch.dtype, n: int = 20) -> float:
+    """The block's forward timed by the host clock around synchronised loops (the profiler's own clock is
+    CUDA events on a GPU): the median of 5 loops of ``n`` calls after 3 warm-ups."""
+    module, call = built
+    module.to(device=device, dtype=dtype)
+    x = x.to(device).detach().requires_grad_(True)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(3):
+        call(x)
+    times = []
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call(x)
+        sync()
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--launches", action="store_true", help="also one single-GPU train.py per ZeRO stage")
-    ap.add_argument("--model", default="gpt2-medium", help="the launches' model")
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     ap.add_argument("--out", default="runs/gpu-path")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/gpu_path.py measures the CUDA path: run it where a GPU is present")
-    device = torch.cuda.get_device_name()
-    print(f"device: {device}, torch {torch.__version__}", flush=True)
-    result = layer_part()
-    if args.launches:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        result |= launch_part(out, args.model, args.micro_batch, args.steps)
+    ap.add_argument("--cpu-dry-run", action="store_true", help="the same plan on CPU ranks with tiny, fp32")
+    args = ap.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise SystemExit(f"bench/gpu_path.py: unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
+    if not args.cpu_dry_run and not torch.cuda.is_available():
+        raise SystemExit("bench/gpu_path.py checks the CUDA path: run it where a GPU is present, or pass --cpu-dry-run")
+    t = Target.for_run(args.cpu_dry_run)
+    if not t.cuda and "offload" in parts:
+        parts.remove("offload")
+        print("offload: skipped on CPU ranks (ZeRO-3's states are in CPU memory already)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name() if t.cuda else "cpu-dry-run"
+    print(f"device: {device}, torch {torch.__version__}, parts: {', '.join(parts)}", flush=True)
+    runs, result = [], {}
+    handlers = {"train": train_part, "compare": compare_part, "offload": offload_part, "hf": hf_part, "oom": oom_part}
+    for part in parts:
+        t0 = time.perf_counter()
+        if part == "layers":
+            result |= layers_part(t, out)
+        else:
+            runs += handlers[part](t, out)
+        print(f"{part}: {time.perf_counter() - t0:.0f} s", flush=True)
+    expected_oom = [r for r in runs if r.part == "oom"]
+    ok = [r for r in runs if r.status == ("oom" if r.part == "oom" else "ok")]
+    (out / "runs.json").write_text(json.dumps([{k: v for k, v in r.__dict__.items() if k != "extra"} for r in runs],
+                                              indent=1))
+    if runs:
+        print("\n".join(render_table(["part", "run", "status", "s", "samples/s"],
+                                     [[r.part, r.name, r.status, f"{r.seconds:.0f}",
+                                       f"{r.samples_per_s:.2f}" if r.samples_per_s else "-"] for r in runs])))
+        result["launches_ok"] = f"{len(ok)}/{len(runs)}"
+    if expected_oom:
+        result |= {"oom_row": expected_oom[0].status, "oom_exit_s": round(expected_oom[0].seconds, 1)}
+    rows = [r.extra["row"] for r in runs if "row" in r.extra and r.part in ("compare", "offload")]
+    if rows:
+        result["zero_states_worst_error_pct"] = round(model_state_error_pct(rows), 3)
     print("RESULT device=" + device.replace(" ", "_") + " " + " ".join(f"{k}={v}" for k, v in result.items()))
+    passed = len(ok) == len(runs) and all(r.seconds <= OOM_EXIT_LIMIT_S for r in expected_oom)
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

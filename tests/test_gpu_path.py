@@ -1,0 +1,39 @@
+"""bench/gpu_path.py's plan of launches, run on CPU ranks with ``tiny`` (``--cpu-dry-run``), so that the GPU check
+cannot rot between the sessions that have a GPU: every launch ok, the memory row an ``oom`` that ends at once."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ds_pipe_ext.runner import ROOT
+
+
+def gpu_path(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_path.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout)
+
+
+def test_unknown_parts_and_a_missing_gpu_are_refused_by_name():
+    proc = gpu_path("--parts", "train,warp", "--cpu-dry-run")
+    assert proc.returncode != 0 and "unknown part(s) ['warp']; choose from train, compare" in proc.stderr
+    proc = gpu_path("--parts", "layers")
+    assert proc.returncode != 0 and "run it where a GPU is present, or pass --cpu-dry-run" in proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_the_gpu_check_runs_its_whole_plan_on_cpu_ranks(tmp_path):
+    proc = gpu_path("--cpu-dry-run", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    result = dict(kv.split("=", 1) for kv in proc.stdout.strip().splitlines()[-1].removeprefix("RESULT ").split())
+    runs = json.loads((tmp_path / "runs.json").read_text())
+    assert [(r["part"], r["name"]) for r in runs] == [
+        ("train", "ds.json-1-rank"), ("train", "tiny-fp32-pp1-z0"), ("train", "tiny-fp32-pp1-z1"),
+        ("train", "report tiny-fp32-pp1-z1"), ("compare", "zero0"), ("compare", "zero1"), ("compare", "zero2"),
+        ("compare", "zero3"), ("hf", "llama-2-layers-pp1"), ("oom", "zero0-mb2")]
+    assert result["launches_ok"] == f"{len(runs)}/{len(runs)}" and result["device"] == "cpu-dry-run"
+    assert result["oom_row"] == "oom" and float(result["oom_exit_s"]) < 60
+    assert result["zero_states_worst_error_pct"] == "0.0"  # ZeRO-0..3 model states exact, measured against the rule
+    assert float(result["activation_bytes_worst_error_pct"]) < 2  # the layer part ran, on the cpu spec
+    assert (tmp_path / "train" / "tiny-fp32-pp1-z1" / "run" / "report.png").stat().st_size > 0
