@@ -8,15 +8,18 @@ setup(
     description="Profiled and analytic pipeline partitioning for DeepSpeed PipelineModule, with Megatron-core TP/SP",
     packages=find_packages(include=["ds_pipe_ext", "ds_pipe_ext.*"]),
     package_data={"ds_pipe_ext": ["py.typed"]},
-    python_requires=">=3.11,<3.12",
-    # Tested ranges.  Install torch first (CPU: `pip install torch==2.13.0`), or an
-    # unpinned resolver pulls the CUDA build; the Makefile does it in that order.
+    # Tested on Python 3.11 (CPU, CI) and 3.12 (GPU images); megatron-core 0.16.1 and torch ship 3.13 wheels too.
+    python_requires=">=3.11,<3.14",
+    # torch: the one a GPU image already carries is kept (README: install with a constraint on it).
+    # 2.11 ran on the GPU, 2.13 runs CI; the "a0" admits NVIDIA's container builds (2.11.0a0+<sha>.nv25.xx),
+    # which sort before 2.11.0.  CPU machines install torch==2.13.0 first (the Makefile): an unpinned
+    # resolver would pull the CUDA build.
     install_requires=[
-        "torch>=2.13.0,<2.14",
+        "torch>=2.11.0a0,<2.14",
         # ds_pipe_ext/compat/ reads private DeepSpeed/megatron names (listed in its docstring):
         # these are the ranges it was tested on (compat.DEEPSPEED_TESTED, compat.MEGATRON_CORE_TESTED)
         "deepspeed>=0.19.0,<0.20",
-        "megatron-core>=0.16.0,<=0.16.1",  # 0.16.1 is the last release for Python 3.11
+        "megatron-core>=0.16.0,<0.17",  # 0.17+ needs Python >= 3.12 and moved names compat/ reads
         "packaging>=23",  # compat/ checks the installed DeepSpeed and megatron-core against the tested ranges
         "numpy>=1.26,<3",
         "scipy>=1.11,<2",  # least squares for fitting device specs (bench/calibrate_at_scale.py)

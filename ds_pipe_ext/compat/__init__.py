@@ -59,7 +59,7 @@ transformers (optional: ``ds_pipe_ext.hf``, the ``hf`` extra), public names whos
 """
 
 DEEPSPEED_TESTED = ">=0.19.0,<0.20"
-MEGATRON_CORE_TESTED = ">=0.16.0,<=0.16.1"
+MEGATRON_CORE_TESTED = ">=0.16.0,<0.17"
 TRANSFORMERS_TESTED = ">=5.23,<5.30"
 
 
