@@ -12,7 +12,7 @@ so the plugin's settings live beside DeepSpeed's own there::
       "link_bandwidth_gbs": null,                       # GB/s between stages (adds p2p time to the split)
       "schedule": "1f1b",                               # or "gpipe" (every forward, then every backward), "dualpipev"
       "link_emulation": null,                           # {"latency_ms": 5, "bandwidth_gbs": 0.25}: a slower link
-      "analytic": {"device": "cpu", "dtype": "fp32", "calibrate": false},  # for partition_method "analytic"
+      "analytic": {"device": null, "dtype": null, "calibrate": false},  # for "analytic"; null: the run's
       "instrument": {"enabled": false, "run_dir": "runs/latest", "every": 0},
       "refine_from": null,                              # a run directory to learn stage costs from
       "step_model": null                                # a fitted step model (ds-pipe-ext step-model fit)
@@ -33,7 +33,8 @@ from pydantic import Field, field_validator, model_validator
 from ..config_model import ConfigError, ConfigModel, parse_section
 from ..costs.types import ProfileSettings
 
-__all__ = ["ConfigError", "LinkEmulation", "PipelineSettings", "InstrumentSettings", "AnalyticSettings", "ProfileSettings"]
+__all__ = ["ConfigError", "LinkEmulation", "PipelineSettings", "InstrumentSettings", "AnalyticSettings", "ProfileSettings",
+           "engine_dtype"]
 
 
 class InstrumentSettings(ConfigModel):
@@ -55,10 +56,11 @@ class InstrumentSettings(ConfigModel):
 
 
 class AnalyticSettings(ConfigModel):
-    """``"pipeline": {"analytic": {...}}``: the device spec and precision the analytic costs assume."""
+    """``"pipeline": {"analytic": {...}}``: the device spec and precision the analytic costs assume;
+    None: the run's own (``cuda``, measured on the GPU the run is on, or ``cpu``; the dtype the engine trains in)."""
 
-    device: str = "cpu"  # a100 | a100-40gb | h100 | h200 | cpu (measured here)
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    device: str | None = None  # a100 | a100-40gb | h100 | h200 | cuda | cpu (the last two measured here)
+    dtype: Literal["fp32", "bf16", "fp16"] | None = None
     calibrate: bool = False  # fit the spec's efficiencies to a few layers profiled on this machine
 
 
@@ -132,3 +134,12 @@ class PipelineSettings(ConfigModel):
         if not isinstance(ds_config, dict):
             raise ConfigError(f"the DeepSpeed config must be a JSON object, got {type(ds_config).__name__}")
         return parse_section(cls, ds_config.get("pipeline", {}), "pipeline")
+
+
+def engine_dtype(ds_config: dict) -> str:
+    """The precision DeepSpeed trains in, from ds.json: its ``bf16`` or ``fp16`` section, else fp32."""
+    for name in ("bf16", "fp16"):
+        section = ds_config.get(name) or {}
+        if section.get("enabled", False) is True:
+            return name
+    return "fp32"

@@ -29,6 +29,7 @@ from ..costs.layers import is_layer_spec
 from ..costs.model import CostModel
 from ..costs.profiler import profile_layers
 from ..costs.estimate import DTYPE_BYTES
+from ..costs.profiler import TORCH_DTYPES
 from ..costs.peak import ZeroSettings
 from ..costs.peak_rule import PipelinePeakRule
 from ..costs.stage import with_layer_recompute
@@ -73,6 +74,9 @@ class PipelineModule(_DeepSpeedPipelineModule):
             is the cost model's to know (a family's ``cost_model(cfg, impl)``, ``models.costs``).
         expert_parallel: the EP degree of DeepSpeed MoE layers among ``layers`` (their ``ep_size``): their
             experts' gradients and optimizer states partition over dp / ep ranks.
+        dtype: the precision the engine trains in ("fp32", "bf16", "fp16": ds.json's ``bf16``/``fp16`` section,
+            ``pipe.config.engine_dtype``): "profiled" measures the layers in it and counts their states at its
+            sizes (16-bit weights with DeepSpeed's fp32 master states); the analytic source's default.
         recompute: one mode per layer, "none", "selective" (attention's core replayed: a ``LayerSpec`` whose
             layer takes ``selective_recompute``) or "full" (the layer's forward replayed, through DeepSpeed's
             own checkpointing at interval 1: ``_is_checkpointable`` answers per layer).  Nothing is wrapped,
@@ -98,6 +102,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         zero_optimization: dict | None = None,
         expert_parallel: int = 1,
         recompute: Sequence[str] | None = None,
+        dtype: str = "fp32",
         **deepspeed_kwargs,
     ):
         settings = settings or PipelineSettings(stages=num_stages or 1)
@@ -140,6 +145,9 @@ class PipelineModule(_DeepSpeedPipelineModule):
                                  f"pipeline (a 'model' axis of {tp} in the topology, DeepSpeed's AutoTP) is out of "
                                  f"scope for them; run them as PP x DP (model axis 1), or train the model as one of "
                                  f"ds_pipe_ext's families (models/), which run megatron-core TP")
+        if dtype not in TORCH_DTYPES:
+            raise PartitionError(f"dtype={dtype!r}: use one of {sorted(TORCH_DTYPES)} (the engine's precision)")
+        self._ext_dtype = dtype
         self._ext_settings = settings
         self._ext_profile_batch = profile_batch
         self._ext_micro_batches = micro_batches or stages or 1
@@ -243,9 +251,9 @@ class PipelineModule(_DeepSpeedPipelineModule):
         costs = freeze_costs(costs, frozen, measured=source == "profiled") if any(frozen) else costs
         if isinstance(self._ext_layer_recompute, list):  # profiled layers are built as they will run
             costs = with_layer_recompute(costs, self._ext_layer_recompute, selective_built=source == "profiled")
-        # model states as DeepSpeed allocates them for this run's ZeRO stage and data-parallel degree;
-        # the profile runs fp32, the analytic source its own dtype (16 bits: with fp32 masters)
-        element = DTYPE_BYTES[self._ext_settings.analytic.dtype] if source == "analytic" else 4
+        # model states as DeepSpeed allocates them for this run's ZeRO stage and data-parallel degree, at the
+        # costs' element size (16 bits: with fp32 masters)
+        element = DTYPE_BYTES[self._costs_dtype(source)]
         return layer_states_by_rule(costs, stage=self._ext_zero_stage, dp=ds_engine.data_parallel_degree(self),
                                     element_bytes=element, ep=self._ext_expert_parallel)
 
@@ -258,29 +266,34 @@ class PipelineModule(_DeepSpeedPipelineModule):
         if len(ds_engine.profiling_peers(self)) > 1:
             # a cache hit on one TP rank but not another would leave the other waiting in a collective
             settings = settings.model_copy(update={"cache_dir": None})
+        dtype = TORCH_DTYPES[self._ext_dtype]  # the engine's precision: its kernels, its saved bytes
         costs = profile_layers(specs, inputs, labels=labels, loss_fn=self.loss_fn, settings=settings, device=device,
-                               key_fields=self._ext_cost_key)
+                               dtype=dtype, key_fields=self._ext_cost_key)
         if self._ext_layer_recompute == "auto":  # what the layers that can replay their attention core keep then
             costs = with_measured_selective(costs, specs, lambda sel: profile_layers(
                 sel, inputs, labels=labels, loss_fn=self.loss_fn, settings=settings, device=device,
-                key_fields=self._ext_cost_key))
+                dtype=dtype, key_fields=self._ext_cost_key))
         return costs
 
     def _analytic_costs(self, inputs) -> list:
         from ..costs.hardware import get_device
 
         opts = self._ext_settings.analytic
-        dtype, cache_dir = opts.dtype, self._ext_settings.profile.cache_dir
+        dtype, cache_dir = self._costs_dtype("analytic"), self._ext_settings.profile.cache_dir
         tp = ds_engine.tensor_parallel_degree(self)  # a TP shard; SP is the cost model's to know
-        device = get_device(opts.device, cache_dir=cache_dir)
+        device = get_device(opts.device or rank_device().type, cache_dir=cache_dir)
         if opts.calibrate:  # fit the roofline's efficiencies to a few layers profiled here
             device = self._ext_cost_model.calibrate(inputs, tp=tp, device=device, dtype=dtype, cache_dir=cache_dir)
         return self._ext_cost_model.layer_costs(inputs, tp=tp, device=device, dtype=dtype)
 
+    def _costs_dtype(self, source: str) -> str:
+        """The precision of the costs: the engine's, unless ``pipeline.analytic.dtype`` names another."""
+        return (self._ext_settings.analytic.dtype or self._ext_dtype) if source == "analytic" else self._ext_dtype
+
     def _peak_rule(self, spec) -> PipelinePeakRule:
         """The memory cap's rule: each stage's peak over the step, for this run's ZeRO settings, data-parallel
-        degree and the costs' element size (fp32 profiles; the analytic source's own dtype)."""
-        element = DTYPE_BYTES[self._ext_settings.analytic.dtype] if spec.cost_source == "analytic" else 4
+        degree and the costs' element size."""
+        element = DTYPE_BYTES[self._costs_dtype(spec.cost_source)]
         return PipelinePeakRule(self._ext_zero, ds_engine.data_parallel_degree(self), element,
                                 ep=self._ext_expert_parallel)
 
@@ -336,7 +349,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
             except InfeasibleMemoryCap:
                 return joint.parts, plan, ran, joint.modes
             alone = plan_of(parts, cache["costs"])
-            if alone.predicted_step_ms() < plan.predicted_step_ms():
+            if alone.predicted_step_ms < plan.predicted_step_ms:
                 return parts, alone, cache["costs"], ["none"] * len(cache["costs"])
             return joint.parts, plan, ran, joint.modes
         parts = [int(b) for b in spec.solve(request)]

@@ -105,6 +105,7 @@ def build_layers(cfg: RunConfig, model_cfg, layout: Layout):
 
 
 def build_pipeline(cfg: RunConfig, model_cfg, layout: Layout, specs, loss_fn, impl, topology):
+    from ..pipe.config import engine_dtype
     from ..pipe.module import DualPipeVPipelineModule, PipelineModule
 
     profile_batch = next(SyntheticTokens(model_cfg.vocab_size, cfg.micro_batch, model_cfg.seq_len, seed=0))
@@ -118,6 +119,7 @@ def build_pipeline(cfg: RunConfig, model_cfg, layout: Layout, specs, loss_fn, im
         settings=cfg.pipeline, profile_batch=profile_batch, micro_batches=cfg.grad_accum,
         cost_key={"model": model_cfg.to_dict()}, cost_model=cost_model,
         zero_stage=layout.zero, zero_optimization=cfg.deepspeed.get("zero_optimization"), expert_parallel=layout.ep,
+        dtype=engine_dtype(cfg.deepspeed),  # profiled in the precision the engine trains in
         recompute=cfg.train.recompute if isinstance(cfg.train.recompute, list) or cfg.train.recompute == "auto" else None,
         seed_layers=True,  # layer i starts from seed + i: the same weights under any partition
         base_seed=cfg.train.seed,
