@@ -5,8 +5,9 @@ the resulting ``LayerCost`` list.
 
 * Each spec is built on its own and fed the real activation its predecessor
   produced, so shapes and dtypes are the ones the pipeline will run.
-* Forward and backward are timed separately after warm-up; the median of the
-  repeats is kept.  CUDA events on GPU, perf_counter on CPU.
+* On CPU forward and backward are timed separately after warm-up (perf_counter); the median of
+  the repeats is kept.  On GPU a layer is timed as a loop of calls (``costs.gpu_timing``:
+  triton's do_bench, else torch's blocked_autorange): one call between events moves from run to run.
 * ``recompute_s`` is measured too: the layer's forward + backward under the checkpoint
   function the engine uses, minus the plain ones (the replay and the checkpoint's own work).
 * Saved-activation bytes come from ``torch.autograd.graph.saved_tensors_hooks``:
@@ -28,10 +29,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .cache import ProfileCache, cache_key, library_versions
+from .gpu_timing import Timer, cuda_timer, forward_backward_s
 from .layers import build_for_profiling, describe_layer, layer_names
 from .types import LayerCost, ProfileSettings
 
 log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class _Timer:
@@ -124,12 +128,13 @@ def _shapes(x) -> list[tuple[tuple[int, ...], str]]:
     return [(tuple(t.shape), str(t.dtype)) for t in _tensors(x)]
 
 
-def _to_device(x, device: torch.device):
-    """A micro-batch as the engine feeds it: a tensor or a (nested) tuple of tensors."""
+def _to_device(x, device: torch.device, dtype: torch.dtype | None = None):
+    """A micro-batch as the engine feeds it: a tensor or a (nested) tuple of tensors; with ``dtype``, its
+    floating-point tensors in the stage's precision (token ids stay integers)."""
     if isinstance(x, torch.Tensor):
-        return x.to(device)
+        return x.to(device=device, dtype=dtype) if dtype is not None and x.is_floating_point() else x.to(device)
     if isinstance(x, (tuple, list)):
-        return type(x)(_to_device(t, device) for t in x)
+        return type(x)(_to_device(t, device, dtype) for t in x)
     return x
 
 
@@ -143,10 +148,13 @@ def measure_layer(
     loss_fn: Callable | None = None,
     labels=None,
     name: str = "",
+    timer: Timer | None = None,
 ) -> tuple[LayerCost, object]:
     """Profile one layer on input ``x``; returns its cost and its (detached) output.
 
     ``spec`` is any pipeline layer (``LayerSpec``, ``nn.Module``, callable); a private copy is measured.
+    ``timer``: time forward and forward + backward as loops of calls (``costs.gpu_timing``; what a GPU
+    uses), else each call of the warm-up/repeat loop on its own.
     """
     module, call = build_for_profiling(spec)
     module.to(device=device, dtype=dtype)
@@ -188,8 +196,14 @@ def measure_layer(
             bwd_times.append(tb.elapsed())
 
     peak = torch.cuda.max_memory_allocated(device) - resting if cuda else 0
+    if timer is not None:
+        def backward(out):
+            torch.autograd.backward([t for t in _tensors(out) if t.requires_grad], grad_out)
+
+        fwd_s, bwd_s = forward_backward_s(lambda: forward(_detach_input(x)), backward, timer)
+        fwd_times, bwd_times = [fwd_s], [bwd_s]
     recompute = _checkpoint_overhead(call, loss_fn, labels, x, trainable, grad_out, device, settings,
-                                     plain=statistics.median(fwd_times) + statistics.median(bwd_times))
+                                     plain=statistics.median(fwd_times) + statistics.median(bwd_times), timer=timer)
     for p in trainable:
         p.grad = None
     act_bytes, out = saved_activation_bytes(lambda: forward(_detach_input(x)), params)
@@ -224,13 +238,25 @@ def _checkpoint_function():
         return lambda fn, *args: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
-def _checkpoint_overhead(call, loss_fn, labels, x, trainable, grad_out, device, settings, *, plain: float) -> float:
+def _checkpoint_overhead(call, loss_fn, labels, x, trainable, grad_out, device, settings, *, plain: float,
+                         timer: Timer | None = None) -> float:
     """What activation checkpointing adds to one forward + backward of the layer: the replayed forward
     and the checkpoint's own bookkeeping, measured as the layer runs under the engine's checkpoint
     function minus its plain forward + backward (at least one forward: the replay is never free)."""
     checkpoint = _checkpoint_function()
     times = []
     run = lambda *args: call(args[0] if len(args) == 1 else tuple(args))  # noqa: E731 - as the engine calls it
+    if timer is not None:
+        def checkpointed():
+            inp = _detach_input(x)
+            out = checkpoint(run, *(inp if isinstance(inp, tuple) else (inp,)))
+            out = loss_fn(out, labels) if loss_fn is not None else out
+            torch.autograd.backward([t for t in _tensors(out) if t.requires_grad], grad_out)
+
+        both = timer(checkpointed)
+        for p in trainable:
+            p.grad = None
+        return max(both - plain, 0.0)
     for r in range(settings.warmup + settings.repeats):
         for p in trainable:
             p.grad = None
@@ -261,6 +287,7 @@ def profile_layers(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
     key_fields: dict | None = None,
+    timer: Timer | None = None,
 ) -> list[LayerCost]:
     """Profile every layer in order on one micro-batch ``inputs`` (a tensor or a tuple of tensors).
 
@@ -268,7 +295,8 @@ def profile_layers(
     ``TiedLayerSpec``, ``nn.Module``, callables); each is named after its class or
     function unless ``names`` are given.  The loss (``loss_fn(out, labels)``) is timed as part of the last layer, since
     it always runs on the last stage.  ``key_fields`` are added to the cache key:
-    pass whatever else changes the costs (model config, TP/SP degree, ...).
+    pass whatever else changes the costs (model config, TP/SP degree, ...).  ``timer``: how a call is
+    timed (``costs.gpu_timing``); None: loops of calls on a GPU (``cuda_timer``), single calls on a CPU.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:  # the current device, by name: timers, peaks, RNG fork
@@ -281,6 +309,9 @@ def profile_layers(
         # the process did before, and a buffer above them pays its page faults on every call
         steady_host_allocator()
         host = {"mmap_threshold": training_mmap_threshold()}
+    else:
+        timer = timer or cuda_timer()
+        host = {"timing": "loops-v1"}  # a GPU profile's times are loops of calls (costs.gpu_timing)
     names = list(names) if names is not None else layer_names(specs)
     fields = {
         "specs": [describe_layer(s) for s in specs],
@@ -306,7 +337,7 @@ def profile_layers(
 
     costs: list[LayerCost] = []
     measured: dict[str, tuple[LayerCost, object]] = {}
-    x = _to_device(inputs, device)
+    x = _to_device(inputs, device, dtype)
     lab = _to_device(labels, device)
     iterator = range(len(specs))
     if settings.progress:
@@ -324,6 +355,7 @@ def profile_layers(
                 measured[sig] = measure_layer(
                     specs[i], x, device=device, dtype=dtype, settings=settings,
                     loss_fn=loss_fn if last else None, labels=lab if last else None, name=names[i],
+                    timer=timer,
                 )
             cost, x = measured[sig]
             # with the loss attached, the last layer's output is a scalar that never crosses a boundary
