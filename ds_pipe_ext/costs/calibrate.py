@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 
 from .analytic import OpCost
-from .hardware import DeviceSpec
+from .hardware import CEILINGS, DEVICES, DeviceSpec
 
 CLASSES = ("matrix", "attention", "vector", "memory")  # the efficiency factors that are fitted
 
@@ -36,6 +36,16 @@ def _layer_time(ops: list[OpCost], device: DeviceSpec, dtype: str, backward: boo
         # micro-benchmark's (on a shared machine, what the neighbours leave of it)
         total = total + device.fresh_alloc_time(op.bwd_allocs if backward else op.fwd_allocs) / eff["memory"]
     return total
+
+
+def ceilings(device: DeviceSpec) -> dict[str, float]:
+    """The most each fitted factor may be: on a datasheet spec what the device measurably reaches of its
+    peaks (``hardware.CEILINGS``; the datasheet itself where no measurement is known); a measured spec's
+    peaks are this machine's own, so a factor there is not bounded by them."""
+    if device.name not in DEVICES:
+        return {k: np.inf for k in CLASSES}
+    known = CEILINGS.get(device.name, {})
+    return {k: known.get(f"{k}_efficiency", 1.0) for k in CLASSES}
 
 
 def _efficiencies(device: DeviceSpec) -> dict[str, float]:
@@ -69,7 +79,7 @@ def calibrate(device: DeviceSpec, layers: list[tuple[list[OpCost], float, float]
 
     Fits the efficiencies named in ``fit`` (of matrix/GEMM, attention-matmul, vector, memory;
     the others keep the spec's values) by least squares on log time: a coarse grid over
-    [0.01, 10] x the spec's peaks, then a finer one around the best point.  With
+    [0.01, 10] x the spec's peaks, then a finer one around the best point, each at most its ``ceilings``.  With
     ``attention_as_matrix`` the per-head matmuls share the GEMMs' factor (one fewer unknown).
     Communication is not fitted (one rank has none).
     """
@@ -78,12 +88,13 @@ def calibrate(device: DeviceSpec, layers: list[tuple[list[OpCost], float, float]
         raise ValueError(f"cannot fit {sorted(unknown)}: choose from {CLASSES}")
     held = _efficiencies(device)
     free = [k for k in CLASSES if k in fit and not (attention_as_matrix and k == "attention")]
+    ceiling = ceilings(device)
     coarse = np.geomspace(0.01, 10.0, 16)
     step = coarse[1] / coarse[0]
     best = held
     for grid in (lambda k: coarse, lambda k: best[k] * np.geomspace(1 / step, step, 13)):
-        axes = {k: grid(k) if k in free else np.array([held[k]]) for k in CLASSES if k != "attention"
-                or not attention_as_matrix}
+        axes = {k: np.unique(np.minimum(grid(k), ceiling[k])) if k in free else np.array([held[k]])
+                for k in CLASSES if k != "attention" or not attention_as_matrix}
         best = _fit(layers, device, dtype, axes)
         if attention_as_matrix:
             best["attention"] = best["matrix"]

@@ -158,15 +158,28 @@ DEVICES: dict[str, DeviceSpec] = {
 }
 ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm"}
 
-# Efficiency factors fitted on published Megatron-LM runs under the megatron runtime (bench/calibrate_at_scale.py,
-# docs/CALIBRATION.md lists the rows); every other number above is the datasheet's.  H200 has no published
+# The most each efficiency measurably reaches of a datasheet peak: no fit goes above it (a factor above would
+# absorb a term the model lacks).  GEMMs: the best bf16 matmul cuBLAS reaches, stas00/ml-engineering's maximum
+# achievable matmul FLOPS table (A100 SXM 271.2 of 312 TFLOP/s; H100 SXM 794.5 of 989, "H200 is the same").
+# Attention: FlashAttention-2 reaches up to 73% of an A100's peak (Dao 2023), FlashAttention-3 740 TFLOP/s
+# in bf16 on an H100 SXM (0.75; Shah et al. 2024).  The rest: the datasheet itself.
+CEILINGS = {
+    "a100-80gb": {"matrix_efficiency": 0.87, "attention_efficiency": 0.73},
+    "a100-40gb": {"matrix_efficiency": 0.87, "attention_efficiency": 0.73},
+    "h100-sxm": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75},
+    "h200": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75},
+}
+
+# Efficiency factors fitted on published Megatron-LM runs under the megatron runtime, each at most its
+# ceiling (bench/calibrate_at_scale.py; docs/CALIBRATION.md lists the rows); every other number above is
+# the datasheet's.  H100's sit at their ceilings: the published rows ask for more.  H200 has no published
 # rows: it takes H100's fit.  ``get_device`` applies them, so every command and the analytic partition
 # method cost a layout on the same spec.
 CALIBRATED = {
     "a100-80gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0},
     "a100-40gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0},
-    "h100-sxm": {"matrix_efficiency": 0.889, "comm_efficiency": 1.0},
-    "h200": {"matrix_efficiency": 0.889, "comm_efficiency": 1.0},
+    "h100-sxm": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0},
+    "h200": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0},
 }
 
 
@@ -278,10 +291,26 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
 
 def get_device(name: str, *, cache_dir: str | None = ".ds_pipe_ext_cache", calibrated: bool = True) -> DeviceSpec:
     """A named spec with its calibrated efficiencies (``calibrated=False``: the datasheet's defaults);
-    "cpu" is measured on the spot (and cached in ``cache_dir``)."""
+    "cpu" and "cuda" are measured on the spot, on this machine's CPU or current GPU (and cached in ``cache_dir``)."""
     key = ALIASES.get(name.lower(), name.lower())
     if key == "cpu":
         return measure_cpu(cache_dir)
+    if key == "cuda":
+        from .cuda_spec import measure_cuda
+
+        return cuda_device(*measure_cuda(cache_dir))
     if key not in DEVICES:
-        raise AnalyticError(f"unknown device {name!r}; use one of {sorted([*DEVICES, *ALIASES, 'cpu'])}")
+        raise AnalyticError(f"unknown device {name!r}; use one of {sorted([*DEVICES, *ALIASES, 'cpu', 'cuda'])}")
     return replace(DEVICES[key], **CALIBRATED.get(key, {})) if calibrated else DEVICES[key]
+
+
+def cuda_device(device_name: str, measured: dict) -> DeviceSpec:
+    """The ``cuda`` spec from its measured fields (``costs.cuda_spec``), with the datasheet's links where
+    the device is one known by name (NCCL is not measured there), else its own copy bandwidth."""
+    name = device_name.upper()
+    known = next((DEVICES[ALIASES.get(spec, spec)] for tag, spec in (("H200", "h200"), ("H100", "h100"),
+                                                                      ("A100", "a100")) if tag in name), None)
+    bandwidth = measured["hbm_bandwidth"]
+    return DeviceSpec("cuda", intra_node_bandwidth=known.intra_node_bandwidth if known else bandwidth,
+                      inter_node_bandwidth=known.inter_node_bandwidth if known else bandwidth,
+                      gpus_per_node=known.gpus_per_node if known else 1, **measured)
