@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..costs.estimate import EstimateRequest, analytic_layer_costs
+from ..costs.estimate import EstimateRequest, analytic_layer_costs, dropout_mask_bytes
 from ..costs.hardware import get_device
 from ..costs.stage import stage_costs
 from ..costs.zero import expert_parallel_states, zero_model_states
@@ -37,10 +37,27 @@ class ModelShape:
     # and of its other tensors, in order (DeepSpeed's dense parameter group; its padding and partition
     # boundaries depend on the order)
     layer_dense_numels: list[list[int]] | None = None
+    # per layer, its ``TiedLayerSpec`` key (None: not tied): a process that builds both ends of a tied pair
+    # (a data-parallel model, a pipeline stage holding both) holds one module, DeepSpeed's and ours alike
+    layer_tied: list[str | None] | None = None
 
     @property
     def params(self) -> int:
-        return sum(sum(layer) for layer in self.layer_numels)
+        """The parameters of the model, a tied module once."""
+        return sum(held_numels(self, 0, len(self.layer_numels)))
+
+
+def held_numels(shape: ModelShape, start: int, stop: int) -> list[int]:
+    """The element counts of the tensors a process building layers start..stop holds: a tied module once
+    (its second end calls the module the first built, in the same process)."""
+    tied = shape.layer_tied or [None] * len(shape.layer_numels)
+    seen, out = set(), []
+    for numels, key in zip(shape.layer_numels[start:stop], tied[start:stop]):
+        if key is not None and key in seen:
+            continue
+        seen.add(key)
+        out += numels
+    return out
 
 
 def model_shape(model_cfg) -> ModelShape:
@@ -61,14 +78,17 @@ def model_shape(model_cfg) -> ModelShape:
 
     experts = [tensors(layer, True) for layer in layers]
     moe = any(experts)
+    tied = [getattr(spec, "key", None) for spec in family_of(model_cfg).layer_specs(model_cfg)]
     return ModelShape(model_cfg.name, numels, model_cfg.seq_len, largest, experts if moe else None,
-                      [tensors(layer, False) for layer in layers] if moe else None)
+                      [tensors(layer, False) for layer in layers] if moe else None,
+                      tied if any(key is not None for key in tied) else None)
 
 
-def layer_activation_bytes(model_cfg, cfg: CompareConfig, *, dtype: str = "fp32") -> list[float]:
-    """Activation bytes each layer holds for one micro-batch (the analytic cost model's)."""
+def layer_activation_bytes(model_cfg, cfg: CompareConfig, *, dtype: str = "fp32", device: str = "cpu") -> list[float]:
+    """Activation bytes each layer holds for one micro-batch (the analytic cost model's), on ``device``
+    ("cpu" or "cuda": the dropout masks' element, ``dropout_mask_bytes``)."""
     req = EstimateRequest(micro_batch=cfg.layout.micro_batch, seq=model_cfg.seq_len, tp=cfg.layout.tp, dtype=dtype,
-                          mask_bytes=4 if dtype == "fp32" else 1)
+                          mask_bytes=dropout_mask_bytes(device, dtype))
     return [c.activation_bytes for c in analytic_layer_costs(model_cfg, req, get_device("a100"))]
 
 
@@ -101,7 +121,7 @@ def data_parallel_rank(cfg: CompareConfig, rank: int) -> int:
 
 def predicted_ranks(cfg: CompareConfig, shape: ModelShape, activations: list[float], *,
                     parts: list[int] | None = None, element_bytes: int = 4, dp_rank: int | None = None,
-                    model_cfg=None) -> list[dict]:
+                    model_cfg=None, device: str = "cpu") -> list[dict]:
     """One entry per pipeline stage (a data-parallel run is one stage): bytes by kind at the step and in
     total, for data-parallel rank ``dp_rank`` (None: the heaviest); with ``model_cfg``, the peak over the
     step too (``costs.peak``: ``peak_bytes``, its ``peak_phase`` and ``peak_by_kind``)."""
@@ -114,12 +134,12 @@ def predicted_ranks(cfg: CompareConfig, shape: ModelShape, activations: list[flo
                 for i, a in enumerate(activations)]
         rows = []
         for st in stage_costs(fake, parts, micro_batches=cfg.layout.micro_batches, schedule=cfg.layout.schedule):
-            numels = [n for layer in shape.layer_numels[st.start:st.stop] for n in layer]
+            numels = held_numels(shape, st.start, st.stop)
             rows.append({"stage": st.stage, "layers": [st.start, st.stop], "inflight": st.inflight,
                          **_states(numels, cfg, element_bytes, dp_rank, expert_groups(shape, st.start, st.stop, cfg.layout.ep)),
                          "activation_bytes": int(st.activation_peak_bytes)})
     else:
-        numels = [n for layer in shape.layer_numels for n in layer]
+        numels = held_numels(shape, 0, len(shape.layer_numels))
         rows = [{"stage": 0, "layers": [0, len(shape.layer_numels)], "inflight": 1,
                  **_states(numels, cfg, element_bytes, dp_rank, expert_groups(shape, 0, len(shape.layer_numels), cfg.layout.ep)),
                  "activation_bytes": int(sum(activations))}]
@@ -131,7 +151,7 @@ def predicted_ranks(cfg: CompareConfig, shape: ModelShape, activations: list[flo
 
         dtype = "fp32" if element_bytes == 4 else "bf16"
         steps = rank_steps(model_cfg, cfg.layout, parts=parts, dtype=dtype, dp_rank=dp_rank,
-                           mask_bytes=4 if element_bytes == 4 else 1)
+                           mask_bytes=dropout_mask_bytes(device, dtype))
         for r, step in zip(rows, steps):
             peak = step_peak(step)
             r.update(peak_bytes=peak.total_bytes, peak_phase=peak.phase, peak_by_kind=peak.by_kind)

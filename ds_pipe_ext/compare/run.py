@@ -105,14 +105,16 @@ def build_row(cfg: CompareConfig, result: LaunchResult, shape: ModelShape, model
     if status == "failed":
         row["error"] = result.log_tail[-1500:]
     ranks = (result.run_summary or {}).get("ranks") or []
-    acts = layer_activation_bytes(model_cfg, cfg)
+    device = "cpu" if cpu_only else "cuda"
+    acts = layer_activation_bytes(model_cfg, cfg, device=device)
     try:
-        predicted = predicted_ranks(cfg, shape, acts, parts=row["parts"], model_cfg=model_cfg)
+        predicted = predicted_ranks(cfg, shape, acts, parts=row["parts"], model_cfg=model_cfg, device=device)
     except ValueError:
         predicted = []  # a pipeline that stopped before it was partitioned: nothing to predict against
     # ZeRO-1/2 can differ between data-parallel ranks (costs.zero, costs.peak): predict each one's own
     by_rank = {(d, p["stage"]): p for d in range(cfg.layout.dp) if predicted
-               for p in predicted_ranks(cfg, shape, acts, parts=row["parts"], dp_rank=d, model_cfg=model_cfg)}
+               for p in predicted_ranks(cfg, shape, acts, parts=row["parts"], dp_rank=d, model_cfg=model_cfg,
+                                        device=device)}
     row["ranks"] = []
     for r in sorted(ranks, key=lambda r: r["rank"]):
         measured = {k: int(r[k]) for k in ("param_bytes", "grad_bytes", "optimizer_bytes")}

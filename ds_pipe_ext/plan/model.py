@@ -31,7 +31,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..arch import as_description
-from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs, layer_ops, rank_steps, shape_for
+from ..costs.estimate import (DTYPE_BYTES, EstimateRequest, analytic_layer_costs, dropout_mask_bytes, layer_ops,
+                              rank_steps, shape_for)
 from ..costs.hardware import DeviceSpec
 from ..costs.stage import held_activation_bytes, stage_costs, with_layer_recompute
 from ..costs.peak import ZeroSettings, step_peak, walks_schedule
@@ -302,7 +303,7 @@ class PlanModel(RankUpdate):
                      "held_activation_bytes": held[r]}
                     for r, layers in enumerate(rank_layers)]
         steps = rank_steps(self.cfg, lay, parts=parts, seq=self.seq, dtype=self.dtype,
-                           mask_bytes=self.e if self.device.name == "cpu" else 1,
+                           mask_bytes=dropout_mask_bytes(self.device.name, self.dtype),
                            fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, modes=modes,
                            zero=self.zero_of(lay))
         return [{**RankMemory.from_peak(step_peak(step)).to_dict(), "held_activation_bytes": held[r]}

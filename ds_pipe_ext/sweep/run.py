@@ -96,10 +96,12 @@ def cell_row(cell: Layout, result: LaunchResult, run_dir: Path, step_model, mode
     row["peak_memory_bytes"] = max(traced) if traced else row["at_step_bytes"]
     row["predicted_peak_memory_bytes"] = row["predicted_at_step_bytes"]
     if model_cfg is not None and row["parts"]:
-        from ..costs.estimate import rank_steps
+        from ..costs.estimate import dropout_mask_bytes, rank_steps
+        from ..device import rank_device
         from ..costs.peak import step_peak
 
-        steps = rank_steps(model_cfg, cell, parts=row["parts"], dtype="fp32", mask_bytes=4)
+        steps = rank_steps(model_cfg, cell, parts=row["parts"], dtype="fp32",
+                           mask_bytes=dropout_mask_bytes(rank_device().type, "fp32"))
         row["predicted_peak_memory_bytes"] = max(step_peak(s).total_bytes for s in steps)
     return row
 
