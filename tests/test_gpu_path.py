@@ -1,4 +1,4 @@
-"""bench/gpu_path.py's plan of launches, run on CPU ranks with ``tiny`` (``--cpu-dry-run``), so that the GPU check
+"""bench/gpu_path.py's plan of launches, run on CPU ranks with ``tiny-tied`` (``--cpu-dry-run``), so that the GPU check
 cannot rot between the sessions that have a GPU: every launch ok, the memory row an ``oom`` that ends at once."""
 
 import json
@@ -29,11 +29,14 @@ def test_the_gpu_check_runs_its_whole_plan_on_cpu_ranks(tmp_path):
     result = dict(kv.split("=", 1) for kv in proc.stdout.strip().splitlines()[-1].removeprefix("RESULT ").split())
     runs = json.loads((tmp_path / "runs.json").read_text())
     assert [(r["part"], r["name"]) for r in runs] == [
-        ("train", "ds.json-1-rank"), ("train", "tiny-fp32-pp1-z0"), ("train", "tiny-fp32-pp1-z1"),
-        ("train", "report tiny-fp32-pp1-z1"), ("compare", "zero0"), ("compare", "zero1"), ("compare", "zero2"),
+        ("train", "ds.json-1-rank"), ("train", "tiny-tied-fp32-pp1-z0"), ("train", "tiny-tied-fp32-pp1-z1"),
+        ("train", "report tiny-tied-fp32-pp1-z1"), ("compare", "zero0"), ("compare", "zero1"), ("compare", "zero2"),
         ("compare", "zero3"), ("hf", "llama-2-layers-pp1"), ("oom", "zero0-mb2")]
     assert result["launches_ok"] == f"{len(runs)}/{len(runs)}" and result["device"] == "cpu-dry-run"
     assert result["oom_row"] == "oom" and float(result["oom_exit_s"]) < 60
-    assert result["zero_states_worst_error_pct"] == "0.0"  # ZeRO-0..3 model states exact, measured against the rule
+    # a tied model's states (ZeRO-0..3 data parallel; a 1-stage pipeline holding both ends) exact against the rule
+    assert result["zero_states_worst_error_pct"] == "0.0" and result["pipeline_states_worst_error_pct"] == "0.0"
     assert float(result["activation_bytes_worst_error_pct"]) < 2  # the layer part ran, on the cpu spec
-    assert (tmp_path / "train" / "tiny-fp32-pp1-z1" / "run" / "report.png").stat().st_size > 0
+    # the costs part: profiled is the shortest simulated step of the three methods, at every depth
+    assert float(result["profiled_vs_uniform_min"]) >= 1.0 and float(result["profiled_vs_parameters_min"]) >= 1.0
+    assert (tmp_path / "train" / "tiny-tied-fp32-pp1-z1" / "run" / "report.png").stat().st_size > 0

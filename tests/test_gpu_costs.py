@@ -1,0 +1,128 @@
+"""Costs and memory that hold on a GPU, checked where they can be without one: profiles in the run's precision
+(and keyed by it), the timing protocol a GPU profile uses, the measured ``cuda`` spec's cache and refusal, one
+dropout-mask rule, and a tied embedding/head counted once where one process holds both."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from ds_pipe_ext.compare.predict import model_shape
+from ds_pipe_ext.costs import cuda_spec
+from ds_pipe_ext.costs.analytic import AnalyticError
+from ds_pipe_ext.costs.estimate import dropout_mask_bytes
+from ds_pipe_ext.costs.gpu_timing import forward_backward_s
+from ds_pipe_ext.costs.hardware import DEVICES, get_device
+from ds_pipe_ext.costs.profiler import profile_layers, saved_activation_bytes
+from ds_pipe_ext.costs.types import ProfileSettings
+from ds_pipe_ext.models.config import load_model_config
+from ds_pipe_ext.pipe.config import engine_dtype
+
+QUICK = ProfileSettings(warmup=0, repeats=1, cache_dir=None, progress=False)
+
+
+def test_the_engines_precision_is_read_from_ds_json():
+    assert engine_dtype({"bf16": {"enabled": True}}) == "bf16"
+    assert engine_dtype({"fp16": {"enabled": True}, "bf16": {"enabled": False}}) == "fp16"
+    assert engine_dtype({"train_micro_batch_size_per_gpu": 1}) == engine_dtype({"bf16": {"enabled": False}}) == "fp32"
+
+
+def test_a_profile_runs_in_the_runs_precision_and_is_cached_apart(tmp_path):
+    """bf16 weights are half fp32's bytes, and the two profiles never share a cache entry."""
+    settings = ProfileSettings(warmup=0, repeats=1, cache_dir=str(tmp_path), progress=False)
+    x = torch.randn(4, 64)
+    fp32 = profile_layers([nn.Linear(64, 64)], x, settings=settings, device="cpu", dtype=torch.float32)
+    bf16 = profile_layers([nn.Linear(64, 64)], x, settings=settings, device="cpu", dtype=torch.bfloat16)
+    assert fp32[0].param_bytes == (64 * 64 + 64) * 4 and bf16[0].param_bytes == (64 * 64 + 64) * 2
+    assert bf16[0].output_bytes == 4 * 64 * 2
+    cached = sorted(p for p in tmp_path.rglob("*.json"))
+    assert len(cached) == 2 and {json.loads(p.read_text())["key"]["dtype"] for p in cached} == \
+        {"torch.float32", "torch.bfloat16"}
+
+
+def test_the_drop_in_refuses_a_precision_the_engine_has_not():
+    from ds_pipe_ext.partition import PartitionError
+    from ds_pipe_ext.pipe.module import PipelineModule
+
+    with pytest.raises(PartitionError, match=r"dtype='fp8': use one of \['bf16', 'fp16', 'fp32'\]"):
+        PipelineModule([nn.Linear(2, 2)], num_stages=1, partition_method="uniform", dtype="fp8")
+
+
+def test_a_gpu_profile_times_loops_and_takes_the_backward_as_their_difference():
+    """The protocol's logic with a fake timer: the forward loop, the forward + backward loop, the checkpointed
+    forward + backward loop, in that order; the backward and the replay are differences."""
+    timed, calls = iter([0.002, 0.005, 0.0075]), []
+
+    def fake_timer(fn):
+        fn()  # one pass of the loop body: it must run as a function of nothing
+        calls.append(fn)
+        return next(timed)
+
+    (cost,) = profile_layers([nn.Linear(8, 8)], torch.randn(4, 8), settings=QUICK, device="cpu", timer=fake_timer)
+    assert len(calls) == 3
+    assert cost.forward_s == 0.002 and cost.backward_s == pytest.approx(0.003) and cost.recompute_s == pytest.approx(0.0025)
+    seen = []  # a timer reading the calls so far: the forward loop saw 1, forward + backward 3 (f, f, b)
+    assert forward_backward_s(lambda: seen.append("f"), lambda out: seen.append("b"),
+                              lambda fn: (fn(), len(seen))[1]) == (1, 2)
+    assert seen == ["f", "f", "b"]
+
+
+def test_the_cuda_spec_is_measured_once_per_device_and_versions_and_refused_without_cuda(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(AnalyticError, match="device 'cuda' is measured on a CUDA GPU, and this machine has none"):
+        get_device("cuda", cache_dir=str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_spec, "cuda_spec_key", lambda: {"device": "NVIDIA H200", "torch": "2.11.0+cu130",
+                                                             "cuda": "13.0", "tf32": False})
+    measured, fields = [], {"matrix_flops": {"bf16": 7.9e14}, "vector_flops": {"bf16": 1e12}, "hbm_bandwidth": 4.3e12,
+                            "memory_bytes": 1.4e11, "attention_efficiency": 0.6, "matrix_half_dim": 96.0}
+
+    def measure():
+        measured.append(1)
+        return fields
+
+    assert cuda_spec.measure_cuda(str(tmp_path), measure=measure) == ("NVIDIA H200", fields)
+    assert cuda_spec.measure_cuda(str(tmp_path), measure=measure) == ("NVIDIA H200", fields)  # from the cache
+    assert len(measured) == 1
+    spec = get_device("cuda", cache_dir=str(tmp_path))  # the measured figures, the H200's links by its name
+    assert (spec.name, spec.hbm_bandwidth, spec.matrix_half_dim) == ("cuda", 4.3e12, 96.0)
+    assert spec.intra_node_bandwidth == DEVICES["h200"].intra_node_bandwidth
+    (path,) = tmp_path.glob("cuda-spec-*.json")
+    assert path.name == "cuda-spec-v1-NVIDIA-H200-torch2.11.0-cu130-cuda13.0-tf320.json"
+    path.write_text("{not json")
+    with pytest.raises(AnalyticError, match=f"{path}: not a cuda spec this version reads .* delete it"):
+        cuda_spec.measure_cuda(str(tmp_path), measure=measure)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_dropout_mask_rule_is_what_a_cpu_dropout_saves(dtype):
+    """On a CPU the mask has the input's dtype (4 bytes in fp32, 2 in bf16); CUDA's kernel keeps 1 byte."""
+    x = torch.randn(64, 128, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], requires_grad=True)
+    saved, _ = saved_activation_bytes(lambda: nn.Dropout(0.1)(x), [])
+    assert saved == x.numel() * dropout_mask_bytes("cpu", dtype)
+    assert dropout_mask_bytes("cuda", dtype) == dropout_mask_bytes("h100", dtype) == 1
+
+
+def test_a_tied_embedding_and_head_are_one_tensor_where_one_process_holds_both():
+    tied, untied = model_shape(load_model_config("tiny-tied")), model_shape(load_model_config("tiny"))
+    # tiny-tied: [embedding, 4 blocks, final norm, tied head]; the head calls the embedding's module
+    assert len(tied.layer_numels) == len(untied.layer_numels) + 1
+    assert tied.params == untied.params - 512 * 64  # untied, the head has its own vocabulary matrix
+
+
+def test_a_datasheet_calibration_never_fits_past_what_the_gpu_reaches():
+    """Layer times twice as fast as the H100 datasheet's peak would need an efficiency of ~2: the fit stops at
+    the ceiling, 0.80 of the peak for GEMMs (cuBLAS's best bf16 matmul), 1.0 for the rest."""
+    from ds_pipe_ext.costs.calibrate import calibrate, ceilings
+    from ds_pipe_ext.costs.estimate import EstimateRequest, shape_for
+    from ds_pipe_ext.costs import analytic as A
+
+    h100 = DEVICES["h100-sxm"]
+    shp = shape_for(load_model_config("gpt2-medium"), EstimateRequest(micro_batch=8, seq=1024, dtype="bf16"), h100)
+    ops = A.transformer_block(shp)
+    modelled = lambda d, back: sum(d.op_time(op, dtype="bf16", tp=1, backward=back)["time_s"] for op in ops)  # noqa: E731
+    fitted = calibrate(h100, [(ops, modelled(h100, False) / 2, modelled(h100, True) / 2)], dtype="bf16")
+    assert ceilings(h100)["matrix"] == 0.80 and fitted.matrix_efficiency <= 0.80
+    assert max(fitted.vector_efficiency, fitted.memory_efficiency) <= 1.0 and fitted.attention_efficiency <= 0.75
+    assert ceilings(get_device("cpu", cache_dir=None))["matrix"] == float("inf")  # a measured spec: its own peaks
