@@ -114,9 +114,12 @@ def build_pipeline(cfg: RunConfig, model_cfg, layout: Layout, specs, loss_fn, im
     cost_model = family_of(model_cfg).cost_model(model_cfg, impl)
     if layout.ep > 1:  # the analytic costs of a rank's E / ep experts and their all-to-all
         cost_model = replace(cost_model, expert_parallel=layout.ep)
+    # profiled as the run will run the layers: compiled where train.compile compiles them
+    settings = cfg.pipeline.model_copy(update={"profile": cfg.pipeline.profile.model_copy(
+        update={"compile": cfg.train.compile})})
     return module_cls(
         specs, num_stages=None if topology is not None else layout.pp, topology=topology, loss_fn=loss_fn,
-        settings=cfg.pipeline, profile_batch=profile_batch, micro_batches=cfg.grad_accum,
+        settings=settings, profile_batch=profile_batch, micro_batches=cfg.grad_accum,
         cost_key={"model": model_cfg.to_dict()}, cost_model=cost_model,
         zero_stage=layout.zero, zero_optimization=cfg.deepspeed.get("zero_optimization"), expert_parallel=layout.ep,
         dtype=engine_dtype(cfg.deepspeed),  # profiled in the precision the engine trains in
@@ -152,20 +155,17 @@ def load_full_state(model: torch.nn.Module, path: str, *, tp: int, pipelined: bo
 
 
 def make_adamw(params, *, lr: float, offload: bool = False):
-    """AdamW: DeepSpeed's CPU Adam where ZeRO-Offload keeps the optimizer's states in CPU memory (DeepSpeed
-    refuses any other client optimizer there; its op is compiled on first use, about a minute), else
-    apex's FusedAdam on CUDA when apex is importable (an optional accelerator), torch's otherwise."""
+    """AdamW when ds.json names no optimizer: DeepSpeed's CPU Adam where ZeRO-Offload keeps the optimizer's
+    states in CPU memory (DeepSpeed refuses any other client optimizer there; its op is compiled on first
+    use, about a minute); on CUDA torch's fused AdamW, one kernel over every tensor (torchtitan's default;
+    a per-tensor Python loop cost 7-10% of a step on an H200); on the CPU a plain loop, whose time the
+    CPU benches were measured with."""
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(params, lr=lr, adamw_mode=True)
     if torch.cuda.is_available():
-        try:
-            from apex.optimizers import FusedAdam
-
-            return FusedAdam(params, lr=lr, adam_w_mode=True)
-        except ImportError:
-            pass
+        return torch.optim.AdamW(params, lr=lr, fused=True)
     return torch.optim.AdamW(params, lr=lr, foreach=False)
 
 
@@ -178,6 +178,18 @@ def optimizer_groups(model: torch.nn.Module) -> list:
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     return split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "dense"})
+
+
+def compile_layers(model: torch.nn.Module, *, pipelined: bool) -> int:
+    """``torch.compile`` each of this rank's layers in place (``nn.Module.compile``: parameters and state-dict
+    keys stay as they are, so a checkpoint loads compiled or not); returns how many.  Layer by layer, as
+    torchtitan compiles its blocks: a pipeline stage's boundaries stay eager code DeepSpeed drives."""
+    from ..compat.engine import local_layers
+
+    layers = [layer for _, layer in local_layers(model)] if pipelined else list(model.layers)
+    for layer in layers:
+        layer.compile()
+    return len(layers)
 
 
 def build_engine(cfg: RunConfig, model: torch.nn.Module, layout: Layout):
@@ -257,6 +269,17 @@ def prediction_costs(built: Built) -> list:
                                 peers=profiling_peers(model))
 
 
+def throughput_record(built: Built) -> dict:
+    """What the report needs to turn a step into samples/s and MFU (``mfu``)."""
+    from ..mfu import model_flops_per_sample, peak_flops
+    from ..pipe.config import engine_dtype
+
+    peak, what = peak_flops(built.device.type, engine_dtype(built.cfg.deepspeed))
+    return {"samples_per_step": built.cfg.micro_batch * built.cfg.grad_accum * built.layout.dp,
+            "world_size": built.layout.world_size, "model_flops_per_sample": model_flops_per_sample(built.model_cfg),
+            "peak_flops": peak, "peak": what}
+
+
 def start_instrumentation(built: Built, overheads: dict | None):
     """Rank 0 writes what the partition predicts; every rank records its stage."""
     from ..instrument.hooks import instrument_engine
@@ -271,7 +294,7 @@ def start_instrumentation(built: Built, overheads: dict | None):
             layer_costs=costs, recompute=settings.activation_checkpoint_interval > 0,
             layer_recompute=model.layer_recompute, memory_cap_gib=settings.memory_cap_gib,
             link_bandwidth=settings.link_bandwidth, refined_from=settings.refine_from, overheads=overheads,
-            layout=built.layout.to_dict()))
+            layout=built.layout.to_dict(), throughput=throughput_record(built)))
     sink = RunSink(settings.instrument.run_dir, built.rank, every=settings.instrument.every,
                    monitor=getattr(built.engine, "monitor", None))
     instrument_engine(built.engine, sink.emit, peak_step=settings.instrument.peak_step)
@@ -346,9 +369,17 @@ def build(cfg: RunConfig) -> Built:
         check_expert_groups(model)
     if cfg.pipelined:
         configure_pipeline_engine(engine, cfg.pipeline)
+    if cfg.train.compile:
+        compiled = compile_layers(model, pipelined=cfg.pipelined)
+        if rank == 0:
+            print(f"ds_pipe_ext: train.compile: {compiled} layers compiled in place (the first step compiles them)",
+                  flush=True)
     parts = [int(b) for b in model.parts] if cfg.pipelined else None
     built = Built(cfg, model_cfg, layout, rank, data_parallel_rank(model, layout, rank, pipelined=cfg.pipelined),
                   model, engine, parts)
+    first = next(iter(model.parameters()), None)
+    if first is not None:  # where the engine put this rank's parameters
+        built.device = first.device
     if cfg.pipelined and cfg.pipeline.instrument.enabled:
         built.sink = start_instrumentation(built, overheads)
     elif not cfg.pipelined and cfg.instrument.enabled:
@@ -363,9 +394,6 @@ def build(cfg: RunConfig) -> Built:
             lambda *_: built.grad_norms.append(global_grad_norm(model, layout)))
     from ..instrument.memory import reset_process_peak
 
-    first = next(iter(model.parameters()), None)
-    if first is not None:
-        built.device = first.device
     built.peak_measure = reset_process_peak(built.device)
     if cfg.train.memory_cap_gib is not None:
         built.cap_measure = ("allocator peak" if built.device.type == "cuda" else
