@@ -94,7 +94,7 @@ def predicted(cell: dict, model: str, world: int, micro_batch: int, micro_batche
     at-step rule's total beside it (``compare.predict``: ZeRO's states at the step + saved activations)."""
     from ds_pipe_ext.compare.configs import CompareConfig
     from ds_pipe_ext.compare.predict import layer_activation_bytes, model_shape, predicted_ranks
-    from ds_pipe_ext.costs.estimate import dropout_mask_bytes, rank_steps
+    from ds_pipe_ext.costs.estimate import rank_steps
     from ds_pipe_ext.costs.peak import step_peak
     from ds_pipe_ext.models.registry import load_model
 
@@ -104,7 +104,7 @@ def predicted(cell: dict, model: str, world: int, micro_batch: int, micro_batche
     dp_rank = cell["rank"] % (world // pp)
     fp32 = cell["dtype"] == "fp32"
     peak = step_peak(rank_steps(model_cfg, lay, parts=cell["parts"], dtype=cell["dtype"], dp_rank=dp_rank,
-                                mask_bytes=dropout_mask_bytes("cpu", cell["dtype"]))[cell["stage"]])
+                                device="cpu")[cell["stage"]])
     cfg = CompareConfig(cell["cell"], lay, "parameters" if pp > 1 else None)
     at_step = predicted_ranks(cfg, model_shape(model_cfg), layer_activation_bytes(model_cfg, cfg, dtype=cell["dtype"]),
                               parts=cell["parts"], element_bytes=4 if fp32 else 2, dp_rank=dp_rank)[cell["stage"]]

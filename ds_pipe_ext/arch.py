@@ -24,7 +24,16 @@ from dataclasses import dataclass
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary", "none")
 MLPS = ("gelu", "swiglu")
-ATTENTION_KERNELS = ("eager", "fused")
+# "auto": the one that runs on the device costed, fused on a GPU and eager on a CPU (``attention_kernel``)
+ATTENTION_KERNELS = ("eager", "fused", "auto")
+
+
+def attention_kernel(kernel: str, device: str | None) -> str:
+    """The kernel a description's attention runs on ``device`` (a spec name: "cpu" is the CPU, any other a
+    GPU; None: unknown, which costs "auto" as written out, as the analytic model always did)."""
+    if kernel != "auto":
+        return kernel
+    return "fused" if device not in (None, "cpu") else "eager"
 
 
 class DescriptionError(ValueError):

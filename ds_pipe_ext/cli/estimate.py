@@ -20,7 +20,7 @@ def cmd_estimate(args) -> int:
         return cmd_estimate_compare(args)
 
     from ..costs.analytic import AnalyticError
-    from ..costs.estimate import EstimateRequest, estimate_layers, layer_ops, op_rows, shape_for
+    from ..costs.estimate import EstimateRequest, assumed_attention, estimate_layers, layer_ops, op_rows, shape_for
     from ..models import family_of, load_model
     from ..partition.report import render_table
     from ..plan.machine import plan_device
@@ -40,7 +40,7 @@ def cmd_estimate(args) -> int:
                   f"{device.vector_efficiency:.3f}, memory {device.memory_efficiency:.3f} of the spec's peaks",
                   file=sys.stderr)
         layers = estimate_layers(cfg, req, device)
-        block = op_rows(layer_ops(cfg, shape_for(cfg, req, device))[1][2], device, req)
+        block = op_rows(layer_ops(cfg, shape_for(cfg, req, device), device=device.name)[1][2], device, req)
     except AnalyticError as e:
         raise ValueError(str(e)) from None
     stages = None
@@ -51,11 +51,12 @@ def cmd_estimate(args) -> int:
                   "step_s": cost.step_s, "notes": cost.notes, "stages": _rank_rows(cost)}
     if args.json:
         emit(json.dumps({"model": cfg.name, "device": device.name, "request": req.__dict__,
+                          "attention": assumed_attention(cfg, device.name),
                           "layers": layers, "block_ops": block, "pipeline": stages}, indent=1))
         return 0
     mib, ms = 2**20, 1e3
     emit(f"{cfg.name}: one block, per op (b={req.micro_batch} s={req.seq} tp={req.tp} sp={req.sp} "
-          f"dtype={req.dtype} device={device.name})")
+          f"dtype={req.dtype} device={device.name} attention={assumed_attention(cfg, device.name)})")
     emit("\n".join(render_table(
         ["op", "fwd GFLOP", "bwd GFLOP", "act MiB", "weight MiB", "comm MiB", "comm type",
          "compute ms", "memory ms", "comm ms", "intensity"],

@@ -169,6 +169,8 @@ def _plan(args, checker) -> int:
             _emit(json.dumps({"deepspeed": json.loads(rows_json(res)), "megatron": json.loads(rows_json(other))},
                              indent=1))
         return 0
+    from ..costs.estimate import assumed_attention
+
     d = model.device
     if d.collectives:
         links = "gloo measured: " + ", ".join(f"{kind} {bw / 1e9:.2f} GB/s + {lat * 1e3:.2f} ms"
@@ -178,7 +180,8 @@ def _plan(args, checker) -> int:
                  f"GB/s inside / between nodes")
     _emit(f"{cfg.name} on {args.gpus} x {d.name} ({model.cluster.gpus_per_node} a node; {links}), global batch "
           f"{model.global_batch}, seq {model.seq}, {model.dtype}; analytic costs "
-          f"(roofline, matrix efficiency {d.matrix_efficiency:.3f}), step from the event simulator")
+          f"(roofline, matrix efficiency {d.matrix_efficiency:.3f}, attention {assumed_attention(cfg, d.name)}), "
+          f"step from the event simulator")
     _emit(render_table(res, memory_cap=model.memory_cap))
     for label, cost in (("pick", res.top[0]), ("best layout DeepSpeed runs", best)):
         if cost is None or (label != "pick" and cost is res.top[0]):

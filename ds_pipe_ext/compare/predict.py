@@ -89,7 +89,7 @@ def layer_activation_bytes(model_cfg, cfg: CompareConfig, *, dtype: str = "fp32"
     ("cpu" or "cuda": the dropout masks' element, ``dropout_mask_bytes``)."""
     req = EstimateRequest(micro_batch=cfg.layout.micro_batch, seq=model_cfg.seq_len, tp=cfg.layout.tp, dtype=dtype,
                           mask_bytes=dropout_mask_bytes(device, dtype))
-    return [c.activation_bytes for c in analytic_layer_costs(model_cfg, req, get_device("a100"))]
+    return [c.activation_bytes for c in analytic_layer_costs(model_cfg, req, get_device("a100"), runs_on=device)]
 
 
 def _states(numels: list[int], cfg: CompareConfig, element_bytes: int, dp_rank: int | None,
@@ -150,8 +150,8 @@ def predicted_ranks(cfg: CompareConfig, shape: ModelShape, activations: list[flo
         from ..costs.peak import step_peak
 
         dtype = "fp32" if element_bytes == 4 else "bf16"
-        steps = rank_steps(model_cfg, cfg.layout, parts=parts, dtype=dtype, dp_rank=dp_rank,
-                           mask_bytes=dropout_mask_bytes(device, dtype))
+        steps = rank_steps(model_cfg, cfg.layout, parts=parts, dtype=dtype, dp_rank=dp_rank, device=device,
+                           fused_adam=device != "cpu")  # train.py's AdamW is fused on CUDA (no temporaries)
         for r, step in zip(rows, steps):
             peak = step_peak(step)
             r.update(peak_bytes=peak.total_bytes, peak_phase=peak.phase, peak_by_kind=peak.by_kind)

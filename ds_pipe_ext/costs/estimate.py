@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..arch import as_description
+from ..arch import as_description, attention_kernel
 from . import analytic as A
 from .analytic import DTYPE_BYTES
 from .hardware import DeviceSpec
@@ -56,9 +56,18 @@ def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None) -> 
                    d=desc.blocks[0].attention.head_dim or 0)
 
 
-def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0) -> list[tuple[str, str, list[A.OpCost]]]:
+def assumed_attention(model, device: str) -> str:
+    """What the analytic model assumes the attention core runs as on ``device``: "fused" (one kernel, flash or
+    torch's SDPA) or "eager" (written out), for each kind of block; what estimate and plan print."""
+    kernels = sorted({attention_kernel(block.attention.kernel, device) for block in as_description(model).blocks})
+    return "/".join(kernels)
+
+
+def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
+              device: str | None = None) -> list[tuple[str, str, list[A.OpCost]]]:
     """(name, kind, ops) per pipeline layer, as the description says: the embedding, each block (alike
-    blocks share one op list), the head.  ``expert_imbalance``: ``EstimateRequest``'s."""
+    blocks share one op list), the head.  ``expert_imbalance``: ``EstimateRequest``'s; ``device``: the spec
+    costed, which picks an "auto" attention's kernel (``arch.attention_kernel``)."""
     desc = as_description(model)
     layers = [("EmbeddingPipe", "embedding", A.embedding(shp, positions=desc.positions == "learned"))]
     built: dict = {}
@@ -68,7 +77,8 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0) -> list[tup
             shaped = replace(shp, a=att.heads, f=mlp.ffn, d=att.head_dim or 0)
             built[block] = A.transformer_block(shaped, kv_heads=att.kv_heads, mlp=mlp.kind, norm=desc.norm,
                                                positions=desc.positions, bias=desc.linear_bias,
-                                               qkv_bias=att.qkv_bias, kernel=att.kernel, window=att.window,
+                                               qkv_bias=att.qkv_bias, kernel=attention_kernel(att.kernel, device),
+                                               window=att.window,
                                                head_norm=att.qk_norm)
             if block.experts is not None:  # routed experts in place of the MLP (costs/moe_ops.py)
                 built[block] = moe_block(built[block], shaped, block.experts, ep=shp.ep, imbalance=expert_imbalance)
@@ -91,11 +101,14 @@ def op_rows(ops: list[A.OpCost], device: DeviceSpec, req: EstimateRequest) -> li
     return rows
 
 
-def estimate_layers(model, req: EstimateRequest, device: DeviceSpec) -> list[dict]:
+def estimate_layers(model, req: EstimateRequest, device: DeviceSpec, *, runs_on: str | None = None) -> list[dict]:
+    """Per layer, its ops costed on ``device``; ``runs_on``: the device the layers run on, where it is not the
+    spec's (an "auto" attention's kernel, ``arch.attention_kernel``)."""
     shp = shape_for(model, req, device)
     out = []
     done: dict = {}  # alike blocks share one op list: cost it once
-    for name, kind, ops in layer_ops(model, shp, expert_imbalance=req.expert_imbalance):
+    for name, kind, ops in layer_ops(model, shp, expert_imbalance=req.expert_imbalance,
+                                     device=runs_on or device.name):
         if (id(ops), kind) in done:
             out.append({**done[id(ops), kind], "name": name})
             continue
@@ -127,11 +140,13 @@ def estimate_layers(model, req: EstimateRequest, device: DeviceSpec) -> list[dic
     return out
 
 
-def analytic_layer_costs(model, req: EstimateRequest, device: DeviceSpec) -> list[LayerCost]:
-    """The same records the profiler produces, from arithmetic (for partition_method "analytic")."""
+def analytic_layer_costs(model, req: EstimateRequest, device: DeviceSpec, *,
+                         runs_on: str | None = None) -> list[LayerCost]:
+    """The same records the profiler produces, from arithmetic (for partition_method "analytic");
+    ``runs_on``: as ``estimate_layers``."""
     shp = shape_for(model, req, device)
     costs = []
-    for row in estimate_layers(model, req, device):
+    for row in estimate_layers(model, req, device, runs_on=runs_on):
         params = int(row["params"])
         per_param = req.optimizer_bytes_per_param or (8 if req.dtype == "fp32" else 12)
         costs.append(LayerCost(
@@ -156,19 +171,24 @@ def _tied_projection(head: list) -> list:
 
 def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = None, dtype: str = "fp32",
                dp_rank: int | None = None, mask_bytes: int | None = None, fused_adam: bool = False,
-               zero: ZeroSettings | None = None, modes: list[str] | None = None) -> list[RankStep]:
+               zero: ZeroSettings | None = None, modes: list[str] | None = None,
+               device: str | None = None) -> list[RankStep]:
     """Every pipeline rank's ``RankStep`` for ``model`` under ``lay`` (a ``Layout``; one rank without a
     pipeline), its layers' ops from the analytic model and its ZeRO settings from the ds.json the layout
     writes.  ``parts``: the pipeline's split (required with pp > 1); ``fused_adam``: the optimizer makes no
     temporaries (GPUs' FusedAdam; train.py's torch AdamW on CPU does); ``zero``: the run's ZeRO settings where
     its ds.json has its own (``ZeroSettings.from_ds_config``; its ``bf16_accum_bytes`` where DeepSpeed runs
     the pipeline with its ``BF16_Optimizer``), else those the layout writes.  ``modes``: a recompute mode per
-    pipeline layer (in place of the layout's one setting)."""
+    pipeline layer (in place of the layout's one setting).  ``device``: the spec (or device type) the rank runs
+    on: the dropout masks' element where ``mask_bytes`` is None, and an "auto" attention's kernel (None: 1-byte
+    masks and the attention written out, as before either was known)."""
     desc = as_description(model)
+    if mask_bytes is None and device is not None:
+        mask_bytes = dropout_mask_bytes(device, dtype)
     req = EstimateRequest(micro_batch=lay.micro_batch, seq=seq or desc.seq_len, tp=lay.tp, sp=lay.sp, dtype=dtype,
                           mask_bytes=mask_bytes, selective_recompute=lay.recompute == "selective", ep=lay.ep)
     shp = shape_for(desc, req)
-    layers = layer_ops(desc, shp)
+    layers = layer_ops(desc, shp, device=device)
     modes = list(modes) if modes is not None else [lay.recompute] * len(layers)
     # selective: the attention core's activations are not kept
     ops = [[replace(op, activation_bytes=0.0) if mode == "selective" and op.recompute else op for op in layer]

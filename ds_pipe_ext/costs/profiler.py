@@ -158,6 +158,8 @@ def measure_layer(
     """
     module, call = build_for_profiling(spec)
     module.to(device=device, dtype=dtype)
+    if settings.compile:  # as train.compile runs it; the warm-up compiles
+        module.compile()
     params = list({id(p): p for p in module.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
 
@@ -324,7 +326,8 @@ def profile_layers(
         "versions": library_versions(),
         "measures": "recompute-v2",  # recompute_s measured under the checkpoint function
         "settings": {"warmup": settings.warmup, "repeats": settings.repeats,
-                     "optimizer_bytes_per_param": settings.optimizer_bytes_per_param},
+                     "optimizer_bytes_per_param": settings.optimizer_bytes_per_param,
+                     **({"compile": True} if settings.compile else {})},
         **(key_fields or {}),
     }
     cache = ProfileCache(settings.cache_dir) if settings.cache_dir else None

@@ -104,3 +104,4 @@ class ProfileSettings(ConfigModel):
     cache_dir: str | None = ".ds_pipe_ext_cache"  # None: no cache
     optimizer_bytes_per_param: int = Field(8, ge=0)  # Adam: exp_avg + exp_avg_sq in fp32
     progress: bool = True
+    compile: bool = False  # profile each layer torch.compile'd, as a run with train.compile runs it

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..arch import MLP, Attention, Block, ModelDescription
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "model_configs"
+ATTENTION_SETTINGS = ("eager", "sdpa", "auto")
 
 
 class ModelConfigError(ValueError):
@@ -42,6 +43,10 @@ class GPTConfig:
     # one FFN width per block, for models whose blocks differ (width-pruned models such as Minitron
     # keep a different width in each block); empty: ``ffn`` in every block
     block_ffn_hidden: tuple[int, ...] = ()
+    # the attention core: "eager" written out (saves the s x s probabilities), "sdpa" torch's fused
+    # scaled_dot_product_attention (flash / memory-efficient kernels on a GPU), "auto": sdpa on CUDA, eager
+    # on a CPU (whose figures were all measured eager)
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden", "layers", "heads", "seq_len"):
@@ -69,6 +74,15 @@ class GPTConfig:
         object.__setattr__(self, "block_ffn_hidden", tuple(widths))
         if not isinstance(self.layernorm_eps, (int, float)) or not self.layernorm_eps > 0:
             raise ModelConfigError(f"model config {self.name!r}: layernorm_eps must be > 0")
+        if self.attention not in ATTENTION_SETTINGS:
+            raise ModelConfigError(f"model config {self.name!r}: attention = {self.attention!r}; use one of "
+                                   f"{', '.join(ATTENTION_SETTINGS)}")
+
+    def attention_kernel(self, device_type: str) -> str:
+        """"eager" or "sdpa": what the blocks run on a device of this type ("cuda" or "cpu")."""
+        if self.attention != "auto":
+            return self.attention
+        return "sdpa" if device_type == "cuda" else "eager"
 
     @property
     def padded_vocab(self) -> int:
@@ -149,11 +163,15 @@ def load_family_config(config_type: type, from_hf, name_or_path: str | Path, ove
     return config_type.from_dict(data, name=path.stem)
 
 
+ANALYTIC_KERNEL = {"eager": "eager", "sdpa": "fused", "auto": "auto"}  # the setting as ``arch`` names kernels
+
+
 @lru_cache(maxsize=64)
 def _describe(cfg: GPTConfig) -> ModelDescription:
     widths = cfg.block_ffn_hidden or (cfg.ffn,) * cfg.layers
     return ModelDescription(name=cfg.name, hidden=cfg.hidden, vocab=cfg.padded_vocab, seq_len=cfg.seq_len,
-                            blocks=tuple(Block(Attention(cfg.heads), MLP(w, "gelu")) for w in widths),
+                            blocks=tuple(Block(Attention(cfg.heads, kernel=ANALYTIC_KERNEL[cfg.attention]),
+                                               MLP(w, "gelu")) for w in widths),
                             positions="learned", norm="layernorm", tied_head=cfg.tie_embeddings,
                             dropout=cfg.dropout > 0)
 

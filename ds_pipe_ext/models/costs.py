@@ -97,5 +97,5 @@ def profile_and_calibrate(cfg, req: EstimateRequest, device: DeviceSpec, *,
 def calibration_points(cfg, req: EstimateRequest, device: DeviceSpec,
                        measured: list[tuple[float, float]]) -> list[tuple]:
     """(ops, forward s, backward s) of the embedding, a block and the head, measured at ``req``."""
-    ops = layer_ops(cfg, shape_for(cfg, req, device))
+    ops = layer_ops(cfg, shape_for(cfg, req, device), device=device.name)
     return [(ops[i][2], fwd, bwd) for i, (fwd, bwd) in zip((0, 1, -1), measured)]

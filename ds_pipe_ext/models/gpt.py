@@ -10,8 +10,10 @@ Every linear, the vocabulary embedding and the norms come from a ``LayerImpl``
 the tensor-parallel implementation swaps in megatron-core's parallel layers
 without touching this file's structure.
 
-Attention is written out (no fused kernel) so that what autograd saves is the
-textbook set of tensors that the analytic cost model counts.
+The attention core is the config's ``attention``: written out ("eager": what autograd saves is the
+textbook set of tensors Korthikanti et al. count, the s x s probabilities among them) or torch's
+``scaled_dot_product_attention`` ("sdpa": flash and memory-efficient kernels on a GPU, which keep no
+probabilities); "auto" runs sdpa on CUDA and eager on a CPU.
 """
 
 from __future__ import annotations
@@ -53,14 +55,16 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, impl: LayerImpl, selective_recompute: bool = False):
         super().__init__()
         self.selective_recompute = selective_recompute
+        self.sdpa = cfg.attention_kernel("cuda" if torch.cuda.is_available() else "cpu") == "sdpa"
         self.heads = cfg.heads // impl.tp_size  # heads on this rank
         self.head_dim = cfg.head_dim
         self.qkv = impl.column_linear(cfg.hidden, 3 * cfg.hidden, bias=True)
         self.proj = impl.row_linear(cfg.hidden, cfg.hidden, bias=True)
         self.attn_drop = nn.Dropout(cfg.dropout)
-        self.register_buffer(
-            "causal_mask", torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).triu(1), persistent=False
-        )
+        if not self.sdpa:  # sdpa masks causally itself
+            self.register_buffer(
+                "causal_mask", torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).triu(1), persistent=False
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # under SP the input is a sequence shard; the column-parallel QKV gathers it
@@ -74,6 +78,9 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.sdpa:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  dropout_p=self.attn_drop.p if self.training else 0.0)
         s = q.shape[2]
         logits = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
         logits = logits.masked_fill(self.causal_mask[:s, :s], float("-inf"))

@@ -284,6 +284,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         device = get_device(opts.device or rank_device().type, cache_dir=cache_dir)
         if opts.calibrate:  # fit the roofline's efficiencies to a few layers profiled here
             device = self._ext_cost_model.calibrate(inputs, tp=tp, device=device, dtype=dtype, cache_dir=cache_dir)
+        log.info("ds_pipe_ext analytic costs: %s spec, %s, attention as the model runs it there", device.name, dtype)
         return self._ext_cost_model.layer_costs(inputs, tp=tp, device=device, dtype=dtype)
 
     def _costs_dtype(self, source: str) -> str:

@@ -148,10 +148,11 @@ class PlanModel(RankUpdate):
                          runtime_terms=self.runtime_terms, grad_accum_dtype=self.grad_accum_dtype)
 
     def _model_flops_per_sample(self) -> float:
-        """Matrix and attention FLOPs of forward + backward of one sample (no recompute): MFU's numerator."""
-        shp = shape_for(self.cfg, EstimateRequest(micro_batch=1, seq=self.seq, dtype=self.dtype), self.device)
-        return sum(op.fwd_flops + op.bwd_flops for _, _, ops in layer_ops(self.cfg, shp) for op in ops
-                   if op.kind != "vector")
+        """Matrix and attention FLOPs of forward + backward of one sample (no recompute): MFU's numerator,
+        the one count every throughput is printed with (``mfu``)."""
+        from ..mfu import model_flops_per_sample
+
+        return model_flops_per_sample(self.cfg, self.seq)
 
     @lru_cache(maxsize=None)
     def layer_costs(self, tp: int, sp: bool, micro_batch: int, recompute: str, ep: int = 1) -> tuple:
@@ -302,8 +303,7 @@ class PlanModel(RankUpdate):
                                    persistence_threshold=threshold, offload=lay.offload).to_dict(),
                      "held_activation_bytes": held[r]}
                     for r, layers in enumerate(rank_layers)]
-        steps = rank_steps(self.cfg, lay, parts=parts, seq=self.seq, dtype=self.dtype,
-                           mask_bytes=dropout_mask_bytes(self.device.name, self.dtype),
+        steps = rank_steps(self.cfg, lay, parts=parts, seq=self.seq, dtype=self.dtype, device=self.device.name,
                            fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, modes=modes,
                            zero=self.zero_of(lay))
         return [{**RankMemory.from_peak(step_peak(step)).to_dict(), "held_activation_bytes": held[r]}

@@ -65,6 +65,7 @@ def cell_row(cell: Layout, result: LaunchResult, run_dir: Path, step_model, mode
     row = {"cell": cell_name(cell), "stages": cell.pp, "micro_batches": cell.micro_batches,
            "micro_batch": cell.micro_batch, "checkpointing": cell.recompute == "full", "status": status,
            "parts": m.get("parts"), "samples_per_s": m.get("samples_per_s") if status == "ok" else None,
+           "mfu": m.get("mfu") if status == "ok" else None, "mfu_peak": m.get("mfu_peak"),
            "step_ms": 1e3 * m["step_s_median"] if status == "ok" and "step_s_median" in m else None,
            "predicted_step_ms": None, "stage_rows": []}
     if status == "failed":
@@ -96,12 +97,11 @@ def cell_row(cell: Layout, result: LaunchResult, run_dir: Path, step_model, mode
     row["peak_memory_bytes"] = max(traced) if traced else row["at_step_bytes"]
     row["predicted_peak_memory_bytes"] = row["predicted_at_step_bytes"]
     if model_cfg is not None and row["parts"]:
-        from ..costs.estimate import dropout_mask_bytes, rank_steps
+        from ..costs.estimate import rank_steps
         from ..device import rank_device
         from ..costs.peak import step_peak
 
-        steps = rank_steps(model_cfg, cell, parts=row["parts"], dtype="fp32",
-                           mask_bytes=dropout_mask_bytes(rank_device().type, "fp32"))
+        steps = rank_steps(model_cfg, cell, parts=row["parts"], dtype="fp32", device=rank_device().type)
         row["predicted_peak_memory_bytes"] = max(step_peak(s).total_bytes for s in steps)
     return row
 
