@@ -3,6 +3,7 @@
 Few but real: each launch costs 10-20 s, so each test checks several things.
 """
 
+import json
 import math
 
 import pytest
@@ -28,6 +29,18 @@ def test_user_command_on_4_ranks_every_rank_builds_the_same_stages(tmp_path):
     assert proc.stdout.count("partition_method=profiled parts=") == 1
     assert proc.stdout.count("ds_pipe_ext: process group up, 4 ranks = pp 4 x tp 1 x dp 1") == 1
     assert all(math.isfinite(x) for x in ranks[0]["losses"])
+    # MFU beside every throughput: the planner's FLOP count over the measured cpu spec's peak (rank 0's)
+    from ds_pipe_ext.mfu import model_flops_per_sample
+    from ds_pipe_ext.models import load_model
+
+    r0 = ranks[0]
+    assert r0["model_flops_per_sample"] == model_flops_per_sample(load_model("tiny"))
+    assert 0 < r0["mfu"] <= 1 and r0["mfu_peak"].startswith("the measured cpu spec's GEMM peak")
+    assert 1e12 * r0["model_tflops_per_s_per_device"] == pytest.approx(
+        r0["samples_per_s"] * r0["model_flops_per_sample"] / 4, rel=1e-9)  # per device: the world is 4 ranks
+    assert ranks[1]["mfu"] is None  # rank 0 reports it
+    steps = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"step"')]
+    assert len(steps) == 2 and all(0 < s["mfu"] <= 1 and s["samples_per_s"] > 0 for s in steps)
 
 
 def test_partition_and_schedule_do_not_change_the_math(tmp_path):

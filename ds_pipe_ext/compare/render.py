@@ -27,7 +27,7 @@ def layout(row: dict) -> str:
 
 
 def render_rows(rows: list[dict]) -> str:
-    headers = ["config", "pp x tp x dp", "ZeRO", "mb x acc", "global", "status", "samples/s", "step ms",
+    headers = ["config", "pp x tp x dp", "ZeRO", "mb x acc", "global", "status", "samples/s", "MFU", "step ms",
                "rank", "params MiB meas/pred", "grads", "optimizer", "activations", "at step MiB meas/pred",
                "peak MiB meas/pred", "peak in meas/pred", "RSS MiB", "max mb fit/fail"]
     body = []
@@ -37,6 +37,7 @@ def render_rows(rows: list[dict]) -> str:
             r["config"], layout(r), str(r["zero"]), f"{r['micro_batch']} x {r['grad_accum']}", str(r["global_batch"]),
             r["status"] + (f" (step {r['oom']['after_step']})" if r.get("oom") else ""),
             "-" if r.get("samples_per_s") is None else f"{r['samples_per_s']:.1f}",
+            "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%",
             "-" if r.get("step_ms") is None else f"{r['step_ms']:.0f}",
             "-" if r.get("heaviest_rank") is None else str(r["heaviest_rank"]),
             _pair(r, "param_bytes"), _pair(r, "grad_bytes"), _pair(r, "optimizer_bytes"), _pair(r, "activation_bytes"),
@@ -62,6 +63,10 @@ def notes(rows: list[dict], *, world: int, cores: int | None, cpu_only: bool,
                "most bytes alive at once over the last step, measured / predicted (costs.peak: every tensor, "
                "including the gradients held during the backward, ZeRO's reduction buckets and gathered parameters, "
                "the pipeline's buffers, the loss's and Adam's temporaries), with the moment it falls in")
+    peaks = sorted({r["mfu_peak"] for r in rows if r.get("mfu_peak")})
+    if peaks:
+        out.append("MFU: model FLOPs a second (the planner's count: matrix and attention FLOPs of forward and "
+                   f"backward, no recompute) per device over {', '.join(peaks)}")
     if cpu_only:
         out.append("peak MiB on CPU: the live tensors' peak from torch.profiler's allocation events (the figure a "
                    "GPU's max_memory_allocated gives); the memory cap applies to the at-step sum after every step "

@@ -98,6 +98,7 @@ def build_row(cfg: CompareConfig, result: LaunchResult, shape: ModelShape, model
     m = result.metrics or {}
     row = {"config": cfg.name, **cfg.to_dict(), "status": status, "steps": m.get("steps", 0),
            "samples_per_s": m.get("samples_per_s") if status == "ok" else None,
+           "mfu": m.get("mfu") if status == "ok" else None, "mfu_peak": m.get("mfu_peak"),
            "step_ms": 1e3 * m["step_s_median"] if status == "ok" and "step_s_median" in m else None,
            "parts": m.get("parts"), "oom": m.get("oom"), "memory_cap_gib": memory_cap_gib,
            "peak_measure": "allocator peak" if not cpu_only else "tensors held (model states + activations)",

@@ -123,6 +123,14 @@ def build_report(run_dir: str | Path) -> dict:
         "bottleneck_stage_memory": max(range(p), key=lambda s: rows[s]["meas_memory_bytes"]),
         "predicted_bubble_fraction": step.simulation.bubble_fraction,
     }
+    if pred.throughput:  # samples/s and MFU of both steps, by the planner's FLOP count (``mfu``)
+        t = pred.throughput
+        for kind, ms in (("predicted", predicted_step), ("measured", measured_step)):
+            rate = t["samples_per_step"] / (ms / 1e3)
+            summary[f"{kind}_samples_per_s"] = rate
+            summary[f"{kind}_mfu"] = (rate * t["model_flops_per_sample"] / (t["world_size"] * t["peak_flops"])
+                                      if t["peak_flops"] else None)
+        summary["mfu_peak"] = t["peak"]
     if pred.layer_recompute is not None:  # what each stage recomputes, and its measured peak against the cap
         for r, st in zip(rows, stages):
             i, j = r["layers"]
@@ -188,6 +196,11 @@ def render_report_table(rep: dict) -> str:
         f"step (1F1B, bubble {100 * s['predicted_bubble_fraction']:.0f}%): predicted {s['predicted_step_ms']:.1f} ms, "
         f"measured {s['measured_step_ms']:.1f} ms, error {s['step_error_pct']:+.1f}%",
     ]
+    if "measured_samples_per_s" in s:
+        pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+        lines.append(f"throughput: predicted {s['predicted_samples_per_s']:.2f} samples/s (MFU "
+                     f"{pct(s['predicted_mfu'])}), measured {s['measured_samples_per_s']:.2f} samples/s (MFU "
+                     f"{pct(s['measured_mfu'])}); MFU against {s['mfu_peak']}")
     if any("recompute" in r for r in rows):
         cap = s.get("memory_cap_gib")
         lines += ["", "recompute per stage (a mode per layer" + (f"; the split's memory cap {cap:.4g} GiB = {cap * 1024:.1f} MiB" if cap else "")

@@ -35,6 +35,9 @@ class Predicted:
     layout: dict | None = None  # the ``layout.Layout`` the run ran (its to_dict); None in older run directories
     layer_recompute: list[str] | None = None  # a recompute mode per layer (given, or "auto"'s choice); None: none
     memory_cap_gib: float | None = None  # the cap the split (and "auto"'s modes) fit each stage's peak under
+    # what turns a step into samples/s and MFU: samples_per_step, world_size, model_flops_per_sample,
+    # peak_flops (None: unknown) and what that peak is (``mfu``); None in older run directories
+    throughput: dict | None = None
 
     @property
     def schedule(self) -> str:

@@ -23,7 +23,7 @@ def render_rows(rows: list[dict]) -> str:
     """A line per stage of every cell: memory by kind at the step (measured), its total measured / predicted,
     forward and backward per micro-batch measured / predicted; the cell's samples/s and its heaviest rank's
     peak over the step (measured / the peak rule's) on its first line."""
-    headers = ["cell", "K", "M", "mb", "ckpt", "status", "samples/s meas/pred", "step ms meas/pred",
+    headers = ["cell", "K", "M", "mb", "ckpt", "status", "samples/s meas/pred", "MFU", "step ms meas/pred",
                "peak MiB meas/pred", "stage", "layers", "params MiB", "grads", "optimizer", "act peak",
                "at step MiB meas/pred", "fwd ms meas/pred", "bwd ms meas/pred"]
     body = []
@@ -31,6 +31,7 @@ def render_rows(rows: list[dict]) -> str:
         head = [r["cell"], str(r["stages"]), str(r["micro_batches"]), str(r["micro_batch"]),
                 "on" if r["checkpointing"] else "off", r["status"],
                 f"{_num(r.get('samples_per_s'), '.2f')} / {_num(r.get('predicted_samples_per_s'), '.2f')}",
+                "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%",
                 f"{_num(r.get('step_ms'), '.0f')} / {_num(r.get('predicted_step_ms'), '.0f')}",
                 f"{_mib(r.get('peak_memory_bytes'))} / {_mib(r.get('predicted_peak_memory_bytes'))}"]
         stages = r.get("stage_rows") or [None]

@@ -50,6 +50,10 @@ class TrainSection(ConfigModel):
     # layers whose parameters do not train, as pipeline layer indices ("1-6", "0,3,5-7"; the embedding
     # is layer 0): no weight gradients, gradients or optimizer states, and the partition follows
     frozen_layers: str | None = None
+    # torch.compile each layer in place (nn.Module.compile: the state-dict keys stay, so checkpoints load
+    # either way); the first step compiles, and is left out of the step timings as every first step is.
+    # Off by default: on a CPU, inductor's C++ builds cost more than they save on these models
+    compile: bool = False
 
 
 class TensorParallelSection(ConfigModel):

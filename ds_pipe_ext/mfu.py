@@ -1,0 +1,57 @@
+"""Model FLOPs utilisation: what every printed throughput comes with.
+
+MFU = model FLOPs per second / the device's peak.  The model FLOPs of a sample are the planner's count
+(``model_flops_per_sample``: the matrix and attention FLOPs of one forward and backward, no recompute,
+as Megatron-LM and PaLM count them); the peak is the datasheet's for the GPU and precision (fp32 runs on
+a GPU: TF32's tensor-core peak where torch lets fp32 matmuls use TF32, else the CUDA-core fp32 peak), and
+on a CPU the measured ``cpu`` spec's GEMM peak (cached in the user's cache, so a launch measures it once
+per machine), which the result says.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .costs.estimate import EstimateRequest, layer_ops, shape_for
+
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ds_pipe_ext"
+
+
+def model_flops_per_sample(model, seq: int | None = None) -> float:
+    """Matrix and attention FLOPs of one sample's forward + backward (no recompute): MFU's numerator."""
+    from .arch import as_description
+
+    desc = as_description(model)
+    shp = shape_for(desc, EstimateRequest(micro_batch=1, seq=seq or desc.seq_len, dtype="bf16"))
+    return sum(op.fwd_flops + op.bwd_flops for _, _, ops in layer_ops(desc, shp) for op in ops if op.kind != "vector")
+
+
+def peak_flops(device_type: str, dtype: str) -> tuple[float | None, str]:
+    """(peak FLOP/s of one device for ``dtype``, what that peak is); None where the GPU is not one we know."""
+    from .costs.hardware import get_device
+
+    if device_type != "cuda":
+        spec = get_device("cpu", cache_dir=str(CACHE_DIR))
+        return spec.matrix_flops["fp32"], f"the measured cpu spec's GEMM peak ({spec.matrix_flops['fp32'] / 1e12:.3f} TFLOP/s)"
+    import torch
+
+    name = torch.cuda.get_device_name()
+    key = next((spec for tag, spec in (("H200", "h200"), ("H100", "h100"), ("A100", "a100")) if tag in name.upper()),
+               None)
+    if key is None:
+        return None, f"no datasheet peak for {name}"
+    spec = get_device(key, calibrated=False)
+    if dtype == "fp32" and not torch.backends.cuda.matmul.allow_tf32:
+        return spec.vector_flops["fp32"], f"{spec.name} datasheet fp32 (no TF32)"
+    return spec.matrix_flops[dtype], f"{spec.name} datasheet {dtype}{' (TF32)' if dtype == 'fp32' else ''}"
+
+
+def estimate_mfu(samples_per_s: float, model, *, world_size: int, device_type: str, dtype: str,
+                 seq: int | None = None) -> dict:
+    """The MFU fields of a run's record: model TFLOP/s per device, MFU and the peak it is measured against."""
+    flops = model_flops_per_sample(model, seq)
+    per_device = samples_per_s * flops / world_size
+    peak, what = peak_flops(device_type, dtype)
+    return {"model_flops_per_sample": flops, "model_tflops_per_s_per_device": per_device / 1e12,
+            "mfu": per_device / peak if peak else None, "mfu_peak": what}
