@@ -13,6 +13,8 @@ Each part is real launches through ``ds_pipe_ext.runner.launch`` (a line per lau
            process gone within 60 s
   layers   per-layer times and bytes of GPT blocks, profiled against the analytic model on the spec of the
            device it runs on (``h100``/``h200``/``a100`` by name); no launch
+  speed    train.py data parallel ZeRO-1 bf16: gpt3-1.3b (4 x 4, seq 2048), a 4-block Llama-3-8B (1 x 4, seq 8192),
+           gpt2-medium (8 x 4), each without and with ``train.compile``: samples/s, MFU, the optimizer's share
   costs    gpt2-medium and llama3-8b in bf16, per distinct layer: the profile against an independent loop timing
            and against a second profile, the analytic model on the measured ``cuda`` spec, saved bytes and the
            layer's peak; the simulated step of ``profiled`` against ``uniform`` and ``parameters`` at 4 and 8 stages
@@ -56,7 +58,7 @@ from ds_pipe_ext.partition.report import render_table  # noqa: E402
 from ds_pipe_ext.pipe import schedules as _deepspeed_order  # noqa: E402,F401  (the engine's order, for the simulator)
 from ds_pipe_ext.runner import ROOT, launch  # noqa: E402
 
-PARTS = ("train", "compare", "offload", "hf", "oom", "layers", "costs")
+PARTS = ("train", "compare", "offload", "hf", "oom", "layers", "costs", "speed")
 MiB = 2**20
 OOM_EXIT_LIMIT_S = 60
 
@@ -381,6 +383,57 @@ def layers_part(t: Target, out: Path) -> dict:
             "activation_bytes_worst_error_pct": round(max(acts), 1)}
 
 
+# (model, its overrides, micro-batch, micro-batches) of the speed part: the first GPU run's two rows and GPT-2
+# medium, bf16, data parallel ZeRO-1 on one GPU; on CPU ranks their tiny stand-ins
+SPEED_CASES = {True: [("gpt3-1.3b", {}, 4, 4), ("llama3-8b", {"layers": 4}, 1, 4), ("gpt2-medium", {}, 8, 4)],
+               False: [("tiny-tied", {}, 2, 2), ("llama-tiny", {"layers": 4}, 2, 2)]}
+
+
+def model_file(out: Path, name: str, overrides: dict) -> str:
+    """A model name, or a .toml of it with ``overrides`` (the 4-block Llama-3-8B shape)."""
+    if not overrides:
+        return name
+    from ds_pipe_ext.models.config import CONFIG_DIR
+
+    path = out / f"{name}-{'-'.join(f'{k}{v}' for k, v in overrides.items())}.toml"
+    lines = [line for line in (CONFIG_DIR / f"{name}.toml").read_text().splitlines()
+             if line.split("=")[0].strip() not in overrides]
+    path.write_text("\n".join(lines + [f"{k} = {v}" for k, v in overrides.items()]) + "\n")
+    return str(path)
+
+
+def speed_part(t: Target, out: Path) -> list[Run]:
+    """train.py's data-parallel ZeRO-1 steps in bf16 on one GPU, without and with train.compile: samples/s,
+    MFU and the optimizer's share of the step (from the run's instrumentation).  CPU ranks: fp32, no compile
+    (inductor's C++ builds cost minutes there)."""
+    runs, table = [], []
+    for name, overrides, micro_batch, micro_batches in SPEED_CASES[t.cuda]:
+        model = model_file(out, name, overrides)
+        for compiled in ((False, True) if t.cuda else (False,)):
+            ds = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": micro_batches,
+                  "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
+                  "train": {"model": model, "steps": t.steps, "seed": 1234, "log": "json", "compile": compiled}}
+            if t.cuda:
+                ds["bf16"] = {"enabled": True}
+            label = f"{name}{'-' + '-'.join(f'{k}{v}' for k, v in overrides.items()) if overrides else ''}" \
+                    f"-z1-mb{micro_batch}x{micro_batches}{'-compiled' if compiled else ''}"
+            run = launch_train("speed", label, ds, out, t, instrument=True)
+            metrics = run.extra.get("metrics") or {}
+            if run.status == "ok":
+                (rank,) = json.loads((Path(run.extra["work"]) / "run" / "summary.json").read_text())["ranks"]
+                share = rank["optimizer_step_ms_mean"] / rank["step_ms_median"]
+                run.extra.update(mfu=metrics.get("mfu"), optimizer_share=share)
+                table.append([label, f"{metrics['samples_per_s']:.2f}",
+                              "-" if metrics.get("mfu") is None else f"{100 * metrics['mfu']:.1f}%",
+                              f"{1e3 * metrics['step_s_median']:.1f}", f"{rank['optimizer_step_ms_mean']:.1f}",
+                              f"{100 * share:.1f}%", metrics.get("mfu_peak", "")])
+            runs.append(run)
+    print("\ntrain.py, data parallel ZeRO-1 on one device: throughput, MFU and the optimizer's share")
+    print("\n".join(render_table(["run", "samples/s", "MFU", "step ms", "optimizer step ms", "optimizer share",
+                                  "MFU against"], table)), flush=True)
+    return runs
+
+
 # (model, micro-batch, sequence) of the costs part: a GPT and a Llama in bf16 on a GPU; their tiny stand-ins on CPU
 COST_CASES = {True: [("gpt2-medium", 8, 1024), ("llama3-8b", 1, 4096)], False: [("tiny-tied", 2, 32), ("llama-tiny", 2, 32)]}
 
@@ -521,7 +574,8 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name() if t.cuda else "cpu-dry-run"
     print(f"device: {device}, torch {torch.__version__}, parts: {', '.join(parts)}", flush=True)
     runs, result = [], {}
-    handlers = {"train": train_part, "compare": compare_part, "offload": offload_part, "hf": hf_part, "oom": oom_part}
+    handlers = {"train": train_part, "compare": compare_part, "offload": offload_part, "hf": hf_part, "oom": oom_part,
+                "speed": speed_part}
     for part in parts:
         t0 = time.perf_counter()
         if part == "layers":
@@ -545,6 +599,13 @@ def main(argv=None) -> int:
     rows = [r.extra["row"] for r in runs if "row" in r.extra and r.part in ("compare", "offload")]
     if rows:
         result["zero_states_worst_error_pct"] = round(model_state_error_pct(rows), 3)
+    speeds = {r.name: r.extra for r in runs if r.part == "speed" and "optimizer_share" in r.extra}
+    for key, prefix in (("gpt3-1.3b-z1-mb4x4", "gpt3_1.3b"), ("llama3-8b-layers4-z1-mb1x4", "llama3_8b_4blocks")):
+        best = [e["mfu"] for name, e in speeds.items() if name.startswith(key) and e.get("mfu") is not None]
+        if best:
+            result[f"{prefix}_mfu"] = round(max(best), 3)
+    if speeds:
+        result["optimizer_share_max"] = round(max(e["optimizer_share"] for e in speeds.values()), 3)
     pipelines = [r.extra["states_error_pct"] for r in runs if "states_error_pct" in r.extra]
     if pipelines:
         result["pipeline_states_worst_error_pct"] = round(max(pipelines), 3)

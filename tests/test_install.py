@@ -64,6 +64,7 @@ def test_the_gpu_config_the_readme_starts_from_is_a_valid_run():
 
     cfg = build_run_config(read_ds_json(str(ROOT / "launch_scripts" / "ds_gpu_bf16.json")))
     assert cfg.deepspeed["bf16"] == {"enabled": True} and cfg.pipeline.partition_method == "profiled"
+    assert cfg.train.compile is True  # each layer torch.compile'd on the GPU
     for gpus in (1, 4, 8):
         layout = run_layout(cfg, load_model(cfg.train.model), gpus)
         assert (layout.pp, layout.dp, layout.zero) == (gpus, 1, 1)
