@@ -250,3 +250,12 @@ def test_qwen3_moe_has_its_published_parameter_count():
     assert sum(p.numel() for p in built.parameters()) == 30_532_122_624
     costs = analytic_layer_costs(cfg.describe(), EstimateRequest(1, 128), get_device("h100"))
     assert sum(c.param_bytes for c in costs) // 2 == 30_532_122_624
+
+
+def test_swiglus_backward_writes_one_output_and_is_the_exact_gradient():
+    """SwiGLU's backward fills one [d gate; d up] tensor in place (its peak: that and the sigmoid): the
+    gradient of SiLU(gate) * up, checked against finite differences in float64."""
+    from ds_pipe_ext.models.llama import SwiGLU
+
+    x = torch.randn(16, 2 * 24, dtype=torch.float64, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    assert torch.autograd.gradcheck(SwiGLU.apply, (x,))

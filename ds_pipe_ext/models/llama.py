@@ -140,11 +140,19 @@ class SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        """d gate = grad * up * (sig + silu * (1 - sig)), d up = grad * silu, written into one output: the
+        output and the sigmoid are all it allocates (written out, six tensors of the output's half were alive
+        at once)."""
         (gate_up,) = ctx.saved_tensors
         gate, up = gate_up.chunk(2, dim=-1)
+        out = torch.empty_like(gate_up)
+        d_gate, d_up = out.chunk(2, dim=-1)
         sig = torch.sigmoid(gate)
-        silu = gate * sig
-        return torch.cat((grad * up * sig * (1 + gate * (1 - sig)), grad * silu), dim=-1)
+        torch.mul(gate, sig, out=d_up)  # silu
+        d_gate.copy_(sig).neg_().add_(1.0)  # 1 - sig
+        d_gate.mul_(d_up).add_(sig).mul_(up).mul_(grad)
+        d_up.mul_(grad)
+        return out
 
 
 class LlamaMLP(nn.Module):
