@@ -3,6 +3,7 @@
 dropout-mask rule, and a tied embedding/head counted once where one process holds both."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from ds_pipe_ext.compare.predict import model_shape
 from ds_pipe_ext.costs import cuda_spec
 from ds_pipe_ext.costs.analytic import AnalyticError
-from ds_pipe_ext.costs.estimate import dropout_mask_bytes
+from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs, dropout_mask_bytes
 from ds_pipe_ext.costs.gpu_timing import forward_backward_s
 from ds_pipe_ext.costs.hardware import DEVICES, get_device
 from ds_pipe_ext.costs.profiler import profile_layers, saved_activation_bytes
@@ -126,3 +127,47 @@ def test_a_datasheet_calibration_never_fits_past_what_the_gpu_reaches():
     assert ceilings(h100)["matrix"] == 0.80 and fitted.matrix_efficiency <= 0.80
     assert max(fitted.vector_efficiency, fitted.memory_efficiency) <= 1.0 and fitted.attention_efficiency <= 0.75
     assert ceilings(get_device("cpu", cache_dir=None))["matrix"] == float("inf")  # a measured spec: its own peaks
+
+
+@pytest.mark.parametrize("model, layers", [
+    ("compare-cpu:dropout", (0, 1, 5)),  # GPT, attention written out, dropout masks: embedding, block, head + loss
+    ("bench-cpu-llama", (0, 1, 17)),  # Llama: SDPA, SwiGLU, RMSNorm, rotary
+    ("bench-cpu-moe", (1, 7, 13)),  # a dense block, a routed one (8 experts), the head
+])
+def test_the_analytic_layer_peak_is_what_a_cpu_forward_and_backward_holds(model, layers):
+    """Each layer alone, one forward and backward on the CPU, its output's gradient made beforehand: the
+    allocator's peak above resting (torch.profiler's allocation events) is the analytic ``peak_bytes`` within 5%:
+    the backward's temporaries (dP and dV of the attention, SwiGLU's gradient beside its sigmoid, the residual
+    gradient held across a branch) and the output held, without the input the layer was given."""
+    from ds_pipe_ext.costs.layers import build_for_profiling
+    from ds_pipe_ext.costs.profiler import _detach_input, _tensors, traced_peak_bytes
+    from ds_pipe_ext.models import family_of, load_model
+
+    name, _, variant = model.partition(":")
+    cfg = load_model(name)
+    if variant == "dropout":
+        cfg = replace(cfg, dropout=0.1)
+    family = family_of(cfg)
+    specs, loss = family.layer_specs(cfg), family.loss_fn(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    analytic = analytic_layer_costs(cfg, EstimateRequest(micro_batch=1, seq=cfg.seq_len, dtype="fp32"),
+                                    get_device("cpu", cache_dir=None))
+    x = tokens[:, :-1]
+    for i, spec in enumerate(specs[:max(layers) + 1]):
+        module, call = build_for_profiling(spec)
+        last = i == len(specs) - 1
+        forward = (lambda inp: loss(call(inp), tokens[:, 1:])) if last else call
+        if i in layers:
+            with torch.no_grad():
+                seeds = [torch.ones_like(t) if t.dim() else None for t in _tensors(forward(_detach_input(x)))]
+
+            def run():
+                outs = [t for t in _tensors(forward(_detach_input(x))) if t.requires_grad]
+                torch.autograd.backward(outs, seeds[:len(outs)])
+                for p in module.parameters():
+                    p.grad = None
+
+            measured = traced_peak_bytes(run)
+            assert analytic[i].peak_bytes == pytest.approx(measured, rel=0.05), (model, i, analytic[i].name)
+        with torch.no_grad():
+            x = call(_detach_input(x))

@@ -122,13 +122,22 @@ class OpCost:
     bwd_fill_bytes: float = 0.0  # of bwd_bytes, those a write-only pass moves (zeroing a gradient buffer)
     random_elems: float = 0.0  # random numbers drawn forward (a dropout mask)
     row_ops: float = 0.0  # rows of a large table touched at random, each way (an embedding's lookups)
+    # what outlives the op's own moment in the backward: bytes its backward makes (or keeps) that stay alive
+    # until an op with ``bwd_release`` has run back (the written-out attention's dV, and V's storage, which
+    # q and k share, until Q K^T's backward)
+    bwd_hold: float = 0.0
+    bwd_release: bool = False
+    # a residual add: the gradient it hands its skip connection is held while its branch runs back
+    residual: bool = False
 
     def __add__(self, other: "OpCost") -> "OpCost":
         # numbers add; allocation and tensor lists concatenate
         num = {f.name: getattr(self, f.name) + getattr(other, f.name)
                for f in fields(self)
-               if f.name not in ("name", "kind", "comm_type", "recompute", "gemm_dim", "gemm_out")}
-        return OpCost(name=self.name, kind=self.kind, comm_type=self.comm_type, **num)
+               if f.name not in ("name", "kind", "comm_type", "recompute", "gemm_dim", "gemm_out", "bwd_release",
+                                 "residual")}
+        return OpCost(name=self.name, kind=self.kind, comm_type=self.comm_type, bwd_release=self.bwd_release,
+                      residual=self.residual, **num)
 
 
 # --------------------------------------------------------------------------- ops
@@ -236,9 +245,12 @@ def attention_logits(shp: Shape) -> OpCost:
     """Q K^T per head: 2*b*s*s*h/t FLOPs; saves Q and K (4sbh/t at 16-bit)."""
     flops = 2.0 * shp.b * shp.s * shp.s * shp.attn_width / shp.t
     scores = shp.a * shp.s * shp.s * shp.b / shp.t * shp.e
+    q = shp.sbA / shp.t * shp.e
+    # backward makes dQ and dK, then the q, k, v output's gradient of the three (the next op's input); the
+    # attention's held dV and V go with it
     return OpCost("logits", "attention", fwd_flops=flops, bwd_flops=2 * flops,
                   fwd_bytes=2 * shp.sbA / shp.t * shp.e + scores,
-                  activation_bytes=2 * shp.sbA / shp.t * shp.e, fwd_allocs=(scores,))
+                  activation_bytes=2 * q, fwd_allocs=(scores,), bwd_allocs=(3 * q, 2 * q), bwd_release=True)
 
 
 def softmax(shp: Shape) -> OpCost:
@@ -266,9 +278,12 @@ def attend(shp: Shape) -> list[OpCost]:
     """
     flops = 2.0 * shp.b * shp.s * shp.s * shp.attn_width / shp.t
     probs = shp.a * shp.s * shp.s * shp.b / shp.t
+    v = shp.sbA / shp.t * shp.e
+    # backward makes dP (the probabilities' gradient, the next op's input) and dV, which waits for dQ and dK
+    # (the three are one tensor's); V is a view of the q, k, v output, freed with q and k
     return [OpCost("attend", "attention", fwd_flops=flops, bwd_flops=2 * flops,
-                   fwd_bytes=(probs + 2 * shp.sbA / shp.t) * shp.e, activation_bytes=shp.sbA / shp.t * shp.e,
-                   bwd_allocs=(probs * shp.e,)),
+                   fwd_bytes=(probs + 2 * shp.sbA / shp.t) * shp.e, activation_bytes=v,
+                   bwd_allocs=(probs * shp.e, v), bwd_hold=2 * v),
             OpCost("attend_saved_probs", "attention", activation_bytes=probs * shp.e if shp.dropout else 0.0,
                    recompute=True)]
 
@@ -294,10 +309,11 @@ def mlp_gate_up(shp: Shape, *, bias: bool = True) -> OpCost:
 
 
 def swiglu(shp: Shape) -> OpCost:
-    """SiLU(gate) * up: saves both halves (2 b s f/t elements); writes b s f/t."""
+    """SiLU(gate) * up: saves both halves (2 b s f/t elements); writes b s f/t.  Backward writes both halves'
+    gradient (2 b s f/t) beside the sigmoid of the gate (``models.llama.SwiGLU``)."""
     n = shp.tokens * shp.f / shp.t
     return OpCost("swiglu", "vector", fwd_flops=6.0 * n, bwd_flops=12.0 * n, fwd_bytes=3 * n * shp.e,
-                  bwd_bytes=5 * n * shp.e, activation_bytes=2 * n * shp.e)
+                  bwd_bytes=5 * n * shp.e, activation_bytes=2 * n * shp.e, bwd_allocs=(2 * n * shp.e, n * shp.e))
 
 
 def gelu(shp: Shape) -> OpCost:
@@ -314,7 +330,7 @@ def mlp_fc2(shp: Shape, *, bias: bool = True) -> OpCost:
 
 def residual_add(name: str, shp: Shape) -> OpCost:
     n = shp.replicated_sbh
-    return OpCost(name, "vector", fwd_flops=n, fwd_bytes=3 * n * shp.e, bwd_bytes=2 * n * shp.e)
+    return OpCost(name, "vector", fwd_flops=n, fwd_bytes=3 * n * shp.e, bwd_bytes=2 * n * shp.e, residual=True)
 
 
 def _tp_entry_comm(op: OpCost, shp: Shape) -> OpCost:

@@ -123,7 +123,8 @@ def estimate_layers(model, req: EstimateRequest, device: DeviceSpec, *, runs_on:
             "tensors": [int(n) for op in ops for n in op.weights],
             "output_bytes": 0 if kind == "head" else shp.replicated_sbh * shp.e,
             "loss_input_bytes": shp.tokens * -(-shp.V // shp.t) * shp.e if kind == "head" else 0,
-            "peak_bytes": layer_peak_bytes(ops, shp.e, selective=req.selective_recompute),
+            "peak_bytes": layer_peak_bytes(ops, shp.e, selective=req.selective_recompute,
+                                           output_bytes=0 if kind == "head" else shp.replicated_sbh * shp.e),
             # selective recompute as a choice per layer: what it keeps, the forward it replays (None: no
             # attention core to replay)
             "selective_kept_bytes": (sum(op.activation_bytes for op in ops if not op.recompute)

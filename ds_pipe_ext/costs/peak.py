@@ -199,6 +199,9 @@ def _profile(layers: list, numels: list[int], e: int, z: ZeroSettings, persisten
     first: dict = {}
     later: dict = {}
     remaining, held, made, upstream, bucket_on = saved, gathered, 0.0, 0.0, False
+    # what outlives an op's moment: ops' held backward outputs (``OpCost.bwd_hold``) and the gradient a
+    # residual hands its skip connection, held while its branch runs back (the layer's input gradient merges it)
+    hold, skip, layer = 0.0, 0.0, None
 
     def moment(temporary: float) -> None:
         nonlocal first, later
@@ -210,6 +213,8 @@ def _profile(layers: list, numels: list[int], e: int, z: ZeroSettings, persisten
 
     for i in range(len(ops) - 1, -1, -1):
         op, g = ops[i], gather[i]
+        if layer_of[i] != layer:  # a new layer runs back: the last one's skip merged into its input gradient
+            layer, skip = layer_of[i], 0.0
         if ckpt[layer_of[i]] is not None and (i == len(ops) - 1 or layer_of[i] != layer_of[i + 1]):
             remaining += replay[layer_of[i]]  # the layer's forward replayed: its activations saved again
         if not stays[i]:
@@ -218,13 +223,16 @@ def _profile(layers: list, numels: list[int], e: int, z: ZeroSettings, persisten
         weight_grad = float(e * sum(op.weights))
         if op.weights and not op.bwd_allocs:  # a norm's weight gradients, beside its input's
             allocs.append(weight_grad)
-        moment(upstream + sum(allocs))
+        moment(upstream + sum(allocs) + hold + skip)
         if op.weights:
             if z.stage <= 1:
                 made += weight_grad
             if not bucket_on and z.stage in (1, 2) and bucket:
                 bucket_on = True  # made at the op's first gradient, while its input's gradient is alive
-                moment(upstream + allocs[0])
+                moment(upstream + allocs[0] + hold + skip)
+        if op.residual:
+            skip = upstream
+        hold = 0.0 if op.bwd_release else hold + op.bwd_hold
         remaining -= op.activation_bytes
         if ckpt[layer_of[i]] is not None and (i == 0 or layer_of[i] != layer_of[i - 1]):
             remaining -= ckpt[layer_of[i]]  # its input, once the layer's backward is done
@@ -233,15 +241,17 @@ def _profile(layers: list, numels: list[int], e: int, z: ZeroSettings, persisten
     return _Profile(forward, first, later, saved, gathered, any(op.weights for op in ops))
 
 
-def layer_peak_bytes(ops: list, element_bytes: int, *, selective: bool = False) -> float:
-    """The most one layer alone holds above its resting memory over its forward and backward (what a GPU
-    profile of the layer measures as its allocator peak): its saved activations, the gradients its
-    backward has made and the moment's temporaries (``_profile``'s first backward, without ZeRO).
+def layer_peak_bytes(ops: list, element_bytes: int, *, selective: bool = False, output_bytes: float = 0.0) -> float:
+    """The most one layer alone holds above its resting memory over its forward and backward (what a profile
+    of the layer measures as its allocator peak: its input was there before, its output is made and held):
+    its saved activations, the gradients its backward has made and the moment's temporaries (``_profile``'s
+    first backward, without ZeRO), with its ``output_bytes`` and without its input, which its first op saves.
     ``selective``: the ops marked ``recompute`` keep nothing."""
     ops = [replace(op, activation_bytes=0.0) if selective and op.recompute else op for op in ops]
     numels = [n for op in ops for n in op.weights]
     prof = _profile([ops], numels, element_bytes, ZeroSettings(), set(), 0.0, None)
-    return max(sum(prof.forward.values()), sum(prof.first_backward.values()))
+    return (max(sum(prof.forward.values()), sum(prof.first_backward.values())) + output_bytes
+            - (ops[0].activation_bytes if ops else 0.0))
 
 
 def step_peak(rank: RankStep) -> PeakMemory:

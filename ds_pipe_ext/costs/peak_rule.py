@@ -23,7 +23,7 @@ class PipelinePeakRule:
     micro-batches' saved activations, and a reserve that depends only on the stage's position
     (``stage_reserves``): ZeRO-1's reduction bucket (two in the gradient reduction), the pipe buffers of received inputs and sent outputs
     (the last stage's hold the loss's input, ``LayerCost.loss_input_bytes``), and the largest temporaries
-    of any layer the stage can hold (``LayerCost.peak_bytes`` over its saved activations).  Equal to
+    of any layer the stage can hold (``LayerCost.peak_bytes`` over its saved activations and its output).  Equal to
     ``step_peak`` for the last stage of alike blocks; above it where the peak falls in a first backward
     (gradients not yet all made) or the largest temporaries are not the stage's last layer's."""
 
@@ -85,7 +85,11 @@ class PipelinePeakRule:
         any split of ``costs`` into ``num_stages`` (stage s holds layers among [s, n - (p - s)])."""
         n, p = len(costs), num_stages
         bucket = float(self.element_bytes * self.zero.reduce_bucket_size) if self.zero.stage == 1 else 0.0
-        transient = [max(0.0, float(c.peak_bytes - c.activation_bytes)) for c in costs]
+        # a layer's temporaries in a stage's walk: its peak (a profile's: above its input, with its output held)
+        # less its saved activations, its output, and with its input back, which it saves
+        inputs = [0.0] + [float(c.output_bytes) for c in costs[:-1]]
+        transient = [max(0.0, float(c.peak_bytes - c.activation_bytes - c.output_bytes + i))
+                     for c, i in zip(costs, inputs)]
         out = []
         for s in range(p):
             lo, hi = s, n - (p - s)  # the layers stage s can hold

@@ -124,6 +124,32 @@ def saved_activation_bytes(run: Callable[[], object], params: Sequence[torch.Ten
     return sum(nbytes for _, nbytes in seen), out
 
 
+def traced_peak_bytes(run: Callable[[], object]) -> int:
+    """The most bytes ``run()`` holds at once on the CPU above what was alive before it, from torch.profiler's
+    allocation events (``profile_memory``): what a GPU's allocator peak says of the same call.  ``run`` is
+    called twice, the first untraced (lazy initialisation, caches)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+        run()
+    allocs, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        tag, fields = event.typed
+        if tag == _EventType.Allocation:
+            if fields.device.type == "cpu":
+                allocs.append((event.start_time_ns, fields.alloc_size))
+            continue
+        stack.extend(event.children)
+    live = peak = 0
+    for _, nbytes in sorted(allocs):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
 def _shapes(x) -> list[tuple[tuple[int, ...], str]]:
     return [(tuple(t.shape), str(t.dtype)) for t in _tensors(x)]
 
@@ -197,7 +223,9 @@ def measure_layer(
             fwd_times.append(tf.elapsed())
             bwd_times.append(tb.elapsed())
 
-    peak = torch.cuda.max_memory_allocated(device) - resting if cuda else 0
+    # the output's gradient arrives from the next stage, resting memory as the input is: not the layer's
+    grad_bytes = sum(g.numel() * g.element_size() for g in grad_out or () if g is not None)
+    peak = torch.cuda.max_memory_allocated(device) - resting - grad_bytes if cuda else 0
     if timer is not None:
         def backward(out):
             torch.autograd.backward([t for t in _tensors(out) if t.requires_grad], grad_out)
