@@ -446,7 +446,7 @@ def costs_part(t: Target, out: Path) -> dict:
     the allocator's; then, from the profiles, the simulated step of ``profiled`` against ``uniform`` and
     ``parameters`` at 4 and 8 stages (2 and 4 on CPU ranks): what a user would gain, predicted."""
     from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs
-    from ds_pipe_ext.costs.gpu_timing import cuda_timer, forward_backward_s
+    from ds_pipe_ext.costs.gpu_timing import cuda_timer
     from ds_pipe_ext.costs.hardware import get_device
     from ds_pipe_ext.costs.layers import build_for_profiling
     from ds_pipe_ext.costs.profiler import TORCH_DTYPES, profile_layers

@@ -32,8 +32,12 @@ def peak_flops(device_type: str, dtype: str) -> tuple[float | None, str]:
     from .costs.hardware import get_device
 
     if device_type != "cuda":
-        spec = get_device("cpu", cache_dir=str(CACHE_DIR))
-        return spec.matrix_flops["fp32"], f"the measured cpu spec's GEMM peak ({spec.matrix_flops['fp32'] / 1e12:.3f} TFLOP/s)"
+        try:
+            spec = get_device("cpu", cache_dir=str(CACHE_DIR))
+        except OSError:  # a read-only home: measured again, not cached
+            spec = get_device("cpu", cache_dir=None)
+        peak = spec.matrix_flops["fp32"]
+        return peak, f"the measured cpu spec's GEMM peak ({peak / 1e12:.3f} TFLOP/s)"
     import torch
 
     name = torch.cuda.get_device_name()

@@ -43,8 +43,8 @@ def main() -> None:
     skip_deepspeed_shm_op()
     deepspeed.init_distributed()
     rank = torch.distributed.get_rank()
-    settings = PipelineSettings(stages=args.stages, partition_method="profiled", profile={"cache_dir": None, "warmup": 0,
-                                                                                "repeats": 1})
+    settings = PipelineSettings(stages=args.stages, partition_method="profiled",
+                                profile={"cache_dir": None, "warmup": 0, "repeats": 1})
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     metrics = {"rank": rank}
 
@@ -52,8 +52,8 @@ def main() -> None:
     padded = torch.ones_like(tokens)
     padded[:, -3:] = 0
     try:
-        PipelineModule(hf.pipeline_layers(args.model), num_stages=args.stages, loss_fn=hf.causal_lm_loss, settings=settings,
-                       profile_batch=((tokens, padded), labels), micro_batches=MICRO_BATCHES)
+        PipelineModule(hf.pipeline_layers(args.model), num_stages=args.stages, loss_fn=hf.causal_lm_loss,
+                       settings=settings, profile_batch=((tokens, padded), labels), micro_batches=MICRO_BATCHES)
         metrics["padded_error"] = None
     except Exception as e:  # noqa: BLE001 - the test reads what each rank was told
         metrics["padded_error"] = f"{type(e).__name__}: {e}"

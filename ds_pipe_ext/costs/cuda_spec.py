@@ -87,13 +87,19 @@ def _measure() -> dict:  # pragma: no cover - needs a GPU (bench/gpu_path.py run
     q = torch.randn(4, 16, 2048, 64, device=dev, dtype=torch.bfloat16)
     sdpa_flops = 4 * 4 * 16 * 2048 * 2048 * 64 / 2  # QK^T and PV, half of them under the causal mask
     attention = sdpa_flops / timer(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)) / matrix["bf16"]
-    x = torch.empty(2**28, device=dev, dtype=torch.float32)  # 1 GiB
-    y = torch.empty_like(x)
-    bandwidth = 2 * x.nbytes / timer(lambda: y.copy_(x))
-    del x, y
+    bandwidth = _copy_bandwidth(dev, timer)
     u = torch.randn(2**21, device=dev)  # 8 MiB: L2-resident, so the add's arithmetic, not its traffic
     vector = u.numel() / timer(lambda: torch.add(u, u))
     return {"matrix_flops": matrix, "vector_flops": {name: vector for name in dtypes}, "hbm_bandwidth": bandwidth,
             "memory_bytes": float(torch.cuda.get_device_properties(dev).total_memory), "matrix_efficiency": 1.0,
             "attention_efficiency": min(attention, 1.0), "vector_efficiency": 1.0, "memory_efficiency": 1.0,
             "comm_efficiency": 1.0, "matrix_half_dim": half}
+
+
+def _copy_bandwidth(dev, timer) -> float:  # pragma: no cover - needs a GPU
+    """Bytes/s a copy between two 1 GiB buffers moves (read + write), beyond any cache."""
+    import torch
+
+    x = torch.empty(2**28, device=dev, dtype=torch.float32)
+    y = torch.empty_like(x)
+    return 2 * x.nbytes / timer(lambda: y.copy_(x))

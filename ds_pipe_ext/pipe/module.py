@@ -18,7 +18,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import replace
 
-import torch
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
 

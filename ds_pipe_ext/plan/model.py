@@ -31,8 +31,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..arch import as_description
-from ..costs.estimate import (DTYPE_BYTES, EstimateRequest, analytic_layer_costs, dropout_mask_bytes, layer_ops,
-                              rank_steps, shape_for)
+from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs, layer_ops, rank_steps, shape_for
 from ..costs.hardware import DeviceSpec
 from ..costs.stage import held_activation_bytes, stage_costs, with_layer_recompute
 from ..costs.peak import ZeroSettings, step_peak, walks_schedule
