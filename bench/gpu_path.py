@@ -315,14 +315,15 @@ def leftover_processes(marker: str) -> list[int]:
 
 def spec_name(t: Target) -> str:
     """The datasheet spec of the device this runs on, by its name."""
+    from ds_pipe_ext.costs.hardware import datasheet_name
+
     if not t.cuda:
         return "cpu"
-    name = torch.cuda.get_device_name()
-    for key, spec in (("H200", "h200"), ("H100", "h100"), ("A100", "a100" if device_memory_bytes() > 50e9 else
-                                                                       "a100-40gb")):
-        if key in name:
-            return spec
-    raise SystemExit(f"bench/gpu_path.py: no datasheet spec for {name!r}: add one to costs/hardware.py")
+    spec = datasheet_name(torch.cuda.get_device_name(), device_memory_bytes())
+    if spec is None:
+        raise SystemExit(f"bench/gpu_path.py: no datasheet spec for {torch.cuda.get_device_name()!r}: add one to "
+                         f"costs/hardware.py")
+    return spec
 
 
 def layers_part(t: Target, out: Path) -> dict:

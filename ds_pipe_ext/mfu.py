@@ -11,6 +11,7 @@ per machine), which the result says.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from .costs.estimate import EstimateRequest, layer_ops, shape_for
@@ -40,9 +41,10 @@ def peak_flops(device_type: str, dtype: str) -> tuple[float | None, str]:
         return peak, f"the measured cpu spec's GEMM peak ({peak / 1e12:.3f} TFLOP/s)"
     import torch
 
+    from .costs.hardware import datasheet_name
+
     name = torch.cuda.get_device_name()
-    key = next((spec for tag, spec in (("H200", "h200"), ("H100", "h100"), ("A100", "a100")) if tag in name.upper()),
-               None)
+    key = datasheet_name(name, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     if key is None:
         return None, f"no datasheet peak for {name}"
     spec = get_device(key, calibrated=False)
@@ -51,11 +53,33 @@ def peak_flops(device_type: str, dtype: str) -> tuple[float | None, str]:
     return spec.matrix_flops[dtype], f"{spec.name} datasheet {dtype}{' (TF32)' if dtype == 'fp32' else ''}"
 
 
-def estimate_mfu(samples_per_s: float, model, *, world_size: int, device_type: str, dtype: str,
-                 seq: int | None = None) -> dict:
-    """The MFU fields of a run's record: model TFLOP/s per device, MFU and the peak it is measured against."""
-    flops = model_flops_per_sample(model, seq)
-    per_device = samples_per_s * flops / world_size
-    peak, what = peak_flops(device_type, dtype)
-    return {"model_flops_per_sample": flops, "model_tflops_per_s_per_device": per_device / 1e12,
-            "mfu": per_device / peak if peak else None, "mfu_peak": what}
+@dataclass(frozen=True)
+class Throughput:
+    """What turns a run's step time into samples/s and MFU: the trainer's log line and summary, and the run
+    directory's record that ``report`` reads (``Predicted.throughput``, this as a dict)."""
+
+    samples_per_step: int
+    world_size: int
+    model_flops_per_sample: float
+    peak_flops: float | None  # one device's; None: unknown (or not looked up: ranks other than 0)
+    peak: str  # what that peak is
+
+    @classmethod
+    def of(cls, model, *, samples_per_step: int, world_size: int, device_type: str, dtype: str,
+           with_peak: bool = True) -> "Throughput":
+        """``with_peak=False``: no peak looked up (on a CPU it is measured, once per machine)."""
+        peak, what = peak_flops(device_type, dtype) if with_peak else (None, "rank 0 reports it")
+        return cls(samples_per_step, world_size, model_flops_per_sample(model), peak, what)
+
+    def samples_per_s(self, step_s: float) -> float:
+        return self.samples_per_step / step_s
+
+    def mfu(self, step_s: float) -> float | None:
+        per_device = self.samples_per_s(step_s) * self.model_flops_per_sample / self.world_size
+        return per_device / self.peak_flops if self.peak_flops else None
+
+    def fields(self, step_s: float) -> dict:
+        """A run summary's MFU fields at this step time."""
+        per_device = self.samples_per_s(step_s) * self.model_flops_per_sample / self.world_size
+        return {"model_flops_per_sample": self.model_flops_per_sample,
+                "model_tflops_per_s_per_device": per_device / 1e12, "mfu": self.mfu(step_s), "mfu_peak": self.peak}

@@ -304,12 +304,24 @@ def get_device(name: str, *, cache_dir: str | None = ".ds_pipe_ext_cache", calib
     return replace(DEVICES[key], **CALIBRATED.get(key, {})) if calibrated else DEVICES[key]
 
 
+def datasheet_name(device_name: str, memory_bytes: float | None = None) -> str | None:
+    """The datasheet spec of a GPU by the name CUDA gives it ("NVIDIA H100 80GB HBM3" -> "h100-sxm"; an A100 by
+    its memory, 40 or 80 GB), None for one without a spec here."""
+    name = device_name.upper()
+    if "H200" in name:
+        return "h200"
+    if "H100" in name:
+        return "h100-sxm"
+    if "A100" in name:
+        return "a100-40gb" if memory_bytes is not None and memory_bytes < 50e9 else "a100-80gb"
+    return None
+
+
 def cuda_device(device_name: str, measured: dict) -> DeviceSpec:
     """The ``cuda`` spec from its measured fields (``costs.cuda_spec``), with the datasheet's links where
     the device is one known by name (NCCL is not measured there), else its own copy bandwidth."""
-    name = device_name.upper()
-    known = next((DEVICES[ALIASES.get(spec, spec)] for tag, spec in (("H200", "h200"), ("H100", "h100"),
-                                                                      ("A100", "a100")) if tag in name), None)
+    key = datasheet_name(device_name, measured["memory_bytes"])
+    known = DEVICES[key] if key else None
     bandwidth = measured["hbm_bandwidth"]
     return DeviceSpec("cuda", intra_node_bandwidth=known.intra_node_bandwidth if known else bandwidth,
                       inter_node_bandwidth=known.inter_node_bandwidth if known else bandwidth,

@@ -124,13 +124,13 @@ def build_report(run_dir: str | Path) -> dict:
         "predicted_bubble_fraction": step.simulation.bubble_fraction,
     }
     if pred.throughput:  # samples/s and MFU of both steps, by the planner's FLOP count (``mfu``)
-        t = pred.throughput
+        from ..mfu import Throughput
+
+        rate = Throughput(**pred.throughput)
         for kind, ms in (("predicted", predicted_step), ("measured", measured_step)):
-            rate = t["samples_per_step"] / (ms / 1e3)
-            summary[f"{kind}_samples_per_s"] = rate
-            summary[f"{kind}_mfu"] = (rate * t["model_flops_per_sample"] / (t["world_size"] * t["peak_flops"])
-                                      if t["peak_flops"] else None)
-        summary["mfu_peak"] = t["peak"]
+            summary[f"{kind}_samples_per_s"] = rate.samples_per_s(ms / 1e3)
+            summary[f"{kind}_mfu"] = rate.mfu(ms / 1e3)
+        summary["mfu_peak"] = rate.peak
     if pred.layer_recompute is not None:  # what each stage recomputes, and its measured peak against the cap
         for r, st in zip(rows, stages):
             i, j = r["layers"]

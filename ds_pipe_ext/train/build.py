@@ -11,13 +11,15 @@ the checkpoint stopped).  Decisions that only rank 0 can make go through
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
 from ..config_model import ConfigError
 from ..device import select_rank_device
+from ..mfu import Throughput
+from ..pipe.config import engine_dtype
 from ..models import family_of, load_model
 from ..layout import Layout, LayoutError
 from ..pipe.decide import decide_and_broadcast
@@ -44,6 +46,7 @@ class Built:
     device: torch.device = torch.device("cpu")  # where this rank's parameters live
     peak_measure: str = ""  # what "peak memory" means in this run (instrument.memory.reset_process_peak)
     cap_measure: str = ""  # what train.memory_cap_gib is compared with (trainer.rank_peak_bytes)
+    throughput: object = None  # mfu.Throughput: samples/s and MFU of a step (its peak on rank 0 only)
 
     @property
     def expert_parallel(self) -> bool:
@@ -105,7 +108,6 @@ def build_layers(cfg: RunConfig, model_cfg, layout: Layout):
 
 
 def build_pipeline(cfg: RunConfig, model_cfg, layout: Layout, specs, loss_fn, impl, topology):
-    from ..pipe.config import engine_dtype
     from ..pipe.module import DualPipeVPipelineModule, PipelineModule
 
     profile_batch = next(SyntheticTokens(model_cfg.vocab_size, cfg.micro_batch, model_cfg.seq_len, seed=0))
@@ -269,17 +271,6 @@ def prediction_costs(built: Built) -> list:
                                 peers=profiling_peers(model))
 
 
-def throughput_record(built: Built) -> dict:
-    """What the report needs to turn a step into samples/s and MFU (``mfu``)."""
-    from ..mfu import model_flops_per_sample, peak_flops
-    from ..pipe.config import engine_dtype
-
-    peak, what = peak_flops(built.device.type, engine_dtype(built.cfg.deepspeed))
-    return {"samples_per_step": built.cfg.micro_batch * built.cfg.grad_accum * built.layout.dp,
-            "world_size": built.layout.world_size, "model_flops_per_sample": model_flops_per_sample(built.model_cfg),
-            "peak_flops": peak, "peak": what}
-
-
 def start_instrumentation(built: Built, overheads: dict | None):
     """Rank 0 writes what the partition predicts; every rank records its stage."""
     from ..instrument.hooks import instrument_engine
@@ -294,7 +285,7 @@ def start_instrumentation(built: Built, overheads: dict | None):
             layer_costs=costs, recompute=settings.activation_checkpoint_interval > 0,
             layer_recompute=model.layer_recompute, memory_cap_gib=settings.memory_cap_gib,
             link_bandwidth=settings.link_bandwidth, refined_from=settings.refine_from, overheads=overheads,
-            layout=built.layout.to_dict(), throughput=throughput_record(built)))
+            layout=built.layout.to_dict(), throughput=asdict(built.throughput)))
     sink = RunSink(settings.instrument.run_dir, built.rank, every=settings.instrument.every,
                    monitor=getattr(built.engine, "monitor", None))
     instrument_engine(built.engine, sink.emit, peak_step=settings.instrument.peak_step)
@@ -380,6 +371,9 @@ def build(cfg: RunConfig) -> Built:
     first = next(iter(model.parameters()), None)
     if first is not None:  # where the engine put this rank's parameters
         built.device = first.device
+    built.throughput = Throughput.of(model_cfg, samples_per_step=cfg.micro_batch * cfg.grad_accum * layout.dp,
+                                     world_size=layout.world_size, device_type=built.device.type,
+                                     dtype=engine_dtype(cfg.deepspeed), with_peak=rank == 0)
     if cfg.pipelined and cfg.pipeline.instrument.enabled:
         built.sink = start_instrumentation(built, overheads)
     elif not cfg.pipelined and cfg.instrument.enabled:

@@ -76,34 +76,9 @@ def over_memory_cap(cap_gib: float, mine: int, device: torch.device) -> dict | N
     return {"rank": rank, "peak_bytes": int(everyone[rank]), "cap_bytes": int(cap)}
 
 
-class Throughput:
-    """Samples/s and MFU of a step on rank 0 (``mfu.estimate_mfu``: the planner's FLOP count over the device's
-    peak; measured once per machine on a CPU); other ranks report none."""
-
-    def __init__(self, built: Built):
-        from ..mfu import model_flops_per_sample, peak_flops
-        from ..pipe.config import engine_dtype
-
-        cfg = built.cfg
-        self.samples_per_step = cfg.micro_batch * cfg.grad_accum * built.layout.dp
-        self.world = built.layout.world_size
-        self.flops_per_sample = model_flops_per_sample(built.model_cfg)
-        self.peak, self.peak_what = (peak_flops(built.device.type, engine_dtype(cfg.deepspeed)) if built.rank == 0
-                                     else (None, "rank 0 reports it"))
-
-    def mfu(self, step_s: float) -> float | None:
-        return self.samples_per_step / step_s * self.flops_per_sample / (self.world * self.peak) if self.peak else None
-
-    def fields(self, step_s: float) -> dict:
-        return {"model_flops_per_sample": self.flops_per_sample,
-                "model_tflops_per_s_per_device": self.samples_per_step / step_s * self.flops_per_sample / self.world / 1e12,
-                "mfu": self.mfu(step_s), "mfu_peak": self.peak_what}
-
-
 class Trainer:
     def __init__(self, built: Built):
         self.built = built
-        self.throughput = Throughput(built)
         self.step_fn: Callable[[Built], float] = pipeline_step if built.cfg.pipelined else data_parallel_step
         self.hooks: list[Callable[[int, float], None]] = []  # called after every step with (step, loss)
         self.losses: list[float] = []
@@ -114,8 +89,8 @@ class Trainer:
         if self.built.rank != 0:
             return lambda step, loss, seconds: None
         mode = self.built.cfg.train.log
-        rate = self.throughput
-        mfu = lambda seconds: round(rate.mfu(seconds), 4) if rate.peak else None  # noqa: E731
+        rate = self.built.throughput
+        mfu = lambda seconds: round(rate.mfu(seconds), 4) if rate.peak_flops else None  # noqa: E731
         if mode == "progress" or (mode == "auto" and sys.stdout.isatty()):
             from tqdm import tqdm
 
@@ -124,7 +99,7 @@ class Trainer:
         # the loss in full: resumed runs are compared with uninterrupted ones bit for bit
         return lambda step, loss, seconds: print(json.dumps({
             "step": step, "loss": loss, "step_s": round(seconds, 4),
-            "samples_per_s": round(rate.samples_per_step / seconds, 3), "mfu": mfu(seconds)}), flush=True)
+            "samples_per_s": round(rate.samples_per_s(seconds), 3), "mfu": mfu(seconds)}), flush=True)
 
     def _save(self, step: int) -> None:
         cfg = self.built.cfg
@@ -164,7 +139,7 @@ class Trainer:
             self.built.sink.gather()  # collective: rank 0 writes RUN_DIR/summary.json
             self.built.sink.close()
         summary = summarize(self.built, self.losses, self.step_times)
-        return {**summary, **self.throughput.fields(summary["step_s_median"]), "status": "oom" if self.oom else "ok",
+        return {**summary, **self.built.throughput.fields(summary["step_s_median"]), "status": "oom" if self.oom else "ok",
                 "oom": self.oom, "memory_cap_gib": cfg.train.memory_cap_gib,
                 "peak_measure": self.built.peak_measure, "cap_measure": self.built.cap_measure}
 
