@@ -88,6 +88,14 @@ libc.mallinfo2.restype, libc.malloc.restype, libc.malloc.argtypes = MallInfo2, c
 if sys.argv[1] == "fixed":
     from ds_pipe_ext.compat.cpu_shims import steady_host_allocator
     print("fixed", steady_host_allocator())
+if sys.argv[1] == "drop-in":  # a user's script: one rank that never profiles builds the module
+    import os, deepspeed, torch
+    from ds_pipe_ext import PipelineModule
+    from ds_pipe_ext.compat.cpu_shims import skip_deepspeed_shm_op
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    skip_deepspeed_shm_op()
+    deepspeed.init_distributed(dist_backend="gloo")
+    PipelineModule([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=1, partition_method="uniform")
 before = libc.mallinfo2().hblks
 block = libc.malloc(8 << 20)  # 8 MiB: above glibc's initial mmap threshold
 print("mmapped", libc.mallinfo2().hblks - before)
@@ -108,16 +116,21 @@ def test_the_malloc_shim_serves_large_blocks_from_the_heap_and_can_be_declined()
     except (OSError, AttributeError):
         pytest.skip("not glibc >= 2.33")
 
-    def probe(mode, **env):
-        out = subprocess.run([sys.executable, "-c", MALLOC_PROBE, mode], capture_output=True, text=True, check=True,
-                             env={**os.environ, **env}).stdout
-        return out.split()
+    def probe(mode, *args, **env):
+        out = subprocess.run([sys.executable, "-c", MALLOC_PROBE, mode, *args], capture_output=True, text=True,
+                             check=True, env={**os.environ, **env}).stdout
+        return [word for word in out.split() if word in ("fixed", "mmapped", "True", "False", "0", "1")]
 
     assert probe("glibc") == ["mmapped", "1"]
     assert probe("fixed") == ["fixed", "True", "mmapped", "0"]
     assert probe("fixed", DS_PIPE_EXT_GLIBC_MALLOC="default") == ["fixed", "False", "mmapped", "1"]
     # thresholds the environment fixed (compare --compact-malloc's 128 KiB) are kept, not overridden
     assert probe("fixed", MALLOC_MMAP_THRESHOLD_="131072") == ["fixed", "False", "mmapped", "1"]
+    # the drop-in sets them on every rank, not only on the rank that profiles (issue 53)
+    from ds_pipe_ext.runner import free_port
+
+    assert probe("drop-in", str(free_port())) == ["mmapped", "0"]
+    assert probe("drop-in", str(free_port()), DS_PIPE_EXT_GLIBC_MALLOC="default") == ["mmapped", "1"]
 
 
 def test_the_cpu_spec_charges_page_faults_above_the_threshold_training_runs_with(monkeypatch):

@@ -22,6 +22,7 @@ from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
 
 from ..compat import engine as ds_engine
+from ..compat.cpu_shims import steady_host_allocator
 from ..device import rank_device, select_rank_device
 from ..costs.frozen import freeze_costs
 from ..costs.layers import is_layer_spec
@@ -105,6 +106,11 @@ class PipelineModule(_DeepSpeedPipelineModule):
         **deepspeed_kwargs,
     ):
         settings = settings or PipelineSettings(stages=num_stages or 1)
+        # CPU ranks: every rank trains under the malloc thresholds rank 0 profiles under (costs.profiler sets them
+        # for its process).  Left to glibc, a rank that never profiled maps each buffer above its dynamic threshold
+        # afresh and pays its page faults on every call: a user's script trained the last stage 13-17% over its
+        # profile, and `profiled` moved layers onto it (docs/RESULTS.md, issue 53).  train.py sets them at start.
+        steady_host_allocator()
         # DeepSpeed moves the built stage to cuda:LOCAL_RANK; the profile and the partition's broadcast
         # come before that, and must run on that GPU too (a user's script may not have selected it)
         select_rank_device()
