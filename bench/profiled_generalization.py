@@ -1,0 +1,199 @@
+"""`profiled` on models nobody tuned it to: its split against every nearby split and DeepSpeed's built-ins.
+
+Six shapes (bench/generalization_shapes.py, fixed before the first measurement and never used to fit anything),
+2 pipeline stages on 2 CPU ranks (OMP_NUM_THREADS=1 each), each built as a user's script builds it: the model's
+``LayerSpec``s through the drop-in ``ds_pipe_ext.PipelineModule`` with ``profile_batch`` and ``micro_batches``, no
+step model, DeepSpeed's optimizer from ds.json or the script's AdamW (bench/generalization_worker.py); one shape is
+also built through train.py's path.
+
+1. **Predicted** (no launch, ``predicted.json``): each shape's layers profiled here, as `profiled` profiles them; the
+   step of every 2-stage split [0, k, n] by the plan `profiled` reports (the layers' times through the schedule, no
+   step model); the best predicted split and the splits within 2 boundaries of it are the candidates.
+2. **Measured**: per round, one launch a shape building `profiled` (a fresh profile and decision), `uniform`,
+   `parameters` (DeepSpeed's own), every candidate split, and train.py's `profiled` where the shape says, in an order
+   that turns each round (forward, backward, then rotated).  Each build: step 1 the warm-up, the median of the
+   others.  Scores are ratios within a launch (`profiled`'s build against the best split's build beside it),
+   medians over the rounds; the best split is the split build with the highest median samples/s.
+
+    OMP_NUM_THREADS=1 python bench/profiled_generalization.py [--rounds 3] [--steps 3] [--out runs/generalization-53]
+    python bench/profiled_generalization.py --predict-only
+
+Resumable: a launch whose metrics exist in --out is read, not run again.  No run here calibrates anything: the
+profiles are each launch's own, and no step model is read.  Last line:
+RESULT profiled_vs_best_split_min=A profiled_vs_best_split_median=B profiled_vs_uniform_min=C
+step_prediction_median_error_pct=D  (targets A >= 0.97, B >= 0.99, C >= 1.0, D <= 10)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.generalization_shapes import SHAPES, Shape  # noqa: E402
+from ds_pipe_ext.partition.report import render_table  # noqa: E402
+from ds_pipe_ext.runner import launch  # noqa: E402
+
+NEIGHBOURS = 2  # candidate splits: within this many boundaries of the best predicted one
+
+
+def predict(shape: Shape) -> dict:
+    """The layers profiled as `profiled` profiles them (a fresh profile, the drop-in's settings), and the predicted
+    step of every 2-stage split, as the plan `profiled` reports computes it (no step model)."""
+    import torch
+
+    from bench.generalization_worker import batches, ds_config
+    from ds_pipe_ext.costs.profiler import profile_layers
+    from ds_pipe_ext.models import family_of, load_model
+    from ds_pipe_ext.partition.report import build_plan
+    from ds_pipe_ext.pipe.config import PipelineSettings
+
+    cfg = load_model(shape.model)
+    family = family_of(cfg)
+    inputs, labels = next(batches(cfg, shape.micro_batch, 0))
+    settings = PipelineSettings.from_ds_config(ds_config(shape)).profile
+    torch.manual_seed(0)
+    costs = profile_layers(family.layer_specs(cfg), inputs, labels=labels, loss_fn=family.loss_fn(cfg),
+                           settings=settings)
+    n = len(costs)
+    steps = {k: build_plan("profiled", [0, k, n], costs, micro_batches=shape.micro_batches).predicted_step_ms
+             for k in range(1, n)}
+    best = min(steps, key=steps.get)
+    candidates = [k for k in range(best - NEIGHBOURS, best + NEIGHBOURS + 1) if 1 <= k < n]
+    return {"layers": n, "predicted_step_ms": {str(k): v for k, v in steps.items()}, "best_predicted": best,
+            "candidates": [f"parts:0,{k},{n}" for k in candidates],
+            "costs": [[c.name, c.forward_s, c.backward_s, c.param_bytes] for c in costs]}
+
+
+def methods_for(shape: Shape, predicted: dict, round_no: int) -> list[str]:
+    methods = ["profiled", "uniform", "parameters", *predicted["candidates"]] + (["train.py"] if shape.via_train_py else [])
+    shift = round_no // 2 % len(methods)
+    methods = methods[shift:] + methods[:shift]
+    return methods[::-1] if round_no % 2 else methods
+
+
+def is_split(method: str) -> bool:
+    return method not in ("profiled", "train.py")
+
+
+def score(shape: Shape, launches: list[list[dict]]) -> dict:
+    """Per method its samples/s per round; the best split; profiled's ratios within each launch; its predicted
+    step against the measured."""
+    by_method: dict[str, list[dict]] = {}
+    for records in launches:
+        for r in records:
+            by_method.setdefault(r["method"], []).append(r)
+    median = {m: statistics.median(r["samples_per_s"] for r in rs) for m, rs in by_method.items()}
+    best = max((m for m in median if is_split(m)), key=median.get)
+
+    def ratios(num: str, den: str) -> list[float]:
+        return [next(r for r in rec if r["method"] == num)["samples_per_s"]
+                / next(r for r in rec if r["method"] == den)["samples_per_s"] for rec in launches]
+
+    errors = [100 * (r["predicted_step_ms"] / (1e3 * r["step_s"]) - 1) for r in by_method["profiled"]]
+    out = {"median_samples_per_s": median, "best_split": best,
+           "best_parts": by_method[best][0]["parts"],
+           "profiled_parts": [r["parts"] for r in by_method["profiled"]],
+           "profiled_vs_best": ratios("profiled", best), "profiled_vs_uniform": ratios("profiled", "uniform"),
+           "step_error_pct": errors,
+           "predicted_step_ms": [r["predicted_step_ms"] for r in by_method["profiled"]],
+           "measured_step_ms": [1e3 * r["step_s"] for r in by_method["profiled"]]}
+    if "train.py" in by_method:
+        out["train_py_parts"] = [r["parts"] for r in by_method["train.py"]]
+        out["train_py_vs_best"] = ratios("train.py", best)
+    return out
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="per build; step 1 is the warm-up")
+    ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
+    ap.add_argument("--out", default="runs/generalization-53")
+    ap.add_argument("--predict-only", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = [s for s in SHAPES if s.name in args.shapes.split(",")]
+    start = time.time()
+
+    pred_file = out / "predicted.json"
+    predicted = json.loads(pred_file.read_text()) if pred_file.exists() else {}
+    for shape in shapes:
+        if shape.name not in predicted:
+            import torch
+
+            torch.set_num_threads(1)
+            predicted[shape.name] = predict(shape)
+            pred_file.write_text(json.dumps(predicted, indent=1))
+        p = predicted[shape.name]
+        print(f"{shape.name:<10} {shape.model} {shape.micro_batch} x {shape.micro_batches}, {shape.optimizer}: "
+              f"best predicted [0, {p['best_predicted']}, {p['layers']}] "
+              f"{p['predicted_step_ms'][str(p['best_predicted'])]:.0f} ms; candidates {p['candidates']}", flush=True)
+    if args.predict_only:
+        return
+
+    launches: dict[str, list[list[dict]]] = {s.name: [] for s in shapes}
+    for round_no in range(args.rounds):
+        for shape in shapes:
+            methods = methods_for(shape, predicted[shape.name], round_no)
+            run_dir = out / f"{shape.name}-r{round_no}"
+            done = run_dir / "metrics.json"
+            if not done.exists():
+                run_dir.mkdir(parents=True, exist_ok=True)
+                print(f"[{(time.time() - start) / 60:5.1f} min] round {round_no} {shape.name}: {';'.join(methods)}",
+                      flush=True)
+                proc, _ = launch(2, None, "--shape", shape.name, "--methods", ";".join(methods),
+                                 "--steps", str(args.steps), out_dir=run_dir, script="bench/generalization_worker.py",
+                                 timeout=1200)
+                (run_dir / "launch.log").write_text(proc.stdout + proc.stderr)
+                if proc.returncode != 0 or not done.exists():
+                    sys.exit(f"{shape.name} round {round_no}: launch failed (rc {proc.returncode}); "
+                             f"see {run_dir / 'launch.log'}")
+            records = json.loads(done.read_text())["measured"]
+            if [r["method"] for r in records] != methods:
+                sys.exit(f"{done} measured {[r['method'] for r in records]}, not this run's {methods}: "
+                         f"a stale directory; remove it")
+            launches[shape.name].append(records)
+            for r in records:
+                print(f"    {r['method']:<16} parts={r['parts']}  {r['samples_per_s']:.3f} samples/s", flush=True)
+
+    scores = {s.name: score(s, launches[s.name]) for s in shapes}
+    (out / "results.json").write_text(json.dumps({"predicted": predicted, "scores": scores}, indent=1))
+    rows = []
+    for s in shapes:
+        sc = scores[s.name]
+        rows.append([s.name, f"{s.micro_batch}x{s.micro_batches}", s.optimizer,
+                     " ".join(",".join(map(str, p)) for p in sc["profiled_parts"]),
+                     ",".join(map(str, sc["best_parts"])) + f" ({sc['best_split']})",
+                     spread(sc["profiled_vs_best"]), spread(sc["profiled_vs_uniform"]),
+                     f"{statistics.median(sc['predicted_step_ms']):.0f}", f"{statistics.median(sc['measured_step_ms']):.0f}",
+                     f"{statistics.median(sc['step_error_pct']):+.1f}"])
+    print("\n".join(render_table(["shape", "mb x m", "optimizer", "profiled's splits", "best split",
+                                  "profiled / best", "profiled / uniform", "pred ms", "meas ms", "err %"], rows)))
+    for s in shapes:
+        sc = scores[s.name]
+        line = "  ".join(f"{m} {v:.3f}" for m, v in sorted(sc["median_samples_per_s"].items(), key=lambda kv: -kv[1]))
+        print(f"{s.name}: samples/s medians: {line}")
+        if "train_py_parts" in sc:
+            print(f"{s.name}: train.py's profiled chose {sc['train_py_parts']}, / best split {spread(sc['train_py_vs_best'])}")
+    a = min(statistics.median(sc["profiled_vs_best"]) for sc in scores.values())
+    b = statistics.median(statistics.median(sc["profiled_vs_best"]) for sc in scores.values())
+    c = min(statistics.median(sc["profiled_vs_uniform"]) for sc in scores.values())
+    d = statistics.median(abs(statistics.median(sc["step_error_pct"])) for sc in scores.values())
+    print(f"{(time.time() - start) / 60:.1f} min")
+    print(f"RESULT profiled_vs_best_split_min={a:.3f} profiled_vs_best_split_median={b:.3f} "
+          f"profiled_vs_uniform_min={c:.3f} step_prediction_median_error_pct={d:.1f}")
+
+
+if __name__ == "__main__":
+    main()
