@@ -11,9 +11,11 @@ also built through train.py's path.
    step model); the best predicted split and the splits within 2 boundaries of it are the candidates.
 2. **Measured**: per round, one launch a shape building `profiled` (a fresh profile and decision), `uniform`,
    `parameters` (DeepSpeed's own), every candidate split, and train.py's `profiled` where the shape says, in an order
-   that turns each round (forward, backward, then rotated).  Each build: step 1 the warm-up, the median of the
-   others.  Scores are ratios within a launch (`profiled`'s build against the best split's build beside it),
-   medians over the rounds; the best split is the split build with the highest median samples/s.
+   that turns each round (forward, backward, then rotated).  Each launch first trains one unrecorded build (a fresh
+   process's first build runs its first steps 1.2-2.4x slower while its heap grows); each build: step 1 the
+   warm-up, the median of the others.  Scores are ratios within a launch (`profiled`'s build against the best split's build beside it),
+   medians over the rounds; the best split is the split with the highest median samples/s, its builds pooled by
+   their boundaries (`uniform`, `parameters` and a `parts:` build that cut alike are one split).
 
     OMP_NUM_THREADS=1 python bench/profiled_generalization.py [--rounds 3] [--steps 3] [--out runs/generalization-53]
     python bench/profiled_generalization.py --predict-only
@@ -47,7 +49,7 @@ def predict(shape: Shape) -> dict:
     step of every 2-stage split, as the plan `profiled` reports computes it (no step model)."""
     import torch
 
-    from bench.generalization_worker import batches, ds_config
+    from bench.generalization_worker import SEED, batches, ds_config
     from ds_pipe_ext.costs.profiler import profile_layers
     from ds_pipe_ext.models import family_of, load_model
     from ds_pipe_ext.partition.report import build_plan
@@ -58,8 +60,9 @@ def predict(shape: Shape) -> dict:
     inputs, labels = next(batches(cfg, shape.micro_batch, 0))
     settings = PipelineSettings.from_ds_config(ds_config(shape)).profile
     torch.manual_seed(0)
-    costs = profile_layers(family.layer_specs(cfg), inputs, labels=labels, loss_fn=family.loss_fn(cfg),
-                           settings=settings)
+    specs = family.layer_specs(cfg)
+    costs = profile_layers(specs, inputs, labels=labels, loss_fn=family.loss_fn(cfg), settings=settings,
+                           layer_seeds=[SEED + i for i in range(len(specs))])  # as the drop-in's seed_layers
     n = len(costs)
     steps = {k: build_plan("profiled", [0, k, n], costs, micro_batches=shape.micro_batches).predicted_step_ms
              for k in range(1, n)}
@@ -83,23 +86,33 @@ def is_split(method: str) -> bool:
 
 def score(shape: Shape, launches: list[list[dict]]) -> dict:
     """Per method its samples/s per round; the best split; profiled's ratios within each launch; its predicted
-    step against the measured."""
+    step against the measured.  Splits are pooled by their boundaries: `uniform`, `parameters` and a `parts:`
+    build that cut alike measure one split (the best of three noisy copies of one split would favour it)."""
     by_method: dict[str, list[dict]] = {}
     for records in launches:
         for r in records:
             by_method.setdefault(r["method"], []).append(r)
     median = {m: statistics.median(r["samples_per_s"] for r in rs) for m, rs in by_method.items()}
-    best = max((m for m in median if is_split(m)), key=median.get)
 
-    def ratios(num: str, den: str) -> list[float]:
-        return [next(r for r in rec if r["method"] == num)["samples_per_s"]
-                / next(r for r in rec if r["method"] == den)["samples_per_s"] for rec in launches]
+    def split_rate(records: list[dict], parts: list[int]) -> float | None:
+        rates = [r["samples_per_s"] for r in records if is_split(r["method"]) and r["parts"] == parts]
+        return statistics.mean(rates) if rates else None
 
+    splits = {tuple(r["parts"]) for rs in launches for r in rs if is_split(r["method"])}
+    split_median = {p: statistics.median(x for rs in launches if (x := split_rate(rs, list(p))) is not None)
+                    for p in splits}
+    best = max(split_median, key=split_median.get)
+
+    def ratios(method: str, parts) -> list[float]:
+        return [next(r for r in rec if r["method"] == method)["samples_per_s"] / split_rate(rec, list(parts))
+                for rec in launches]
+
+    uniform = tuple(by_method["uniform"][0]["parts"])
     errors = [100 * (r["predicted_step_ms"] / (1e3 * r["step_s"]) - 1) for r in by_method["profiled"]]
-    out = {"median_samples_per_s": median, "best_split": best,
-           "best_parts": by_method[best][0]["parts"],
-           "profiled_parts": [r["parts"] for r in by_method["profiled"]],
-           "profiled_vs_best": ratios("profiled", best), "profiled_vs_uniform": ratios("profiled", "uniform"),
+    out = {"median_samples_per_s": median, "split_median_samples_per_s": {",".join(map(str, p)): v
+                                                                          for p, v in split_median.items()},
+           "best_parts": list(best), "profiled_parts": [r["parts"] for r in by_method["profiled"]],
+           "profiled_vs_best": ratios("profiled", best), "profiled_vs_uniform": ratios("profiled", uniform),
            "step_error_pct": errors,
            "predicted_step_ms": [r["predicted_step_ms"] for r in by_method["profiled"]],
            "measured_step_ms": [1e3 * r["step_s"] for r in by_method["profiled"]]}
@@ -174,7 +187,7 @@ def main() -> None:
         sc = scores[s.name]
         rows.append([s.name, f"{s.micro_batch}x{s.micro_batches}", s.optimizer,
                      " ".join(",".join(map(str, p)) for p in sc["profiled_parts"]),
-                     ",".join(map(str, sc["best_parts"])) + f" ({sc['best_split']})",
+                     ",".join(map(str, sc["best_parts"])),
                      spread(sc["profiled_vs_best"]), spread(sc["profiled_vs_uniform"]),
                      f"{statistics.median(sc['predicted_step_ms']):.0f}", f"{statistics.median(sc['measured_step_ms']):.0f}",
                      f"{statistics.median(sc['step_error_pct']):+.1f}"])
@@ -183,7 +196,9 @@ def main() -> None:
     for s in shapes:
         sc = scores[s.name]
         line = "  ".join(f"{m} {v:.3f}" for m, v in sorted(sc["median_samples_per_s"].items(), key=lambda kv: -kv[1]))
-        print(f"{s.name}: samples/s medians: {line}")
+        print(f"{s.name}: samples/s medians by build: {line}")
+        line = "  ".join(f"[{p}] {v:.3f}" for p, v in sorted(sc["split_median_samples_per_s"].items(), key=lambda kv: -kv[1]))
+        print(f"{s.name}: by split (builds that cut alike pooled): {line}")
         if "train_py_parts" in sc:
             print(f"{s.name}: train.py's profiled chose {sc['train_py_parts']}, / best split {spread(sc['train_py_vs_best'])}")
     a = min(statistics.median(sc["profiled_vs_best"]) for sc in scores.values())

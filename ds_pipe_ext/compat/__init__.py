@@ -21,6 +21,10 @@ DeepSpeed ``runtime/pipe/engine.py`` (``PipelineEngine``), in ``compat.instructi
     ``_INSTRUCTION_MAP``   instruction class -> bound method; a timed copy is put on the instance
     ``_aggregate_total_loss``   the loss broadcast after the schedule (timed too)
 
+DeepSpeed ``runtime/pipe/engine.py``, in ``compat.backward``:
+    ``_INSTRUCTION_MAP[BackwardPass]``   wrapped in the class map: a tuple of outputs backpropagated in one pass
+    ``pipe_buffers["outputs"]``, ``grad_layer``, ``is_pipe_partitioned``, ``is_grad_partitioned``   what it reads
+
 DeepSpeed ``runtime/pipe/engine.py``, in ``compat.engine``:
     ``_train_schedule``    the PipeSchedule of each ``train_batch``; replaced on the instance for GPipe
 

@@ -71,6 +71,13 @@ def describe_layer(layer) -> str:
     return _describe_function(layer)
 
 
+def measured_alone(layer) -> bool:
+    """Whether the layer's time follows its own weights, so that identical specs do not cost the same: a class
+    that says ``profile_each = True`` (a dropless Mixture-of-Experts block, whose busiest expert sets its time)."""
+    cls = layer.typename if is_layer_spec(layer) else type(layer)
+    return bool(getattr(cls, "profile_each", False))
+
+
 def build_for_profiling(layer) -> tuple[nn.Module, Callable]:
     """(module holding the parameters, call(x)) for a private copy of ``layer``.
 

@@ -16,7 +16,9 @@ the resulting ``LayerCost`` list.
 * The profiler leaves no trace: it builds its own copies of the layers inside
   ``torch.random.fork_rng`` so the real model's initialisation is unchanged.
 * Layers with identical specs and inputs (the transformer blocks) are measured
-  once and share the result, which also gives the partitioner exact ties.
+  once and share the result, which also gives the partitioner exact ties; a layer whose
+  time follows its own weights (``layers.measured_alone``: a dropless MoE block) is measured
+  each time, built from the seed the run builds it from (``layer_seeds``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from .cache import ProfileCache, cache_key, library_versions
 from .gpu_timing import Timer, cuda_timer, forward_backward_s
-from .layers import build_for_profiling, describe_layer, layer_names
+from .layers import build_for_profiling, describe_layer, layer_names, measured_alone
 from .types import LayerCost, ProfileSettings
 
 log = logging.getLogger(__name__)
@@ -318,6 +320,8 @@ def profile_layers(
     dtype: torch.dtype = torch.float32,
     key_fields: dict | None = None,
     timer: Timer | None = None,
+    layer_seeds: Sequence[int] | None = None,
+    seed_fn: Callable[[int], None] | None = None,
 ) -> list[LayerCost]:
     """Profile every layer in order on one micro-batch ``inputs`` (a tensor or a tuple of tensors).
 
@@ -327,6 +331,9 @@ def profile_layers(
     it always runs on the last stage.  ``key_fields`` are added to the cache key:
     pass whatever else changes the costs (model config, TP/SP degree, ...).  ``timer``: how a call is
     timed (``costs.gpu_timing``); None: loops of calls on a GPU (``cuda_timer``), single calls on a CPU.
+    ``layer_seeds``: the seed each layer is built from in the run (DeepSpeed's ``seed_layers``: base_seed + i,
+    through ``seed_fn`` where given): each copy is then built as the stage builds it, so a layer whose time follows
+    its weights (a dropless MoE block's router) is measured with the run's weights.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:  # the current device, by name: timers, peaks, RNG fork
@@ -356,6 +363,7 @@ def profile_layers(
         "settings": {"warmup": settings.warmup, "repeats": settings.repeats,
                      "optimizer_bytes_per_param": settings.optimizer_bytes_per_param,
                      **({"compile": True} if settings.compile else {})},
+        **({"layer_seeds": list(layer_seeds)} if layer_seeds is not None else {}),
         **(key_fields or {}),
     }
     cache = ProfileCache(settings.cache_dir) if settings.cache_dir else None
@@ -382,7 +390,11 @@ def profile_layers(
         for i in iterator:
             last = i == len(specs) - 1
             sig = f"{describe_layer(specs[i])}|{_shapes(x)}|last={last}"
+            if measured_alone(specs[i]):
+                sig += f"|layer {i}"
             if sig not in measured:
+                if layer_seeds is not None:
+                    (seed_fn or torch.manual_seed)(layer_seeds[i])
                 measured[sig] = measure_layer(
                     specs[i], x, device=device, dtype=dtype, settings=settings,
                     loss_fn=loss_fn if last else None, labels=lab if last else None, name=names[i],

@@ -44,6 +44,9 @@ from .decide import decide_and_broadcast
 from .freeze import frozen_flags
 from .recompute import check_auto_recompute, supports_selective, with_measured_selective, with_selective_recompute
 from . import schedules as _engine_order  # noqa: F401 - hands the step model DeepSpeed's order of instructions
+from ..compat.backward import install_one_pass_backward
+
+install_one_pass_backward()  # a stage handing on several tensors backpropagates once, as it was profiled
 
 log = logging.getLogger(__name__)
 
@@ -272,12 +275,15 @@ class PipelineModule(_DeepSpeedPipelineModule):
             # a cache hit on one TP rank but not another would leave the other waiting in a collective
             settings = settings.model_copy(update={"cache_dir": None})
         dtype = TORCH_DTYPES[self._ext_dtype]  # the engine's precision: its kernels, its saved bytes
+        # each copy built from the seed its stage builds it from (DeepSpeed's seed_layers)
+        seeds = dict(layer_seeds=[self.base_seed + i for i in range(len(specs))], seed_fn=self.seed_fn) \
+            if self.seed_layers else {}
         costs = profile_layers(specs, inputs, labels=labels, loss_fn=self.loss_fn, settings=settings, device=device,
-                               dtype=dtype, key_fields=self._ext_cost_key)
+                               dtype=dtype, key_fields=self._ext_cost_key, **seeds)
         if self._ext_layer_recompute == "auto":  # what the layers that can replay their attention core keep then
             costs = with_measured_selective(costs, specs, lambda sel: profile_layers(
                 sel, inputs, labels=labels, loss_fn=self.loss_fn, settings=settings, device=device,
-                dtype=dtype, key_fields=self._ext_cost_key))
+                dtype=dtype, key_fields=self._ext_cost_key, **seeds))
         return costs
 
     def _analytic_costs(self, inputs) -> list:
