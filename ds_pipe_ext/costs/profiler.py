@@ -225,6 +225,7 @@ def measure_layer(
             fwd_times.append(tf.elapsed())
             bwd_times.append(tb.elapsed())
 
+    optimizer_s = _optimizer_step_s(trainable, device, settings)
     # the output's gradient arrives from the next stage, resting memory as the input is: not the layer's
     grad_bytes = sum(g.numel() * g.element_size() for g in grad_out or () if g is not None)
     peak = torch.cuda.max_memory_allocated(device) - resting - grad_bytes if cuda else 0
@@ -256,8 +257,26 @@ def measure_layer(
         loss_input_bytes=handed_to_loss[0] if handed_to_loss else 0,
         # DeepSpeed marks expert parameters allreduce=False (they reduce over their expert-data-parallel group)
         expert_param_bytes=elem(p for p in params if getattr(p, "allreduce", True) is False),
+        optimizer_step_s=optimizer_s,
     )
     return cost, _detach_input(out)
+
+
+def _optimizer_step_s(trainable: list, device: torch.device, settings: ProfileSettings) -> float:
+    """One AdamW step over the layer's parameters, as train.py builds it (fused on a GPU, the per-tensor loop on
+    a CPU), with the gradients the last backward left; the median after the warm-up (the first step allocates
+    its states).  Learning rate 0: the copy's weights stay as built."""
+    grads = [p for p in trainable if p.grad is not None]
+    if not grads:
+        return 0.0
+    opt = torch.optim.AdamW(grads, lr=0.0, **({"fused": True} if device.type == "cuda" else {"foreach": False}))
+    times = []
+    for r in range(settings.warmup + settings.repeats):
+        with _Timer(device) as t:
+            opt.step()
+        if r >= settings.warmup:
+            times.append(t.elapsed())
+    return statistics.median(times)
 
 
 def _checkpoint_function():
@@ -359,7 +378,7 @@ def profile_layers(
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu:{torch.get_num_threads()}threads",
         **host,
         "versions": library_versions(),
-        "measures": "recompute-v2",  # recompute_s measured under the checkpoint function
+        "measures": "recompute-v2 optimizer-v1",  # recompute_s under the checkpoint function; the optimizer step
         "settings": {"warmup": settings.warmup, "repeats": settings.repeats,
                      "optimizer_bytes_per_param": settings.optimizer_bytes_per_param,
                      **({"compile": True} if settings.compile else {})},

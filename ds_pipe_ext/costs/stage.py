@@ -134,6 +134,7 @@ class StageCost:
     boundary_in_bytes: int  # the activation received from the previous stage (0 for the first)
     boundary_out_bytes: int  # the activation sent to the next stage (0 for the last)
     recomputed_layers: int = 0  # layers whose forward backward_s replays (activation checkpointing)
+    optimizer_s: float = 0.0  # the optimizer's step over the stage's parameters, once a step (0 where unmeasured)
 
     @property
     def time_s(self) -> float:
@@ -191,6 +192,7 @@ def stage_costs(
             inflight=in_flight(s, p, micro_batches, schedule),
             boundary_in_bytes=b_in, boundary_out_bytes=b_out,
             recomputed_layers=sum(replayed(c, recompute=recompute) for c in layers),
+            optimizer_s=sum(float(getattr(c, "optimizer_step_s", 0.0)) for c in layers),
         ))
     return out
 

@@ -51,6 +51,9 @@ class LayerCost:
     # forward it replays; None where the layer has no such mode (a Hugging Face layer, the embedding)
     selective_kept_bytes: int | None = None
     selective_replay_s: float = 0.0
+    # the optimizer's step over this layer's trainable parameters, once a step (0 where unmeasured): the stage
+    # runs it after its last backward (the plan's step without a step model)
+    optimizer_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

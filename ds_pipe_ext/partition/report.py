@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from ..costs.stage import StageCost, imbalance, stage_costs
 from ..simulate.schedule import simulate_stages
+from ..simulate.schedules import parse_schedule
 from ..simulate.step_model import StepModel
 
 MIB = 2**20
@@ -32,13 +33,17 @@ class PartitionPlan:
 
     @property
     def predicted_step_ms(self) -> float:
-        """The event simulator's step for these stages under the schedule (fill, steady state, drain);
-        with a step model, its prediction (engine costs, optimizer step, shared cores)."""
+        """The event simulator's step for these stages under the schedule (fill, steady state, drain, each stage's
+        optimizer step where profiled); with a step model, its prediction (engine costs, optimizer step, shared
+        cores)."""
         if self.step_model is not None:
             model = replace(self.step_model, p2p_bandwidth=self.link_bandwidth or self.step_model.p2p_bandwidth)
             return 1e3 * model.predict(self.stages, self.micro_batches, schedule=self.schedule, timeline=False).step_s
+        # each stage's optimizer step after its last backward, where the layers measured it (one chunk a rank)
+        optimizer = [s.optimizer_s for s in self.stages]
+        per_rank = any(optimizer) and parse_schedule(self.schedule).chunks_per_rank == 1
         return 1e3 * simulate_stages(self.stages, self.micro_batches, link_bandwidth=self.link_bandwidth,
-                                     schedule=self.schedule).step_s
+                                     schedule=self.schedule, optimizer_s=optimizer if per_rank else None).step_s
 
     def to_dict(self) -> dict:
         return {

@@ -1,5 +1,5 @@
-"""compat.backward: a stage handing on several tensors backpropagates once, with the gradients DeepSpeed's
-one-pass-per-output loop gives (DeepSpeed 0.19's _exec_backward_pass ran the shared graph once per output)."""
+"""What makes a profile match the training run it predicts (issue 53): a stage handing on several tensors
+backpropagates once (compat.backward), and each stage's optimizer step is profiled and run after its last backward."""
 
 from types import SimpleNamespace
 
@@ -57,3 +57,27 @@ def test_the_last_stage_and_single_outputs_go_to_deepspeed_unchanged():
     engine.pipe_buffers["outputs"][0] = single
     one_pass_backward(lambda e, b: calls.append(e.pipe_buffers["outputs"][b]))(engine, 0)
     assert calls[-1] is single
+
+
+def test_the_plan_runs_each_stage_optimizer_step_after_its_last_backward():
+    """Without a step model the plan's step is the layers through the schedule plus each stage's optimizer step
+    after its last backward: under 1F1B stage 0 finishes last, so its step is the one added."""
+    from ds_pipe_ext.costs.types import LayerCost
+    from ds_pipe_ext.partition.report import build_plan
+
+    def costs(opt0: float, opt1: float) -> list:
+        return [LayerCost("a", 1.0, 2.0, optimizer_step_s=opt0), LayerCost("b", 1.0, 2.0, optimizer_step_s=opt1)]
+
+    plain = build_plan("x", [0, 1, 2], costs(0.0, 0.0), micro_batches=4).predicted_step_ms
+    assert plain == 1e3 * (4 * 3.0 + 3.0)  # (m + p - 1) x (f + b)
+    assert build_plan("x", [0, 1, 2], costs(0.5, 0.1), micro_batches=4).predicted_step_ms == plain + 500.0
+    assert build_plan("x", [0, 1, 2], costs(0.0, 4.0), micro_batches=4).predicted_step_ms == plain - 2000.0 + 4000.0
+
+
+def test_the_profiler_times_the_optimizer_step_of_a_layer_with_parameters():
+    from ds_pipe_ext.costs.profiler import profile_layers
+    from ds_pipe_ext.costs.types import ProfileSettings
+
+    costs = profile_layers([torch.nn.Linear(64, 64), torch.nn.Tanh()], torch.randn(8, 64),
+                           settings=ProfileSettings(warmup=1, repeats=2, cache_dir=None, progress=False))
+    assert costs[0].optimizer_step_s > 0 and costs[1].optimizer_step_s == 0
