@@ -107,12 +107,19 @@ def score(shape: Shape, launches: list[list[dict]]) -> dict:
         return [next(r for r in rec if r["method"] == method)["samples_per_s"] / split_rate(rec, list(parts))
                 for rec in launches]
 
+    def chosen_split_ratio(rec: list[dict]) -> float:
+        """profiled's split (its own build pooled with the builds that cut alike) against the best split."""
+        chosen = next(r for r in rec if r["method"] == "profiled")["parts"]
+        rates = [r["samples_per_s"] for r in rec if r["parts"] == chosen and r["method"] != "train.py"]
+        return statistics.mean(rates) / split_rate(rec, list(best))
+
     uniform = tuple(by_method["uniform"][0]["parts"])
     errors = [100 * (r["predicted_step_ms"] / (1e3 * r["step_s"]) - 1) for r in by_method["profiled"]]
     out = {"median_samples_per_s": median, "split_median_samples_per_s": {",".join(map(str, p)): v
                                                                           for p, v in split_median.items()},
            "best_parts": list(best), "profiled_parts": [r["parts"] for r in by_method["profiled"]],
            "profiled_vs_best": ratios("profiled", best), "profiled_vs_uniform": ratios("profiled", uniform),
+           "profiled_split_vs_best": [chosen_split_ratio(rec) for rec in launches],
            "step_error_pct": errors,
            "predicted_step_ms": [r["predicted_step_ms"] for r in by_method["profiled"]],
            "measured_step_ms": [1e3 * r["step_s"] for r in by_method["profiled"]]}
@@ -199,6 +206,8 @@ def main() -> None:
         print(f"{s.name}: samples/s medians by build: {line}")
         line = "  ".join(f"[{p}] {v:.3f}" for p, v in sorted(sc["split_median_samples_per_s"].items(), key=lambda kv: -kv[1]))
         print(f"{s.name}: by split (builds that cut alike pooled): {line}")
+        print(f"{s.name}: profiled's split (its builds pooled with the builds that cut alike) / best split "
+              f"{spread(sc['profiled_split_vs_best'])}")
         if "train_py_parts" in sc:
             print(f"{s.name}: train.py's profiled chose {sc['train_py_parts']}, / best split {spread(sc['train_py_vs_best'])}")
     a = min(statistics.median(sc["profiled_vs_best"]) for sc in scores.values())
