@@ -3,6 +3,8 @@ backpropagates once (compat.backward), and each stage's optimizer step is profil
 
 from types import SimpleNamespace
 
+import pytest
+
 import torch
 
 from ds_pipe_ext.compat.backward import one_pass_backward
@@ -81,3 +83,29 @@ def test_the_profiler_times_the_optimizer_step_of_a_layer_with_parameters():
     costs = profile_layers([torch.nn.Linear(64, 64), torch.nn.Tanh()], torch.randn(8, 64),
                            settings=ProfileSettings(warmup=1, repeats=2, cache_dir=None, progress=False))
     assert costs[0].optimizer_step_s > 0 and costs[1].optimizer_step_s == 0
+
+
+def test_the_step_search_minimises_the_step_with_each_stage_optimizer_step():
+    """Without a step model `profiled` takes the split of the smallest predicted step, the optimizer steps its
+    layers were profiled with included: exact against every split on small instances."""
+    import itertools
+    import random
+
+    from ds_pipe_ext.costs.stage import stage_costs
+    from ds_pipe_ext.costs.types import LayerCost
+    from ds_pipe_ext.partition.step_search import partition_min_step
+    from ds_pipe_ext.simulate.step_model import StepModel
+
+    rng = random.Random(53)
+    for _ in range(20):
+        n, p, m = rng.randint(4, 7), rng.choice([2, 3]), rng.choice([2, 4])
+        costs = [LayerCost(f"l{i}", rng.uniform(0.1, 1), rng.uniform(0.2, 2),
+                           optimizer_step_s=rng.choice([0.0, rng.uniform(0, 3)])) for i in range(n)]
+
+        def step(parts):
+            stages = stage_costs(costs, parts, micro_batches=m)
+            return StepModel().predict(stages, m, timeline=False, update_s=[s.optimizer_s for s in stages]).step_s
+
+        best = min(step([0, *cut, n]) for cut in itertools.combinations(range(1, n), p - 1))
+        found = partition_min_step(costs, p, micro_batches=m)
+        assert found.gap == 0.0 and step(found.parts) == pytest.approx(best, rel=1e-12)

@@ -70,6 +70,9 @@ def partition_min_step(
     """The split of ``costs`` (``LayerCost`` list) into ``num_stages`` stages with the smallest step
     ``model`` predicts under ``schedule`` (one chunk per rank: 1f1b, gpipe, zb-h1).  ``max_leaves``:
     simulations before the search states its gap (default: ``SIMULATED_INSTRUCTIONS`` / (2 p m))."""
+    # without a fitted step model, each stage's optimizer step is the one its layers were profiled with
+    # (``LayerCost.optimizer_step_s``, as ``PartitionPlan.predicted_step_ms`` runs it); a step model has its own
+    measured_update = model is None
     model = model or StepModel()
     if link_bandwidth:  # the configured link wins over the model's fitted one
         model = replace(model, p2p_bandwidth=link_bandwidth)
@@ -81,7 +84,8 @@ def partition_min_step(
 
     def step(parts: Sequence[int]) -> float:
         stages = stage_costs(costs, parts, micro_batches=m, recompute=recompute, schedule=schedule)
-        return model.predict(stages, m, schedule=schedule, timeline=False).step_s
+        update = [s.optimizer_s for s in stages] if measured_update else None
+        return model.predict(stages, m, schedule=schedule, timeline=False, update_s=update).step_s
 
     best_parts, best = list(start), step(start)
     min_max_step = best
@@ -89,6 +93,7 @@ def partition_min_step(
     F = prefix([c.forward_s for c in costs])
     B = prefix([c.backward_s + (c.recompute_s if recompute else 0.0) for c in costs])
     P = prefix([c.param_bytes for c in costs])
+    O = prefix([getattr(c, "optimizer_step_s", 0.0) if measured_update else 0.0 for c in costs])
     R = (model.forward_per_layer_s + model.recompute_per_layer_s) * prefix(  # per replayed layer
         [float(replayed(c, recompute=recompute)) for c in costs])
     held = peak_rule.layer_states(list(costs)) if peak_rule is not None and memory_cap_gib is not None else costs
@@ -117,12 +122,13 @@ def partition_min_step(
         left = p - k
         rest = (model.forward_scale * (F[n] - F[i]) + model.backward_scale * (B[n] - B[i]) + per_layer * (n - i)
                 + R[n] - R[i]) + left * (model.forward_fixed_s + model.backward_fixed_s)
-        return step_lower_bound(fixed, rest_s=rest, rest_update_s=opt((P[n] - P[i]) / left), stages_left=left,
+        return step_lower_bound(fixed, rest_s=rest, rest_update_s=opt((P[n] - P[i]) / left) + (O[n] - O[i]) / left,
+                                stages_left=left,
                                 drains=drains, fixed_s=model.step_fixed_s)
 
     def extend(i: int, j: int, fixed: FixedStages) -> FixedStages:
         """The fixed stages once the next takes layers [i, j)."""
-        return fixed.then(f(i, j), t(i, j), opt(P[j] - P[i]))
+        return fixed.then(f(i, j), t(i, j), opt(P[j] - P[i]) + O[j] - O[i])
 
     leaves, bounds, open_bounds = 0, 0, []
     max_bounds = BOUNDS_PER_LEAF * max_leaves
