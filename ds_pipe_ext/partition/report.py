@@ -54,7 +54,7 @@ class PartitionPlan:
             "predicted_step_ms": self.predicted_step_ms,
             "stages": [
                 {"stage": s.stage, "layers": [s.start, s.stop], "layer_names": summarise_names(s.layer_names),
-                 "forward_ms": 1e3 * s.forward_s, "backward_ms": 1e3 * s.backward_s, "comm_ms": 1e3 * s.p2p_s,
+                 "forward_ms": 1e3 * s.forward_s, "backward_ms": 1e3 * s.backward_s, "comm_ms": 1e3 * s.p2p_s, "optimizer_ms": 1e3 * s.optimizer_s,
                  "time_ms": 1e3 * s.time_s, "param_bytes": s.param_bytes, "static_bytes": s.static_bytes,
                  "activation_bytes": s.activation_bytes, "inflight": s.inflight, "memory_bytes": s.memory_bytes}
                 for s in self.stages
