@@ -20,7 +20,7 @@ Each part is real launches through ``ds_pipe_ext.runner.launch`` (a line per lau
            layer's peak; the simulated step of ``profiled`` against ``uniform`` and ``parameters`` at 4 and 8 stages
 
 ``--cpu-dry-run`` runs the same plan on CPU ranks with ``tiny-tied`` (``tiny`` with gpt2-medium's tied head and
-dropout) in fp32 (no offload; the layer part on the
+dropout) in fp32, its train part's pipelines in bf16 as on a GPU (no offload; the layer part on the
 ``cpu`` spec; the ``oom`` part against a memory cap standing in for the device's memory): ``make test`` runs it,
 so the script cannot rot between GPU runs.
 
@@ -79,7 +79,7 @@ class Target:
     def for_run(cls, cpu_dry_run: bool) -> "Target":
         if cpu_dry_run:
             # tiny-tied: tiny with gpt2-medium's tied embedding/head and dropout
-            return cls(cuda=False, gpt="tiny-tied", dtype="fp32", big="tiny", micro_batch=2, steps=3, timeout=240)
+            return cls(cuda=False, gpt="tiny-tied", dtype="bf16", big="tiny", micro_batch=2, steps=3, timeout=240)
         return cls(cuda=True, gpt="gpt2-medium", dtype="bf16", big="gpt3-1.3b", micro_batch=8, steps=6, timeout=600)
 
 
@@ -554,11 +554,22 @@ def host_clock_forward(built, x: torch.Tensor, device: str, dtype: torch.dtype, 
     return statistics.median(times)
 
 
+def keep_records(out: Path, limit_bytes: int = 2 * MiB) -> None:
+    """Every small JSON record under ``out`` (ds.json, metrics, summaries, rows) copied flat into
+    OUT/records/, its path joined by "__": a device machine hands back only shallow folders."""
+    records = out / "records"
+    records.mkdir(exist_ok=True)
+    for f in sorted(out.rglob("*.json")):
+        rel = f.relative_to(out)
+        if rel.parts[0] not in ("records", "cache") and len(rel.parts) > 1 and f.stat().st_size <= limit_bytes:
+            (records / "__".join(rel.parts)).write_bytes(f.read_bytes())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     ap.add_argument("--out", default="runs/gpu-path")
-    ap.add_argument("--cpu-dry-run", action="store_true", help="the same plan on CPU ranks with tiny, fp32")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="the same plan on CPU ranks with tiny-tied")
     args = ap.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
@@ -586,6 +597,7 @@ def main(argv=None) -> int:
         else:
             runs += handlers[part](t, out)
         print(f"{part}: {time.perf_counter() - t0:.0f} s", flush=True)
+    keep_records(out)
     expected_oom = [r for r in runs if r.part == "oom"]
     ok = [r for r in runs if r.status == ("oom" if r.part == "oom" else "ok")]
     (out / "runs.json").write_text(json.dumps([{k: v for k, v in r.__dict__.items() if k != "extra"} for r in runs],

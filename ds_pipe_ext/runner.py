@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -37,6 +38,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def deepspeed_launcher() -> Path:
+    """DeepSpeed's ``deepspeed`` script: beside this Python (a venv's), else the first on PATH (a system
+    Python's pip puts scripts in /usr/local/bin while ``python3`` is /usr/bin/python3)."""
+    beside = Path(sys.executable).with_name("deepspeed")
+    if beside.exists():
+        return beside
+    found = shutil.which("deepspeed")
+    if found is None:
+        raise SystemExit(f"no `deepspeed` launcher beside {sys.executable} or on PATH: install DeepSpeed into "
+                         f"this Python (pip install deepspeed; docs/GPU.md without a registry)")
+    return Path(found)
+
+
 def launch(num_ranks: int, config: Path | None, *args: str, out_dir: Path | None = None, cwd: Path = ROOT,
            timeout: int = 240, threads_per_rank: int = 1, script: str = "train.py", env: dict | None = None):
     """``deepspeed --num_gpus N SCRIPT ...`` on a free port, the one launcher of the tests and benches.
@@ -46,7 +60,7 @@ def launch(num_ranks: int, config: Path | None, *args: str, out_dir: Path | None
     is given, and must then write NAME.rankR.json files; without ``out_dir`` it reports its own way.
     ``config`` is passed as ``--deepspeed_config`` unless None.
     """
-    deepspeed = Path(sys.executable).with_name("deepspeed")
+    deepspeed = deepspeed_launcher()
     config_args = ["--deepspeed_config", str(config)] if config is not None else []
     metrics_args = ["--metrics-out", str(out_dir / "metrics.json")] if out_dir is not None else []
     cmd = [str(deepspeed), "--num_gpus", str(num_ranks), "--master_port", str(free_port()), str(ROOT / script),

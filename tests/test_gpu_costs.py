@@ -171,3 +171,41 @@ def test_the_analytic_layer_peak_is_what_a_cpu_forward_and_backward_holds(model,
             assert analytic[i].peak_bytes == pytest.approx(measured, rel=0.05), (model, i, analytic[i].name)
         with torch.no_grad():
             x = call(_detach_input(x))
+
+
+def test_a_gpu_embedding_backward_in_16_bit_holds_an_fp32_table_beside_its_gradient():
+    """Measured on an H200 (docs/gpu-runs/h200-2026-11-27/costs.log): the embedding's allocator peak in bf16 was
+    4 x V x h bytes above the analytic count without it (gpt2-medium 316.5 vs 116.2 MiB, llama3-8b 3,038 vs
+    1,034 MiB); a CPU, and fp32 anywhere, sum in place."""
+    from ds_pipe_ext.costs.estimate import table_grad_accum_bytes
+
+    assert [table_grad_accum_bytes(d, t) for d, t in (("cuda", "bf16"), ("h100", "fp16"), ("cpu", "bf16"),
+                                                      ("cuda", "fp32"))] == [4, 4, 0, 0]
+    from ds_pipe_ext.models import load_model
+
+    cfg = load_model("llama3-8b")
+    req = EstimateRequest(micro_batch=1, seq=4096, dtype="bf16")
+    gpu = analytic_layer_costs(cfg, req, get_device("h200"))
+    cpu = analytic_layer_costs(cfg, req, get_device("h200"), runs_on="cpu")
+    table = cfg.vocab_size * cfg.hidden
+    assert gpu[0].peak_bytes - cpu[0].peak_bytes == 4 * table == 2004 * 2**20
+    assert [c.peak_bytes for c in gpu[1:]] == [c.peak_bytes for c in cpu[1:]]  # only the embedding's backward
+
+
+def test_a_16_bit_pipeline_without_zero_holds_bf16_optimizer_states():
+    """DeepSpeed runs a bf16 pipeline at ZeRO-0 with its BF16_Optimizer: bf16 weights and gradients, the
+    fp32 cast of the gradients, a bf16 accumulation buffer, fp32 masters and moments.  The bytes a CPU launch
+    of tiny-tied held (bench/gpu_path.py --cpu-dry-run's train part; on an H200 gpt2-medium's read +25% off the
+    ZeRO-0 rule before)."""
+    from ds_pipe_ext.compare.configs import CompareConfig
+    from ds_pipe_ext.compare.predict import predicted_ranks
+    from ds_pipe_ext.layout import Layout
+
+    shape = model_shape(load_model_config("tiny-tied"))
+    n = 234_880  # tiny-tied's parameters, the tied matrix once
+    for zero, grads in ((0, 2 * n + 4 * n + 2 * n), (1, 4 * n)):
+        cfg = CompareConfig("pp1", Layout(pp=1, dp=1, zero=zero, micro_batch=2, micro_batches=2, schedule="1f1b"),
+                            "profiled")
+        (rank,) = predicted_ranks(cfg, shape, [0.0] * len(shape.layer_numels), parts=[0, len(shape.layer_numels)],
+                                  element_bytes=2)
+        assert (rank["param_bytes"], rank["grad_bytes"], rank["optimizer_bytes"]) == (2 * n, grads, 12 * n)

@@ -29,8 +29,8 @@ def test_the_gpu_check_runs_its_whole_plan_on_cpu_ranks(tmp_path):
     result = dict(kv.split("=", 1) for kv in proc.stdout.strip().splitlines()[-1].removeprefix("RESULT ").split())
     runs = json.loads((tmp_path / "runs.json").read_text())
     assert [(r["part"], r["name"]) for r in runs] == [
-        ("train", "ds.json-1-rank"), ("train", "tiny-tied-fp32-pp1-z0"), ("train", "tiny-tied-fp32-pp1-z1"),
-        ("train", "report tiny-tied-fp32-pp1-z1"), ("compare", "zero0"), ("compare", "zero1"), ("compare", "zero2"),
+        ("train", "ds.json-1-rank"), ("train", "tiny-tied-bf16-pp1-z0"), ("train", "tiny-tied-bf16-pp1-z1"),
+        ("train", "report tiny-tied-bf16-pp1-z1"), ("compare", "zero0"), ("compare", "zero1"), ("compare", "zero2"),
         ("compare", "zero3"), ("hf", "llama-2-layers-pp1"), ("oom", "zero0-mb2"),
         ("speed", "tiny-tied-z1-mb2x2"), ("speed", "llama-tiny-layers4-z1-mb2x2")]
     assert result["launches_ok"] == f"{len(runs)}/{len(runs)}" and result["device"] == "cpu-dry-run"
@@ -41,5 +41,5 @@ def test_the_gpu_check_runs_its_whole_plan_on_cpu_ranks(tmp_path):
     assert 0 < float(result["optimizer_share_max"]) < 1  # the speed part read the optimizer's share of a step
     # the costs part: profiled is the shortest simulated step of the three methods, at every depth
     assert float(result["profiled_vs_uniform_min"]) >= 1.0 and float(result["profiled_vs_parameters_min"]) >= 1.0
-    assert (tmp_path / "train" / "tiny-tied-fp32-pp1-z1" / "run" / "report.png").stat().st_size > 0
+    assert (tmp_path / "train" / "tiny-tied-bf16-pp1-z1" / "run" / "report.png").stat().st_size > 0
     assert "throughput: predicted" in proc.stdout and "MFU against the measured cpu spec's GEMM peak" in proc.stdout

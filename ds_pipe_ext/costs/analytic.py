@@ -47,6 +47,9 @@ class Shape:
     dropout: bool = True  # dropout layers present (they save masks)
     ep: int = 1  # expert-parallel degree (Mixture-of-Experts blocks: costs/moe_ops.py)
     d: int = 0  # one head's width where it is not h / a (Qwen3, Megatron's kv_channels); 0: h / a
+    # bytes per element of the buffer an embedding's backward sums the table's gradient in before casting it
+    # to the weight's dtype (4: CUDA's kernel in 16-bit; 0: none, the CPU's and any fp32 backward)
+    table_grad_accum: int = 0
 
     def __post_init__(self) -> None:
         for name in ("b", "s", "h", "a", "f", "V", "e", "t", "ep"):
@@ -367,10 +370,15 @@ def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
     # backward: the gradient of the whole (V/t x h) table is zeroed (dense in torch and Megatron: one
     # write-only pass), then the looked-up rows are added, which on small batches costs far less.  Each
     # token's row, read forward and added backward, lies at random in a table beyond the caches
-    ops = [OpCost("word_embedding", "vector", fwd_bytes=2 * out * shp.e, bwd_bytes=2 * out * shp.e + table,
+    # a 16-bit backward on a GPU sums into an fp32 table first (zeroed, then read by the cast): held beside
+    # the result at the cast (an H200, bf16: gpt2-medium's and llama3-8b's embedding peaks measured 4 x V x h
+    # bytes above the table's gradient)
+    accum = rows * shp.h * shp.table_grad_accum
+    ops = [OpCost("word_embedding", "vector", fwd_bytes=2 * out * shp.e, bwd_bytes=2 * out * shp.e + table + 2 * accum,
                   activation_bytes=shp.tokens * 8 + (shp.s * 8 if positions else 0),
                   weight_bytes=rows * shp.h * shp.e, weights=(rows * shp.h,),
-                  fwd_allocs=(out * shp.e,), bwd_allocs=(table,), bwd_fill_bytes=table, row_ops=shp.tokens)]
+                  fwd_allocs=(out * shp.e,), bwd_allocs=(table, accum) if accum else (table,),
+                  bwd_fill_bytes=table + accum, row_ops=shp.tokens)]
     if shp.t > 1:
         # Megatron's vocab-parallel lookup also keeps a bool mask of the tokens outside this rank's rows
         ops[0] = replace(ops[0], comm_fwd_bytes=out * shp.e, activation_bytes=ops[0].activation_bytes + shp.tokens,

@@ -25,6 +25,16 @@ def dropout_mask_bytes(device: str, dtype: str) -> int:
     return DTYPE_BYTES[dtype] if device == "cpu" else 1
 
 
+def table_grad_accum_bytes(device: str, dtype: str) -> int:
+    """Bytes per element of the buffer an embedding's backward sums its table's gradient in before the cast
+    (``Shape.table_grad_accum``): fp32 on a GPU in 16-bit (measured on an H200: the embedding's allocator
+    peak 4 x V x h above its 16-bit gradient, gpt2-medium and llama3-8b alike); none on a CPU or in fp32.
+    ``device``: as ``dropout_mask_bytes``'s."""
+    if dtype not in DTYPE_BYTES:
+        raise A.AnalyticError(f"dtype {dtype!r}: use one of {sorted(DTYPE_BYTES)}")
+    return 4 if device != "cpu" and DTYPE_BYTES[dtype] < 4 else 0
+
+
 @dataclass(frozen=True)
 class EstimateRequest:
     micro_batch: int
@@ -41,19 +51,22 @@ class EstimateRequest:
     ep: int = 1  # expert-parallel degree: E / ep experts a rank, two all-to-alls each way per MoE block
 
 
-def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None) -> A.Shape:
+def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None, *, runs_on: str | None = None) -> A.Shape:
     """One micro-batch of ``model`` (a description, or a config that describes itself) on one TP rank;
-    ``a`` and ``f`` are the first block's (``layer_ops`` gives each block its own)."""
+    ``a`` and ``f`` are the first block's (``layer_ops`` gives each block its own).  ``runs_on``: the device the layers run on where it is
+    not the spec's (its dropout masks and embedding backward)."""
     desc = as_description(model)
     if req.dtype not in DTYPE_BYTES:
         raise A.AnalyticError(f"dtype {req.dtype!r}: use one of {sorted(DTYPE_BYTES)}")
     if req.seq > desc.seq_len:
         raise A.AnalyticError(f"seq {req.seq} exceeds the model's seq_len {desc.seq_len}")
     e = DTYPE_BYTES[req.dtype]
-    m = req.mask_bytes if req.mask_bytes is not None else dropout_mask_bytes(device.name if device else "cuda", req.dtype)
+    runs_on = runs_on or (device.name if device else "cuda")
+    m = req.mask_bytes if req.mask_bytes is not None else dropout_mask_bytes(runs_on, req.dtype)
     return A.Shape(b=req.micro_batch, s=req.seq, h=desc.hidden, a=desc.heads, f=desc.ffn, V=desc.vocab,
                    e=e, m=m, t=req.tp, sp=req.sp, dropout=desc.dropout, ep=req.ep,
-                   d=desc.blocks[0].attention.head_dim or 0)
+                   d=desc.blocks[0].attention.head_dim or 0,
+                   table_grad_accum=table_grad_accum_bytes(runs_on, req.dtype))
 
 
 def assumed_attention(model, device: str) -> str:
@@ -104,7 +117,7 @@ def op_rows(ops: list[A.OpCost], device: DeviceSpec, req: EstimateRequest) -> li
 def estimate_layers(model, req: EstimateRequest, device: DeviceSpec, *, runs_on: str | None = None) -> list[dict]:
     """Per layer, its ops costed on ``device``; ``runs_on``: the device the layers run on, where it is not the
     spec's (an "auto" attention's kernel, ``arch.attention_kernel``)."""
-    shp = shape_for(model, req, device)
+    shp = shape_for(model, req, device, runs_on=runs_on)
     out = []
     done: dict = {}  # alike blocks share one op list: cost it once
     for name, kind, ops in layer_ops(model, shp, expert_imbalance=req.expert_imbalance,
@@ -145,7 +158,7 @@ def analytic_layer_costs(model, req: EstimateRequest, device: DeviceSpec, *,
                          runs_on: str | None = None) -> list[LayerCost]:
     """The same records the profiler produces, from arithmetic (for partition_method "analytic");
     ``runs_on``: as ``estimate_layers``."""
-    shp = shape_for(model, req, device)
+    shp = shape_for(model, req, device, runs_on=runs_on)
     costs = []
     for row in estimate_layers(model, req, device, runs_on=runs_on):
         params = int(row["params"])
@@ -188,7 +201,7 @@ def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = 
         mask_bytes = dropout_mask_bytes(device, dtype)
     req = EstimateRequest(micro_batch=lay.micro_batch, seq=seq or desc.seq_len, tp=lay.tp, sp=lay.sp, dtype=dtype,
                           mask_bytes=mask_bytes, selective_recompute=lay.recompute == "selective", ep=lay.ep)
-    shp = shape_for(desc, req)
+    shp = shape_for(desc, req, runs_on=device)
     layers = layer_ops(desc, shp, device=device)
     modes = list(modes) if modes is not None else [lay.recompute] * len(layers)
     # selective: the attention core's activations are not kept
