@@ -50,6 +50,7 @@ def predict(shape: Shape) -> dict:
     import torch
 
     from bench.generalization_worker import SEED, batches, ds_config
+    from ds_pipe_ext.costs.layers import deepspeed_layer_seeds
     from ds_pipe_ext.costs.profiler import profile_layers
     from ds_pipe_ext.models import family_of, load_model
     from ds_pipe_ext.partition.report import build_plan
@@ -62,7 +63,7 @@ def predict(shape: Shape) -> dict:
     torch.manual_seed(0)
     specs = family.layer_specs(cfg)
     costs = profile_layers(specs, inputs, labels=labels, loss_fn=family.loss_fn(cfg), settings=settings,
-                           layer_seeds=[SEED + i for i in range(len(specs))])  # as the drop-in's seed_layers
+                           layer_seeds=deepspeed_layer_seeds(SEED, len(specs)))  # as the drop-in's seed_layers
     n = len(costs)
     steps = {k: build_plan("profiled", [0, k, n], costs, micro_batches=shape.micro_batches).predicted_step_ms
              for k in range(1, n)}

@@ -11,11 +11,12 @@ from torch import nn
 
 from ds_pipe_ext.compare.predict import model_shape
 from ds_pipe_ext.costs import cuda_spec
-from ds_pipe_ext.costs.analytic import AnalyticError
+from ds_pipe_ext.costs.op_cost import AnalyticError
 from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs, dropout_mask_bytes
 from ds_pipe_ext.costs.gpu_timing import forward_backward_s
 from ds_pipe_ext.costs.hardware import DEVICES, get_device
-from ds_pipe_ext.costs.profiler import profile_layers, saved_activation_bytes
+from ds_pipe_ext.costs.probes import saved_activation_bytes
+from ds_pipe_ext.costs.profiler import profile_layers
 from ds_pipe_ext.costs.types import ProfileSettings
 from ds_pipe_ext.models.config import load_model_config
 from ds_pipe_ext.pipe.config import engine_dtype
@@ -140,7 +141,7 @@ def test_the_analytic_layer_peak_is_what_a_cpu_forward_and_backward_holds(model,
     the backward's temporaries (dP and dV of the attention, SwiGLU's gradient beside its sigmoid, the residual
     gradient held across a branch) and the output held, without the input the layer was given."""
     from ds_pipe_ext.costs.layers import build_for_profiling
-    from ds_pipe_ext.costs.profiler import _detach_input, _tensors, traced_peak_bytes
+    from ds_pipe_ext.costs.probes import detach_input, tensors_of, traced_peak_bytes
     from ds_pipe_ext.models import family_of, load_model
 
     name, _, variant = model.partition(":")
@@ -159,10 +160,10 @@ def test_the_analytic_layer_peak_is_what_a_cpu_forward_and_backward_holds(model,
         forward = (lambda inp: loss(call(inp), tokens[:, 1:])) if last else call
         if i in layers:
             with torch.no_grad():
-                seeds = [torch.ones_like(t) if t.dim() else None for t in _tensors(forward(_detach_input(x)))]
+                seeds = [torch.ones_like(t) if t.dim() else None for t in tensors_of(forward(detach_input(x)))]
 
             def run():
-                outs = [t for t in _tensors(forward(_detach_input(x))) if t.requires_grad]
+                outs = [t for t in tensors_of(forward(detach_input(x))) if t.requires_grad]
                 torch.autograd.backward(outs, seeds[:len(outs)])
                 for p in module.parameters():
                     p.grad = None
@@ -170,7 +171,7 @@ def test_the_analytic_layer_peak_is_what_a_cpu_forward_and_backward_holds(model,
             measured = traced_peak_bytes(run)
             assert analytic[i].peak_bytes == pytest.approx(measured, rel=0.05), (model, i, analytic[i].name)
         with torch.no_grad():
-            x = call(_detach_input(x))
+            x = call(detach_input(x))
 
 
 def test_a_gpu_embedding_backward_in_16_bit_holds_an_fp32_table_beside_its_gradient():

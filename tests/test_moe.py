@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from ds_pipe_ext.arch import DescriptionError, Experts
-from ds_pipe_ext.costs.analytic import AnalyticError
+from ds_pipe_ext.costs.op_cost import AnalyticError
 from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers
 from ds_pipe_ext.costs.hardware import get_device
 from ds_pipe_ext.models import MoEConfig, family_of, load_model
@@ -98,7 +98,7 @@ def test_bad_moe_fields_are_named(fields, match):
 
 
 def test_analytic_costs_name_the_experts():
-    from ds_pipe_ext.costs.analytic import Shape
+    from ds_pipe_ext.costs.op_cost import Shape
     from ds_pipe_ext.costs.moe_ops import routed_mlp
 
     experts = load_model("moe-tiny").describe().blocks[1].experts

@@ -273,7 +273,7 @@ def test_analytic_moe_block_matches_the_saved_tensors(fields):
     pads every expert to it); its weights exact, the experts' share apart."""
     from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs
     from ds_pipe_ext.costs.hardware import get_device
-    from ds_pipe_ext.costs.profiler import saved_activation_bytes
+    from ds_pipe_ext.costs.probes import saved_activation_bytes
 
     cfg = load_model("moe-tiny", **fields)
     b = 4

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ds_pipe_ext.costs.analytic import OpCost
+from ds_pipe_ext.costs.op_cost import OpCost
 from ds_pipe_ext.costs.estimate import rank_steps
 from ds_pipe_ext.costs.peak import RankStep, ZeroSettings, _overlapping_partition, step_peak
 from ds_pipe_ext.layout import Layout

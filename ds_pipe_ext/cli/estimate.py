@@ -19,7 +19,7 @@ def cmd_estimate(args) -> int:
     if args.compare:
         return cmd_estimate_compare(args)
 
-    from ..costs.analytic import AnalyticError
+    from ..costs.op_cost import AnalyticError
     from ..costs.estimate import EstimateRequest, assumed_attention, estimate_layers, layer_ops, op_rows, shape_for
     from ..models import family_of, load_model
     from ..partition.report import render_table

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .analytic import OpCost
+from .op_cost import OpCost
 from .hardware import CEILINGS, DEVICES, DeviceSpec
 
 CLASSES = ("matrix", "attention", "vector", "memory")  # the efficiency factors that are fitted

@@ -22,7 +22,7 @@ import json
 import re
 from pathlib import Path
 
-from .analytic import AnalyticError
+from .op_cost import AnalyticError
 
 GEMM_SIZES = (4096, 8192)
 SMALL_DIM = 512

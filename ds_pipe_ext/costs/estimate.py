@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from ..arch import as_description, attention_kernel
 from . import analytic as A
-from .analytic import DTYPE_BYTES
+from .op_cost import DTYPE_BYTES
 from .hardware import DeviceSpec
 from .moe_ops import expert_weight_bytes, moe_block
 from .peak import RankStep, ZeroSettings, layer_peak_bytes, walks_schedule

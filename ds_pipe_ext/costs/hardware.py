@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .analytic import DTYPE_BYTES, AnalyticError, OpCost
+from .op_cost import DTYPE_BYTES, AnalyticError, OpCost
 
 
 @dataclass(frozen=True)

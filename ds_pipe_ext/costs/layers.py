@@ -96,3 +96,9 @@ def build_for_profiling(layer) -> tuple[nn.Module, Callable]:
     if not callable(layer):
         raise TypeError(f"pipeline layer {layer!r} is not a LayerSpec, an nn.Module or a callable")
     return nn.Module(), lambda x, f=layer: f(x)
+
+
+def deepspeed_layer_seeds(base_seed: int, count: int) -> list[int]:
+    """The seed each of ``count`` layers is built from under DeepSpeed's ``seed_layers``: layer i from
+    ``base_seed + i`` (``PipelineModule._build``), which a profile's ``layer_seeds`` follows."""
+    return [base_seed + i for i in range(count)]

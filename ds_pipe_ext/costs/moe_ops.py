@@ -22,7 +22,8 @@ import math
 from dataclasses import replace
 
 from ..arch import Experts
-from .analytic import AnalyticError, OpCost, Shape, linear, mlp_fc2, mlp_gate_up, swiglu
+from .analytic import linear, mlp_fc2, mlp_gate_up, swiglu
+from .op_cost import AnalyticError, OpCost, Shape
 
 ROUTER_BYTES_PER_TOKEN_EXPERT = 12  # fp32 gates, the fp32 masks of the renormalisation, the bool/int choice mask
 INDEX_BYTES = 8  # int64 slot and expert indices

@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 
+from ..adamw import torch_adamw
 from .cache import ProfileCache, cache_key, library_versions
 from .gpu_timing import Timer, cuda_timer, forward_backward_s
 from .layers import build_for_profiling, describe_layer, layer_names, measured_alone
+from .probes import RegionTimer, detach_input, saved_activation_bytes, tensors_of
 from .types import LayerCost, ProfileSettings
 
 log = logging.getLogger(__name__)
@@ -40,120 +41,8 @@ log = logging.getLogger(__name__)
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class _Timer:
-    """Wall time of a region: CUDA events on GPU (no host sync inside), perf_counter on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __enter__(self):
-        if self.cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._end = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            self._end.record()
-        else:
-            self.seconds = time.perf_counter() - self._t0
-
-    def elapsed(self) -> float:
-        if self.cuda:
-            self._end.synchronize()
-            return self._start.elapsed_time(self._end) / 1e3
-        return self.seconds
-
-
-def _tensors(x) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for item in x for t in _tensors(item)]
-    return []
-
-
-def _detach_input(x):
-    """A leaf copy of an activation: float tensors require grad, as a stage input does.
-
-    A view into a larger storage (Megatron's sequence-parallel scatter returns a
-    slice of the full tensor) is compacted first, so that the next layer's saved
-    input is counted at its own size, as when it arrives over p2p.
-    """
-    if isinstance(x, torch.Tensor):
-        x = x.detach()
-        if x.untyped_storage().nbytes() > x.numel() * x.element_size():
-            x = x.clone()
-        return x.requires_grad_(True) if x.is_floating_point() else x
-    if isinstance(x, (tuple, list)):
-        return type(x)(_detach_input(t) for t in x)
-    return x
-
-
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    s = t.untyped_storage()
-    return (s.data_ptr(), s.nbytes())
-
-
-def saved_activation_bytes(run: Callable[[], object], params: Sequence[torch.Tensor]) -> tuple[int, object]:
-    """Bytes of the unique non-parameter storages autograd saves while ``run()`` executes."""
-    param_storages = {_storage_key(p) for p in params}
-    seen: set[tuple[int, int]] = set()
-
-    held: list[torch.Tensor] = []
-
-    def pack(t: torch.Tensor):
-        key = _storage_key(t)
-        if key not in param_storages:
-            seen.add(key)
-        # The graph gets an index, not the tensor: this forward only counts and is never
-        # backpropagated, and a graph holding an op's own output (output -> grad_fn -> saved output)
-        # is a cycle through C++ the garbage collector cannot see (every profile leaked its layer).
-        # ``held`` keeps the saved tensors alive until the forward ends, so a freed storage's
-        # address is not reused under a new key and counted twice
-        held.append(t)
-        return len(held) - 1
-
-    def unpack(_):
-        raise RuntimeError("the activation-counting forward cannot be backpropagated")
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        out = run()
-    held.clear()
-    return sum(nbytes for _, nbytes in seen), out
-
-
-def traced_peak_bytes(run: Callable[[], object]) -> int:
-    """The most bytes ``run()`` holds at once on the CPU above what was alive before it, from torch.profiler's
-    allocation events (``profile_memory``): what a GPU's allocator peak says of the same call.  ``run`` is
-    called twice, the first untraced (lazy initialisation, caches)."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    run()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
-        run()
-    allocs, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        tag, fields = event.typed
-        if tag == _EventType.Allocation:
-            if fields.device.type == "cpu":
-                allocs.append((event.start_time_ns, fields.alloc_size))
-            continue
-        stack.extend(event.children)
-    live = peak = 0
-    for _, nbytes in sorted(allocs):
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
 def _shapes(x) -> list[tuple[tuple[int, ...], str]]:
-    return [(tuple(t.shape), str(t.dtype)) for t in _tensors(x)]
+    return [(tuple(t.shape), str(t.dtype)) for t in tensors_of(x)]
 
 
 def _to_device(x, device: torch.device, dtype: torch.dtype | None = None):
@@ -198,7 +87,7 @@ def measure_layer(
         if loss_fn is None:
             return out
         if not handed_to_loss:
-            handed_to_loss.append(sum(t.numel() * t.element_size() for t in _tensors(out)))
+            handed_to_loss.append(sum(t.numel() * t.element_size() for t in tensors_of(out)))
         return loss_fn(out, labels)
 
     grad_out = None
@@ -211,14 +100,14 @@ def measure_layer(
     for r in range(settings.warmup + settings.repeats):
         for p in trainable:
             p.grad = None
-        inp = _detach_input(x)
-        with _Timer(device) as tf:
+        inp = detach_input(x)
+        with RegionTimer(device) as tf:
             out = forward(inp)
-        outs = [t for t in _tensors(out) if t.requires_grad]
+        outs = [t for t in tensors_of(out) if t.requires_grad]
         if grad_out is None:
             gen = torch.Generator(device="cpu").manual_seed(0)
             grad_out = [torch.randn(t.shape, generator=gen).to(device=device, dtype=t.dtype) if t.dim() else None for t in outs]
-        with _Timer(device) as tb:
+        with RegionTimer(device) as tb:
             if outs:
                 torch.autograd.backward(outs, grad_out)
         if r >= settings.warmup:
@@ -231,15 +120,15 @@ def measure_layer(
     peak = torch.cuda.max_memory_allocated(device) - resting - grad_bytes if cuda else 0
     if timer is not None:
         def backward(out):
-            torch.autograd.backward([t for t in _tensors(out) if t.requires_grad], grad_out)
+            torch.autograd.backward([t for t in tensors_of(out) if t.requires_grad], grad_out)
 
-        fwd_s, bwd_s = forward_backward_s(lambda: forward(_detach_input(x)), backward, timer)
+        fwd_s, bwd_s = forward_backward_s(lambda: forward(detach_input(x)), backward, timer)
         fwd_times, bwd_times = [fwd_s], [bwd_s]
     recompute = _checkpoint_overhead(call, loss_fn, labels, x, trainable, grad_out, device, settings,
                                      plain=statistics.median(fwd_times) + statistics.median(bwd_times), timer=timer)
     for p in trainable:
         p.grad = None
-    act_bytes, out = saved_activation_bytes(lambda: forward(_detach_input(x)), params)
+    act_bytes, out = saved_activation_bytes(lambda: forward(detach_input(x)), params)
     elem = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
     n_trainable = sum(p.numel() for p in trainable)
     fwd = statistics.median(fwd_times)
@@ -252,14 +141,14 @@ def measure_layer(
         grad_bytes=elem(trainable),
         optimizer_bytes=n_trainable * settings.optimizer_bytes_per_param,
         activation_bytes=act_bytes,
-        output_bytes=sum(t.numel() * t.element_size() for t in _tensors(out)),
+        output_bytes=sum(t.numel() * t.element_size() for t in tensors_of(out)),
         peak_bytes=max(int(peak), 0),
         loss_input_bytes=handed_to_loss[0] if handed_to_loss else 0,
         # DeepSpeed marks expert parameters allreduce=False (they reduce over their expert-data-parallel group)
         expert_param_bytes=elem(p for p in params if getattr(p, "allreduce", True) is False),
         optimizer_step_s=optimizer_s,
     )
-    return cost, _detach_input(out)
+    return cost, detach_input(out)
 
 
 def _optimizer_step_s(trainable: list, device: torch.device, settings: ProfileSettings) -> float:
@@ -269,10 +158,10 @@ def _optimizer_step_s(trainable: list, device: torch.device, settings: ProfileSe
     grads = [p for p in trainable if p.grad is not None]
     if not grads:
         return 0.0
-    opt = torch.optim.AdamW(grads, lr=0.0, **({"fused": True} if device.type == "cuda" else {"foreach": False}))
+    opt = torch_adamw(grads, lr=0.0, device_type=device.type)
     times = []
     for r in range(settings.warmup + settings.repeats):
-        with _Timer(device) as t:
+        with RegionTimer(device) as t:
             opt.step()
         if r >= settings.warmup:
             times.append(t.elapsed())
@@ -299,10 +188,10 @@ def _checkpoint_overhead(call, loss_fn, labels, x, trainable, grad_out, device, 
     run = lambda *args: call(args[0] if len(args) == 1 else tuple(args))  # noqa: E731 - as the engine calls it
     if timer is not None:
         def checkpointed():
-            inp = _detach_input(x)
+            inp = detach_input(x)
             out = checkpoint(run, *(inp if isinstance(inp, tuple) else (inp,)))
             out = loss_fn(out, labels) if loss_fn is not None else out
-            torch.autograd.backward([t for t in _tensors(out) if t.requires_grad], grad_out)
+            torch.autograd.backward([t for t in tensors_of(out) if t.requires_grad], grad_out)
 
         both = timer(checkpointed)
         for p in trainable:
@@ -311,13 +200,13 @@ def _checkpoint_overhead(call, loss_fn, labels, x, trainable, grad_out, device, 
     for r in range(settings.warmup + settings.repeats):
         for p in trainable:
             p.grad = None
-        inp = _detach_input(x)
-        with _Timer(device) as tf:
+        inp = detach_input(x)
+        with RegionTimer(device) as tf:
             out = checkpoint(run, *(inp if isinstance(inp, tuple) else (inp,)))
             if loss_fn is not None:
                 out = loss_fn(out, labels)
-        outs = [t for t in _tensors(out) if t.requires_grad]
-        with _Timer(device) as tb:
+        outs = [t for t in tensors_of(out) if t.requires_grad]
+        with RegionTimer(device) as tb:
             if outs:
                 torch.autograd.backward(outs, grad_out)
         if r >= settings.warmup:

@@ -25,7 +25,7 @@ from ..compat import engine as ds_engine
 from ..compat.cpu_shims import steady_host_allocator
 from ..device import rank_device, select_rank_device
 from ..costs.frozen import freeze_costs
-from ..costs.layers import is_layer_spec
+from ..costs.layers import deepspeed_layer_seeds, is_layer_spec
 from ..costs.model import CostModel
 from ..costs.profiler import profile_layers
 from ..costs.estimate import DTYPE_BYTES
@@ -276,7 +276,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
             settings = settings.model_copy(update={"cache_dir": None})
         dtype = TORCH_DTYPES[self._ext_dtype]  # the engine's precision: its kernels, its saved bytes
         # each copy built from the seed its stage builds it from (DeepSpeed's seed_layers)
-        seeds = dict(layer_seeds=[self.base_seed + i for i in range(len(specs))], seed_fn=self.seed_fn) \
+        seeds = dict(layer_seeds=deepspeed_layer_seeds(self.base_seed, len(specs)), seed_fn=self.seed_fn) \
             if self.seed_layers else {}
         costs = profile_layers(specs, inputs, labels=labels, loss_fn=self.loss_fn, settings=settings, device=device,
                                dtype=dtype, key_fields=self._ext_cost_key, **seeds)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from ..adamw import torch_adamw
 from ..config_model import ConfigError
 from ..device import select_rank_device
 from ..mfu import Throughput
@@ -159,16 +160,12 @@ def load_full_state(model: torch.nn.Module, path: str, *, tp: int, pipelined: bo
 def make_adamw(params, *, lr: float, offload: bool = False):
     """AdamW when ds.json names no optimizer: DeepSpeed's CPU Adam where ZeRO-Offload keeps the optimizer's
     states in CPU memory (DeepSpeed refuses any other client optimizer there; its op is compiled on first
-    use, about a minute); on CUDA torch's fused AdamW, one kernel over every tensor (torchtitan's default;
-    a per-tensor Python loop cost 7-10% of a step on an H200); on the CPU a plain loop, whose time the
-    CPU benches were measured with."""
+    use, about a minute); else torch's, fused on CUDA (``adamw.torch_adamw``, which the profiler times too)."""
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(params, lr=lr, adamw_mode=True)
-    if torch.cuda.is_available():
-        return torch.optim.AdamW(params, lr=lr, fused=True)
-    return torch.optim.AdamW(params, lr=lr, foreach=False)
+    return torch_adamw(params, lr=lr, device_type="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def optimizer_groups(model: torch.nn.Module) -> list:

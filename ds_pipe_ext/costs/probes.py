@@ -1,0 +1,122 @@
+"""What one call of a layer takes and holds, measured: the region timer the profiler times with, the bytes
+autograd saves (``saved_tensors_hooks``), and the most a call holds at once on a CPU (torch.profiler's allocation
+events).  ``costs.profiler`` runs layers through these; tests and benches probe single calls with them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+class RegionTimer:
+    """Wall time of a region: CUDA events on GPU (no host sync inside), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self._end.record()
+        else:
+            self.seconds = time.perf_counter() - self._t0
+
+    def elapsed(self) -> float:
+        if self.cuda:
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1e3
+        return self.seconds
+
+
+def tensors_of(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in tensors_of(item)]
+    return []
+
+
+def detach_input(x):
+    """A leaf copy of an activation: float tensors require grad, as a stage input does.
+
+    A view into a larger storage (Megatron's sequence-parallel scatter returns a
+    slice of the full tensor) is compacted first, so that the next layer's saved
+    input is counted at its own size, as when it arrives over p2p.
+    """
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        if x.untyped_storage().nbytes() > x.numel() * x.element_size():
+            x = x.clone()
+        return x.requires_grad_(True) if x.is_floating_point() else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(detach_input(t) for t in x)
+    return x
+
+
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.nbytes())
+
+
+def saved_activation_bytes(run: Callable[[], object], params: Sequence[torch.Tensor]) -> tuple[int, object]:
+    """Bytes of the unique non-parameter storages autograd saves while ``run()`` executes."""
+    param_storages = {storage_key(p) for p in params}
+    seen: set[tuple[int, int]] = set()
+
+    held: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor):
+        key = storage_key(t)
+        if key not in param_storages:
+            seen.add(key)
+        # The graph gets an index, not the tensor: this forward only counts and is never
+        # backpropagated, and a graph holding an op's own output (output -> grad_fn -> saved output)
+        # is a cycle through C++ the garbage collector cannot see (every profile leaked its layer).
+        # ``held`` keeps the saved tensors alive until the forward ends, so a freed storage's
+        # address is not reused under a new key and counted twice
+        held.append(t)
+        return len(held) - 1
+
+    def unpack(_):
+        raise RuntimeError("the activation-counting forward cannot be backpropagated")
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = run()
+    held.clear()
+    return sum(nbytes for _, nbytes in seen), out
+
+
+def traced_peak_bytes(run: Callable[[], object]) -> int:
+    """The most bytes ``run()`` holds at once on the CPU above what was alive before it, from torch.profiler's
+    allocation events (``profile_memory``): what a GPU's allocator peak says of the same call.  ``run`` is
+    called twice, the first untraced (lazy initialisation, caches)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+        run()
+    allocs, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        tag, fields = event.typed
+        if tag == _EventType.Allocation:
+            if fields.device.type == "cpu":
+                allocs.append((event.start_time_ns, fields.alloc_size))
+            continue
+        stack.extend(event.children)
+    live = peak = 0
+    for _, nbytes in sorted(allocs):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
