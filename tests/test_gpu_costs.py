@@ -210,3 +210,30 @@ def test_a_16_bit_pipeline_without_zero_holds_bf16_optimizer_states():
         (rank,) = predicted_ranks(cfg, shape, [0.0] * len(shape.layer_numels), parts=[0, len(shape.layer_numels)],
                                   element_bytes=2)
         assert (rank["param_bytes"], rank["grad_bytes"], rank["optimizer_bytes"]) == (2 * n, grads, 12 * n)
+
+
+def test_a_stage_holding_both_tied_ends_holds_their_weights_once():
+    """On an H200 the report of a 1-stage bf16 gpt2-medium pipeline predicted 776.9 MiB of parameters where the
+    rank held 676.8: the tied embedding and head counted as two modules.  DeepSpeed builds a TiedLayerSpec's
+    module once a process, so one stage holding both holds it once; two stages hold a copy each."""
+    from ds_pipe_ext.costs.stage import stage_costs
+    from ds_pipe_ext.models.gpt import gpt_layer_specs, lm_loss
+
+    cfg = load_model_config("tiny-tied")
+    specs = gpt_layer_specs(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    costs = profile_layers(specs, tokens[:, :-1], labels=tokens[:, 1:], loss_fn=lm_loss, settings=QUICK)
+    assert costs[0].tied_key == costs[-1].tied_key != "" and costs[-1].tied_param_bytes == costs[-1].param_bytes
+    assert all(c.tied_key == "" for c in costs[1:-1])
+    numels = sum(p.numel() for p in torch.nn.ModuleList(s.build() for s in specs[:-1]).parameters())  # the model
+    n = len(costs)
+    (one,) = stage_costs(costs, [0, n], micro_batches=2)
+    assert one.param_bytes == one.grad_bytes == 4 * numels and one.optimizer_bytes == 8 * numels
+    two = stage_costs(costs, [0, 3, n], micro_batches=2)
+    assert sum(s.param_bytes for s in two) == 4 * numels + costs[-1].param_bytes  # the last stage's own copy
+    # the analytic costs say the same of the word table
+    analytic = analytic_layer_costs(cfg, EstimateRequest(micro_batch=2, seq=cfg.seq_len, dtype="fp32"),
+                                    get_device("a100"), runs_on="cpu")
+    (whole,) = stage_costs(analytic, [0, len(analytic)], micro_batches=2)
+    table = cfg.vocab_size * cfg.hidden * 4
+    assert whole.param_bytes == sum(c.param_bytes for c in analytic) - table

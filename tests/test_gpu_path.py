@@ -42,4 +42,9 @@ def test_the_gpu_check_runs_its_whole_plan_on_cpu_ranks(tmp_path):
     # the costs part: profiled is the shortest simulated step of the three methods, at every depth
     assert float(result["profiled_vs_uniform_min"]) >= 1.0 and float(result["profiled_vs_parameters_min"]) >= 1.0
     assert (tmp_path / "train" / "tiny-tied-bf16-pp1-z1" / "run" / "report.png").stat().st_size > 0
+    # the report of a stage holding both tied ends: their module's parameters once, as the rank held them
+    from ds_pipe_ext.instrument.report import build_report
+
+    (row,) = build_report(tmp_path / "train" / "tiny-tied-bf16-pp1-z1" / "run")["stages"]
+    assert row["pred_param_bytes"] == row["meas_param_bytes"]
     assert "throughput: predicted" in proc.stdout and "MFU against the measured cpu spec's GEMM peak" in proc.stdout

@@ -174,6 +174,11 @@ def analytic_layer_costs(model, req: EstimateRequest, device: DeviceSpec, *,
             selective_kept_bytes=None if row["selective_kept_bytes"] is None else int(row["selective_kept_bytes"]),
             selective_replay_s=row["selective_replay_s"],
         ))
+    if as_description(model).tied_head and len(costs) > 1 and costs[0].param_numels:
+        # the head projects onto the embedding's word table: one weight, held once where a stage has both
+        table = costs[0].param_numels[0] * shp.e
+        costs[0] = replace(costs[0], tied_key="word_embeddings", tied_param_bytes=table)
+        costs[-1] = replace(costs[-1], tied_key="word_embeddings", tied_param_bytes=min(table, costs[-1].param_bytes))
     return costs
 
 

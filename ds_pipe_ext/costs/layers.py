@@ -102,3 +102,11 @@ def deepspeed_layer_seeds(base_seed: int, count: int) -> list[int]:
     """The seed each of ``count`` layers is built from under DeepSpeed's ``seed_layers``: layer i from
     ``base_seed + i`` (``PipelineModule._build``), which a profile's ``layer_seeds`` follows."""
     return [base_seed + i for i in range(count)]
+
+
+def tied_key(spec) -> str:
+    """The key of a ``TiedLayerSpec`` ("" for any other layer).  DeepSpeed builds a key's module once a
+    process: two layers of one key on one stage share the whole module (every parameter of it), while
+    stages apart each build a copy and all-reduce the tied weight's gradient."""
+    key = getattr(spec, "key", None)
+    return str(key) if is_layer_spec(spec) and key is not None and hasattr(spec, "tied_weight_attr") else ""

@@ -32,7 +32,7 @@ import torch
 from ..adamw import torch_adamw
 from .cache import ProfileCache, cache_key, library_versions
 from .gpu_timing import Timer, cuda_timer, forward_backward_s
-from .layers import build_for_profiling, describe_layer, layer_names, measured_alone
+from .layers import build_for_profiling, describe_layer, layer_names, measured_alone, tied_key
 from .probes import RegionTimer, detach_input, saved_activation_bytes, tensors_of
 from .types import LayerCost, ProfileSettings
 
@@ -147,6 +147,8 @@ def measure_layer(
         # DeepSpeed marks expert parameters allreduce=False (they reduce over their expert-data-parallel group)
         expert_param_bytes=elem(p for p in params if getattr(p, "allreduce", True) is False),
         optimizer_step_s=optimizer_s,
+        # a tied spec's module is one per process: all of it is what a second layer of its key shares
+        tied_key=tied_key(spec), tied_param_bytes=elem(params) if tied_key(spec) else 0,
     )
     return cost, detach_input(out)
 
@@ -267,7 +269,7 @@ def profile_layers(
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu:{torch.get_num_threads()}threads",
         **host,
         "versions": library_versions(),
-        "measures": "recompute-v2 optimizer-v1",  # recompute_s under the checkpoint function; the optimizer step
+        "measures": "recompute-v2 optimizer-v1 tied-v1",  # recompute_s under the checkpoint function; the optimizer step
         "settings": {"warmup": settings.warmup, "repeats": settings.repeats,
                      "optimizer_bytes_per_param": settings.optimizer_bytes_per_param,
                      **({"compile": True} if settings.compile else {})},

@@ -155,6 +155,18 @@ class StageCost:
         return self.static_bytes + self.activation_peak_bytes
 
 
+def tied_duplicates(layers: Sequence) -> list[tuple]:
+    """(layer, the share of its states to leave out) for each layer whose tied weight an earlier layer of the
+    same stage already holds: one process holds a tied weight once (DeepSpeed's ``TiedLayerSpec``)."""
+    seen, dup = set(), []
+    for c in layers:
+        key = getattr(c, "tied_key", "")
+        if key and key in seen:
+            dup.append((c, c.tied_share()))
+        seen.add(key)
+    return dup
+
+
 def stage_costs(
     costs: Sequence,
     parts: Sequence[int],
@@ -178,6 +190,7 @@ def stage_costs(
         b_in = int(costs[i - 1].output_bytes) if i > 0 else 0
         b_out = int(costs[j - 1].output_bytes) if j < len(costs) else 0
         p2p = 2.0 * (b_in + b_out) / link_bandwidth if link_bandwidth else 0.0
+        dup = tied_duplicates(layers)
         out.append(StageCost(
             stage=s, start=i, stop=j, layer_names=tuple(c.name for c in layers),
             forward_s=sum(c.forward_s for c in layers),
@@ -185,9 +198,9 @@ def stage_costs(
             weight_grad_s=sum(c.backward_s / 2 if getattr(c, "weight_grad_s", None) is None else c.weight_grad_s
                               for c in layers),
             p2p_s=p2p,
-            param_bytes=sum(int(c.param_bytes) for c in layers),
-            grad_bytes=sum(int(c.grad_bytes) for c in layers),
-            optimizer_bytes=sum(int(c.optimizer_bytes) for c in layers),
+            param_bytes=sum(int(c.param_bytes) for c in layers) - round(sum(c.param_bytes * w for c, w in dup)),
+            grad_bytes=sum(int(c.grad_bytes) for c in layers) - round(sum(c.grad_bytes * w for c, w in dup)),
+            optimizer_bytes=sum(int(c.optimizer_bytes) for c in layers) - round(sum(c.optimizer_bytes * w for c, w in dup)),
             activation_bytes=sum(held[i:j]),
             inflight=in_flight(s, p, micro_batches, schedule),
             boundary_in_bytes=b_in, boundary_out_bytes=b_out,

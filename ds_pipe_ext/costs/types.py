@@ -54,12 +54,18 @@ class LayerCost:
     # the optimizer's step over this layer's trainable parameters, once a step (0 where unmeasured): the stage
     # runs it after its last backward (the plan's step without a step model)
     optimizer_step_s: float = 0.0
+    # parameters this layer shares with another (DeepSpeed's TiedLayerSpec key, "" for none) and their bytes in
+    # param_bytes (a profiled tied spec: its whole module, which a process builds once; analytic: the word
+    # table): a stage holding two layers of one key holds them once, gradients and optimizer states too;
+    # stages apart each hold a copy
+    tied_key: str = ""
+    tied_param_bytes: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name == "name":
-                if not isinstance(self.name, str):
-                    raise ValueError(f"LayerCost.name must be a string, got {self.name!r}")
+            if f.name in ("name", "tied_key"):
+                if not isinstance(getattr(self, f.name), str):
+                    raise ValueError(f"LayerCost.{f.name} must be a string, got {getattr(self, f.name)!r}")
                 continue
             if f.name == "param_numels":
                 numels = tuple(self.param_numels)
@@ -73,10 +79,17 @@ class LayerCost:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"LayerCost({self.name!r}).{f.name} = {v!r}: must be a finite number >= 0")
+        if self.tied_param_bytes > self.param_bytes:
+            raise ValueError(f"LayerCost({self.name!r}).tied_param_bytes = {self.tied_param_bytes} exceeds its "
+                             f"param_bytes ({self.param_bytes}): the tied weight is part of the layer's parameters")
 
     def time_s(self, *, recompute: bool = False) -> float:
         """Forward + backward time of one micro-batch (plus the replayed forward if checkpointed)."""
         return self.forward_s + self.backward_s + (self.recompute_s if recompute else 0.0)
+
+    def tied_share(self) -> float:
+        """The tied weight's share of this layer's parameters (and so of its gradients and optimizer states)."""
+        return self.tied_param_bytes / self.param_bytes if self.param_bytes else 0.0
 
     @property
     def static_bytes(self) -> int:
