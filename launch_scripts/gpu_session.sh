@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One lent GPU session's two prepared device calls (docs/GPU.md), from the project root, after
+# `bash launch_scripts/gpu_wheels.sh .whl` here and with `.whl` carried:
+#   bash launch_scripts/gpu_session.sh one     install; train and compare together (they measure bytes, not
+#                                              time), then oom and costs alone: about 8 minutes on an H200
+#   bash launch_scripts/gpu_session.sh two     install; speed alone: about 6 minutes
+#   bash launch_scripts/gpu_session.sh PART..  install; those parts one after another
+# Each part writes OUT/PART.log (OUT: $OUT, the device's hand-back folder) and its records under OUT/gpu-path;
+# a line per launch and the part's RESULT are echoed as it ends.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu-session}
+start=$(date +%s)
+elapsed() { echo "[+$(( $(date +%s) - start )) s] $*"; }
+python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | grep -v WARNING | tail -3
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+python3 -c "import sys, torch, deepspeed; print(sys.version.split()[0], torch.__version__, deepspeed.__version__, torch.cuda.get_device_name())"
+mkdir -p "$OUT/gpu-path"
+# seconds each part may take: measured on an H200 (2026-11-27) with room; a gpt3-1.3b launch needs ~55 s to
+# its first step, so oom's launch needs more than a minute before its out-of-memory error
+declare -A LIMIT=([train]=200 [compare]=200 [oom]=200 [costs]=200 [speed]=420 [layers]=200 [hf]=120 [offload]=300)
+part() {
+  elapsed "start $1 (limit ${LIMIT[$1]} s)"
+  timeout -k 10 "${LIMIT[$1]}" python3 bench/gpu_path.py --parts "$1" --out "$OUT/gpu-path" > "$OUT/$1.log" 2>&1
+  elapsed "end $1 rc=$?"
+  grep -E '^\s+\[|RESULT|^[a-z]+: [0-9]+ s' "$OUT/$1.log" | cut -c1-300
+}
+case ${1:-one} in
+  one) part train & part compare & wait; part oom; part costs ;;
+  two) part speed ;;
+  *) for p in "$@"; do part "$p"; done ;;
+esac
+elapsed done
