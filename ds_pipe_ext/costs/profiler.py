@@ -130,6 +130,7 @@ def measure_layer(
         p.grad = None
     act_bytes, out = saved_activation_bytes(lambda: forward(detach_input(x)), params)
     elem = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
+    tied = tied_key(spec)
     n_trainable = sum(p.numel() for p in trainable)
     fwd = statistics.median(fwd_times)
     cost = LayerCost(
@@ -148,7 +149,7 @@ def measure_layer(
         expert_param_bytes=elem(p for p in params if getattr(p, "allreduce", True) is False),
         optimizer_step_s=optimizer_s,
         # a tied spec's module is one per process: all of it is what a second layer of its key shares
-        tied_key=tied_key(spec), tied_param_bytes=elem(params) if tied_key(spec) else 0,
+        tied_key=tied, tied_param_bytes=elem(params) if tied else 0,
     )
     return cost, detach_input(out)
 

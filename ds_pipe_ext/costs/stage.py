@@ -191,6 +191,10 @@ def stage_costs(
         b_out = int(costs[j - 1].output_bytes) if j < len(costs) else 0
         p2p = 2.0 * (b_in + b_out) / link_bandwidth if link_bandwidth else 0.0
         dup = tied_duplicates(layers)
+
+        def held_once(kind: str) -> int:  # the stage's bytes of ``kind``, a tied module counted once
+            return sum(int(getattr(c, kind)) for c in layers) - round(sum(getattr(c, kind) * w for c, w in dup))
+
         out.append(StageCost(
             stage=s, start=i, stop=j, layer_names=tuple(c.name for c in layers),
             forward_s=sum(c.forward_s for c in layers),
@@ -198,9 +202,8 @@ def stage_costs(
             weight_grad_s=sum(c.backward_s / 2 if getattr(c, "weight_grad_s", None) is None else c.weight_grad_s
                               for c in layers),
             p2p_s=p2p,
-            param_bytes=sum(int(c.param_bytes) for c in layers) - round(sum(c.param_bytes * w for c, w in dup)),
-            grad_bytes=sum(int(c.grad_bytes) for c in layers) - round(sum(c.grad_bytes * w for c, w in dup)),
-            optimizer_bytes=sum(int(c.optimizer_bytes) for c in layers) - round(sum(c.optimizer_bytes * w for c, w in dup)),
+            param_bytes=held_once("param_bytes"), grad_bytes=held_once("grad_bytes"),
+            optimizer_bytes=held_once("optimizer_bytes"),
             activation_bytes=sum(held[i:j]),
             inflight=in_flight(s, p, micro_batches, schedule),
             boundary_in_bytes=b_in, boundary_out_bytes=b_out,
