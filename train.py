@@ -83,16 +83,21 @@ if __name__ == "__main__":
     from ds_pipe_ext.pipe.decide import DecisionError
     from ds_pipe_ext.train.checkpoint import CheckpointError
 
-    from ds_pipe_ext.train.trainer import exit_process
+    from ds_pipe_ext.train.trainer import exit_process, write_metrics
 
     try:
         summary = main()
     except torch.OutOfMemoryError as e:
         # a result, as the memory cap's stop is: exit 3 at once, and the launcher ends the other ranks
         # (which may wait in a collective this rank will not join)
-        print(f"error: out of memory on rank {os.environ.get('RANK', '?')}: {str(e).splitlines()[0]} - lower "
-              f"train_micro_batch_size_per_gpu, recompute (train.recompute), more stages, or a higher ZeRO stage",
-              file=sys.stderr, flush=True)
+        rank = int(os.environ.get("RANK", 0))
+        error = str(e).splitlines()[0]
+        print(f"error: out of memory on rank {rank}: {error} - lower train_micro_batch_size_per_gpu, recompute "
+              f"(train.recompute), more stages, or a higher ZeRO stage", file=sys.stderr, flush=True)
+        # the record an `oom` row reads; its time lets a caller measure how fast every process is gone
+        write_metrics({"status": "oom", "oom": {"rank": rank, "measure": "CUDA out-of-memory error", "error": error,
+                                                "at_unix": time.time()}},
+                      rank, parse_args().metrics_out)
         exit_process(OOM_EXIT)
     except (ConfigError, ModelConfigError, PartitionError, DecisionError, CheckpointError) as e:
         # the same message on every rank, then a clean non-zero exit (no hang, no traceback)

@@ -4,6 +4,8 @@
 #   bash launch_scripts/gpu_session.sh one     install; train and compare together (they measure bytes, not
 #                                              time), then oom and costs alone: about 8 minutes on an H200
 #   bash launch_scripts/gpu_session.sh two     install; speed alone: about 6 minutes
+#   bash launch_scripts/gpu_session.sh rest    install; train and compare together, then oom, hf and layers: the
+#                                              parts a first session left unmeasured, about 8 minutes
 #   bash launch_scripts/gpu_session.sh PART..  install; those parts one after another
 # Each part writes OUT/PART.log (OUT: $OUT, the device's hand-back folder) and its records under OUT/gpu-path;
 # a line per launch and the part's RESULT are echoed as it ends.
@@ -18,7 +20,7 @@ python3 -c "import sys, torch, deepspeed; print(sys.version.split()[0], torch.__
 mkdir -p "$OUT/gpu-path"
 # seconds each part may take: measured on an H200 (2026-11-27) with room; a gpt3-1.3b launch needs ~55 s to
 # its first step, so oom's launch needs more than a minute before its out-of-memory error
-declare -A LIMIT=([train]=200 [compare]=200 [oom]=200 [costs]=200 [speed]=420 [layers]=200 [hf]=120 [offload]=300)
+declare -A LIMIT=([train]=200 [compare]=200 [oom]=200 [costs]=200 [speed]=420 [layers]=150 [hf]=120 [offload]=300)
 part() {
   elapsed "start $1 (limit ${LIMIT[$1]} s)"
   timeout -k 10 "${LIMIT[$1]}" python3 bench/gpu_path.py --parts "$1" --out "$OUT/gpu-path" > "$OUT/$1.log" 2>&1
@@ -28,6 +30,7 @@ part() {
 case ${1:-one} in
   one) part train & part compare & wait; part oom; part costs ;;
   two) part speed ;;
+  rest) part train & part compare & wait; part oom; part hf; part layers ;;
   *) for p in "$@"; do part "$p"; done ;;
 esac
 elapsed done

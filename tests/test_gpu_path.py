@@ -35,6 +35,7 @@ def test_the_gpu_check_runs_its_whole_plan_on_cpu_ranks(tmp_path):
         ("speed", "tiny-tied-z1-mb2x2"), ("speed", "llama-tiny-layers4-z1-mb2x2")]
     assert result["launches_ok"] == f"{len(runs)}/{len(runs)}" and result["device"] == "cpu-dry-run"
     assert result["oom_row"] == "oom" and float(result["oom_exit_s"]) < 60
+    assert "every process gone" in proc.stdout and "after the error" in proc.stdout  # timed from the rank's stop
     # a tied model's states (ZeRO-0..3 data parallel; a 1-stage pipeline holding both ends) exact against the rule
     assert result["zero_states_worst_error_pct"] == "0.0" and result["pipeline_states_worst_error_pct"] == "0.0"
     assert float(result["activation_bytes_worst_error_pct"]) < 2  # the layer part ran, on the cpu spec

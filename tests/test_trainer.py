@@ -128,3 +128,26 @@ def test_zero_checkpoints_resume_from_the_last_complete_one(tmp_path, layout):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ranks[0]["start_step"] == 2
     assert ranks[0]["losses"] == [whole[3]]
+
+
+def test_a_cuda_out_of_memory_error_is_an_oom_result_with_its_time(tmp_path):
+    """train.py's handler, without a GPU: the error raised where a CUDA allocation fails ends the rank at once
+    with exit status 3, a message naming the fixes, and the record an ``oom`` row reads (with the error's time)."""
+    import subprocess
+    import sys
+    import time
+
+    script = ("import runpy, sys, torch\n"
+              "import ds_pipe_ext.train.build as b\n"
+              "def build(cfg): raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
+              "b.build = build\n"
+              f"sys.argv = ['train.py', '--deepspeed_config', 'ds.json', '--metrics-out', {str(tmp_path / 'm.json')!r}]\n"
+              "runpy.run_path('train.py', run_name='__main__')\n")
+    before = time.time()
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "error: out of memory on rank 0: CUDA out of memory. Tried to allocate 2.00 GiB - lower " in proc.stderr
+    record = json.loads((tmp_path / "m.json").read_text())
+    assert record["status"] == "oom" and record["oom"]["measure"] == "CUDA out-of-memory error"
+    assert before < record["oom"]["at_unix"] < time.time()
+    assert json.loads((tmp_path / "m.rank0.json").read_text())["rank"] == 0

@@ -126,7 +126,7 @@ class Trainer:
                 self.oom = over_memory_cap(cfg.train.memory_cap_gib, rank_peak_bytes(self.built),
                                            collective_device())
                 if self.oom is not None:  # every rank got the same answer: all stop here, together
-                    self.oom.update(after_step=step, measure=self.built.cap_measure)
+                    self.oom.update(after_step=step, measure=self.built.cap_measure, at_unix=time.time())
                     if self.built.rank == 0:
                         print(f"ds_pipe_ext: memory cap exceeded: rank {self.oom['rank']} peaked at "
                               f"{self.oom['peak_bytes'] / 2**30:.3f} GiB ({self.oom['measure']}) > "
