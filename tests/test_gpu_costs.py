@@ -90,8 +90,9 @@ def test_the_cuda_spec_is_measured_once_per_device_and_versions_and_refused_with
     spec = get_device("cuda", cache_dir=str(tmp_path))  # the measured figures, the H200's links by its name
     assert (spec.name, spec.hbm_bandwidth, spec.matrix_half_dim) == ("cuda", 4.3e12, 96.0)
     assert spec.intra_node_bandwidth == DEVICES["h200"].intra_node_bandwidth
+    assert spec.vector_flops == DEVICES["h200"].vector_flops  # the datasheet's: no torch op measures it
     (path,) = tmp_path.glob("cuda-spec-*.json")
-    assert path.name == "cuda-spec-v1-NVIDIA-H200-torch2.11.0-cu130-cuda13.0-tf320.json"
+    assert path.name == "cuda-spec-v2-NVIDIA-H200-torch2.11.0-cu130-cuda13.0-tf320.json"
     path.write_text("{not json")
     with pytest.raises(AnalyticError, match=f"{path}: not a cuda spec this version reads .* delete it"):
         cuda_spec.measure_cuda(str(tmp_path), measure=measure)

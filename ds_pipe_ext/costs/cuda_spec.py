@@ -9,10 +9,13 @@ published runs; a run on a GPU is costed on what this GPU, this torch and this c
   small dimension fills the device less; ``DeviceSpec``'s own form, eff x d / (d + half));
 * ``attention_efficiency``: causal SDPA (batch 4, 16 heads of 64, sequence 2,048, bf16) against the
   matrix peak;
-* memory bandwidth: a copy between two 1 GiB buffers; vector rate: an add on 8 MiB operands (L2-resident).
+* memory bandwidth: a copy between two 1 GiB buffers; vector rate: an add on 1 GiB operands, a lower bound
+  (an eager elementwise op is bound by its traffic or its launch, never by its arithmetic: an add on 8 MiB
+  timed by ``do_bench``, which flushes the L2 before each call, read 0.23 TFLOP/s on an H200, a launch and a
+  flush; so no loop of torch ops measures the arithmetic rate).
 
-The links (NCCL is not measured here) are the datasheet's where ``hardware.get_device`` knows the device by
-name.  Each figure is a loop of calls timed by ``costs.gpu_timing``.  Cached per device name, torch and CUDA
+The vector rate and the links (NCCL is not measured here) are the datasheet's where ``hardware.get_device``
+knows the device by name.  Each figure is a loop of calls timed by ``costs.gpu_timing``.  Cached per device name, torch and CUDA
 versions and the TF32 setting (``cache_dir``): a malformed cache file is an error naming it.
 """
 
@@ -38,7 +41,7 @@ def cuda_spec_key() -> dict:
 
 def cache_path(cache_dir: str, key: dict) -> Path:
     slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"{key['device']}-torch{key['torch']}-cuda{key['cuda']}")
-    return Path(cache_dir) / f"cuda-spec-v1-{slug}-tf32{int(key['tf32'])}.json"
+    return Path(cache_dir) / f"cuda-spec-v2-{slug}-tf32{int(key['tf32'])}.json"
 
 
 def measure_cuda(cache_dir: str | None = ".ds_pipe_ext_cache", *, measure=None) -> tuple[str, dict]:
@@ -88,7 +91,7 @@ def _measure() -> dict:  # pragma: no cover - needs a GPU (bench/gpu_path.py run
     sdpa_flops = 4 * 4 * 16 * 2048 * 2048 * 64 / 2  # QK^T and PV, half of them under the causal mask
     attention = sdpa_flops / timer(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)) / matrix["bf16"]
     bandwidth = _copy_bandwidth(dev, timer)
-    u = torch.randn(2**21, device=dev)  # 8 MiB: L2-resident, so the add's arithmetic, not its traffic
+    u = torch.randn(2**28, device=dev)  # 1 GiB: the add's traffic, a lower bound on its arithmetic rate
     vector = u.numel() / timer(lambda: torch.add(u, u))
     return {"matrix_flops": matrix, "vector_flops": {name: vector for name in dtypes}, "hbm_bandwidth": bandwidth,
             "memory_bytes": float(torch.cuda.get_device_properties(dev).total_memory), "matrix_efficiency": 1.0,

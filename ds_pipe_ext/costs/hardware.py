@@ -318,11 +318,14 @@ def datasheet_name(device_name: str, memory_bytes: float | None = None) -> str |
 
 
 def cuda_device(device_name: str, measured: dict) -> DeviceSpec:
-    """The ``cuda`` spec from its measured fields (``costs.cuda_spec``), with the datasheet's links where
-    the device is one known by name (NCCL is not measured there), else its own copy bandwidth."""
+    """The ``cuda`` spec from its measured fields (``costs.cuda_spec``), with the datasheet's links and
+    vector rate where the device is one known by name (NCCL is not measured there, and no torch op measures
+    an elementwise op's arithmetic rate), else its own copy bandwidth and measured lower bound."""
     key = datasheet_name(device_name, measured["memory_bytes"])
     known = DEVICES[key] if key else None
     bandwidth = measured["hbm_bandwidth"]
+    if known:
+        measured = {**measured, "vector_flops": dict(known.vector_flops)}
     return DeviceSpec("cuda", intra_node_bandwidth=known.intra_node_bandwidth if known else bandwidth,
                       inter_node_bandwidth=known.inter_node_bandwidth if known else bandwidth,
                       gpus_per_node=known.gpus_per_node if known else 1, **measured)
