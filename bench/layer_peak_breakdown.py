@@ -1,8 +1,9 @@
 """What a layer holds at its memory peak, by the op that allocated it: the allocator's peak over a forward and
 backward (as the profiler measures it, ``costs.profiler.profile_layer``) taken apart, beside the analytic count.
 
-The profiler's peak is one number; where it and the analytic model disagree (on an H200 the GPT-2 medium and
-Llama-3-8B blocks held 24-25% more than counted), this says which tensors make the difference.  One
+The profiler's peak is one number; where it and the analytic model disagree, this says which tensors make the
+difference (on an H200, 2026-11-27: the Llama-3-8B block's 318 MiB were the profiler's own AdamW states, read
+into the peak; the GPT-2 medium block's 80 MiB include 64 MiB a bias gradient's sum holds, docs/RESULTS.md).  One
 forward + backward runs untraced (lazy initialisation, the previous call's output still referenced, as in the
 profiler's loop), then one under ``torch.profiler`` with ``profile_memory``: its allocation events, each under
 the op that made it, are replayed to the highest ``total_allocated``, and the blocks live there are summed by
@@ -51,7 +52,8 @@ def op_chain(event) -> str:
 
 
 def peak_breakdown(run, device: torch.device) -> tuple[int, int, dict[str, int]]:
-    """(allocator bytes at the traced call's highest point, bytes held before it, live bytes there by op)."""
+    """(allocator bytes at the traced call's highest point, bytes from before the trace still held there,
+    live bytes there by the op that allocated them)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
@@ -73,21 +75,23 @@ def peak_breakdown(run, device: torch.device) -> tuple[int, int, dict[str, int]]
         stack.extend(event.children)
     events.sort(key=lambda e: e[0])
     live: dict[int, tuple[int, str]] = {}
-    best_total, best_live = -1, {}
-    first_total = None
+    best_total, best_live, best_before = -1, {}, 0
+    before = None
     for _, ptr, size, total, event in events:
-        if first_total is None:
-            first_total = total - size  # what the allocator held before the first event
+        if before is None:
+            before = total - size  # what the allocator held before the first event
         if size > 0:
             live[ptr] = (size, op_chain(event))
+        elif ptr in live:
+            del live[ptr]
         else:
-            live.pop(ptr, None)
+            before += size  # a block from before the trace, freed during it (the previous call's output)
         if total > best_total:
-            best_total, best_live = total, dict(live)
+            best_total, best_live, best_before = total, dict(live), before
     by_op: dict[str, int] = defaultdict(int)
     for size, chain in best_live.values():
         by_op[chain] += size
-    return best_total, first_total or 0, dict(by_op)
+    return best_total, best_before, dict(by_op)
 
 
 def case_run(model: str, layer: str, b: int, seq: int, dtype: str, device: torch.device):

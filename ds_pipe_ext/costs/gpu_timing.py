@@ -13,38 +13,12 @@ forward + backward is timed as a loop and the forward loop is taken off.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 Timer = Callable[[Callable[[], object]], float]  # seconds per call of a function, timed as a loop
 
-WAKE_S = 1.0  # seconds of matrix work before a process's first timing on a GPU
-_awake: set[int] = set()
-
-
-def wake(seconds: float = WAKE_S) -> None:
-    """Keep the current GPU busy for ``seconds`` before this process first times anything on it.  A GPU
-    that sat idle runs its first work below its working clock: on an H200 a GPT-2 medium profile taken
-    first read its embedding and block 12% slower than a second profile in the same process, while a
-    profile taken after other work did not move (1.3%)."""
-    import torch
-
-    index = torch.cuda.current_device()
-    if index in _awake:
-        return
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        for _ in range(20):
-            a @ a
-        torch.cuda.synchronize()
-    _awake.add(index)
-
-
 def cuda_timer() -> Timer:
-    """``do_bench`` (its defaults, the median call) where triton imports, else torch's ``blocked_autorange``;
-    the GPU woken first (``wake``)."""
-    wake()
+    """``do_bench`` (its defaults, the median call) where triton imports, else torch's ``blocked_autorange``."""
     try:
         from triton.testing import do_bench
     except ImportError:

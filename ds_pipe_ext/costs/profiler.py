@@ -113,11 +113,14 @@ def measure_layer(
         if r >= settings.warmup:
             fwd_times.append(tf.elapsed())
             bwd_times.append(tb.elapsed())
+        out = outs = None  # a stage holds one micro-batch's output here, not the previous call's beside it
 
-    optimizer_s = _optimizer_step_s(trainable, device, settings)
-    # the output's gradient arrives from the next stage, resting memory as the input is: not the layer's
+    # the output's gradient arrives from the next stage, resting memory as the input is: not the layer's.
+    # Read before the optimizer's step is timed: its states are the layer's optimizer bytes, not its peak
+    # (a Llama-3-8B block's AdamW states, 832 MiB, had set the peak on an H200)
     grad_bytes = sum(g.numel() * g.element_size() for g in grad_out or () if g is not None)
     peak = torch.cuda.max_memory_allocated(device) - resting - grad_bytes if cuda else 0
+    optimizer_s = _optimizer_step_s(trainable, device, settings)
     if timer is not None:
         def backward(out):
             torch.autograd.backward([t for t in tensors_of(out) if t.requires_grad], grad_out)
