@@ -16,7 +16,8 @@ import torch
 from ..costs.estimate import EstimateRequest, analytic_layer_costs, dropout_mask_bytes
 from ..costs.hardware import get_device
 from ..costs.stage import stage_costs
-from ..costs.zero import bf16_accumulation_bytes, bf16_optimizer_states, expert_parallel_states, zero_model_states
+from ..costs.zero import (bf16_accumulation_bytes, bf16_optimizer_states, expert_parallel_states, runs_bf16_optimizer,
+                          zero_model_states)
 from ..layout import ZERO_SETTINGS
 from .configs import CompareConfig
 
@@ -101,8 +102,8 @@ def _states(numels: list[int], cfg: CompareConfig, element_bytes: int, dp_rank: 
         return expert_parallel_states(dense, local, dp=lay.dp, ep=lay.ep, stage=lay.zero,
                                       element_bytes=element_bytes, rank=dp_rank).to_dict()
     shard = [max(1, n // lay.tp) if lay.tp > 1 and n > 1 else n for n in numels]
-    if cfg.kind == "pipeline" and lay.zero == 0 and element_bytes == 2:
-        # a 16-bit pipeline without ZeRO runs DeepSpeed's BF16_Optimizer, accumulating in the training dtype
+    if runs_bf16_optimizer(pipelined=cfg.kind == "pipeline", zero_stage=lay.zero, bf16=element_bytes == 2):
+        # DeepSpeed's BF16_Optimizer accumulates in the training dtype
         # (DeepSpeed 0.19's data_types.grad_accum_dtype default); its flat accumulation buffer is held as a
         # gradient, where the instrumentation counts it
         states = bf16_optimizer_states(shard, dp=lay.dp, accum_bytes=element_bytes).to_dict()

@@ -114,6 +114,12 @@ def zero_model_states(param_numels: list[int], *, dp: int, stage: int, element_b
     return ModelStates(param_bytes=e * (part + persistent), grad_bytes=e * part + 4 * part, optimizer_bytes=12 * part)
 
 
+def runs_bf16_optimizer(*, pipelined: bool, zero_stage: int, bf16: bool) -> bool:
+    """Whether DeepSpeed (0.19) trains with its ``BF16_Optimizer`` in place of ZeRO's: a bf16 pipeline
+    without ZeRO (``_do_optimizer_sanity_check``).  The plan and ``compare`` both ask this."""
+    return pipelined and zero_stage == 0 and bf16
+
+
 def bf16_optimizer_states(param_numels: list[int], *, dp: int, accum_bytes: int) -> ModelStates:
     """Bytes a rank holds at the step under DeepSpeed's ``BF16_Optimizer`` (bf16 under a pipeline without
     ZeRO, ``runtime/bf16_optimizer.py``): the bf16 weights in one flat buffer padded to ``2 dp`` elements and

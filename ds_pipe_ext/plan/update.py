@@ -21,6 +21,7 @@ import math
 from ..costs.estimate import DTYPE_BYTES, EstimateRequest, layer_ops, shape_for
 from ..costs.hardware import adam_step_s
 from ..costs.nccl import ring_latency_s
+from ..costs.zero import runs_bf16_optimizer
 from ..layout import Layout
 from .zero3 import exposed_s
 
@@ -90,8 +91,8 @@ class RankUpdate:
         ``_do_optimizer_sanity_check``): it accumulates gradients in flat buffers of ``grad_accum_dtype``,
         all-reduces those (``_bf16_reduce_grads`` -> ``get_grads_for_reduction``) and partitions the fp32
         master weights and moments over DP like ZeRO-1, all-gathering the updated bf16 partitions."""
-        return (self.runtime_terms and lay.runtime == "deepspeed" and self.dtype == "bf16" and lay.zero == 0
-                and lay.pipelined)
+        return (self.runtime_terms and lay.runtime == "deepspeed"
+                and runs_bf16_optimizer(pipelined=lay.pipelined, zero_stage=lay.zero, bf16=self.dtype == "bf16"))
 
     def grad_reduce_bytes(self, lay: Layout) -> float:
         """Bytes of a gradient element as DeepSpeed reduces it: ``grad_accum_dtype`` under ``BF16_Optimizer``
