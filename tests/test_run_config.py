@@ -191,3 +191,32 @@ def test_zero_offload_trains_with_deepspeeds_cpu_adam(monkeypatch):
     assert isinstance(make_adamw(params, lr=1e-3, offload=True), RecordingCPUAdam)
     assert made == [(2, 1e-3, True)]
     assert isinstance(make_adamw(params, lr=1e-3), torch.optim.AdamW)
+
+
+def test_fp32_matmuls_on_cuda_use_tf32_unless_the_config_says_no(monkeypatch):
+    """train.tf32 (default on) sets the flags MFU and the cuda spec read, before anything is built; a CPU run
+    leaves them alone (build asks for CUDA first)."""
+    from ds_pipe_ext.train import build as train_build
+
+    assert build_run_config(BASE).train.tf32 is True
+    assert build_run_config({**BASE, "train": {"tf32": False}}).train.tf32 is False
+    with pytest.raises(ConfigError, match=r"train.tf32 = 'often'"):
+        build_run_config({**BASE, "train": {"tf32": "often"}})
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        train_build.use_tf32(True)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        train_build.use_tf32(False)
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        # on CUDA, build applies the setting before loading the model; on a CPU it does not touch the flags
+        seen = []
+        monkeypatch.setattr(train_build, "use_tf32", seen.append)
+        monkeypatch.setattr(train_build, "load_model", lambda name: (_ for _ in ()).throw(RuntimeError("stop")))
+        cfg = build_run_config({**BASE, "train": {"tf32": False}})
+        for cuda, expected in ((False, []), (True, [False])):
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+            with pytest.raises(RuntimeError, match="stop"):
+                train_build.build(cfg)
+            assert seen == expected
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before

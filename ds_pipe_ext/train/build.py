@@ -335,7 +335,17 @@ def data_parallel_rank(model, layout: Layout, rank: int, *, pipelined: bool) -> 
     return rank
 
 
+def use_tf32(enabled: bool) -> None:
+    """fp32 GEMMs and convolutions on CUDA: TF32 tensor cores or CUDA cores (``train.tf32``).  The legacy
+    flags, which ``mfu`` and the ``cuda`` spec's cache key read (torch refuses reads of them once the newer
+    ``fp32_precision`` API has set them)."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
 def build(cfg: RunConfig) -> Built:
+    if torch.cuda.is_available():  # before anything is profiled; a CPU's matmuls are left as they are
+        use_tf32(cfg.train.tf32)
     model_cfg = load_model(cfg.train.model)
     layout = run_layout(cfg, model_cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group
     init_process_group()

@@ -54,6 +54,10 @@ class TrainSection(ConfigModel):
     # either way); the first step compiles, and is left out of the step timings as every first step is.
     # Off by default: on a CPU, inductor's C++ builds cost more than they save on these models
     compile: bool = False
+    # fp32 matmuls and convolutions on CUDA run on TF32 tensor cores (torch's default is CUDA cores; an H200
+    # ran a GPT-2 medium fp32 block at 46 TFLOP/s there, against 494 TF32 on its datasheet): the datasheet
+    # specs price fp32 GEMMs at TF32, and MFU takes the fp32 peak by this setting.  No effect on a CPU or in bf16
+    tf32: bool = True
 
 
 class TensorParallelSection(ConfigModel):
