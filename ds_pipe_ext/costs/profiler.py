@@ -113,7 +113,8 @@ def measure_layer(
         if r >= settings.warmup:
             fwd_times.append(tf.elapsed())
             bwd_times.append(tb.elapsed())
-        out = outs = None  # a stage holds one micro-batch's output here, not the previous call's beside it
+        if cuda:  # the allocator's peak over this loop: one call's output held, not the previous one's beside it
+            out = outs = None
 
     # the output's gradient arrives from the next stage, resting memory as the input is: not the layer's.
     # Read before the optimizer's step is timed: its states are the layer's optimizer bytes, not its peak
