@@ -2,7 +2,7 @@
 # One lent GPU session's two prepared device calls (docs/GPU.md), from the project root, after
 # `bash launch_scripts/gpu_wheels.sh .whl` here and with `.whl` carried:
 #   bash launch_scripts/gpu_session.sh one     install; train and compare together (they measure bytes, not
-#                                              time), then oom and costs alone: about 8 minutes on an H200
+#                                              time), then oom, costs and layers alone: about 6.5 minutes on an H200
 #   bash launch_scripts/gpu_session.sh two     install; speed alone: about 6 minutes
 #   bash launch_scripts/gpu_session.sh rest    install; train and compare together, then oom, hf and layers: the
 #                                              parts a first session left unmeasured, about 8 minutes
@@ -28,7 +28,7 @@ part() {
   grep -E '^\s+\[|RESULT|^[a-z]+: [0-9]+ s' "$OUT/$1.log" | cut -c1-300
 }
 case ${1:-one} in
-  one) part train & part compare & wait; part oom; part costs ;;
+  one) part train & part compare & wait; part oom; part costs; part layers ;;
   two) part speed ;;
   rest) part train & part compare & wait; part oom; part hf; part layers ;;
   *) for p in "$@"; do part "$p"; done ;;
