@@ -351,7 +351,7 @@ def layers_part(t: Target, out: Path) -> dict:
 
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     if t.cuda:  # fp32 as train.py runs it (train.tf32)
-        from ds_pipe_ext.train.build import use_tf32
+        from ds_pipe_ext.device import use_tf32
 
         use_tf32(True)
     cases = ([("gpt2-medium", 8, 1024, "bf16"), ("gpt2-medium", 8, 1024, "fp32"), ("gpt3-1.3b", 4, 2048, "bf16"),

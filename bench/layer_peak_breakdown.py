@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs  # noqa: E402
 from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
 from ds_pipe_ext.costs.layers import build_for_profiling  # noqa: E402
-from ds_pipe_ext.costs.probes import detach_input, tensors_of  # noqa: E402
+from ds_pipe_ext.costs.probes import allocation_events, detach_input, tensors_of  # noqa: E402
 from ds_pipe_ext.costs.profiler import TORCH_DTYPES  # noqa: E402
 from ds_pipe_ext.models import family_of, load_model  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
@@ -54,7 +54,6 @@ def op_chain(event) -> str:
 def peak_breakdown(run, device: torch.device) -> tuple[int, int, dict[str, int]]:
     """(allocator bytes at the traced call's highest point, bytes from before the trace still held there,
     live bytes there by the op that allocated them)."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -64,20 +63,11 @@ def peak_breakdown(run, device: torch.device) -> tuple[int, int, dict[str, int]]
         run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        tag, fields = event.typed
-        if tag == _EventType.Allocation:
-            if fields.device.type == device.type:
-                events.append((event.start_time_ns, fields.ptr, fields.alloc_size, fields.total_allocated, event))
-            continue
-        stack.extend(event.children)
-    events.sort(key=lambda e: e[0])
     live: dict[int, tuple[int, str]] = {}
     best_total, best_live, best_before = -1, {}, 0
     before = None
-    for _, ptr, size, total, event in events:
+    for event, fields in allocation_events(prof, device.type):
+        ptr, size, total = fields.ptr, fields.alloc_size, fields.total_allocated
         if before is None:
             before = total - size  # what the allocator held before the first event
         if size > 0:

@@ -38,3 +38,11 @@ def select_rank_device() -> torch.device:
 def collective_device(group=None) -> torch.device:
     """The device of the tensors a collective over ``group`` takes: CUDA under NCCL, the CPU under gloo."""
     return rank_device() if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def use_tf32(enabled: bool) -> None:
+    """fp32 GEMMs and convolutions on CUDA: TF32 tensor cores or CUDA cores (``train.tf32``).  The legacy
+    flags, which ``mfu`` and the ``cuda`` spec's cache key read (torch refuses reads of them once the newer
+    ``fp32_precision`` API has set them)."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled

@@ -15,8 +15,8 @@ published runs; a run on a GPU is costed on what this GPU, this torch and this c
   flush; so no loop of torch ops measures the arithmetic rate).
 
 The vector rate and the links (NCCL is not measured here) are the datasheet's where ``hardware.get_device``
-knows the device by name.  Each figure is a loop of calls timed by ``costs.gpu_timing``.  Cached per device name, torch and CUDA
-versions and the TF32 setting (``cache_dir``): a malformed cache file is an error naming it.
+knows the device by name.  Each figure is a loop of calls timed by ``costs.gpu_timing``.  Cached per device
+name, torch and CUDA versions and the TF32 setting (``cache_dir``): a malformed cache file is an error naming it.
 """
 
 from __future__ import annotations

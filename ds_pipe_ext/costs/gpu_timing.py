@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 Timer = Callable[[Callable[[], object]], float]  # seconds per call of a function, timed as a loop
 
+
 def cuda_timer() -> Timer:
     """``do_bench`` (its defaults, the median call) where triton imports, else torch's ``blocked_autorange``."""
     try:

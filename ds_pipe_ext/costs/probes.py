@@ -96,27 +96,35 @@ def saved_activation_bytes(run: Callable[[], object], params: Sequence[torch.Ten
     return sum(nbytes for _, nbytes in seen), out
 
 
+def allocation_events(prof, device_type: str) -> list:
+    """A finished ``torch.profiler`` (``profile_memory``) run's allocation events on ``device_type``, in time
+    order (a free before an allocation at one instant): (event, its fields: ``alloc_size`` negative for a free, ``ptr``, ``total_allocated``); each event's
+    ``parent`` is the op that allocated."""
+    from torch._C._profiler import _EventType
+
+    found, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        tag, fields = event.typed
+        if tag == _EventType.Allocation:
+            if fields.device.type == device_type:
+                found.append((event, fields))
+            continue
+        stack.extend(event.children)
+    return sorted(found, key=lambda e: (e[0].start_time_ns, e[1].alloc_size))
+
+
 def traced_peak_bytes(run: Callable[[], object]) -> int:
     """The most bytes ``run()`` holds at once on the CPU above what was alive before it, from torch.profiler's
     allocation events (``profile_memory``): what a GPU's allocator peak says of the same call.  ``run`` is
     called twice, the first untraced (lazy initialisation, caches)."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     run()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
         run()
-    allocs, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        tag, fields = event.typed
-        if tag == _EventType.Allocation:
-            if fields.device.type == "cpu":
-                allocs.append((event.start_time_ns, fields.alloc_size))
-            continue
-        stack.extend(event.children)
     live = peak = 0
-    for _, nbytes in sorted(allocs):
-        live += nbytes
+    for _, fields in allocation_events(prof, "cpu"):
+        live += fields.alloc_size
         peak = max(peak, live)
     return peak

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..adamw import torch_adamw
 from ..config_model import ConfigError
-from ..device import select_rank_device
+from ..device import select_rank_device, use_tf32
 from ..mfu import Throughput
 from ..pipe.config import engine_dtype
 from ..models import family_of, load_model
@@ -333,14 +333,6 @@ def data_parallel_rank(model, layout: Layout, rank: int, *, pipelined: bool) -> 
 
         return parallel_state.get_data_parallel_rank()
     return rank
-
-
-def use_tf32(enabled: bool) -> None:
-    """fp32 GEMMs and convolutions on CUDA: TF32 tensor cores or CUDA cores (``train.tf32``).  The legacy
-    flags, which ``mfu`` and the ``cuda`` spec's cache key read (torch refuses reads of them once the newer
-    ``fp32_precision`` API has set them)."""
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    torch.backends.cudnn.allow_tf32 = enabled
 
 
 def build(cfg: RunConfig) -> Built:
