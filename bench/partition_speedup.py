@@ -34,6 +34,7 @@ Scores: `profiled` by its own builds (a fresh profile and decision each, as a us
 DeepSpeed's `uniform` and `parameters` by the splits their own functions choose.
 
     python bench/partition_speedup.py [--rounds 2] [--cycles 6] [--playoff-steps 4] [--playoff-launch build|cycle] [--out DIR]
+    python bench/partition_speedup.py --model bench-cpu           (one of the pair: its X and Y alone)
     python bench/partition_speedup.py --model bench-cpu-llama    (Llama: adds Megatron's accounting to the
         built-ins, and a simulated 4- and 8-stage comparison of the hand rules on llama3-8b; docs/RESULTS.md
         has it at the default 16 micro-batches and at --micro-batches 32 --cycles 12)
@@ -343,6 +344,9 @@ def report_one(model: str, result: dict, builtin: dict[str, str], prediction: di
         print(f"calibrated: the step model (bench/prediction_transfer.py's two GPT calibration runs); predicted: "
               f"every {model} measurement above")
         print(f"RESULT moe_profiled_vs_builtin={result['vs_builtin']:.3f} moe_profiled_vs_best_split={result['vs_best']:.3f}")
+        return
+    if family_of(load_model(model)).name != "llama":  # one of the GPT pair alone: its two figures
+        print(f"RESULT profiled_vs_builtin={result['vs_builtin']:.3f} profiled_vs_best_split={result['vs_best']:.3f}")
         return
     same = [k for k, v in builtin.items() if v == builtin["uniform"] and k != "uniform"]
     if same:
