@@ -6,7 +6,8 @@ the resulting ``LayerCost`` list.
 * Each spec is built on its own and fed the real activation its predecessor
   produced, so shapes and dtypes are the ones the pipeline will run.
 * On CPU forward and backward are timed separately after warm-up (perf_counter); the median of
-  the repeats is kept.  On GPU a layer is timed as a loop of calls (``costs.gpu_timing``:
+  the repeats is kept.  Each backward accumulates into the gradients the one before left, as a step's
+  micro-batches after its first run it.  On GPU a layer is timed as a loop of calls (``costs.gpu_timing``:
   triton's do_bench, else torch's blocked_autorange): one call between events moves from run to run.
 * ``recompute_s`` is measured too: the layer's forward + backward under the checkpoint
   function the engine uses, minus the plain ones (the replay and the checkpoint's own work).
@@ -281,7 +282,8 @@ def profile_layers(
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu:{torch.get_num_threads()}threads",
         **host,
         "versions": library_versions(),
-        "measures": "recompute-v2 optimizer-v1 tied-v1",  # recompute_s under the checkpoint function; the optimizer step
+        # recompute_s under the checkpoint function; the optimizer step; a CPU backward into existing gradients
+        "measures": "recompute-v2 optimizer-v1 tied-v1 accumulate-v1",
         "settings": {"warmup": settings.warmup, "repeats": settings.repeats,
                      "optimizer_bytes_per_param": settings.optimizer_bytes_per_param,
                      **({"compile": True} if settings.compile else {})},
