@@ -98,8 +98,8 @@ def saved_activation_bytes(run: Callable[[], object], params: Sequence[torch.Ten
 
 def allocation_events(prof, device_type: str) -> list:
     """A finished ``torch.profiler`` (``profile_memory``) run's allocation events on ``device_type``, in time
-    order (a free before an allocation at one instant): (event, its fields: ``alloc_size`` negative for a free, ``ptr``, ``total_allocated``); each event's
-    ``parent`` is the op that allocated."""
+    order (a free before an allocation at one instant): (event, its fields: ``alloc_size`` negative for a free,
+    ``ptr``, ``total_allocated``); each event's ``parent`` is the op that allocated."""
     from torch._C._profiler import _EventType
 
     found, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())

@@ -99,14 +99,7 @@ def measure_layer(
         resting = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     for r in range(settings.warmup + settings.repeats):
-        # On a CPU the backward is timed into the gradients the previous repeat left, as m - 1 of a step's m
-        # micro-batches run it (and as the GPU's loops of calls do): a fresh gradient each repeat times glibc's
-        # page faults instead, bimodally - a 98 MiB embedding's backward read 3 ms in one profile and 33 ms in
-        # the next while training ran it at ~7 ms - and moved bench-cpu's split.  On a GPU the loop reads the
-        # allocator's peak, which is the layer's with its gradients fresh.
-        if cuda or r == 0:
-            for p in trainable:
-                p.grad = None
+        _start_repeat(trainable, device, r)
         inp = detach_input(x)
         with RegionTimer(device) as tf:
             out = forward(inp)
@@ -165,6 +158,17 @@ def measure_layer(
     return cost, detach_input(out)
 
 
+def _start_repeat(trainable: list, device: torch.device, repeat: int) -> None:
+    """The gradients a timed repeat starts from.  On a CPU the backward runs into the gradients the previous
+    repeat left, as m - 1 of a step's m micro-batches run it (and as the GPU's loops of calls do): a fresh
+    gradient each repeat times glibc's page faults instead, bimodally - a 98 MiB embedding's backward read 3 ms
+    in one profile and 33 ms in the next while training ran it at ~7 ms - and moved bench-cpu's split.  On a GPU
+    each repeat starts from none: the loop reads the allocator's peak, the layer's with its gradients fresh."""
+    if device.type == "cuda" or repeat == 0:
+        for p in trainable:
+            p.grad = None
+
+
 def _optimizer_step_s(trainable: list, device: torch.device, settings: ProfileSettings) -> float:
     """One AdamW step over the layer's parameters, as train.py builds it (fused on a GPU, the per-tensor loop on
     a CPU), with the gradients the last backward left; the median after the warm-up (the first step allocates
@@ -212,9 +216,7 @@ def _checkpoint_overhead(call, loss_fn, labels, x, trainable, grad_out, device, 
             p.grad = None
         return max(both - plain, 0.0)
     for r in range(settings.warmup + settings.repeats):
-        if device.type == "cuda" or r == 0:  # as the plain loop (measure_layer)
-            for p in trainable:
-                p.grad = None
+        _start_repeat(trainable, device, r)
         inp = detach_input(x)
         with RegionTimer(device) as tf:
             out = checkpoint(run, *(inp if isinstance(inp, tuple) else (inp,)))
