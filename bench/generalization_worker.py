@@ -2,17 +2,19 @@
 user's script builds them.
 
     deepspeed --num_gpus 2 bench/generalization_worker.py --shape wide-alt \\
-        --methods "profiled;uniform;parameters;parts:0,4,10;train.py" --steps 3 --metrics-out DIR/metrics.json
+        --methods "profiled;uniform;parameters;parts:0,4,10;train.py" --steps 7 --warmup-steps 2 \\
+        --metrics-out DIR/metrics.json
 
 Each build is what a user writes: the model's layers as ``LayerSpec``s, ``ds_pipe_ext.PipelineModule(layers,
 num_stages=2, loss_fn=..., partition_method=..., profile_batch=..., micro_batches=...)``, no step model, then
 ``deepspeed.initialize`` with the shape's optimizer (DeepSpeed's from ds.json, or the script's AdamW), and
-``engine.train_batch`` timed per step.  The script sets nothing up that a user's script would not: no allocator
-settings, no thread pinning.  The method "train.py" builds the shape through train.py's own path
-(``ds_pipe_ext.train.build``, partition_method "profiled") instead.
+``engine.train_batch`` timed per step; a build's figure is the median of its steps after --warmup-steps.  The
+script sets nothing up that a user's script would not: no allocator settings, no thread pinning.  The method
+"train.py" builds the shape through train.py's own path (``ds_pipe_ext.train.build``, partition_method "profiled")
+instead.
 
 Rank 0 writes --metrics-out: {"measured": [{"method", "parts", "step_s_each", "step_s", "samples_per_s",
-"predicted_step_ms"}, ...]} in the order built; every rank writes NAME.rankR.json.
+"warmup_steps", "predicted_step_ms"}, ...]} in the order built; every rank writes NAME.rankR.json.
 """
 
 from __future__ import annotations
@@ -114,7 +116,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", required=True, choices=sorted(BY_NAME))
     ap.add_argument("--methods", required=True, help="separated by ';', built in this order")
-    ap.add_argument("--steps", type=int, default=3, help="per build; step 1 is the warm-up")
+    ap.add_argument("--steps", type=int, default=7, help="per build, warm-up steps included")
+    ap.add_argument("--warmup-steps", type=int, default=2, help="per build, not timed")
     ap.add_argument("--metrics-out", required=True)
     ap.add_argument("--no-warm-build", action="store_true", help="measure the first build as a fresh process runs it")
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
@@ -130,8 +133,8 @@ def main() -> None:
         train_drop_in(shape, "uniform", 2)
     for method in args.methods.split(";"):
         rec = train_via_train_py(shape, args.steps) if method == "train.py" else train_drop_in(shape, method, args.steps)
-        timed = rec["step_s_each"][1:] or rec["step_s_each"]
-        rec.update(method=method, step_s=statistics.median(timed),
+        timed = rec["step_s_each"][args.warmup_steps:] or rec["step_s_each"]
+        rec.update(method=method, warmup_steps=args.warmup_steps, step_s=statistics.median(timed),
                    samples_per_s=shape.micro_batch * shape.micro_batches / statistics.median(timed))
         measured.append(rec)
         if rank == 0:

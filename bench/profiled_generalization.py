@@ -12,12 +12,17 @@ also built through train.py's path.
 2. **Measured**: per round, one launch a shape building `profiled` (a fresh profile and decision), `uniform`,
    `parameters` (DeepSpeed's own), every candidate split, and train.py's `profiled` where the shape says, in an order
    that turns each round (forward, backward, then rotated).  Each launch first trains one unrecorded build (a fresh
-   process's first build runs its first steps 1.2-2.4x slower while its heap grows); each build: step 1 the
-   warm-up, the median of the others.  Scores are ratios within a launch (`profiled`'s build against the best split's build beside it),
-   medians over the rounds; the best split is the split with the highest median samples/s, its builds pooled by
-   their boundaries (`uniform`, `parameters` and a `parts:` build that cut alike are one split).
+   process's first build runs its first steps 1.2-2.4x slower while its heap grows); each build: --warmup-steps
+   (2) untimed, the median of the other steps (5 of the default 7).  Two, not one: with one warm-up step and three
+   timed (runs/generalization-53-v6), the build after the launch's warm build ran its steps 2 and 3 at a mean 1.21x
+   and 1.09x its fastest step when it had just profiled (`profiled`, wide-alt: 4.13, 3.65 s, then 2.78 s), so
+   whether `profiled` came first in a round decided wide-alt's score (0.747-1.095 for one split); step 4 ran at
+   1.02x.  A median of five keeps one such step or one stray step from any build's figure.  Scores are ratios
+   within a launch (`profiled`'s build against the best split's build beside it), medians over the rounds; the best
+   split is the split with the highest median samples/s, its builds pooled by their boundaries (`uniform`,
+   `parameters` and a `parts:` build that cut alike are one split).
 
-    OMP_NUM_THREADS=1 python bench/profiled_generalization.py [--rounds 3] [--steps 3] [--out runs/generalization-53]
+    OMP_NUM_THREADS=1 python bench/profiled_generalization.py [--rounds 3] [--steps 7] [--warmup-steps 2] [--out DIR]
     python bench/profiled_generalization.py --predict-only
 
 Resumable: a launch whose metrics exist in --out is read, not run again.  No run here calibrates anything: the
@@ -137,7 +142,8 @@ def spread(values: list[float]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=3, help="per build; step 1 is the warm-up")
+    ap.add_argument("--steps", type=int, default=7, help="per build, warm-up steps included")
+    ap.add_argument("--warmup-steps", type=int, default=2, help="per build, not timed")
     ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
     ap.add_argument("--out", default="runs/generalization-53")
     ap.add_argument("--predict-only", action="store_true")
@@ -174,15 +180,17 @@ def main() -> None:
                 print(f"[{(time.time() - start) / 60:5.1f} min] round {round_no} {shape.name}: {';'.join(methods)}",
                       flush=True)
                 proc, _ = launch(2, None, "--shape", shape.name, "--methods", ";".join(methods),
-                                 "--steps", str(args.steps), out_dir=run_dir, script="bench/generalization_worker.py",
-                                 timeout=1200)
+                                 "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
+                                 out_dir=run_dir, script="bench/generalization_worker.py", timeout=1200)
                 (run_dir / "launch.log").write_text(proc.stdout + proc.stderr)
                 if proc.returncode != 0 or not done.exists():
                     sys.exit(f"{shape.name} round {round_no}: launch failed (rc {proc.returncode}); "
                              f"see {run_dir / 'launch.log'}")
             records = json.loads(done.read_text())["measured"]
-            if [r["method"] for r in records] != methods:
-                sys.exit(f"{done} measured {[r['method'] for r in records]}, not this run's {methods}: "
+            if [r["method"] for r in records] != methods or any(
+                    (len(r["step_s_each"]), r.get("warmup_steps", 1)) != (args.steps, args.warmup_steps) for r in records):
+                sys.exit(f"{done} measured {[r['method'] for r in records]} ({len(records[0]['step_s_each'])} steps), "
+                         f"not this run's {methods} ({args.steps} steps, {args.warmup_steps} warm-up): "
                          f"a stale directory; remove it")
             launches[shape.name].append(records)
             for r in records:
