@@ -2,7 +2,7 @@
 user's script builds them.
 
     deepspeed --num_gpus 2 bench/generalization_worker.py --shape wide-alt \\
-        --methods "profiled;uniform;parameters;parts:0,4,10;train.py" --steps 7 --warmup-steps 2 \\
+        --methods "profiled;uniform;parameters;parts:0,4,10;train.py" --steps 5 --warmup-steps 2 \\
         --metrics-out DIR/metrics.json
 
 Each build is what a user writes: the model's layers as ``LayerSpec``s, ``ds_pipe_ext.PipelineModule(layers,
@@ -116,7 +116,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", required=True, choices=sorted(BY_NAME))
     ap.add_argument("--methods", required=True, help="separated by ';', built in this order")
-    ap.add_argument("--steps", type=int, default=7, help="per build, warm-up steps included")
+    ap.add_argument("--steps", type=int, default=5, help="per build, warm-up steps included")
     ap.add_argument("--warmup-steps", type=int, default=2, help="per build, not timed")
     ap.add_argument("--metrics-out", required=True)
     ap.add_argument("--no-warm-build", action="store_true", help="measure the first build as a fresh process runs it")
