@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
-from bench.generalization_shapes import BY_NAME, Shape  # noqa: E402
+from bench.generalization_shapes import BY_NAME, STEPS, WARMUP_STEPS, Shape  # noqa: E402
 from ds_pipe_ext import PipelineModule  # noqa: E402
 from ds_pipe_ext.compat.cpu_shims import skip_deepspeed_shm_op  # noqa: E402
 from ds_pipe_ext.models import family_of, load_model  # noqa: E402
@@ -116,8 +116,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", required=True, choices=sorted(BY_NAME))
     ap.add_argument("--methods", required=True, help="separated by ';', built in this order")
-    ap.add_argument("--steps", type=int, default=5, help="per build, warm-up steps included")
-    ap.add_argument("--warmup-steps", type=int, default=2, help="per build, not timed")
+    ap.add_argument("--steps", type=int, default=STEPS, help="per build, warm-up steps included")
+    ap.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, help="per build, not timed")
     ap.add_argument("--metrics-out", required=True)
     ap.add_argument("--no-warm-build", action="store_true", help="measure the first build as a fresh process runs it")
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))

@@ -21,7 +21,7 @@ also built through train.py's path.
    split and against `uniform`'s split, each split's rate in a launch the mean of every drop-in build that cut it
    (`profiled`'s own, `uniform`'s, `parameters`', a `parts:` build's: they train the same split with the same
    code).  The best split is the split with the highest median of those rates.  Splits, not builds: two builds
-   of one split in one launch differed by a standard deviation of 4-7% (v5-v7, 36-120 pairs), more than the
+   of one split in one launch differed by a standard deviation of 4-7% (v5-v7, 36-120 builds), more than the
    3% that A asks to resolve, while `profiled`'s question is which split it picks; its own build's ratio to the
    best split is printed beside.  More rounds of shorter builds for the same reason (5 x 5 steps): a build's
    steps agree with each other far better than two builds of one split do.
@@ -46,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.generalization_shapes import SHAPES, Shape  # noqa: E402
+from bench.generalization_shapes import SHAPES, STEPS, WARMUP_STEPS, Shape  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
 from ds_pipe_ext.runner import launch  # noqa: E402
 
@@ -148,8 +148,8 @@ def spread(values: list[float]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=5, help="per build, warm-up steps included")
-    ap.add_argument("--warmup-steps", type=int, default=2, help="per build, not timed")
+    ap.add_argument("--steps", type=int, default=STEPS, help="per build, warm-up steps included")
+    ap.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, help="per build, not timed")
     ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
     ap.add_argument("--out", default="runs/generalization-53")
     ap.add_argument("--predict-only", action="store_true")
