@@ -11,11 +11,12 @@ from ds_pipe_ext.runner import ROOT, launch, write_config
 
 @pytest.mark.multiprocess
 def test_every_stage_records_and_the_report_renders(tmp_path, capsys):
-    # 4 stages, gathered every 2 steps and at the end, forwarded to DeepSpeed's CSV monitor
-    # (2 stages under TP are instrumented in test_trainer.py)
+    # 4 stages, gathered every 2 steps and at the end, forwarded to DeepSpeed's CSV monitor, every layer
+    # timed (per_layer) (2 stages under TP are instrumented in test_trainer.py)
     ranks = stages = 4
     extra = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "job"}}
-    cfg = write_config(tmp_path / "ds.json", pipeline={"stages": stages, "instrument": {"every": 2}}, **extra)
+    cfg = write_config(tmp_path / "ds.json", pipeline={"stages": stages, "instrument": {"every": 2, "per_layer": True}},
+                       **extra)
     run = tmp_path / "run"
     proc, _ = launch(ranks, cfg, "--steps", "3", "--instrument", str(run), out_dir=tmp_path, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -35,9 +36,21 @@ def test_every_stage_records_and_the_report_renders(tmp_path, capsys):
             assert st[f"meas_{kind}_bytes"] == st[f"pred_{kind}_bytes"], (kind, st)
         # 1F1B in-flight activations: within 5% of the prediction
         assert st["meas_activation_peak_bytes"] == pytest.approx(st["pred_activation_peak_bytes"], rel=0.05)
+    # per_layer: every layer the stages built as a module, each once per micro-batch, inside its stage's
+    # instruction time
+    layers = rep["layers"]
+    assert sorted(x["layer"] for x in layers) == list(range(rep["summary"]["parts"][-1]))
+    for st in rep["stages"]:
+        mine = [x for x in layers if x["stage"] == st["stage"]]
+        assert [x["layer"] for x in mine] == list(range(*st["layers"]))
+        assert 0 < sum(x["meas_forward_ms"] for x in mine) < st["meas_forward_ms"]
+        assert st["meas_outside_layers_forward_ms"] > 0
+    assert layers[0]["meas_backward_ms"] is None  # the embedding of token ids: its backward is not timed
+    assert all(x["meas_backward_ms"] > 0 for x in layers[1:])
     assert cli(["report", str(run)]) == 0
     table = capsys.readouterr().out
     assert "imbalance fastest/slowest" in table and "topology-aware" in table and "step (1F1B" in table
+    assert "per layer (instrument.per_layer)" in table
     assert cli(["report", str(run), "--json", "--png", str(tmp_path / "r.png")]) == 0
     data = json.loads(capsys.readouterr().out)
     assert len(data["stages"]) == stages and "step_error_pct" in data["summary"]

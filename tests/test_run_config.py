@@ -29,6 +29,10 @@ BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
     ({"pipeline": {"stages": 0}}, r"stages = 0"),
     ({"tensor_parallel": {"size": 1, "sequence_parallel": True}}, "needs tensor_parallel.size > 1"),
     ({"train": "tiny"}, r'"train" must be an object'),
+    ({"train": {"recompute": "full"}, "pipeline": {"stages": 2, "instrument": {"per_layer": True}}},
+     r"per_layer times each layer by module hooks, and a recomputed layer"),
+    ({"pipeline": {"stages": 2, "activation_checkpoint_interval": 2, "instrument": {"per_layer": True}}},
+     r"turn per_layer off, or train without recompute"),
 ])
 def test_a_bad_key_is_an_error_that_names_it(section, match):
     with pytest.raises(ConfigError, match=match):

@@ -22,6 +22,7 @@ import torch
 from ..compat.engine import loss_terms
 from ..compat.instructions import unwrap_engine, wrap_engine
 from .experts import ExpertLoadMeter
+from .layer_timing import LayerTimer
 from .memory import ModelStateProbe, SavedActivationMeter, step_memory_fields
 from .peak import PeakTracer
 
@@ -71,7 +72,7 @@ class _Clock:
 
 
 class StageRecorder:
-    def __init__(self, engine, emit: Callable[[dict], None], peak_step: int = 0):
+    def __init__(self, engine, emit: Callable[[dict], None], peak_step: int = 0, per_layer: bool = False):
         self.engine = engine
         self.emit = emit
         module = engine.module
@@ -83,6 +84,7 @@ class StageRecorder:
         self.states = ModelStateProbe(module, engine.optimizer)  # counted at the optimizer step
         self.tracer = PeakTracer(module, engine.optimizer, self.device, peak_step) if peak_step else None
         self.experts = ExpertLoadMeter(module)  # Mixture-of-Experts stages: the routers' loads
+        self.layers = LayerTimer(module, _Clock(self.device)) if per_layer else None
 
     def _enter(self, kind: str) -> None:
         if self.tracer is not None:
@@ -167,6 +169,8 @@ class StageRecorder:
             if kind not in ("forward", "backward"):
                 rec[f"{kind}_ms"] = sum(self.times.get(kind, []))
         rec.update(step_memory_fields(self.states, self.meter, self.device))
+        if self.layers is not None:
+            rec.update(self.layers.take_step())
         if self.experts:
             rec.update(self.experts.read())
         terms = loss_terms(eng)  # the loss's named terms (MoE: lm and aux loss)
@@ -178,10 +182,11 @@ class StageRecorder:
         return rec
 
 
-def instrument_engine(engine, emit: Callable[[dict], None], *, peak_step: int = 0) -> StageRecorder:
+def instrument_engine(engine, emit: Callable[[dict], None], *, peak_step: int = 0,
+                      per_layer: bool = False) -> StageRecorder:
     """Install timing on a PipelineEngine; ``emit`` receives one record per step (step ``peak_step``'s
-    with its traced live-tensor peak, ``instrument.peak``)."""
-    recorder = StageRecorder(engine, emit, peak_step)
+    with its traced live-tensor peak, ``instrument.peak``; with ``per_layer``, each layer's calls)."""
+    recorder = StageRecorder(engine, emit, peak_step, per_layer)
     wrap_engine(
         engine,
         instruction=lambda name, fn: recorder.wrap_instruction(_KINDS.get(name, name), fn),
@@ -198,3 +203,5 @@ def remove_instrumentation(engine, recorder: StageRecorder | None = None) -> Non
     if recorder is not None:
         recorder.states.remove()
         recorder.experts.remove()
+        if recorder.layers is not None:
+            recorder.layers.remove()

@@ -140,7 +140,27 @@ def build_report(run_dir: str | Path) -> dict:
                                                            else (r["meas_memory_bytes"], "states + activations"))
     summary["memory_cap_gib"] = pred.memory_cap_gib
     summary["expert_imbalance"] = _expert_imbalance(stages)
-    return {"summary": summary, "stages": rows, "routers": router_rows(stages)}
+    return {"summary": summary, "stages": rows, "routers": router_rows(stages), "layers": layer_rows(costs, stages, rows)}
+
+
+def layer_rows(costs: list, stages: list[dict], rows: list[dict]) -> list[dict]:
+    """Per layer of a run with ``instrument.per_layer``: its profile against its calls in training (ms a
+    micro-batch; backward None where the hooks cannot time it).  Each stage row gains what its instructions
+    took beyond its timed layers: the engine's time around them, the loss, untimed backwards."""
+    out = []
+    for st, r in zip(stages, rows):
+        times = st.get("layer_times")
+        if not times:
+            continue
+        for layer, t in times.items():
+            c = costs[int(layer)]
+            out.append({"stage": r["stage"], "layer": int(layer), "name": c.name,
+                        "pred_forward_ms": 1e3 * c.forward_s, "meas_forward_ms": t["forward_ms"],
+                        "pred_backward_ms": 1e3 * c.backward_s, "meas_backward_ms": t.get("backward_ms")})
+        r["meas_outside_layers_forward_ms"] = r["meas_forward_ms"] - sum(t["forward_ms"] for t in times.values())
+        r["meas_outside_layers_backward_ms"] = r["meas_backward_ms"] - sum(t.get("backward_ms", 0.0)
+                                                                           for t in times.values())
+    return out
 
 
 def router_rows(stages: list[dict]) -> list[dict]:
@@ -210,6 +230,19 @@ def render_report_table(rep: dict) -> str:
             [[str(r["stage"]), _layer_list(r["recompute"], "full"), _layer_list(r["recompute"], "selective"),
               f"{r['meas_peak_bytes'] / MIB:.1f}", r["meas_peak_source"]]
              + ([f"{100 * r['meas_peak_bytes'] / (cap * 2**30):.0f}%"] if cap else []) for r in rows])
+    layers = rep.get("layers") or []
+    if layers:
+        lines += ["", "per layer (instrument.per_layer), ms a micro-batch: its profile / its calls in training; a "
+                      "stage's instructions beyond its timed layers (the engine around them, the loss, untimed "
+                      "backwards) as 'outside'"]
+        ms = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        lines += render_table(["stage", "layer", "name", "fwd pred", "fwd meas", "bwd pred", "bwd meas"],
+                              [[str(x["stage"]), str(x["layer"]), x["name"], ms(x["pred_forward_ms"]),
+                                ms(x["meas_forward_ms"]), ms(x["pred_backward_ms"]), ms(x["meas_backward_ms"])]
+                               for x in layers]
+                              + [[str(r["stage"]), "outside", "", "", ms(r["meas_outside_layers_forward_ms"]), "",
+                                  ms(r["meas_outside_layers_backward_ms"])]
+                                 for r in rows if "meas_outside_layers_forward_ms" in r])
     routers = rep.get("routers") or []
     if routers:
         terms = routers[-1]["loss_terms"]

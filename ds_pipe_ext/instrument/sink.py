@@ -11,6 +11,7 @@ import statistics
 import torch.distributed as dist
 from pathlib import Path
 
+from .layer_timing import summarize_layer_times
 from .rundir import RunDir
 
 
@@ -53,6 +54,8 @@ def summarize(records: list[dict], *, skip_warmup: bool = True) -> dict:
                               for layer, load in last["expert_load"].items()}
         out["dropped_token_fraction_mean"] = mean("dropped_token_fraction")
         out["expert_imbalance_mean"] = mean("expert_imbalance") if "expert_imbalance" in last else 1.0
+    if "layer_forward_ms" in last:  # instrument.per_layer
+        out["layer_times"] = summarize_layer_times(steady)
     if "loss_terms" in last:
         out["loss_terms"] = {name: statistics.fmean(r["loss_terms"][name] for r in steady) for name in last["loss_terms"]}
     return out
@@ -113,5 +116,8 @@ def _merge_stage(rank_summaries: list[dict]) -> dict:
     if "expert_load" in merged:  # the stage's data-parallel ranks route their own tokens: their loads add up
         merged["expert_load"] = {layer: [sum(s["expert_load"][layer][e] for s in rank_summaries)
                                          for e in range(len(load))] for layer, load in merged["expert_load"].items()}
+    if "layer_times" in merged:  # data-parallel replicas run the same layers: their mean
+        merged["layer_times"] = {layer: {k: statistics.fmean(s["layer_times"][layer][k] for s in rank_summaries)
+                                         for k in times} for layer, times in merged["layer_times"].items()}
     merged.pop("rank", None)
     return merged

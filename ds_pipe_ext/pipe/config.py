@@ -13,7 +13,7 @@ so the plugin's settings live beside DeepSpeed's own there::
       "schedule": "1f1b",                               # or "gpipe" (every forward, then every backward), "dualpipev"
       "link_emulation": null,                           # {"latency_ms": 5, "bandwidth_gbs": 0.25}: a slower link
       "analytic": {"device": null, "dtype": null, "calibrate": false},  # for "analytic"; null: the run's
-      "instrument": {"enabled": false, "run_dir": "runs/latest", "every": 0},
+      "instrument": {"enabled": false, "run_dir": "runs/latest", "every": 0, "per_layer": false},
       "refine_from": null,                              # a run directory to learn stage costs from
       "step_model": null                                # a fitted step model (ds-pipe-ext step-model fit)
     }
@@ -38,7 +38,8 @@ __all__ = ["ConfigError", "LinkEmulation", "PipelineSettings", "InstrumentSettin
 
 
 class InstrumentSettings(ConfigModel):
-    """``"pipeline": {"instrument": {"enabled": true, "run_dir": "runs/x", "every": 0}}`` (off by default)."""
+    """``"pipeline": {"instrument": {"enabled": true, "run_dir": "runs/x", "every": 0, "per_layer": false}}``
+    (off by default)."""
 
     enabled: bool = False
     run_dir: str = Field("runs/latest", min_length=1)
@@ -46,6 +47,9 @@ class InstrumentSettings(ConfigModel):
     # trace the live-tensor peak of this step (>= 2; the step before warms the trace) with torch.profiler's
     # allocation events, broken down by kind, into its step record ("peak"); 0: none.  Slows both steps
     peak_step: int = Field(0, ge=0)
+    # time each layer of the stage by module hooks (instrument/layer_timing.py), for the report's per-layer
+    # table against the profile; a few microseconds a call
+    per_layer: bool = False
 
     @field_validator("peak_step")
     @classmethod

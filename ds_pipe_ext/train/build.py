@@ -285,7 +285,8 @@ def start_instrumentation(built: Built, overheads: dict | None):
             layout=built.layout.to_dict(), throughput=asdict(built.throughput)))
     sink = RunSink(settings.instrument.run_dir, built.rank, every=settings.instrument.every,
                    monitor=getattr(built.engine, "monitor", None))
-    instrument_engine(built.engine, sink.emit, peak_step=settings.instrument.peak_step)
+    instrument_engine(built.engine, sink.emit, peak_step=settings.instrument.peak_step,
+                      per_layer=settings.instrument.per_layer)
     return sink
 
 

@@ -190,6 +190,12 @@ def build_run_config(ds: dict, *, train: dict | None = None, pipeline: dict | No
     if (isinstance(train_cfg.recompute, list) or train_cfg.recompute == "auto") and pipe_cfg is None:
         raise ConfigError("train.recompute gives a mode per pipeline layer, but this ds.json has no \"pipeline\" "
                           "section (it trains data parallel): give one mode, or add a pipeline")
+    modes = train_cfg.recompute if isinstance(train_cfg.recompute, list) else [train_cfg.recompute]
+    if pipe_cfg is not None and pipe_cfg.instrument.per_layer and (
+            any(m != "none" for m in modes) or pipe_cfg.activation_checkpoint_interval):
+        raise ConfigError("pipeline.instrument.per_layer times each layer by module hooks, and a recomputed layer "
+                          "runs its forward again in the backward, which they would count as a second forward: "
+                          "turn per_layer off, or train without recompute")
     instrumented = (pipe_cfg.instrument.enabled if pipe_cfg is not None
                     else bool({**(instrument_section or {}), **(instrument or {})}.get("enabled")))
     if train_cfg.memory_cap_gib is not None and not instrumented:
@@ -198,6 +204,9 @@ def build_run_config(ds: dict, *, train: dict | None = None, pipeline: dict | No
     if tp_cfg.sequence_parallel and tp_cfg.size == 1:
         raise ConfigError("tensor_parallel.sequence_parallel = true needs tensor_parallel.size > 1")
     dp_instrument = _merge(instrument_section, (instrument or {}) if pipe_cfg is None else {}, "instrument")
+    if (dp_instrument or {}).get("per_layer"):
+        raise ConfigError('instrument.per_layer times the layers of a pipeline stage; a data-parallel run records '
+                          'its phases: remove it, or add a "pipeline" section')
     return RunConfig(train=train_cfg, tensor_parallel=tp_cfg, moe=moe_cfg, pipeline=pipe_cfg,
                      data_parallel_instrument=parse_section(InstrumentSettings, dp_instrument, "instrument"),
                      options=parse_section(RunOptions, options or {}, "options"), deepspeed=ds)
