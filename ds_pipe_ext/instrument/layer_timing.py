@@ -70,7 +70,7 @@ class LayerTimer:
         (layers as strings: the record is JSON), and start the next step."""
         self.clock.resolve(self.times)
         out = {"layer_forward_ms": {}, "layer_backward_ms": {}}
-        for (kind, idx), values in sorted(self.times.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        for (kind, idx), values in sorted(self.times.items()):
             out[f"layer_{kind}_ms"][str(idx)] = list(values)
         self.times.clear()
         return out

@@ -140,27 +140,22 @@ def build_report(run_dir: str | Path) -> dict:
                                                            else (r["meas_memory_bytes"], "states + activations"))
     summary["memory_cap_gib"] = pred.memory_cap_gib
     summary["expert_imbalance"] = _expert_imbalance(stages)
-    return {"summary": summary, "stages": rows, "routers": router_rows(stages), "layers": layer_rows(costs, stages, rows)}
-
-
-def layer_rows(costs: list, stages: list[dict], rows: list[dict]) -> list[dict]:
-    """Per layer of a run with ``instrument.per_layer``: its profile against its calls in training (ms a
-    micro-batch; backward None where the hooks cannot time it).  Each stage row gains what its instructions
-    took beyond its timed layers: the engine's time around them, the loss, untimed backwards."""
-    out = []
-    for st, r in zip(stages, rows):
+    for r, st in zip(rows, stages):  # instrument.per_layer: what the instructions took beyond their timed layers
         times = st.get("layer_times")
-        if not times:
-            continue
-        for layer, t in times.items():
-            c = costs[int(layer)]
-            out.append({"stage": r["stage"], "layer": int(layer), "name": c.name,
-                        "pred_forward_ms": 1e3 * c.forward_s, "meas_forward_ms": t["forward_ms"],
-                        "pred_backward_ms": 1e3 * c.backward_s, "meas_backward_ms": t.get("backward_ms")})
-        r["meas_outside_layers_forward_ms"] = r["meas_forward_ms"] - sum(t["forward_ms"] for t in times.values())
-        r["meas_outside_layers_backward_ms"] = r["meas_backward_ms"] - sum(t.get("backward_ms", 0.0)
-                                                                           for t in times.values())
-    return out
+        if times:
+            r["meas_outside_layers_forward_ms"] = r["meas_forward_ms"] - sum(t["forward_ms"] for t in times.values())
+            r["meas_outside_layers_backward_ms"] = r["meas_backward_ms"] - sum(t.get("backward_ms", 0.0)
+                                                                               for t in times.values())
+    return {"summary": summary, "stages": rows, "routers": router_rows(stages), "layers": layer_rows(costs, stages)}
+
+
+def layer_rows(costs: list, stages: list[dict]) -> list[dict]:
+    """Per layer of a run with ``instrument.per_layer``: its profile against its calls in training (ms a
+    micro-batch; backward None where the hooks cannot time it)."""
+    return [{"stage": st["stage"], "layer": int(layer), "name": costs[int(layer)].name,
+             "pred_forward_ms": 1e3 * costs[int(layer)].forward_s, "meas_forward_ms": t["forward_ms"],
+             "pred_backward_ms": 1e3 * costs[int(layer)].backward_s, "meas_backward_ms": t.get("backward_ms")}
+            for st in stages for layer, t in (st.get("layer_times") or {}).items()]
 
 
 def router_rows(stages: list[dict]) -> list[dict]:
