@@ -152,10 +152,14 @@ def build_report(run_dir: str | Path) -> dict:
 def layer_rows(costs: list, stages: list[dict]) -> list[dict]:
     """Per layer of a run with ``instrument.per_layer``: its profile against its calls in training (ms a
     micro-batch; backward None where the hooks cannot time it)."""
-    return [{"stage": st["stage"], "layer": int(layer), "name": costs[int(layer)].name,
-             "pred_forward_ms": 1e3 * costs[int(layer)].forward_s, "meas_forward_ms": t["forward_ms"],
-             "pred_backward_ms": 1e3 * costs[int(layer)].backward_s, "meas_backward_ms": t.get("backward_ms")}
-            for st in stages for layer, t in (st.get("layer_times") or {}).items()]
+    rows = []
+    for st in stages:
+        for layer, t in (st.get("layer_times") or {}).items():
+            c = costs[int(layer)]
+            rows.append({"stage": st["stage"], "layer": int(layer), "name": c.name,
+                         "pred_forward_ms": 1e3 * c.forward_s, "meas_forward_ms": t["forward_ms"],
+                         "pred_backward_ms": 1e3 * c.backward_s, "meas_backward_ms": t.get("backward_ms")})
+    return rows
 
 
 def router_rows(stages: list[dict]) -> list[dict]:
