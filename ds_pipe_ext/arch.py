@@ -36,6 +36,33 @@ def attention_kernel(kernel: str, device: str | None) -> str:
     return "fused" if device not in (None, "cpu") else "eager"
 
 
+# what torch's scaled_dot_product_attention runs on a GPU (torch 2.11, sm80/sm90), or the written-out core
+ATTENTION_BACKENDS = ("eager", "cudnn", "flash", "efficient", "math", "cpu")
+
+
+def attention_backend(kernel: str, device: str | None, *, dtype: str = "bf16", head_dim: int = 64,
+                      gqa: bool = False, masked: bool = False) -> str:
+    """The kernel an attention core runs: "eager" (written out) or, for SDPA, the backend torch selects on
+    ``device`` ("cpu" for a CPU's).  The model code and the cost model both ask here.
+
+    On a GPU, torch 2.11 tries cuDNN, then flash, then memory-efficient, then math, each where it can:
+    flash and cuDNN take 16-bit inputs without an explicit mask, head dims to 256 (cuDNN: 128); cuDNN's
+    path takes no ``enable_gqa`` (flash does); memory-efficient takes fp32 and a mask but no
+    ``enable_gqa``, so a grouped-query core with a dense mask falls to math, which writes the s x s scores
+    out (gpt2-medium's bf16 block ran cuDNN on an H200: the layer peak trace)."""
+    kind = attention_kernel(kernel, device)
+    if kind == "eager":
+        return "eager"
+    if device in (None, "cpu"):
+        return "cpu"
+    sixteen_bit = dtype in ("bf16", "fp16")
+    if sixteen_bit and not masked and not gqa and head_dim <= 128:
+        return "cudnn"
+    if sixteen_bit and not masked and head_dim <= 256:
+        return "flash"
+    return "math" if gqa else "efficient"
+
+
 class DescriptionError(ValueError):
     """A description the analytic model cannot cost; the message names the field."""
 

@@ -75,11 +75,20 @@ def test_ring_collectives_and_roofline():
     assert ring_time(8e9, "all-reduce", 8, 1e9) == pytest.approx(2 * 7 / 8 * 8)
     assert ring_time(8e9, "all-gather", 8, 1e9) == pytest.approx(7 / 8 * 8)
     assert ring_time(8e9, "all-reduce", 1, 1e9) == 0.0
+    from dataclasses import replace
+
     a100 = get_device("a100")
     op = A.linear("x", 4096, 4096, 4096, A.Shape(**G3))
-    t = a100.op_time(op, dtype="bf16", tp=1)
+    roofline = replace(a100, gpu=None)  # the class roofline (CPU specs, and a GPU spec without kernel figures)
+    t = roofline.op_time(op, dtype="bf16", tp=1)
     assert t["time_s"] == max(t["compute_s"], t["memory_s"])
     assert t["compute_s"] == pytest.approx(2 * 4096**3 / (312e12 * a100.matrix_efficiency))
+    # a GPU spec prices the GEMM as a kernel: its ceiling, its 32 x 16 tiles of 128 x 256 over 108 SMs
+    # (512 tiles: 5 waves, 0.948 full) and its fill at K = 4,096
+    kern = a100.gpu
+    waves = 512 / (5 * 108)
+    assert a100.op_time(op, dtype="bf16", tp=1)["time_s"] == pytest.approx(
+        2 * 4096**3 / (312e12 * kern.gemm_efficiency * waves * 4096 / (4096 + kern.k_half)))
     with pytest.raises(A.AnalyticError, match="unknown device 'tpu'"):
         get_device("tpu")
 
@@ -120,7 +129,7 @@ def test_the_embedding_gradient_is_one_write_only_pass_at_the_fill_rate():
     shp = A.Shape(b=1, s=128, h=512, a=8, f=2048, V=50257, e=4, m=4, dropout=False)
     emb = A.embedding(shp, positions=False)[0]
     assert emb.bwd_bytes == 2 * 128 * 512 * 4 + 102_926_336 and emb.bwd_fill_bytes == 102_926_336
-    dev = replace(get_device("a100"), hbm_bandwidth=20e9, fill_bandwidth=10e9, memory_efficiency=1.0)
+    dev = replace(get_device("a100"), hbm_bandwidth=20e9, fill_bandwidth=10e9, memory_efficiency=1.0, gpu=None)
     assert dev.op_time(emb, dtype="fp32", tp=1, backward=True)["memory_s"] == pytest.approx(
         524_288 / 20e9 + 102_926_336 / 10e9, rel=1e-12)
     # no fill rate measured (a GPU's datasheet): fills run at the memory bandwidth

@@ -205,7 +205,8 @@ def test_on_cpu_ranks_the_calibration_scales_gloos_links_with_the_cores():
     from ds_pipe_ext.plan.speed import at_speed, fit_speed, links_are_cpu_work
 
     _, model = plan_model("tiny", gpus=2, device="a100", global_batch=4)
-    cpu = with_device(model, name="cpu", collectives=GLOO_LIKE, fresh_page_bandwidth=1e9, fresh_alloc_min_bytes=2**20)
+    cpu = with_device(model, name="cpu", collectives=GLOO_LIKE, fresh_page_bandwidth=1e9, fresh_alloc_min_bytes=2**20,
+                      gpu=None)  # a CPU's roofline: no GPU kernels
     assert links_are_cpu_work(cpu.device) and not links_are_cpu_work(model.device)
     slow = at_speed(cpu.device, 0.5, links=True)
     assert slow.collectives["all-gather"] == pytest.approx([1.5e-4 / 0.5, 5e8 * 0.5])

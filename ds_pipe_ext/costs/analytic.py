@@ -41,7 +41,7 @@ def linear(name: str, tokens: float, k: int, n: int, shp: Shape, *, bias: bool =
         fwd_bytes=(tokens * k + tokens * n) * shp.e + w,
         bwd_bytes=(2 * tokens * n + 2 * tokens * k) * shp.e + 2 * w,
         activation_bytes=saved * shp.e, weight_bytes=w, weights=tensors, gemm_dim=float(min(tokens, k, n)),
-        gemm_out=int(n),
+        gemm_out=int(n), gemm=(tokens, k, n), kernels=(1, 3 if bias else 2),
         fwd_allocs=(tokens * n * shp.e,), bwd_allocs=(tokens * k * shp.e, w),
     )
 
@@ -51,7 +51,7 @@ def layer_norm(name: str, shp: Shape) -> OpCost:
     n = shp.replicated_sbh
     return OpCost(name, "vector", fwd_flops=8.0 * n, bwd_flops=16.0 * n, fwd_bytes=2 * n * shp.e,
                   bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e, weight_bytes=2 * shp.h * shp.e,
-                  weights=(shp.h, shp.h))
+                  weights=(shp.h, shp.h), kernels=(1, 2))
 
 
 def qkv(shp: Shape, kv_heads: int | None = None, *, bias: bool = True) -> OpCost:
@@ -79,7 +79,17 @@ def rms_norm(name: str, shp: Shape) -> OpCost:
     n = shp.replicated_sbh
     return OpCost(name, "vector", fwd_flops=4.0 * n, bwd_flops=8.0 * n, fwd_bytes=2 * n * shp.e,
                   bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e + n / shp.h * 4, weight_bytes=shp.h * shp.e,
-                  weights=(shp.h,))
+                  weights=(shp.h,), **_rms_norm_kernels(n, shp.e))
+
+
+def _rms_norm_kernels(n: float, e: int) -> dict:
+    """``models.layers.RMSNorm`` in eager mode, op by op on n elements: forward casts to fp32, squares,
+    takes the mean, normalises, casts back and scales (7 kernels, 5e + 32 bytes an element in 16-bit);
+    backward recomputes the normalised input and forms dx and the weight's gradient in fp32 (14 kernels,
+    ~4(e + 4) + 80 bytes an element).  A cast is free in fp32."""
+    cast = e + 4 if e < 4 else 0
+    return {"kernels": (7, 14), "gpu_bytes": ((2 * cast + 24 + (4 + e if cast else 0) + 2 * e) * n,
+                                              (4 * cast + 80) * n)}
 
 
 def qk_norm(shp: Shape, kv_heads: int | None = None) -> OpCost:
@@ -89,9 +99,10 @@ def qk_norm(shp: Shape, kv_heads: int | None = None) -> OpCost:
     kv = _kv_heads(shp, kv_heads)
     d = shp.head_dim
     n = shp.tokens * (shp.a + kv) * d / shp.t
+    rms = _rms_norm_kernels(n, shp.e)
     return OpCost("qk_norm", "vector", fwd_flops=4.0 * n, bwd_flops=8.0 * n, fwd_bytes=2 * n * shp.e,
                   bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e + n / d * 4, weight_bytes=2 * d * shp.e,
-                  weights=(d, d))
+                  weights=(d, d), kernels=(14, 28), gpu_bytes=rms["gpu_bytes"])
 
 
 def rotary(shp: Shape, kv_heads: int | None = None) -> OpCost:
@@ -100,8 +111,11 @@ def rotary(shp: Shape, kv_heads: int | None = None) -> OpCost:
     kv = _kv_heads(shp, kv_heads)
     d = shp.head_dim
     n = shp.tokens * (shp.attn_width + kv * d) / shp.t
+    # eager (``models.llama.rotate``): x cos, the negated half, their concatenation, x sin, the sum: five
+    # kernels and 10 e bytes an element each way, and the cos / sin tables made each call
     return OpCost("rotary", "vector", fwd_flops=3.0 * n, bwd_flops=3.0 * n, fwd_bytes=3 * n * shp.e,
-                  bwd_bytes=3 * n * shp.e, activation_bytes=2 * shp.s * d * shp.e)
+                  bwd_bytes=3 * n * shp.e, activation_bytes=2 * shp.s * d * shp.e, kernels=(12, 10),
+                  gpu_bytes=(10 * n * shp.e, 10 * n * shp.e))
 
 
 def fused_attention(shp: Shape, kv_heads: int | None = None, window: int | None = None) -> list[OpCost]:
@@ -122,7 +136,10 @@ def fused_attention(shp: Shape, kv_heads: int | None = None, window: int | None 
     return [OpCost("fused_attention", "attention", fwd_flops=flops, bwd_flops=2.5 * flops,
                    fwd_bytes=(2 * q + kv_elems) * shp.e, bwd_bytes=(3 * q + 2 * kv_elems) * shp.e,
                    activation_bytes=(q + kv_elems) * shp.e + mask,
-                   fwd_allocs=(q * shp.e,), bwd_allocs=(q * shp.e, kv_elems * shp.e)),
+                   fwd_allocs=(q * shp.e,), bwd_allocs=(q * shp.e, kv_elems * shp.e),
+                   attn_shape=(shp.b, shp.a // shp.t, kv // shp.t, shp.s, keys, shp.head_dim, int(bool(mask)),
+                               int(shp.dropout)),
+                   kernels=(1, 3)),
             OpCost("fused_attention_lse", "attention", activation_bytes=lse, recompute=True)]
 
 
@@ -133,9 +150,11 @@ def attention_logits(shp: Shape) -> OpCost:
     q = shp.sbA / shp.t * shp.e
     # backward makes dQ and dK, then the q, k, v output's gradient of the three (the next op's input); the
     # attention's held dV and V go with it
+    heads = shp.b * shp.a // shp.t
     return OpCost("logits", "attention", fwd_flops=flops, bwd_flops=2 * flops,
                   fwd_bytes=2 * shp.sbA / shp.t * shp.e + scores,
-                  activation_bytes=2 * q, fwd_allocs=(scores,), bwd_allocs=(3 * q, 2 * q), bwd_release=True)
+                  activation_bytes=2 * q, fwd_allocs=(scores,), bwd_allocs=(3 * q, 2 * q), bwd_release=True,
+                  gemm=(heads * shp.s, shp.head_dim, shp.s), kernels=(3, 3))
 
 
 def softmax(shp: Shape) -> OpCost:
@@ -168,7 +187,8 @@ def attend(shp: Shape) -> list[OpCost]:
     # (the three are one tensor's); V is a view of the q, k, v output, freed with q and k
     return [OpCost("attend", "attention", fwd_flops=flops, bwd_flops=2 * flops,
                    fwd_bytes=(probs + 2 * shp.sbA / shp.t) * shp.e, activation_bytes=v,
-                   bwd_allocs=(probs * shp.e, v), bwd_hold=2 * v),
+                   bwd_allocs=(probs * shp.e, v), bwd_hold=2 * v,
+                   gemm=(shp.b * shp.a // shp.t * shp.s, shp.s, shp.head_dim), kernels=(1, 2)),
             OpCost("attend_saved_probs", "attention", activation_bytes=probs * shp.e if shp.dropout else 0.0,
                    recompute=True)]
 
@@ -197,8 +217,11 @@ def swiglu(shp: Shape) -> OpCost:
     """SiLU(gate) * up: saves both halves (2 b s f/t elements); writes b s f/t.  Backward writes both halves'
     gradient (2 b s f/t) beside the sigmoid of the gate (``models.llama.SwiGLU``)."""
     n = shp.tokens * shp.f / shp.t
+    # eager (``models.llama.SwiGLU``): silu, then the product (2 kernels, 5 e bytes an element of the
+    # output); backward ten in-place passes (26 e bytes)
     return OpCost("swiglu", "vector", fwd_flops=6.0 * n, bwd_flops=12.0 * n, fwd_bytes=3 * n * shp.e,
-                  bwd_bytes=5 * n * shp.e, activation_bytes=2 * n * shp.e, bwd_allocs=(2 * n * shp.e, n * shp.e))
+                  bwd_bytes=5 * n * shp.e, activation_bytes=2 * n * shp.e, bwd_allocs=(2 * n * shp.e, n * shp.e),
+                  kernels=(2, 10), gpu_bytes=(5 * n * shp.e, 26 * n * shp.e))
 
 
 def gelu(shp: Shape) -> OpCost:
@@ -215,7 +238,8 @@ def mlp_fc2(shp: Shape, *, bias: bool = True) -> OpCost:
 
 def residual_add(name: str, shp: Shape) -> OpCost:
     n = shp.replicated_sbh
-    return OpCost(name, "vector", fwd_flops=n, fwd_bytes=3 * n * shp.e, bwd_bytes=2 * n * shp.e, residual=True)
+    return OpCost(name, "vector", fwd_flops=n, fwd_bytes=3 * n * shp.e, bwd_bytes=2 * n * shp.e, residual=True,
+                  kernels=(1, 1))
 
 
 def _tp_entry_comm(op: OpCost, shp: Shape) -> OpCost:
@@ -260,7 +284,11 @@ def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
                   activation_bytes=shp.tokens * 8 + (shp.s * 8 if positions else 0),
                   weight_bytes=rows * shp.h * shp.e, weights=(rows * shp.h,),
                   fwd_allocs=(out * shp.e,), bwd_allocs=(table, accum) if accum else (table,),
-                  bwd_fill_bytes=table + accum, row_ops=shp.tokens)]
+                  bwd_fill_bytes=table + accum, row_ops=shp.tokens,
+                  # forward: the lookup and the (s, b) transpose's copy; backward: CUDA's
+                  # embedding_dense_backward (a radix sort of the ids, segment offsets and sums: ~10
+                  # kernels), the table's zeroing and, in 16-bit, the fp32 sum's cast
+                  kernels=(2, 12 + (2 if accum else 0)), bwd_sync=True)]
     if shp.t > 1:
         # Megatron's vocab-parallel lookup also keeps a bool mask of the tokens outside this rank's rows
         ops[0] = replace(ops[0], comm_fwd_bytes=out * shp.e, activation_bytes=ops[0].activation_bytes + shp.tokens,
@@ -268,7 +296,7 @@ def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
     if positions:
         ops.append(OpCost("position_embedding", "vector", fwd_flops=out, fwd_bytes=3 * out * shp.e,
                           bwd_bytes=2 * out * shp.e + 2 * shp.s * shp.h * shp.e, weight_bytes=shp.s * shp.h * shp.e,
-                          weights=(shp.s * shp.h,)))
+                          weights=(shp.s * shp.h,), kernels=(3, 12)))
     ops.append(dropout("embedding_dropout", shp.replicated_sbh, shp))
     return ops
 
@@ -319,9 +347,15 @@ def lm_head(shp: Shape, *, norm: str = "layernorm") -> list[OpCost]:
     # (4 passes); backward reads the saved probabilities and the logits' grad is written (3 passes).
     # It allocates the log-probabilities forward; backward, the loss's dense gradient of them and
     # the logits' gradient
+    # As a GPU runs it in eager mode (``models.layers.lm_loss``): the cast to fp32 (read e, write 4), the
+    # log-softmax over rows too long for shared memory (max, sum, then read and write: 16 bytes), the
+    # gather; backward the loss's dense gradient zeroed (4), the log-softmax's backward (its gradient read
+    # twice, its output once, the result written: 16) and the cast back (read 4, write e)
+    cast = shp.e + 4 if shp.e < 4 else 0
     xent = OpCost("cross_entropy", "vector", fwd_flops=5.0 * logits, bwd_flops=2.0 * logits,
                   fwd_bytes=4 * logits * 4, bwd_bytes=3 * logits * 4, activation_bytes=logits * 4,
                   fwd_allocs=(logits * 4,), bwd_allocs=(logits * 4, logits * 4),
+                  kernels=(3 + bool(cast), 3 + bool(cast)), gpu_bytes=((16 + cast) * logits, (20 + cast) * logits),
                   comm_fwd_bytes=3 * shp.tokens * 4 if shp.t > 1 else 0.0,
                   comm_type="all-reduce" if shp.t > 1 else "")
     return [{"layernorm": layer_norm, "rmsnorm": rms_norm}[norm]("ln_f", shp), head, xent]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..arch import as_description, attention_kernel
+from ..arch import as_description, attention_backend, attention_kernel
 from . import analytic as A
 from .op_cost import DTYPE_BYTES
 from .hardware import DeviceSpec
@@ -49,6 +49,9 @@ class EstimateRequest:
     # it); 1: a balanced router, which one at initialisation nearly is.  Measured, e.g. from a run's loads
     expert_imbalance: float = 1.0
     ep: int = 1  # expert-parallel degree: E / ep experts a rank, two all-to-alls each way per MoE block
+    # how the layers run on a GPU (``costs.gpu_pricing``): "eager" (train.py), "compiled" (train.compile) or
+    # "megatron" (Megatron-LM's fused kernels); a CPU spec prices every one alike
+    execution: str = "eager"
 
 
 def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None, *, runs_on: str | None = None) -> A.Shape:
@@ -100,11 +103,26 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
     return layers
 
 
+def op_backend(op: A.OpCost, req: EstimateRequest, device: str | None) -> str | None:
+    """The SDPA backend a fused attention op runs on ``device`` (``arch.attention_backend``), None for others."""
+    if not op.attn_shape:
+        return None
+    _b, heads, kv, _s, _keys, d, masked, _dropout = op.attn_shape
+    return attention_backend("fused", device, dtype=req.dtype, head_dim=d, gqa=kv != heads, masked=bool(masked))
+
+
+# ops train.py runs outside the layers torch.compile compiles: the loss (DeepSpeed's loss_fn)
+UNCOMPILED_OPS = frozenset({"cross_entropy"})
+
+
 def op_rows(ops: list[A.OpCost], device: DeviceSpec, req: EstimateRequest) -> list[dict]:
     rows = []
     for op in ops:
-        f = device.op_time(op, dtype=req.dtype, tp=req.tp, ep=req.ep)
-        b = device.op_time(op, dtype=req.dtype, tp=req.tp, backward=True, ep=req.ep)
+        execution = "eager" if req.execution == "compiled" and op.name in UNCOMPILED_OPS else req.execution
+        kw = dict(dtype=req.dtype, tp=req.tp, ep=req.ep, execution=execution,
+                  attention_backend=op_backend(op, req, device.name))
+        f = device.op_time(op, **kw)
+        b = device.op_time(op, backward=True, **kw)
         saved = 0.0 if (req.selective_recompute and op.recompute) else op.activation_bytes
         rows.append({"op": op.name, "kind": op.kind, "fwd_flops": op.fwd_flops, "bwd_flops": op.bwd_flops,
                      "activation_bytes": saved, "weight_bytes": op.weight_bytes,
@@ -114,20 +132,40 @@ def op_rows(ops: list[A.OpCost], device: DeviceSpec, req: EstimateRequest) -> li
     return rows
 
 
+def layer_floor_s(ops: list[A.OpCost], device: DeviceSpec, req: EstimateRequest) -> tuple:
+    """What an eager layer's host costs on a GPU spec: (the layer's module call s, each op's forward
+    dispatch s, each op's backward dispatch s).  An op's kernels start no sooner than the host issues them,
+    so an op takes at least its dispatch.  Zeros on a CPU, compiled, or under Megatron's fused kernels."""
+    if device.gpu is None or req.execution != "eager":
+        return 0.0, [0.0] * len(ops), [0.0] * len(ops)
+    kern = device.gpu
+    return (kern.layer_call_s, [kern.host_kernel_s * op.kernels[0] for op in ops],
+            [kern.host_kernel_bwd_s * op.kernels[1] for op in ops])
+
+
 def estimate_layers(model, req: EstimateRequest, device: DeviceSpec, *, runs_on: str | None = None) -> list[dict]:
     """Per layer, its ops costed on ``device``; ``runs_on``: the device the layers run on, where it is not the
     spec's (an "auto" attention's kernel, ``arch.attention_kernel``)."""
     shp = shape_for(model, req, device, runs_on=runs_on)
     out = []
     done: dict = {}  # alike blocks share one op list: cost it once
+    # a tied head runs as the embedding's forward_fn, which compiling the layers' modules leaves eager
+    tied = as_description(model).tied_head
     for name, kind, ops in layer_ops(model, shp, expert_imbalance=req.expert_imbalance,
                                      device=runs_on or device.name):
         if (id(ops), kind) in done:
             out.append({**done[id(ops), kind], "name": name})
             continue
-        rows = op_rows(ops, device, req)
+        layer_req = replace(req, execution="eager") if kind == "head" and tied and req.execution == "compiled" else req
+        rows = op_rows(ops, device, layer_req)
         params = sum(op.weight_bytes for op in ops) / shp.e
         recompute_fwd = sum(r["fwd_s"] for r, op in zip(rows, ops) if op.recompute) if req.selective_recompute else 0.0
+        call, host_fwd, host_bwd = layer_floor_s(ops, device, layer_req)
+        fwd_s = call + sum(max(r["fwd_s"], h) for r, h in zip(rows, host_fwd))
+        if any(op.bwd_sync for op in ops):  # the host waits on the GPU: dispatch and kernels in series
+            bwd_s = call + sum(r["bwd_s"] + h for r, h in zip(rows, host_bwd)) + recompute_fwd
+        else:
+            bwd_s = call + sum(max(r["bwd_s"], h) for r, h in zip(rows, host_bwd)) + recompute_fwd
         out.append({
             "name": name, "kind": kind,
             "fwd_flops": sum(r["fwd_flops"] for r in rows), "bwd_flops": sum(r["bwd_flops"] for r in rows),
@@ -144,7 +182,8 @@ def estimate_layers(model, req: EstimateRequest, device: DeviceSpec, *, runs_on:
                                      if any(op.recompute and op.activation_bytes for op in ops) else None),
             "selective_replay_s": sum(r["fwd_s"] for r, op in zip(rows, ops) if op.recompute),
             "comm_bytes": sum(r["comm_fwd_bytes"] + r["comm_bwd_bytes"] for r in rows),
-            "fwd_s": sum(r["fwd_s"] for r in rows), "bwd_s": sum(r["bwd_s"] for r in rows) + recompute_fwd,
+            "fwd_s": fwd_s, "bwd_s": bwd_s,
+            "host_fwd_s": call + sum(host_fwd), "host_bwd_s": call + sum(host_bwd),
             # W: an embedding's backward is all weight gradient (token ids take none); a GEMM with a
             # weight spends half its backward on dW (the other half is dX); the rest is input gradient
             "wgrad_s": (sum(r["bwd_s"] for r in rows) if kind == "embedding" else

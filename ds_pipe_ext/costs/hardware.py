@@ -14,6 +14,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from .gpu_pricing import GpuKernels, gpu_kernels
+from .kernel_table import load_kernel_table
 from .op_cost import DTYPE_BYTES, AnalyticError, OpCost
 
 
@@ -60,6 +62,9 @@ class DeviceSpec:
     # "reduce-scatter" and "p2p"; None: the ring formulas on the link bandwidth.  CPU ranks talk
     # through gloo at a tenth of a memory copy's speed (``cpu_comm.measure_cpu_ranks``).
     collectives: dict | None = None
+    # How this GPU runs each kernel class (``costs.gpu_pricing``): when set, an op's compute is priced per
+    # kernel (GEMM shapes, the attention backend, memory passes, launches) in place of the class roofline
+    gpu: GpuKernels | None = None
 
     def fresh_alloc_time(self, sizes) -> float:
         """Seconds of page faults for buffers of these sizes (bytes)."""
@@ -67,18 +72,25 @@ class DeviceSpec:
             return 0.0
         return sum(b for b in sizes if b > self.fresh_alloc_min_bytes) / self.fresh_page_bandwidth
 
-    def op_time(self, op: OpCost, *, dtype: str, tp: int, backward: bool = False, ep: int = 1) -> dict:
+    def op_time(self, op: OpCost, *, dtype: str, tp: int, backward: bool = False, ep: int = 1,
+                execution: str = "eager", attention_backend: str | None = None) -> dict:
         """Roofline: max(compute, memory) plus the op's collective (ring formulas): over the TP group, or
-        an all-to-all over the expert-parallel group, whose tp x ep GPUs share a node while they fit one."""
+        an all-to-all over the expert-parallel group, whose tp x ep GPUs share a node while they fit one.
+        A GPU spec (``gpu`` set) prices the op's kernels instead (``costs.gpu_pricing``), as they run under
+        ``execution``, a fused attention core on ``attention_backend`` (``arch.attention_backend``)."""
         flops = op.bwd_flops if backward else op.fwd_flops
         moved = op.bwd_bytes if backward else op.fwd_bytes
         peak = (self.vector_flops if op.kind == "vector" else self.matrix_flops).get(dtype)
         if peak is None:
             raise AnalyticError(f"device {self.name} has no {op.kind} peak for dtype {dtype!r}")
-        compute = flops / (peak * self.efficiency(op.kind) * self.shape_factor(op, dtype=dtype, backward=backward))
-        filled = op.bwd_fill_bytes if backward else 0.0
-        memory = ((moved - filled) / self.hbm_bandwidth
-                  + filled / (self.fill_bandwidth or self.hbm_bandwidth)) / self.memory_efficiency
+        if self.gpu is not None:
+            compute, memory = self._gpu_kernels_s(op, dtype=dtype, backward=backward, execution=execution,
+                                                  attention_backend=attention_backend), 0.0
+        else:
+            compute = flops / (peak * self.efficiency(op.kind) * self.shape_factor(op, dtype=dtype, backward=backward))
+            filled = op.bwd_fill_bytes if backward else 0.0
+            memory = ((moved - filled) / self.hbm_bandwidth
+                      + filled / (self.fill_bandwidth or self.hbm_bandwidth)) / self.memory_efficiency
         comm_bytes = op.comm_bwd_bytes if backward else op.comm_fwd_bytes
         kinds = op.comm_type
         if "+" in kinds:  # under SP: the forward's collectives, then the backward's
@@ -93,6 +105,22 @@ class DeviceSpec:
         return {"compute_s": compute, "memory_s": memory, "comm_s": comm, "fresh_s": fresh, "random_s": random,
                 "time_s": max(compute, memory) + random + fresh + comm,
                 "intensity": flops / moved if moved else float("inf")}
+
+    def _gpu_kernels_s(self, op: OpCost, *, dtype: str, backward: bool, execution: str,
+                       attention_backend: str | None) -> float:
+        from . import gpu_pricing as G
+
+        if execution not in G.EXECUTIONS:
+            raise AnalyticError(f"execution {execution!r}: use one of {', '.join(G.EXECUTIONS)}")
+        if op.kind == "matrix" and op.gemm:
+            return G.gemm_s(op, dtype=dtype, backward=backward, spec=self, execution=execution)
+        if op.kind == "attention" and op.attn_shape:
+            return G.attention_s(op, dtype=dtype, backward=backward, spec=self, backend=attention_backend or "flash")
+        if op.gemm:  # a written-out attention's batched products
+            return G.gemm_s(op, dtype=dtype, backward=backward, spec=self)
+        if not (op.fwd_flops or op.bwd_flops or op.fwd_bytes or op.bwd_bytes):
+            return 0.0  # a record of saved bytes only
+        return G.streaming_s(op, dtype=dtype, backward=backward, spec=self, execution=execution)
 
     def collective_time(self, payload_bytes: float, kind: str, n: int, bandwidth: float) -> float:
         """One collective over ``n`` ranks: the measured latency and bus bandwidth where this device
@@ -155,6 +183,14 @@ DEVICES: dict[str, DeviceSpec] = {
                            {"bf16": 134 * _T, "fp16": 134 * _T, "fp32": 67 * _T}, 3350 * _GB, 450 * _GB, 50 * _GB, 80 * 2**30),
     "h200": DeviceSpec("h200", {"bf16": 989 * _T, "fp16": 989 * _T, "fp32": 494 * _T},
                        {"bf16": 134 * _T, "fp16": 134 * _T, "fp32": 67 * _T}, 4800 * _GB, 450 * _GB, 50 * _GB, 141 * 2**30),
+    # the other H100s: PCIe (114 SMs at lower clocks, HBM2e, PCIe Gen5 between GPUs) and NVL (94 GB, NVLink
+    # bridges between pairs), NVIDIA's H100 datasheet
+    "h100-pcie": DeviceSpec("h100-pcie", {"bf16": 756 * _T, "fp16": 756 * _T, "fp32": 378 * _T},
+                            {"bf16": 102 * _T, "fp16": 102 * _T, "fp32": 51 * _T}, 2000 * _GB, 64 * _GB, 50 * _GB,
+                            80 * 2**30),
+    "h100-nvl": DeviceSpec("h100-nvl", {"bf16": 835 * _T, "fp16": 835 * _T, "fp32": 418 * _T},
+                           {"bf16": 120 * _T, "fp16": 120 * _T, "fp32": 60 * _T}, 3900 * _GB, 300 * _GB, 50 * _GB,
+                           94 * 2**30),
 }
 ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm"}
 
@@ -168,6 +204,8 @@ CEILINGS = {
     "a100-40gb": {"matrix_efficiency": 0.87, "attention_efficiency": 0.73},
     "h100-sxm": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75},
     "h200": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75},
+    "h100-pcie": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75},
+    "h100-nvl": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75},
 }
 
 # Efficiency factors fitted on published Megatron-LM runs under the megatron runtime, each at most its
@@ -180,6 +218,8 @@ CALIBRATED = {
     "a100-40gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0},
     "h100-sxm": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0},
     "h200": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0},
+    "h100-pcie": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0},
+    "h100-nvl": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0},
 }
 
 
@@ -301,7 +341,8 @@ def get_device(name: str, *, cache_dir: str | None = ".ds_pipe_ext_cache", calib
         return cuda_device(*measure_cuda(cache_dir))
     if key not in DEVICES:
         raise AnalyticError(f"unknown device {name!r}; use one of {sorted([*DEVICES, *ALIASES, 'cpu', 'cuda'])}")
-    return replace(DEVICES[key], **CALIBRATED.get(key, {})) if calibrated else DEVICES[key]
+    spec = replace(DEVICES[key], **CALIBRATED.get(key, {})) if calibrated else DEVICES[key]
+    return replace(spec, gpu=gpu_kernels(key, table=load_kernel_table(key)))
 
 
 def datasheet_name(device_name: str, memory_bytes: float | None = None) -> str | None:
@@ -310,8 +351,8 @@ def datasheet_name(device_name: str, memory_bytes: float | None = None) -> str |
     name = device_name.upper()
     if "H200" in name:
         return "h200"
-    if "H100" in name:
-        return "h100-sxm"
+    if "H100" in name:  # "NVIDIA H100 80GB HBM3" is the SXM part; the PCIe and NVL cards say so
+        return "h100-pcie" if "PCIE" in name else "h100-nvl" if "NVL" in name else "h100-sxm"
     if "A100" in name:
         return "a100-40gb" if memory_bytes is not None and memory_bytes < 50e9 else "a100-80gb"
     return None
@@ -326,6 +367,19 @@ def cuda_device(device_name: str, measured: dict) -> DeviceSpec:
     bandwidth = measured["hbm_bandwidth"]
     if known:
         measured = {**measured, "vector_flops": dict(known.vector_flops)}
-    return DeviceSpec("cuda", intra_node_bandwidth=known.intra_node_bandwidth if known else bandwidth,
+    spec = DeviceSpec("cuda", intra_node_bandwidth=known.intra_node_bandwidth if known else bandwidth,
                       inter_node_bandwidth=known.inter_node_bandwidth if known else bandwidth,
                       gpus_per_node=known.gpus_per_node if known else 1, **measured)
+    return replace(spec, gpu=measured_gpu_kernels(key, spec))
+
+
+def measured_gpu_kernels(key: str | None, spec: DeviceSpec) -> GpuKernels | None:
+    """The kernel figures of a GPU whose GEMM peak and bandwidth were measured (the ``cuda`` spec): its
+    datasheet GPU's, with the GEMM ceiling and the streaming share at 1 (they are the measured figures
+    themselves) and the attention shares rescaled from the datasheet's peak to the measured one."""
+    if key is None:
+        return None
+    datasheet, kern = DEVICES[key], gpu_kernels(key, table=load_kernel_table(key))
+    scale = datasheet.matrix_flops["bf16"] / spec.matrix_flops["bf16"]
+    attention = {b: {d: (f * scale, w * scale) for d, (f, w) in effs.items()} for b, effs in kern.attention.items()}
+    return replace(kern, gemm_efficiency=1.0, bandwidth_fraction=1.0, attention=attention)

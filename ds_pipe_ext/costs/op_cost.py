@@ -116,12 +116,23 @@ class OpCost:
     bwd_release: bool = False
     # a residual add: the gradient it hands its skip connection is held while its branch runs back
     residual: bool = False
+    # What a GPU runs for the op (``costs.gpu_pricing``): a GEMM's forward product (M, K, N) = (rows, inner,
+    # output width); an attention core's (b, heads, kv_heads, s, keys, head dim, masked, dropout); the kernels an eager
+    # forward and backward launch; and the bytes those kernels move where they differ from the op's
+    # modelled traffic (the fp32 loss's passes over the logits), as (forward, backward)
+    gemm: tuple = ()
+    attn_shape: tuple = ()
+    kernels: tuple = (1, 1)
+    gpu_bytes: tuple = ()
+    # the backward waits on the GPU from the host (CUDA's embedding backward reads its segment count back):
+    # the host's dispatch and the GPU's kernels then run one after the other, not overlapped
+    bwd_sync: bool = False
 
     def __add__(self, other: "OpCost") -> "OpCost":
         # numbers add; allocation and tensor lists concatenate
         num = {f.name: getattr(self, f.name) + getattr(other, f.name)
                for f in fields(self)
                if f.name not in ("name", "kind", "comm_type", "recompute", "gemm_dim", "gemm_out", "bwd_release",
-                                 "residual")}
+                                 "residual", "gemm", "attn_shape", "kernels", "gpu_bytes", "bwd_sync")}
         return OpCost(name=self.name, kind=self.kind, comm_type=self.comm_type, bwd_release=self.bwd_release,
                       residual=self.residual, **num)

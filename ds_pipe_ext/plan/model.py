@@ -105,7 +105,7 @@ class PlanModel(RankUpdate):
     def __init__(self, cfg, device: DeviceSpec, cluster: Cluster, *, seq: int, global_batch: int,
                  dtype: str = "bf16", memory_fraction: float = USABLE_MEMORY, step_model: StepModel | None = None,
                  network: Network | None = None, expert_imbalance: float = 1.0, zero_settings: dict | None = None,
-                 runtime_terms: bool = True, grad_accum_dtype: str | None = None):
+                 runtime_terms: bool = True, grad_accum_dtype: str | None = None, execution: str = "eager"):
         self.cfg, self.device, self.cluster = as_description(cfg), device, cluster  # what the model computes
         # the run's ZeRO buckets and thresholds (ours: what the emitted ds.json sets; a published run's: its own)
         self.zero_settings = {**zero_settings_for(self.cfg.hidden, device.name,
@@ -119,6 +119,8 @@ class PlanModel(RankUpdate):
         # (DeepSpeed 0.19: the training dtype unless set; the 2022 branch BLOOM ran: fp32)
         self.grad_accum_dtype = grad_accum_dtype or dtype
         self.expert_imbalance = expert_imbalance  # dropless routing: the busiest expert's load over the mean
+        # how the layers run on a GPU: "eager" (train.py), "compiled" (train.compile) ("costs.gpu_pricing")
+        self.execution = execution
         self.network = network  # the links between pipeline ranks where given (simulate's flags), else the cluster's
         # the engine's own terms per instruction and layer (fitted on instrumented runs of this device;
         # zero until measured on it), through which every step is predicted
@@ -144,7 +146,8 @@ class PlanModel(RankUpdate):
         return PlanModel(self.cfg, device, self.cluster, seq=self.seq, global_batch=self.global_batch, dtype=self.dtype,
                          memory_fraction=self.memory_fraction, step_model=self.step_model, network=self.network,
                          expert_imbalance=self.expert_imbalance, zero_settings=self.zero_settings,
-                         runtime_terms=self.runtime_terms, grad_accum_dtype=self.grad_accum_dtype)
+                         runtime_terms=self.runtime_terms, grad_accum_dtype=self.grad_accum_dtype,
+                         execution=self.execution)
 
     def _model_flops_per_sample(self) -> float:
         """Matrix and attention FLOPs of forward + backward of one sample (no recompute): MFU's numerator,
@@ -158,7 +161,7 @@ class PlanModel(RankUpdate):
         """Per-layer ``LayerCost`` of one micro-batch on one TP (and EP) rank; alike blocks computed once."""
         req = EstimateRequest(micro_batch=micro_batch, seq=self.seq, tp=tp, sp=sp, dtype=self.dtype,
                               selective_recompute=recompute == "selective", ep=ep,
-                              expert_imbalance=self.expert_imbalance)
+                              expert_imbalance=self.expert_imbalance, execution=self.execution)
         return tuple(analytic_layer_costs(self.cfg, req, self.device))
 
     def costs_of(self, lay: Layout) -> tuple:

@@ -37,13 +37,19 @@ def links_are_cpu_work(device: DeviceSpec) -> bool:
 
 
 def at_speed(device: DeviceSpec, factor: float, *, links: bool = False) -> DeviceSpec:
-    """``device`` with its compute and memory rates times ``factor``; with ``links`` its measured
+    """``device`` with its compute and memory rates times ``factor`` (a GPU's launch and dispatch times
+    divided by it); with ``links`` its measured
     collectives' bandwidths too (latencies divided by it) and its link bandwidths."""
     out = replace(device, matrix_flops={k: v * factor for k, v in device.matrix_flops.items()},
                   vector_flops={k: v * factor for k, v in device.vector_flops.items()},
                   hbm_bandwidth=device.hbm_bandwidth * factor, fill_bandwidth=device.fill_bandwidth * factor,
                   random_rate=device.random_rate * factor,
                   fresh_page_bandwidth=device.fresh_page_bandwidth * factor)
+    if device.gpu is not None:  # a GPU's launches and its host's dispatch take their time at the same speed
+        kern = device.gpu
+        out = replace(out, gpu=replace(kern, launch_s=kern.launch_s / factor, host_kernel_s=kern.host_kernel_s / factor,
+                                       host_kernel_bwd_s=kern.host_kernel_bwd_s / factor,
+                                       layer_call_s=kern.layer_call_s / factor))
     if links:
         out = replace(out, intra_node_bandwidth=device.intra_node_bandwidth * factor,
                       inter_node_bandwidth=device.inter_node_bandwidth * factor,

@@ -1,0 +1,235 @@
+"""The analytic model's GPU pricing against every GPU record in docs/gpu-runs/, no GPU needed.
+
+Each record is priced at the shape and config it ran: the model config as it was then (the unpadded
+50,257-word GPT vocabulary), its dtype and TF32 setting (off in every record so far: fp32 GEMMs on CUDA
+cores), eager (the `costs` and `layers` parts time one layer call, compiled never).  Per layer (embedding,
+block, head + loss) the measured reference is the median of that layer's recorded timings, forward +
+backward; where they spread by more than 5% the prediction must fall inside their range.
+
+Which records fitted what (the rest are predicted; at most half may fit), each in docs/CALIBRATION.md:
+- the host and launch figures (``GpuKernels.layer_call_s``, ``host_kernel_s``, ``host_kernel_bwd_s``):
+  gpt2-medium's bf16 embedding;
+- attention with dropout (``attention_dropout``): gpt2-medium's bf16 block;
+- fp32 memory-efficient attention's share (``attention["efficient-fp32"]``): gpt2-medium's fp32 block;
+- the 2-byte alignment's forward and backward shares: the two bf16 GPT heads (gpt2-medium, gpt3-1.3b), the
+  only odd-width GEMMs on record.
+The GEMM fill (``k_half``) is read off XLA's public measured B200 table, not fitted here.
+
+Usage: python bench/gpu_fidelity.py [--runs docs/gpu-runs] [--json out.json]
+Ends: RESULT block_head_median_err_pct=... block_head_max_err_pct=... embedding_max_abs_err_ms=...
+      step_median_err_pct=... step_max_err_pct=... fitted_records=N predicted_records=M
+
+The `speed` part's steps (instrumented: a sync around each phase) are priced by `plan --only` of their layout,
+eager or compiled as they ran; none of them fitted anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers  # noqa: E402
+from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
+from ds_pipe_ext.models.registry import load_model  # noqa: E402
+
+LAYERS = {"embedding": 0, "block": 1, "head+loss": -1}
+CASE = re.compile(r"^(?P<model>[\w.\-]+) b(?P<b>\d+) s(?P<s>\d+) (?P<dtype>bf16|fp16|fp32)$")
+# (model, dtype, layer) of the records each fitted figure came from: everything else is predicted
+FITTED = {("gpt2-medium", "bf16", "embedding"): "host and launch figures",
+          ("gpt2-medium", "bf16", "block"): "attention with dropout",
+          ("gpt2-medium", "fp32", "block"): "fp32 memory-efficient attention",
+          ("gpt2-medium", "bf16", "head+loss"): "2-byte alignment",
+          ("gpt3-1.3b", "bf16", "head+loss"): "2-byte alignment"}
+
+
+@dataclass
+class LayerRecord:
+    """One layer's timings (ms, forward + backward) across the records of one case."""
+
+    model: str
+    b: int
+    s: int
+    dtype: str
+    layer: str
+    device: str = "h200"
+    tf32: bool = False
+    compiled: bool = False
+    overrides: dict = field(default_factory=dict)  # the model config as it ran, where it differs from today's
+    timings: list = field(default_factory=list)  # (ms, where)
+
+    @property
+    def key(self) -> tuple:
+        return (self.model, self.dtype, self.layer)
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(t for t, _ in self.timings)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        values = [t for t, _ in self.timings]
+        return min(values), max(values)
+
+
+def _table_rows(text: str):
+    """The rows of the per-layer tables a gpu_path part printed (columns split on 2+ spaces)."""
+    header = None
+    for line in text.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells and cells[0] == "case":
+            header = cells
+            continue
+        if header and len(cells) == len(header) and CASE.match(cells[0]):
+            yield dict(zip(header, cells))
+        elif not line.strip():
+            header = None
+
+
+def read_records(runs: Path) -> dict[tuple, LayerRecord]:
+    """Every per-layer timing in the `costs` and `layers` logs under ``runs`` (and any records.json a newer
+    gpu_path writes, which carries its config), keyed by (model, dtype, layer)."""
+    found: dict[tuple, LayerRecord] = {}
+
+    def add(case: str, layer: str, ms: float, where: str, **config) -> None:
+        m = CASE.match(case)
+        rec = found.setdefault((m["model"], m["dtype"], layer),
+                               LayerRecord(m["model"], int(m["b"]), int(m["s"]), m["dtype"], layer, **config))
+        rec.timings.append((ms, where))
+
+    for log in sorted(runs.rglob("*.log")):
+        where = str(log.relative_to(runs))
+        text = log.read_text()
+        for row in _table_rows(text):
+            if "profiled ms" in row:  # costs: the profile and an independent loop timing of the same call
+                add(row["case"], row["layer"], float(row["profiled ms"]), where)
+                add(row["case"], row["layer"], float(row["loop-timed ms"]), where + " (loop)")
+            elif "fwd ms" in row:  # layers
+                add(row["case"], row["layer"], float(row["fwd ms"]) + float(row["bwd ms"]), where)
+    for path in sorted(runs.rglob("records.json")):
+        for r in json.loads(path.read_text()).get("layers", []):
+            case = f"{r['model']} b{r['b']} s{r['s']} {r['dtype']}"
+            add(case, r["layer"], float(r["ms"]), str(path.relative_to(runs)), tf32=r.get("tf32", False),
+                compiled=r.get("compiled", False), overrides=r.get("overrides", {}))
+    return found
+
+
+def predict_ms(rec: LayerRecord, spec=None) -> float:
+    """The analytic model's forward + backward of ``rec``'s layer, priced as it ran."""
+    spec = spec or get_device(rec.device)
+    spec = replace(spec, gpu=replace(spec.gpu, tf32=rec.tf32))
+    cfg = load_model(rec.model, **rec.overrides)
+    req = EstimateRequest(micro_batch=rec.b, seq=rec.s, dtype=rec.dtype,
+                          execution="compiled" if rec.compiled else "eager")
+    row = estimate_layers(cfg, req, spec)[LAYERS[rec.layer]]
+    return 1e3 * (row["fwd_s"] + row["bwd_s"])
+
+
+def error_pct(rec: LayerRecord, predicted: float) -> float:
+    """Against the median; 0 inside the records' range where they spread by more than 5%."""
+    lo, hi = rec.spread
+    if hi > 1.05 * lo and lo <= predicted <= hi:
+        return 0.0
+    return 100.0 * (predicted / rec.median_ms - 1.0)
+
+
+# the `speed` part's runs (bench/gpu_path.py SPEED_CASES): model, its overrides, micro-batch, micro-batches,
+# sequence (the model's own); data parallel ZeRO-1 on one GPU, bf16
+SPEED_RUN = re.compile(r"^(?P<model>[\w.\-]+?)(?:-layers(?P<layers>\d+))?-z1-mb(?P<mb>\d+)x(?P<m>\d+)"
+                       r"(?P<compiled>-compiled)?$")
+
+
+def read_steps(runs: Path) -> list[dict]:
+    """The `speed` part's rows: step and optimizer ms as measured (instrumented: a sync around each phase)."""
+    steps = []
+    for log in sorted(runs.rglob("speed*.log")):
+        for line in log.read_text().splitlines():
+            cells = re.split(r"\s{2,}", line.strip())
+            m = SPEED_RUN.match(cells[0]) if len(cells) >= 6 else None
+            if m and re.fullmatch(r"[\d.]+", cells[3] or ""):
+                steps.append({"run": cells[0], "model": m["model"], "overrides": {"layers": int(m["layers"])}
+                              if m["layers"] else {}, "micro_batch": int(m["mb"]), "micro_batches": int(m["m"]),
+                              "compiled": bool(m["compiled"]), "step_ms": float(cells[3]),
+                              "optimizer_ms": float(cells[4]), "where": str(log.relative_to(runs))})
+    return steps
+
+
+def predict_step_ms(run: dict, device: str = "h200") -> tuple[float, float]:
+    """`plan --only` of the run's layout (pp=1, tp=1, dp=1, ZeRO-1, bf16) priced as it ran: (step ms, MFU)."""
+    from ds_pipe_ext.plan.model import PlanModel
+    from ds_pipe_ext.plan.space import parse_only
+
+    cfg = load_model(run["model"], **run["overrides"])
+    batch = run["micro_batch"] * run["micro_batches"]
+    model = PlanModel.on_its_cluster(cfg, get_device(device), seq=cfg.seq_len, global_batch=batch,
+                                     execution="compiled" if run["compiled"] else "eager")
+    cost = model.evaluate(parse_only(f"pp=1,tp=1,dp=1,mb={run['micro_batch']},zero=1", gpus=1, global_batch=batch))
+    return 1e3 * cost.step_s, cost.mfu
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", default=str(ROOT / "docs" / "gpu-runs"))
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args(argv)
+    records = read_records(Path(args.runs))
+    if not records:
+        raise SystemExit(f"no per-layer GPU records under {args.runs}")
+    rows, out = [], []
+    for key in sorted(records):
+        rec = records[key]
+        pred = predict_ms(rec)
+        err = error_pct(rec, pred)
+        fitted = key in FITTED
+        lo, hi = rec.spread
+        rows.append((rec, pred, err, fitted))
+        out.append({"model": rec.model, "b": rec.b, "s": rec.s, "dtype": rec.dtype, "layer": rec.layer,
+                    "records": len(rec.timings), "measured_ms_median": rec.median_ms, "measured_ms_range": [lo, hi],
+                    "predicted_ms": pred, "error_pct": err, "fitted": FITTED.get(key, "")})
+    print(f"{'model':12s} {'dtype':5s} {'layer':10s} {'n':>2s} {'measured ms (range)':>24s} {'predicted':>9s} "
+          f"{'err %':>6s}  role")
+    for rec, pred, err, fitted in rows:
+        lo, hi = rec.spread
+        print(f"{rec.model:12s} {rec.dtype:5s} {rec.layer:10s} {len(rec.timings):2d} "
+              f"{rec.median_ms:9.3f} ({lo:6.3f}-{hi:6.3f}) {pred:9.3f} {err:+6.1f}  "
+              f"{'fitted: ' + FITTED[rec.key] if fitted else 'predicted'}")
+    predicted = [(rec, pred, err) for rec, pred, err, fitted in rows if not fitted]
+    big = [abs(err) for rec, _, err in predicted if rec.layer != "embedding"]
+    emb = [abs(pred - rec.median_ms) if abs(err) > 25 else 0.0
+           for rec, pred, err in predicted if rec.layer == "embedding"]
+    n_fit = sum(len(rec.timings) for rec, *_ , fitted in rows if fitted)
+    n_pred = sum(len(rec.timings) for rec, *_ , fitted in rows if not fitted)
+    print("records that fitted a figure:", ", ".join(f"{m} {d} {layer}" for m, d, layer in FITTED))
+    steps = read_steps(Path(args.runs))
+    step_errs = []
+    if steps:
+        print(f"\n`plan --only` of each `speed` run's layout (predicted; no step record fitted anything)\n"
+              f"{'run':38s} {'measured ms':>11s} {'optimizer ms':>12s} {'predicted ms':>12s} {'err %':>6s} "
+              f"{'predicted MFU':>13s}")
+        for run in steps:
+            pred, mfu = predict_step_ms(run)
+            err = 100.0 * (pred / run["step_ms"] - 1.0)
+            step_errs.append(abs(err))
+            out.append({**run, "predicted_step_ms": pred, "predicted_mfu": mfu, "error_pct": err})
+            print(f"{run['run']:38s} {run['step_ms']:11.1f} {run['optimizer_ms']:12.1f} {pred:12.1f} {err:+6.1f} "
+                  f"{100 * mfu:12.1f}%")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    print(f"RESULT block_head_median_err_pct={statistics.median(big) if big else 0:.1f} "
+          f"block_head_max_err_pct={max(big) if big else 0:.1f} "
+          f"embedding_max_abs_err_ms={max(emb) if emb else 0:.3f} "
+          f"step_median_err_pct={statistics.median(step_errs) if step_errs else 0:.1f} "
+          f"step_max_err_pct={max(step_errs) if step_errs else 0:.1f} "
+          f"fitted_records={n_fit} predicted_records={n_pred}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,208 @@
+"""Measure one GPU's kernel table: the GEMMs, attention, streaming ops and launches the cost model prices.
+
+Writes ``ds_pipe_ext/costs/kernels/<device>.json`` (``--out`` elsewhere), which ``costs.kernel_table`` reads
+for that datasheet device: GEMMs interpolated over M, K and N, attention by backend over the sequence, the
+achieved streaming bandwidth, the launch floor and the host's dispatch.  About two minutes on one H100/H200
+(``launch_scripts/gpu_session.sh kernels``).  ``--dry-run`` runs the same code on the CPU at shapes 64x
+smaller (``make test`` runs it) and writes nothing into the package.
+
+- GEMMs: the products the model families make (gpt2-medium, gpt3-1.3b, llama3-8b: q/k/v, out, MLP, head) at
+  TP 1, 2, 4, 8 and 1,024-16,384 tokens, and the odd widths beside their aligned twins (50,257 / 50,304;
+  10,922 / 10,944);
+- attention: SDPA on each backend that runs (cuDNN, flash, memory-efficient; grouped-query on flash), causal,
+  head dims 64 and 128, sequences 512-16,384, forward and backward;
+- streaming: add, LayerNorm and softmax from 1 MiB to 1 GiB;
+- an empty op: the launch floor on the device and the dispatch on the host.
+
+Ends: RESULT device=... gemms=N attention=N bandwidth_fraction=... launch_us=... host_us=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from ds_pipe_ext.costs.hardware import DEVICES, datasheet_name  # noqa: E402
+from ds_pipe_ext.costs.kernel_table import TABLE_DIR, KernelTable  # noqa: E402
+
+# (hidden, ffn, vocab, heads, kv heads, gated) of the families measured
+FAMILIES = {"gpt2-medium": (1024, 4096, 50257, 16, 16, False), "gpt3-1.3b": (2048, 8192, 50257, 16, 16, False),
+            "llama3-8b": (4096, 14336, 128256, 32, 8, True)}
+TOKENS = (1024, 2048, 4096, 8192, 16384)
+ODD_PAIRS = [(1024, 50257), (1024, 50304), (2048, 50257), (2048, 50304), (4096, 10922), (4096, 10944)]
+SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+STREAM_MIB = (1, 4, 16, 64, 256, 1024)
+
+
+def gemm_shapes(scale: int = 1) -> list[tuple[int, int, int]]:
+    """(M, K, N) forward products, deduplicated, smallest first; ``scale`` divides every dimension (dry run)."""
+    shapes = set()
+    for h, f, v, _heads, _kv, gated in FAMILIES.values():
+        for t in (1, 2, 4, 8):
+            kn = [(h, 3 * h // t), (h // t, h), (h, (2 if gated else 1) * f // t), (f // t, h), (h, -(-v // t))]
+            for tokens in TOKENS[1:4] if t > 1 else TOKENS:
+                shapes.update((tokens, k, n) for k, n in kn)
+    shapes.update((8192, k, n) for k, n in ODD_PAIRS)
+    return sorted({(max(m // scale, 1), max(k // scale, 1), max(n // scale, 1)) for m, k, n in shapes})
+
+
+def make_timer(device: torch.device):
+    """Seconds a call takes: triton's do_bench on CUDA (L2 flushed, median), the fastest of a few host-timed
+    calls on a CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=5, rep=20, return_mode="median") / 1e3
+
+    def cpu_time(fn):
+        fn()
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    return cpu_time
+
+
+def measure_gemms(device, dtype, timer, scale: int) -> list[dict]:
+    rows = []
+    for m, k, n in gemm_shapes(scale):
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype)
+        rows.append({"dtype": "bf16" if dtype == torch.bfloat16 else "fp32", "m": m, "k": k, "n": n,
+                     "seconds": timer(lambda: F.linear(a, w))})
+        del a, w
+    return rows
+
+
+def measure_attention(device, dtype, timer, scale: int) -> list[dict]:
+    """SDPA on each backend that accepts the case; a backend that refuses one is skipped."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION} if device.type == "cuda" else {"math": SDPBackend.MATH}
+    rows, tokens = [], max(16384 // scale, 64)
+    for name, backend in backends.items():
+        for d in (64, 128):
+            for s in (max(s // scale, 16) for s in SEQS):
+                b, heads, kv = max(tokens // s, 1), max(2048 // d // (scale if scale > 1 else 1), 2), None
+                for gqa in ((False, True) if name == "flash" else (False,)):
+                    kv = heads // 4 if gqa else heads
+                    q = torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True)
+                    k = torch.randn(b, kv, s, d, device=device, dtype=dtype, requires_grad=True)
+                    v = torch.randn(b, kv, s, d, device=device, dtype=dtype, requires_grad=True)
+                    try:
+                        with sdpa_kernel([backend]):
+                            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+                            grad = torch.randn_like(out)
+                            fwd = timer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa))
+                            both = timer(lambda: torch.autograd.grad(
+                                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa), (q, k, v),
+                                grad))
+                    except RuntimeError:
+                        continue  # this backend does not run this case here
+                    rows.append({"backend": name, "dtype": "bf16" if dtype == torch.bfloat16 else "fp32", "s": s,
+                                 "d": d, "gqa": gqa, "fwd_s": fwd, "bwd_s": max(both - fwd, 1e-9),
+                                 "fwd_flops": 4.0 * b * heads * s * s * d / 2})  # causal: half the scores
+    return rows
+
+
+def measure_streaming(device, dtype, timer, scale: int) -> list[dict]:
+    rows = []
+    for mib in STREAM_MIB:
+        n = max(mib * 2**20 // torch.tensor([], dtype=dtype).element_size() // scale, 1024)
+        x = torch.randn(n // 1024, 1024, device=device, dtype=dtype)
+        y = torch.empty_like(x)
+        nbytes = x.nbytes
+        for op, fn, moved in (("add", lambda: torch.add(x, x, out=y), 3 * nbytes),
+                              ("layer_norm", lambda: F.layer_norm(x, (1024,)), 2 * nbytes),
+                              ("softmax", lambda: torch.softmax(x, dim=-1), 2 * nbytes)):
+            rows.append({"op": op, "bytes": moved, "seconds": timer(fn)})
+        del x, y
+    return rows
+
+
+def measure_launch(device) -> tuple[float, float]:
+    """(the device's time per tiny kernel back to back, the host's dispatch per op), seconds."""
+    x = torch.zeros(1, device=device)
+    n = 2000
+    for _ in range(50):
+        x.add_(1)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(n):
+            x.add_(1)
+        end.record()
+        host = (time.perf_counter() - t0) / n
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / n, host
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x.add_(1)
+    host = (time.perf_counter() - t0) / n
+    return host, host
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="on the CPU at 64x smaller shapes; nothing in the package")
+    ap.add_argument("--out", default=None, help="the table's path (default: ds_pipe_ext/costs/kernels/<device>.json)")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if not cuda and not args.dry_run:
+        raise SystemExit("bench/gpu_kernels.py measures a CUDA GPU and this machine has none: --dry-run runs it on "
+                         "the CPU at small shapes")
+    device = torch.device("cuda" if cuda else "cpu")
+    scale = 1 if cuda else 64
+    dtype = torch.bfloat16 if cuda else torch.float32
+    name = torch.cuda.get_device_name() if cuda else "cpu (dry run)"
+    key = datasheet_name(name, torch.cuda.get_device_properties(0).total_memory) if cuda else "dry-run"
+    if cuda and key is None:
+        raise SystemExit(f"{name}: no datasheet spec here to attach a table to (known: {sorted(DEVICES)})")
+    out = Path(args.out) if args.out else (TABLE_DIR / f"{key}.json" if cuda else None)
+    if out is None:
+        raise SystemExit("--dry-run writes nowhere in the package: pass --out")
+    t0 = time.time()
+    timer = make_timer(device)
+    gemm = measure_gemms(device, dtype, timer, scale)
+    print(f"gemm: {len(gemm)} shapes in {time.time() - t0:.0f} s", flush=True)
+    attention = measure_attention(device, dtype, timer, scale)
+    print(f"attention: {len(attention)} cases in {time.time() - t0:.0f} s", flush=True)
+    streaming = measure_streaming(device, dtype, timer, scale)
+    launch, host = measure_launch(device)
+    peak_bw = DEVICES[key].hbm_bandwidth if cuda else max(r["bytes"] / r["seconds"] for r in streaming)
+    big = [r["bytes"] / r["seconds"] for r in streaming if r["op"] == "add" and r["bytes"] >= 3 * 64 * 2**20 // scale]
+    fraction = min(statistics.median(big) / peak_bw, 1.0) if big else None
+    table = {"device": key, "device_name": name, "date": datetime.date.today().isoformat(),
+             "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
+             "source": f"bench/gpu_kernels.py on {name}, torch {torch.__version__}", "gemm": gemm,
+             "attention": attention, "streaming": streaming, "bandwidth_fraction": fraction,
+             "launch_s": launch, "host_kernel_s": host}
+    KernelTable.from_json(table, "the measured table")  # what the cost model will read back
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(table, indent=1))
+    print(f"wrote {out} in {time.time() - t0:.0f} s")
+    print(f"RESULT device={key} gemms={len(gemm)} attention={len(attention)} "
+          f"bandwidth_fraction={fraction if fraction is None else round(fraction, 3)} "
+          f"launch_us={1e6 * launch:.2f} host_us={1e6 * host:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
