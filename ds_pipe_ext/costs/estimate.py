@@ -108,6 +108,8 @@ def op_backend(op: A.OpCost, req: EstimateRequest, device: str | None) -> str | 
     if not op.attn_shape:
         return None
     _b, heads, kv, _s, _keys, d, masked, _dropout = op.attn_shape
+    if req.execution == "megatron" and device not in (None, "cpu"):
+        return "cudnn"  # Megatron-core's fused attention: Transformer Engine's, on cuDNN's kernels
     return attention_backend("fused", device, dtype=req.dtype, head_dim=d, gqa=kv != heads, masked=bool(masked))
 
 

@@ -1,0 +1,220 @@
+"""Each op priced as a GPU runs it (costs.gpu_pricing), the kernel tables (costs.kernel_table), and the two
+benches around them: bench/gpu_kernels.py's CPU dry run and bench/gpu_fidelity.py on a small fixture."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from ds_pipe_ext.arch import attention_backend
+from ds_pipe_ext.costs import analytic as A
+from ds_pipe_ext.costs import gpu_pricing as G
+from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers, layer_ops, op_rows, shape_for
+from ds_pipe_ext.costs.hardware import datasheet_name, get_device
+from ds_pipe_ext.costs.kernel_table import KernelTable, load_kernel_table, table_note
+from ds_pipe_ext.costs.op_cost import AnalyticError
+from ds_pipe_ext.models.registry import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gemm_rate(spec, m: int, k: int, n: int, *, backward: bool = False, execution: str = "eager") -> float:
+    op = A.linear("x", m, k, n, A.Shape(b=1, s=m, h=k, a=1, f=4, V=n), bias=False)
+    flops = op.bwd_flops if backward else op.fwd_flops
+    return flops / G.gemm_s(op, dtype="bf16", backward=backward, spec=spec, execution=execution)
+
+
+def test_alignment_bytes_is_the_largest_power_of_two_of_every_width():
+    assert G.alignment_bytes(1024, 50304, elem=2) == 16
+    assert G.alignment_bytes(1024, 50257, elem=2) == 2  # odd: 2-byte rows
+    assert G.alignment_bytes(4096, 10922, elem=2) == 4  # 2 x 5,461
+    assert G.alignment_bytes(4096, 10944, elem=2) == 16
+    assert G.alignment_bytes(1024, 50257, elem=4) == 4
+
+
+def test_gpt2s_odd_vocabulary_prices_far_below_its_padded_twin():
+    """50,257 wide (GPT-2's vocabulary) against 50,304 (nanoGPT's pad): the same tiles, the slower path."""
+    h100 = get_device("h100")
+    odd, padded = _gemm_rate(h100, 8192, 1024, 50257), _gemm_rate(h100, 8192, 1024, 50304)
+    assert odd / padded == pytest.approx(h100.gpu.alignment_fwd[2], rel=0.02)
+    assert _gemm_rate(h100, 8192, 1024, 50257, backward=True) / _gemm_rate(h100, 8192, 1024, 50304, backward=True) \
+        == pytest.approx(h100.gpu.alignment_bwd[2], rel=0.02)
+    # compiled, inductor pads the GEMM (to 50,264): about the padded twin's speed
+    assert _gemm_rate(h100, 8192, 1024, 50257, execution="compiled") == pytest.approx(padded, rel=2e-3)
+
+
+def test_a_swiglu_width_of_10922_runs_at_its_published_share_of_10944():
+    """stas00/ml-engineering: 273 TFLOP/s at 10,922 against 398 at 10,944 on an H100; the two widths make the
+    same tile count, so only alignment tells them apart."""
+    h100 = get_device("h100")
+    ratio = _gemm_rate(h100, 8192, 4096, 10922) / _gemm_rate(h100, 8192, 4096, 10944)
+    assert ratio == pytest.approx(273 / 398, rel=0.01)
+
+
+def test_wave_quantization_over_the_sms():
+    kern = get_device("h100").gpu  # 132 SMs, 128 x 256 tiles
+    assert G.wave_efficiency(128 * 12, 256 * 11, kern) == pytest.approx(1.0)  # 132 tiles: one full wave
+    assert G.wave_efficiency(128 * 12, 256 * 11 + 1, kern) == pytest.approx(144 / 264)  # 144 tiles: 2 waves
+
+
+def test_fp32_without_tf32_runs_on_cuda_cores_unpenalised_by_alignment():
+    h200 = get_device("h200")
+    simt = replace(h200, gpu=replace(h200.gpu, tf32=False))
+    op = A.linear("x", 8192, 1024, 50257, A.Shape(b=1, s=8192, h=1024, a=1, f=4, V=50257, e=4), bias=False)
+    t = G.gemm_s(op, dtype="fp32", backward=False, spec=simt)
+    assert t == pytest.approx(op.fwd_flops / (h200.vector_flops["fp32"] * simt.gpu.gemm_efficiency
+                                              * G.wave_efficiency(8192, 50257, simt.gpu)))
+
+
+@pytest.mark.parametrize("kernel, device, kw, backend", [
+    ("fused", "h100-sxm", dict(dtype="bf16", head_dim=64), "cudnn"),
+    ("fused", "h100-sxm", dict(dtype="bf16", head_dim=128, gqa=True), "flash"),
+    ("fused", "h100-sxm", dict(dtype="bf16", head_dim=128, gqa=True, masked=True), "math"),
+    ("fused", "h100-sxm", dict(dtype="bf16", head_dim=64, masked=True), "efficient"),
+    ("fused", "h100-sxm", dict(dtype="fp32", head_dim=64), "efficient"),
+    ("auto", "cpu", dict(dtype="fp32"), "eager"),
+    ("fused", "cpu", dict(dtype="fp32"), "cpu"),
+    ("eager", "h200", dict(dtype="bf16"), "eager"),
+], ids=["gpt", "llama-gqa", "windowed-gqa", "windowed", "fp32", "cpu-auto", "cpu-sdpa", "written-out"])
+def test_the_attention_backend_selector(kernel, device, kw, backend):
+    assert attention_backend(kernel, device, **kw) == backend
+
+
+def test_attention_is_priced_as_the_selector_selects(monkeypatch):
+    """Llama 3 8B's block (grouped-query) prices flash; the same op priced on another backend moves by that
+    backend's share, and patching the selector moves the layer's price with it."""
+    import ds_pipe_ext.costs.estimate as E
+
+    h100 = get_device("h100")
+    cfg = load_model("llama3-8b")
+    req = EstimateRequest(micro_batch=1, seq=4096, dtype="bf16")
+    shp = shape_for(cfg, req, h100)
+    ops = layer_ops(cfg, shp, device=h100.name)[1][2]
+    core = next(op for op in ops if op.name == "fused_attention")
+    assert E.op_backend(core, req, h100.name) == "flash"
+    row = next(r for r in op_rows(ops, h100, req) if r["op"] == "fused_attention")
+    assert row["fwd_s"] == pytest.approx(G.attention_s(core, dtype="bf16", backward=False, spec=h100, backend="flash"))
+    flash, cudnn = h100.gpu.attention["flash"][128][0], h100.gpu.attention["cudnn"][128][0]
+    monkeypatch.setattr(E, "attention_backend", lambda *a, **k: "cudnn")
+    patched = next(r for r in op_rows(ops, h100, req) if r["op"] == "fused_attention")
+    assert patched["fwd_s"] == pytest.approx(row["fwd_s"] * flash / cudnn)
+
+
+def test_an_eager_layer_takes_at_least_its_hosts_dispatch_and_compiled_drops_it():
+    h200 = get_device("h200")
+    cfg = load_model("tiny")
+    eager = estimate_layers(cfg, EstimateRequest(micro_batch=1, seq=32, dtype="bf16"), h200)[1]
+    compiled = estimate_layers(cfg, EstimateRequest(micro_batch=1, seq=32, dtype="bf16", execution="compiled"), h200)[1]
+    assert eager["fwd_s"] >= eager["host_fwd_s"] > 0 and compiled["host_fwd_s"] == 0
+    assert compiled["fwd_s"] < eager["fwd_s"]
+    with pytest.raises(AnalyticError, match="execution 'jit'"):
+        estimate_layers(cfg, EstimateRequest(micro_batch=1, seq=32, dtype="bf16", execution="jit"), h200)
+
+
+def test_a_tied_head_stays_eager_when_the_layers_are_compiled():
+    """train.compile compiles each layer's module; a tied head runs as the embedding's forward_fn and the loss
+    outside the layers, so both keep their eager price (gpt2-medium ties its head, gpt3-1.3b does not)."""
+    h200 = get_device("h200")
+    for name, tied in (("gpt2-medium", True), ("gpt3-1.3b", False)):
+        cfg = load_model(name)
+        b, s = 1, 1024
+        eager = estimate_layers(cfg, EstimateRequest(micro_batch=b, seq=s), h200)[-1]
+        compiled = estimate_layers(cfg, EstimateRequest(micro_batch=b, seq=s, execution="compiled"), h200)[-1]
+        assert (compiled["fwd_s"] == pytest.approx(eager["fwd_s"])) is tied
+
+
+def _table(**extra) -> dict:
+    return {"device": "h100-sxm", "source": "a test table",
+            "gemm": [{"dtype": "bf16", "m": 1024, "k": 1024, "n": 1024, "seconds": 2 * 1024**3 / 400e12},
+                     {"dtype": "bf16", "m": 4096, "k": 4096, "n": 4096, "seconds": 2 * 4096**3 / 700e12}],
+            "attention": [{"backend": "flash", "dtype": "bf16", "s": 1024, "d": 128, "fwd_s": 1e-3, "bwd_s": 2e-3,
+                           "fwd_flops": 2e11},
+                          {"backend": "flash", "dtype": "bf16", "s": 4096, "d": 128, "fwd_s": 1e-3, "bwd_s": 2e-3,
+                           "fwd_flops": 4e11}], **extra}
+
+
+def test_a_kernel_table_interpolates_between_its_measured_shapes():
+    table = KernelTable.from_json(_table())
+    assert table.gemm_flops(1024, 1024, 1024, "bf16", 16) == (pytest.approx(400e12), True)
+    rate, exact = table.gemm_flops(2048, 2048, 2048, "bf16", 16)
+    assert 400e12 < rate < 700e12 and exact
+    # no measured row of this alignment: the aligned rows', for the rule's factor to apply
+    assert table.gemm_flops(1024, 1024, 1023, "bf16", 2)[1] is False
+    assert table.gemm_flops(1024, 1024, 1024, "fp32", 16) is None
+    # attention over the sequence (log-linear between 1,024 and 4,096)
+    assert table.attention_flops("flash", "bf16", s=2048, d=128, backward=False) == pytest.approx((2e14 * 4e14) ** 0.5)
+    assert table.attention_flops("cudnn", "bf16", s=2048, d=128, backward=False) is None
+
+
+def test_a_device_prices_from_its_table_where_there_is_one(tmp_path):
+    """Without a table the rules price it, and estimate / plan say so; a table in the package's kernels/ is
+    read for that device (its GEMM rates used as measured); a malformed one is an error naming the fix."""
+    h100 = get_device("h100")
+    assert h100.gpu.table is None and "priced by rules" in table_note(h100)
+    (tmp_path / "h100-sxm.json").write_text(json.dumps(_table(launch_s=3e-6)))
+    table = load_kernel_table("h100-sxm", tmp_path)
+    measured = replace(h100, gpu=G.gpu_kernels("h100-sxm", table=table))
+    assert measured.gpu.launch_s == 3e-6 and "a test table" in table_note(measured)
+    assert _gemm_rate(measured, 1024, 1024, 1024) == pytest.approx(400e12)
+    (tmp_path / "h200.json").write_text('{"device": "h200", "gemm": [{"dtype": "bf16"}]}')
+    with pytest.raises(AnalyticError, match="not a kernel table.*gpu_kernels.py"):
+        load_kernel_table("h200", tmp_path)
+
+
+def test_datasheet_name_tells_the_h100s_apart():
+    assert datasheet_name("NVIDIA H100 80GB HBM3") == "h100-sxm"
+    assert datasheet_name("NVIDIA H100 PCIe") == "h100-pcie"
+    assert datasheet_name("NVIDIA H100 NVL") == "h100-nvl"
+    assert get_device("h100-pcie").gpu.sms == 114
+
+
+def test_the_kernels_bench_dry_run_writes_a_table_the_cost_model_reads(tmp_path):
+    bench = _bench("gpu_kernels")
+    out = tmp_path / "dry.json"
+    assert bench.main(["--dry-run", "--out", str(out)]) == 0
+    table = KernelTable.from_json(json.loads(out.read_text()))
+    assert len(table.gemm) == len(bench.gemm_shapes(64)) and table.attention and table.launch_s > 0
+    with pytest.raises(SystemExit, match="--out"):
+        bench.main(["--dry-run"])
+
+
+FIXTURE_COSTS = """device: NVIDIA H200, torch 2.11.0+cu130, parts: layers
+
+case                       layer      fwd ms  bwd ms  analytic datasheet ms
+-------------------------  ---------  ------  ------  ---------------------
+gpt3-1.3b b4 s2048 bf16    block       1.724   3.823                  4.983
+gpt3-1.3b b4 s2048 bf16    block       1.695   3.629                  4.983
+"""
+FIXTURE_SPEED = """run                                  samples/s  MFU    step ms  optimizer step ms  optimizer share
+-----------------------------------  ---------  -----  -------  -----------------  ---------------
+gpt3-1.3b-z1-mb4x4                       20.02  37.6%    799.4               78.1  9.8%
+"""
+
+
+def test_the_fidelity_bench_prices_each_record_as_it_ran(tmp_path, capsys):
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "layers.log").write_text(FIXTURE_COSTS)
+    (tmp_path / "one" / "speed.log").write_text(FIXTURE_SPEED)
+    bench = _bench("gpu_fidelity")
+    records = bench.read_records(tmp_path)
+    (rec,) = records.values()
+    assert rec.key == ("gpt3-1.3b", "bf16", "block") and sorted(t for t, _ in rec.timings) == [5.324, 5.547]
+    assert bench.read_steps(tmp_path)[0]["step_ms"] == 799.4
+    assert bench.main(["--runs", str(tmp_path), "--json", str(tmp_path / "rows.json")]) == 0
+    result = capsys.readouterr().out.strip().splitlines()[-1]
+    assert result.startswith("RESULT block_head_median_err_pct=") and "fitted_records=0 predicted_records=2" in result
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert rows[0]["predicted_ms"] == pytest.approx(bench.predict_ms(rec)) and rows[1]["predicted_step_ms"] > 0
