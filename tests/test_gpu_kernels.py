@@ -218,3 +218,20 @@ def test_the_fidelity_bench_prices_each_record_as_it_ran(tmp_path, capsys):
     assert result.startswith("RESULT block_head_median_err_pct=") and "fitted_records=0 predicted_records=2" in result
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert rows[0]["predicted_ms"] == pytest.approx(bench.predict_ms(rec)) and rows[1]["predicted_step_ms"] > 0
+
+
+def test_a_plan_shows_where_its_step_goes():
+    """plan's pick prints its step's shares (GEMMs, attention, memory-bound ops, host, communication inside
+    the layers, optimizer, bubble, exposed communication): they add up to the step."""
+    from ds_pipe_ext.plan.model import PlanModel
+    from ds_pipe_ext.plan.shares import KINDS, render_shares, step_shares
+    from ds_pipe_ext.plan.space import parse_only
+
+    cfg = load_model("llama3-8b", layers=4)
+    model = PlanModel.on_its_cluster(cfg, get_device("h100"), seq=4096, global_batch=8)
+    cost = model.evaluate(parse_only("pp=2,tp=2,dp=2,mb=1,zero=1", gpus=8, global_batch=8))
+    shares = step_shares(model, cost)
+    assert list(shares) == list(KINDS) and all(v >= 0 for v in shares.values())
+    assert sum(shares.values()) == pytest.approx(cost.step_s, rel=1e-9)
+    assert shares["gemm"] > shares["attention"] > 0 and shares["communication in layers"] > 0 and shares["bubble"] > 0
+    assert f"MFU {100 * cost.mfu:.1f}%" in render_shares(model, cost)

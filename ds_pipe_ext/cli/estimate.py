@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import replace
 
@@ -29,7 +30,7 @@ def cmd_estimate(args) -> int:
     cfg = load_model(args.model)
     req = EstimateRequest(micro_batch=args.micro_batch, seq=args.seq or cfg.seq_len, tp=args.tp, sp=args.sp,
                           dtype=args.dtype, selective_recompute=args.selective_recompute,
-                          expert_imbalance=args.expert_imbalance)
+                          expert_imbalance=args.expert_imbalance, execution="compiled" if args.compile else "eager")
     try:
         device = plan_device(args.device)
         if args.calibrate:
@@ -46,7 +47,8 @@ def cmd_estimate(args) -> int:
     stages = None
     if args.stages:
         lay = _estimate_layout(args)
-        cost = _layout_model(cfg, device, lay, seq=req.seq, dtype=req.dtype).evaluate_named(lay)
+        cost = _layout_model(cfg, device, lay, seq=req.seq, dtype=req.dtype,
+                             execution=req.execution).evaluate_named(lay)
         stages = {"parts": cost.parts, "micro_batches": lay.micro_batches, "dp": args.dp, "zero": args.zero,
                   "step_s": cost.step_s, "notes": cost.notes, "stages": _rank_rows(cost)}
     if args.json:
@@ -103,12 +105,13 @@ def _estimate_layout(args):
         raise ValueError(f"--stages {args.stages}: {e}") from None
 
 
-def _layout_model(cfg, device, lay, *, seq: int, dtype: str):
+def _layout_model(cfg, device, lay, *, seq: int, dtype: str, execution: str = "eager"):
     """The one cost model of a layout (``plan.model.PlanModel``) on ``device``'s own cluster: what `plan
     --only` evaluates ``lay`` with."""
     from ..plan.model import PlanModel
 
-    return PlanModel.on_its_cluster(cfg, device, seq=seq, global_batch=lay.global_batch, dtype=dtype)
+    return PlanModel.on_its_cluster(cfg, device, seq=seq, global_batch=lay.global_batch, dtype=dtype,
+                                    execution=execution)
 
 
 def _rank_rows(cost) -> list[dict]:
@@ -227,5 +230,7 @@ def add_parser(sub) -> None:
     e.add_argument("--expert-imbalance", type=expert_imbalance, default=1.0, metavar="X|RUN_DIR",
                    help="Mixture-of-Experts, dropless: the busiest expert's load over the mean (>= 1), or an "
                         "instrumented run directory to read it from (default 1: balanced)")
+    e.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPU specs: price the layers as train.compile runs them (default: eager)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_estimate)

@@ -12,6 +12,7 @@ Megatron's table printed after DeepSpeed's with the two picks' steps side by sid
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -83,7 +84,13 @@ def build_model(args):
     if not 0 < fraction <= 1:
         raise PlanError(f"--memory-fraction {fraction}: the share of the device's memory a rank may use, in (0, 1]")
     return cfg, PlanModel(cfg, device, cluster, seq=seq, global_batch=global_batch, dtype=dtype,
-                          memory_fraction=fraction, expert_imbalance=getattr(args, "expert_imbalance", 1.0))
+                          memory_fraction=fraction, expert_imbalance=getattr(args, "expert_imbalance", 1.0),
+                          execution=execution_of(args))
+
+
+def execution_of(args) -> str:
+    """How the planned layers run on a GPU: as --compile says (train.compile), eager by default."""
+    return "compiled" if getattr(args, "compile", None) else "eager"
 
 
 def cmd_plan(args) -> int:
@@ -161,7 +168,8 @@ def _plan(args, checker) -> int:
         if best is None:
             raise PlanError("no layout DeepSpeed can run made the plan: nothing to emit")
         Path(args.emit_ds_config).write_text(json.dumps(
-            ds_config(emitted, model=args.model, dtype=model.dtype, zero_settings=model.zero_settings), indent=2) + "\n")
+            ds_config(emitted, model=args.model, dtype=model.dtype, zero_settings=model.zero_settings,
+                      compile=model.execution == "compiled"), indent=2) + "\n")
     if args.json:
         if other is None:
             _emit(rows_json(res))
@@ -180,14 +188,24 @@ def _plan(args, checker) -> int:
                  f"GB/s inside / between nodes")
     _emit(f"{cfg.name} on {args.gpus} x {d.name} ({model.cluster.gpus_per_node} a node; {links}), global batch "
           f"{model.global_batch}, seq {model.seq}, {model.dtype}; analytic costs "
-          f"(roofline, matrix efficiency {d.matrix_efficiency:.3f}, attention {assumed_attention(cfg, d.name)}), "
-          f"step from the event simulator")
+          + (f"(GPU kernels as they run {model.execution}; attention {assumed_attention(cfg, d.name)}), "
+             if d.gpu is not None else
+             f"(roofline, matrix efficiency {d.matrix_efficiency:.3f}, attention {assumed_attention(cfg, d.name)}), ")
+          + "step from the event simulator")
+    if d.gpu is not None:
+        from ..costs.kernel_table import table_note
+
+        _emit(table_note(d))
     _emit(render_table(res, memory_cap=model.memory_cap))
     for label, cost in (("pick", res.top[0]), ("best layout DeepSpeed runs", best)):
         if cost is None or (label != "pick" and cost is res.top[0]):
             continue
         text, why = megatron_layout(cost, cfg.layers, checker)
         _emit(f"{label}: {cost.layout.name}, parts {cost.parts}")
+        if label == "pick":
+            from ..plan.shares import render_shares
+
+            _emit(render_shares(model, cost))
         if cost.stage_recompute is not None:
             sr = cost.stage_recompute
             _emit(f"  with per-stage recompute: parts {sr.parts}, step {sr.step_s:.3f} s against "
@@ -232,6 +250,8 @@ def add_parser(sub) -> None:
     p.add_argument("--global-batch", type=int, default=None, help="samples per step (default: --gpus)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="default bf16 (cpu: fp32)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPU specs: price the layers as train.compile runs them (default: eager; the emitted ds.json's train.compile says the same)")
     p.add_argument("--top", type=int, default=10, help="layouts to show")
     p.add_argument("--only", default=None, help='evaluate one layout: "pp=8,tp=8,dp=16,mb=1,recompute=full,sp=on,'
                                                  'zero=1,schedule=1f1b" (interleaved:3, zb-h1: simulated only)')

@@ -18,6 +18,7 @@ transfers (``megatron``).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import dataclass
@@ -137,7 +138,8 @@ class LayerSource:
             raise ValueError(str(e)) from None
         device = get_device(args.device, cache_dir=args.cache_dir)
         model = PlanModel.on_its_cluster(self.cfg, device, seq=self.cfg.seq_len, global_batch=lay.global_batch,
-                                         dtype=args.dtype, network=network)
+                                         dtype=args.dtype, network=network,
+                                         execution="compiled" if args.compile else "eager")
         if args.method in (None, "analytic"):
             parts = model.run_split(lay)
         else:
@@ -279,5 +281,7 @@ def add_parser(sub) -> None:
     s.add_argument("--micro-batch-sizes", default="1,2,4", help="--grid: micro-batch sizes")
     s.add_argument("--networks", default=None, help="--grid: LAT_MS:GBS pairs (default: seed 004's four, in GB/s)")
     s.add_argument("--png", default=None, metavar="FILE", help="a Gantt chart of the step")
+    s.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPU specs: price the layers as train.compile runs them (default: eager)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_simulate)

@@ -130,8 +130,22 @@ def op_rows(ops: list[A.OpCost], device: DeviceSpec, req: EstimateRequest) -> li
                      "activation_bytes": saved, "weight_bytes": op.weight_bytes,
                      "comm_fwd_bytes": op.comm_fwd_bytes, "comm_bwd_bytes": op.comm_bwd_bytes, "comm_type": op.comm_type,
                      "compute_fwd_s": f["compute_s"], "memory_fwd_s": f["memory_s"], "comm_fwd_s": f["comm_s"],
+                     "comm_bwd_s": b["comm_s"],
                      "fwd_s": f["time_s"], "bwd_s": b["time_s"], "intensity": f["intensity"]})
     return rows
+
+
+def time_by_class(ops: list[A.OpCost], rows: list[dict], layer_s: float) -> dict[str, float]:
+    """A layer's forward + backward seconds by what spends them: GEMMs, attention cores, memory-bound ops, the
+    TP/EP collectives inside the layer and the host (what its dispatch adds beyond the kernels)."""
+    out = {"gemm": 0.0, "attention": 0.0, "memory": 0.0, "communication": 0.0}
+    for op, r in zip(ops, rows):
+        comm = r["comm_fwd_s"] + r["comm_bwd_s"]
+        kind = {"matrix": "gemm", "attention": "attention"}.get(op.kind, "memory")
+        out[kind] += r["fwd_s"] + r["bwd_s"] - comm
+        out["communication"] += comm
+    out["host"] = max(0.0, layer_s - sum(out.values()))
+    return out
 
 
 def layer_floor_s(ops: list[A.OpCost], device: DeviceSpec, req: EstimateRequest) -> tuple:
@@ -186,6 +200,7 @@ def estimate_layers(model, req: EstimateRequest, device: DeviceSpec, *, runs_on:
             "comm_bytes": sum(r["comm_fwd_bytes"] + r["comm_bwd_bytes"] for r in rows),
             "fwd_s": fwd_s, "bwd_s": bwd_s,
             "host_fwd_s": call + sum(host_fwd), "host_bwd_s": call + sum(host_bwd),
+            "class_s": time_by_class(ops, rows, fwd_s + bwd_s),
             # W: an embedding's backward is all weight gradient (token ids take none); a GEMM with a
             # weight spends half its backward on dW (the other half is dX); the rest is input gradient
             "wgrad_s": (sum(r["bwd_s"] for r in rows) if kind == "embedding" else

@@ -213,13 +213,19 @@ CEILINGS = {
 # the datasheet's.  H100's sit at their ceilings: the published rows ask for more.  H200 has no published
 # rows: it takes H100's fit.  ``get_device`` applies them, so every command and the analytic partition
 # method cost a layout on the same spec.
+# ``gemm_efficiency``: the GPU kernels' GEMM ceiling (``costs.gpu_pricing``), fitted the same way on the same rows
+# with every op priced as its kernels run (Megatron's fused kernels of each row's era), at most cuBLAS's measured
+# best; the class efficiencies beside it price a GPU spec only where its kernel figures are switched off.
 CALIBRATED = {
-    "a100-80gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0},
-    "a100-40gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0},
-    "h100-sxm": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0},
-    "h200": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0},
-    "h100-pcie": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0},
-    "h100-nvl": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0},
+    "a100-80gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0, "gemm_efficiency": 0.829},
+    "a100-40gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0, "gemm_efficiency": 0.829},
+    "h100-sxm": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0,
+                 "gemm_efficiency": 0.791},
+    "h200": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0, "gemm_efficiency": 0.791},
+    "h100-pcie": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0,
+                  "gemm_efficiency": 0.791},
+    "h100-nvl": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0,
+                 "gemm_efficiency": 0.791},
 }
 
 
@@ -341,8 +347,12 @@ def get_device(name: str, *, cache_dir: str | None = ".ds_pipe_ext_cache", calib
         return cuda_device(*measure_cuda(cache_dir))
     if key not in DEVICES:
         raise AnalyticError(f"unknown device {name!r}; use one of {sorted([*DEVICES, *ALIASES, 'cpu', 'cuda'])}")
-    spec = replace(DEVICES[key], **CALIBRATED.get(key, {})) if calibrated else DEVICES[key]
-    return replace(spec, gpu=gpu_kernels(key, table=load_kernel_table(key)))
+    fitted = CALIBRATED.get(key, {}) if calibrated else {}
+    spec = replace(DEVICES[key], **{k: v for k, v in fitted.items() if k != "gemm_efficiency"})
+    kern = gpu_kernels(key, table=load_kernel_table(key))
+    if "gemm_efficiency" in fitted:
+        kern = replace(kern, gemm_efficiency=fitted["gemm_efficiency"])
+    return replace(spec, gpu=kern)
 
 
 def datasheet_name(device_name: str, memory_bytes: float | None = None) -> str | None:

@@ -141,7 +141,7 @@ class MegatronLayoutChecker:
 
 
 def ds_config(cost: LayoutCost, *, model: str, steps: int = 10, dtype: str = "bf16",
-              zero_settings: dict | None = None) -> dict:
+              zero_settings: dict | None = None, compile: bool = False) -> dict:
     """The ds.json that trains this layout with train.py (its split as ``"parts:..."``, ZeRO's buckets as
     the plan priced them: ``PlanModel.zero_settings``)."""
     lay = cost.layout
@@ -149,6 +149,8 @@ def ds_config(cost: LayoutCost, *, model: str, steps: int = 10, dtype: str = "bf
         raise ValueError(f"{lay.name}: DeepSpeed runs no {lay.schedule} schedule; emit a runnable layout")
     precision = {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}.get(dtype, {})
     train = {"model": model, "steps": steps, "seed": 1234}
+    if compile:  # priced compiled: the run compiles its layers too
+        train["compile"] = True
     modes = getattr(cost, "layer_recompute", None)
     if modes is not None:  # chosen with the split: train.py builds them, no second decision
         train["recompute"] = modes
