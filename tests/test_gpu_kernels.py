@@ -233,5 +233,6 @@ def test_a_plan_shows_where_its_step_goes():
     shares = step_shares(model, cost)
     assert list(shares) == list(KINDS) and all(v >= 0 for v in shares.values())
     assert sum(shares.values()) == pytest.approx(cost.step_s, rel=1e-9)
-    assert shares["gemm"] > shares["attention"] > 0 and shares["communication in layers"] > 0 and shares["bubble"] > 0
+    assert shares["gemm"] > shares["attention"] > 0 and shares["communication in layers"] > 0
+    assert shares["bubble, sends and waits"] > 0 and shares["exposed data-parallel communication"] > 0
     assert f"MFU {100 * cost.mfu:.1f}%" in render_shares(model, cost)

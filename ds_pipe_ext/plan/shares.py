@@ -3,9 +3,10 @@
 For the busiest pipeline rank (the most compute a step): its layers' GEMMs, attention cores, memory-bound ops,
 the host's dispatch beyond the kernels (eager GPUs) and the collectives inside the layers (TP/SP), each over
 its micro-batches (full recompute replays the forward: the layer's time scaled by (2 fwd + bwd) / (fwd + bwd));
-the optimizer (Adam and the runtime's own passes over the gradients, ``RankUpdate``); the schedule's bubble
-(the simulator's idle fraction); and the rest of the step, exposed communication (the data-parallel
-reduction, the pipeline's sends) and waits.
+the optimizer (Adam and the runtime's own passes over the gradients, ``RankUpdate``); the data-parallel
+collectives the update leaves exposed; and the rest of the step: the schedule's bubble, the pipeline's sends
+and waits.  Where these parts overlap in the simulated step (they add up to more than it), each is scaled
+down alike, so the shares always sum to the step.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from __future__ import annotations
 from ..costs.estimate import EstimateRequest, estimate_layers
 from ..costs.hardware import adam_step_s
 
-KINDS = ("gemm", "attention", "memory", "host", "communication in layers", "optimizer", "bubble",
-         "exposed communication and waits")
+KINDS = ("gemm", "attention", "memory", "host", "communication in layers", "optimizer",
+         "exposed data-parallel communication", "bubble, sends and waits")
 
 
 def step_shares(model, cost) -> dict[str, float]:
@@ -42,11 +43,14 @@ def step_shares(model, cost) -> dict[str, float]:
     optimizer = adam_step_s(owned, model.device, bytes_per_param=model.adam_bytes_per_param)
     if lay.runtime == "deepspeed":
         optimizer += model.engine_passes_s(lay, params[busiest])
+    update = model.update_s(lay, params[busiest])
     shares = {"gemm": work["gemm"], "attention": work["attention"], "memory": work["memory"], "host": work["host"],
               "communication in layers": work["communication"], "optimizer": optimizer,
-              "bubble": cost.bubble_fraction * cost.step_s}
-    shares["exposed communication and waits"] = max(0.0, cost.step_s - sum(shares.values()))
-    return shares
+              "exposed data-parallel communication": max(0.0, update - optimizer)}
+    busy = sum(shares.values())
+    shares["bubble, sends and waits"] = max(0.0, cost.step_s - busy)
+    scale = cost.step_s / max(busy, cost.step_s)
+    return {kind: seconds * scale for kind, seconds in shares.items()}
 
 
 def render_shares(model, cost) -> str:
