@@ -7,7 +7,7 @@ setup(
     version="0.1.0",
     description="Profiled and analytic pipeline partitioning for DeepSpeed PipelineModule, with Megatron-core TP/SP",
     packages=find_packages(include=["ds_pipe_ext", "ds_pipe_ext.*"]),
-    package_data={"ds_pipe_ext": ["py.typed"]},
+    package_data={"ds_pipe_ext": ["py.typed", "costs/kernels/*.json"]},
     # Tested on Python 3.11 (CPU, CI) and 3.12 (GPU images); megatron-core 0.16.1 and torch ship 3.13 wheels too.
     python_requires=">=3.11,<3.14",
     # torch: the one a GPU image already carries is kept (README: install with a constraint on it).

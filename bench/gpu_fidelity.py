@@ -94,8 +94,9 @@ def _table_rows(text: str):
 
 
 def read_records(runs: Path) -> dict[tuple, LayerRecord]:
-    """Every per-layer timing in the `costs` and `layers` logs under ``runs`` (and any records.json a newer
-    gpu_path writes, which carries its config), keyed by (model, dtype, layer)."""
+    """Every per-layer timing in the `costs` and `layers` logs under ``runs``, and in the ``<part>-records.json``
+    a newer gpu_path writes beside them (with its config: a part's log is then not parsed), keyed by
+    (model, dtype, layer).  A key's records must share their config: the first one's is used."""
     found: dict[tuple, LayerRecord] = {}
 
     def add(case: str, layer: str, ms: float, where: str, **config) -> None:
@@ -106,6 +107,8 @@ def read_records(runs: Path) -> dict[tuple, LayerRecord]:
 
     for log in sorted(runs.rglob("*.log")):
         where = str(log.relative_to(runs))
+        if any(log.parent.rglob(f"{log.stem}-records.json")):
+            continue  # the same part's records, with their config, are read below
         text = log.read_text()
         for row in _table_rows(text):
             if "profiled ms" in row:  # costs: the profile and an independent loop timing of the same call
@@ -113,11 +116,12 @@ def read_records(runs: Path) -> dict[tuple, LayerRecord]:
                 add(row["case"], row["layer"], float(row["loop-timed ms"]), where + " (loop)")
             elif "fwd ms" in row:  # layers
                 add(row["case"], row["layer"], float(row["fwd ms"]) + float(row["bwd ms"]), where)
-    for path in sorted(runs.rglob("records.json")):
+    for path in sorted(runs.rglob("*-records.json")):  # bench/gpu_path.py's, since 2026-11-28
         for r in json.loads(path.read_text()).get("layers", []):
             case = f"{r['model']} b{r['b']} s{r['s']} {r['dtype']}"
-            add(case, r["layer"], float(r["ms"]), str(path.relative_to(runs)), tf32=r.get("tf32", False),
-                compiled=r.get("compiled", False), overrides=r.get("overrides", {}))
+            for ms in r.get("timings_ms") or [r["ms"]]:
+                add(case, r["layer"], float(ms), str(path.relative_to(runs)), tf32=r.get("tf32", False),
+                    compiled=r.get("compiled", False), overrides=r.get("overrides", {}))
     return found
 
 

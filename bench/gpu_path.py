@@ -338,6 +338,20 @@ def spec_name(t: Target) -> str:
     return spec
 
 
+def layer_record(model: str, b: int, seq: int, dtype: str, layer: str, timings_ms: list[float], *,
+                 overrides: dict | None = None, **extra) -> dict:
+    """One layer's timings as bench/gpu_fidelity.py reads them back: the full config it ran with (model,
+    shape, dtype, TF32, compiled or not, its config overrides) and every timing, so no label is parsed."""
+    return {"model": model, "b": b, "s": seq, "dtype": dtype, "layer": layer, "ms": statistics.median(timings_ms),
+            "timings_ms": list(timings_ms), "tf32": bool(torch.backends.cuda.matmul.allow_tf32), "compiled": False,
+            "overrides": overrides or {}, "torch": torch.__version__, **extra}
+
+
+def write_records(out: Path, part: str, records: list[dict]) -> None:
+    """``OUT/<part>-records.json``: the part's per-layer records (bench/gpu_fidelity.py reads every one)."""
+    (out / f"{part}-records.json").write_text(json.dumps({"layers": records}, indent=1))
+
+
 def layers_part(t: Target, out: Path) -> dict:
     """Embedding, one block and head + loss profiled, against the analytic model on the device's datasheet
     spec and on the planner's (calibrated) spec; the block's forward against a host clock."""
@@ -360,7 +374,7 @@ def layers_part(t: Target, out: Path) -> dict:
     spec = spec_name(t)
     datasheet = get_device(spec, calibrated=False, cache_dir=str(out / "cache"))
     planner = get_device(spec, cache_dir=str(out / "cache"))
-    rows, block_dat, block_plan, timer, acts = [], [], [], [], []
+    rows, block_dat, block_plan, timer, acts, records = [], [], [], [], [], []
     for name, b, seq, dtype in cases:
         cfg = load_model_config(name)
         seq = seq or cfg.seq_len
@@ -384,12 +398,15 @@ def layers_part(t: Target, out: Path) -> dict:
                          f"{m.activation_bytes / MiB:.1f}", f"{ad.activation_bytes / MiB:.1f}", f"{act_err:+.1f}",
                          f"{m.peak_bytes / MiB:.1f}"])
             acts.append(abs(act_err))
+            records.append(layer_record(name, b, seq, dtype, label, [1e3 * total], overrides={"tie_embeddings": False},
+                                        fwd_ms=1e3 * m.forward_s, bwd_ms=1e3 * m.backward_s))
             if label == "block":
                 block_dat.append(abs(err_d))
                 block_plan.append(abs(err_p))
         x = torch.randn(b, seq, cfg.hidden, generator=torch.Generator().manual_seed(1)).to(dtypes[dtype])
         wall = host_clock_forward(build_for_profiling(specs[1]), x, device, dtypes[dtype])
         timer.append(100 * abs(measured[1].forward_s / wall - 1))
+    write_records(out, "layers", records)
     print(f"\nlayers on {spec} ({device}): profiled against analytic (datasheet, planner)")
     print("\n".join(render_table(["case", "layer", "fwd ms", "bwd ms", "analytic datasheet ms", "err %",
                                   "analytic planner ms", "err %", "saved MiB (hooks)", "saved MiB (analytic)", "err %",
@@ -476,7 +493,8 @@ def costs_part(t: Target, out: Path) -> dict:
     spec = get_device(device, cache_dir=str(out / "cache"))
     timer = cuda_timer()
     settings = ProfileSettings(warmup=2, repeats=5, cache_dir=None, progress=False)
-    rows, splits, worst = [], [], {"bench": 0.0, "repeat": 0.0, "analytic": 0.0, "peak": 0.0}
+    rows, splits, records = [], [], []
+    worst = {"bench": 0.0, "repeat": 0.0, "analytic": 0.0, "peak": 0.0}
     for name, b, seq in COST_CASES[t.cuda]:
         cfg = load_model(name)
         family = family_of(cfg)
@@ -502,6 +520,8 @@ def costs_part(t: Target, out: Path) -> dict:
                     "peak": 100 * (an.peak_bytes / m.peak_bytes - 1) if m.peak_bytes else 0.0}
             for k, v in errs.items():
                 worst[k] = max(worst[k], abs(v))
+            records.append(layer_record(name, b, seq, dtype, label, [1e3 * total, 1e3 * bench,
+                                                                     1e3 * (again.forward_s + again.backward_s)]))
             rows.append([f"{name} b{b} s{seq} {dtype}", label, f"{1e3 * total:.3f}", f"{1e3 * bench:.3f}",
                          f"{errs['bench']:+.1f}", f"{errs['repeat']:+.1f}", f"{1e3 * (an.forward_s + an.backward_s):.3f}",
                          f"{errs['analytic']:+.1f}", f"{m.activation_bytes / MiB:.1f}", f"{an.activation_bytes / MiB:.1f}",
@@ -513,6 +533,7 @@ def costs_part(t: Target, out: Path) -> dict:
                 steps[method] = build_plan(method, parts, first, micro_batches=2 * stages).predicted_step_ms
             splits.append([name, str(stages), *(f"{steps[k]:.1f}" for k in steps),
                            f"{steps['uniform'] / steps['profiled']:.3f}", f"{steps['parameters'] / steps['profiled']:.3f}"])
+    write_records(out, "costs", records)
     print(f"\ncosts on {device} ({dtype}): profiled against an independent loop timing, a second profile, the "
           f"analytic model on the measured '{device}' spec; saved bytes and the layer's peak, hooks/allocator vs analytic")
     print("\n".join(render_table(["case", "layer", "profiled ms", "loop-timed ms", "err %", "2nd profile %",

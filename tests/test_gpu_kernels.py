@@ -236,3 +236,28 @@ def test_a_plan_shows_where_its_step_goes():
     assert shares["gemm"] > shares["attention"] > 0 and shares["communication in layers"] > 0
     assert shares["bubble, sends and waits"] > 0 and shares["exposed data-parallel communication"] > 0
     assert f"MFU {100 * cost.mfu:.1f}%" in render_shares(model, cost)
+
+
+def test_the_fidelity_bench_reads_new_records_with_their_config_in_place_of_their_log(tmp_path):
+    """bench/gpu_path.py's records carry the config they ran with; their part's log is then not parsed."""
+    bench = _bench("gpu_fidelity")
+    (tmp_path / "layers.log").write_text(FIXTURE_COSTS)
+    (tmp_path / "gpu-path").mkdir()
+    record = {"model": "gpt3-1.3b", "b": 4, "s": 2048, "dtype": "fp32", "layer": "block", "ms": 7.0,
+              "timings_ms": [6.0, 7.0, 8.0], "tf32": True, "compiled": False, "overrides": {"tie_embeddings": False}}
+    (tmp_path / "gpu-path" / "layers-records.json").write_text(json.dumps({"layers": [record]}))
+    (rec,) = bench.read_records(tmp_path).values()
+    assert rec.dtype == "fp32" and rec.tf32 and rec.spread == (6.0, 8.0) and rec.median_ms == 7.0
+    # TF32 on: fp32 GEMMs priced on tensor cores, far faster than the CUDA cores of the old records
+    assert bench.predict_ms(rec) < 0.5 * bench.predict_ms(replace(rec, tf32=False))
+
+
+def test_the_fidelity_bench_on_the_committed_gpu_records_fits_at_most_half(capsys):
+    """The bench over docs/gpu-runs/ as committed (seconds, no GPU): its RESULT line, and no more records fit a
+    figure than are predicted."""
+    bench = _bench("gpu_fidelity")
+    assert bench.main([]) == 0
+    fields = dict(kv.split("=") for kv in capsys.readouterr().out.strip().splitlines()[-1].split()[1:])
+    assert int(fields["fitted_records"]) <= int(fields["predicted_records"])
+    assert set(fields) == {"block_head_median_err_pct", "block_head_max_err_pct", "embedding_max_abs_err_ms",
+                           "step_median_err_pct", "step_max_err_pct", "fitted_records", "predicted_records"}

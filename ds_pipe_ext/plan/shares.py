@@ -59,7 +59,7 @@ def render_shares(model, cost) -> str:
     total = sum(shares.values())
     lines = [f"  where the step goes (busiest rank; {1e3 * cost.step_s:.1f} ms, MFU {100 * cost.mfu:.1f}%):"]
     for kind in KINDS:
-        lines.append(f"    {kind:32s} {1e3 * shares[kind]:10.1f} ms  {100 * shares[kind] / total:5.1f}%")
+        lines.append(f"    {kind:36s} {1e3 * shares[kind]:10.1f} ms  {100 * shares[kind] / total:5.1f}%")
     return "\n".join(lines)
 
 
