@@ -58,7 +58,13 @@ def cmd_estimate(args) -> int:
         return 0
     mib, ms = 2**20, 1e3
     emit(f"{cfg.name}: one block, per op (b={req.micro_batch} s={req.seq} tp={req.tp} sp={req.sp} "
-          f"dtype={req.dtype} device={device.name} attention={assumed_attention(cfg, device.name)})")
+          f"dtype={req.dtype} device={device.name} attention={assumed_attention(cfg, device.name)}"
+          + (f" on {backend}" if (backend := _block_backend(cfg, req, device)) else "")
+          + (f", {req.execution}" if device.gpu is not None else "") + ")")
+    if device.gpu is not None:
+        from ..costs.kernel_table import table_note
+
+        emit(table_note(device))
     emit("\n".join(render_table(
         ["op", "fwd GFLOP", "bwd GFLOP", "act MiB", "weight MiB", "comm MiB", "comm type",
          "compute ms", "memory ms", "comm ms", "intensity"],
@@ -103,6 +109,14 @@ def _estimate_layout(args):
                       recompute=recompute)
     except LayoutError as e:
         raise ValueError(f"--stages {args.stages}: {e}") from None
+
+
+def _block_backend(cfg, req, device) -> str | None:
+    """The SDPA backend the first block's fused attention runs on the device, None without one."""
+    from ..costs.estimate import layer_ops, op_backend, shape_for
+
+    ops = layer_ops(cfg, shape_for(cfg, req, device), device=device.name)[1][2]
+    return next((b for op in ops if (b := op_backend(op, req, device.name))), None)
 
 
 def _layout_model(cfg, device, lay, *, seq: int, dtype: str, execution: str = "eager"):
