@@ -155,18 +155,17 @@ def streaming_s(op: OpCost, *, dtype: str, backward: bool, spec, execution: str)
     return max(moved / (spec.hbm_bandwidth * kern.bandwidth_fraction), compute, kern.launch_s * launches)
 
 
-# Hopper (H100 SXM / NVL / PCIe, H200: one compute die; the H200 has more memory and bandwidth).  Sources in
-# docs/CALIBRATION.md, "GPU kernels": the GEMM ceiling is stas00/ml-engineering's maximum achievable bf16
-# matmul (794.5 of 989 TFLOP/s on an H100 SXM; the H200's measured `cuda` spec read 783.6); the 4-byte
-# alignment is ml-engineering's SwiGLU pair (10,922 wide at 273 TFLOP/s against 398 at 10,944); 8 bytes
-# is taken halfway (geometric) between 4 and 16; the 2-byte rows are fitted on gpt2-medium's bf16 head
-# records (the only odd width on record); cuDNN's d64 forward is the H200 `cuda` spec's causal SDPA
-# (0.432 of its measured GEMM peak); d128 scales it by FlashAttention-3's d128 / d64 throughput (Shah et
-# al. 2024); backward runs at 0.75 of the forward's rate (FlashAttention-3's bwd/fwd); flash is
-# FlashAttention-2, which reaches ~35% of an H100's peak (Shah et al. 2024, Fig. 1); memory-efficient
-# half of that (Dao 2023's xformers rows); fp32 memory-efficient runs on CUDA cores (its share is of the
-# fp32 vector peak); the streaming share is the H200 `cuda` spec's 1 GiB copy (4.22 of 4.8 TB/s); launch
-# and host figures are fitted on gpt2-medium's bf16 embedding records.
+# Hopper (H100 SXM / NVL / PCIe, H200: one compute die; the H200 has more memory and bandwidth).  Each figure's
+# source is in docs/CALIBRATION.md, "GPU kernels": the GEMM ceiling is stas00/ml-engineering's maximum achievable
+# bf16 matmul (794.5 of 989 TFLOP/s; the planner's fitted 0.791 replaces it, hardware.CALIBRATED); the fill is
+# read off XLA's measured B200 table; the 4-byte alignment is ml-engineering's SwiGLU pair (273 against 398
+# TFLOP/s), 8 bytes taken halfway; cuDNN's d64 forward is the H200 `cuda` spec's causal SDPA, d128 scaled by
+# FlashAttention-3's d128 / d64 ratio, backward at 0.75 of the forward (Shah et al. 2024); flash is
+# FlashAttention-2's H100 rows there, memory-efficient half of flash (Dao 2023); the streaming share is the H200
+# `cuda` spec's 1 GiB copy.  Fitted on the H200 records (bench/gpu_fidelity.py names them): the 2-byte
+# alignment (the bf16 GPT heads), attention with dropout (gpt2-medium's bf16 block), fp32 memory-efficient
+# attention (its fp32 block, a share of the TF32 peak: cutlass's three-pass fp32), the host dispatch (its
+# bf16 embedding).
 HOPPER = dict(
     gemm_efficiency=0.80,
     k_half=480.0,
