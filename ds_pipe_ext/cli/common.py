@@ -20,6 +20,14 @@ class ShapeArgs(ConfigModel):
     dp: int = Field(1, ge=1)
 
 
+MODEL_HELP = "a name in model_configs/ (tiny, bench-cpu, gpt3-1.3b, llama3-8b, ...) or a .toml path"
+
+
+def add_model_argument(parser) -> None:
+    """Every command's ``--model``: one name, one help."""
+    parser.add_argument("--model", required=True, help=MODEL_HELP)
+
+
 _stdout = sys.stdout
 
 

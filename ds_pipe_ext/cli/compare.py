@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import check_launch_steps, check_shape, emit, launch_model
+from .common import add_model_argument, check_launch_steps, check_shape, emit, launch_model
 
 
 def comparison_configs_for(args, micro_batch: int):
@@ -67,7 +67,7 @@ def cmd_compare(args) -> int:
 
 def add_parser(sub) -> None:
     c = sub.add_parser("compare", help="pipeline (profiled, uniform) against ZeRO-1/2/3: real launches, one table")
-    c.add_argument("--model", required=True, help="a name in model_configs/ or a .toml path")
+    add_model_argument(c)
     c.add_argument("--world", type=int, required=True, help="ranks per launch (deepspeed --num_gpus)")
     c.add_argument("--global-batch", type=int, default=None, help="samples per step, the same in every row "
                    "(default: 2 x world/tp x micro-batch)")

@@ -11,7 +11,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from .common import check_shape, emit, expert_imbalance
+from .common import add_model_argument, check_shape, emit, expert_imbalance
 
 
 def cmd_estimate(args) -> int:
@@ -221,7 +221,7 @@ def cmd_estimate_compare(args) -> int:
 
 def add_parser(sub) -> None:
     e = sub.add_parser("estimate", help="analytic per-op and per-layer costs (no device needed)")
-    e.add_argument("--model", required=True)
+    add_model_argument(e)
     e.add_argument("--micro-batch", type=int, default=1)
     e.add_argument("--seq", type=int, default=None)
     e.add_argument("--tp", type=int, default=1)

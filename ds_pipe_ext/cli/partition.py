@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from .common import ShapeArgs, check_shape, emit
+from .common import ShapeArgs, add_model_argument, check_shape, emit
 from ..config_model import parse_section
 from ..pipe.config import PipelineSettings
 
@@ -44,7 +44,7 @@ def cmd_partition(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("partition", help="profile a model's layers and print the per-stage plan")
-    p.add_argument("--model", required=True, help="a name in model_configs/ (tiny, bench-cpu, ...) or a .toml path")
+    add_model_argument(p)
     p.add_argument("--stages", type=int, required=True)
     p.add_argument("--method", default="profiled", help="profiled | uniform | parameters | type:REGEX | parts:0,..,n")
     p.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch (default 1)")

@@ -22,7 +22,7 @@ from pathlib import Path
 from ..layout import LayoutError
 from ..plan.space import PlanError, enumerate_layouts, parse_only
 from ..plan.recompute import apply_stage_recompute, describe
-from .common import expert_imbalance
+from .common import add_model_argument, expert_imbalance
 
 
 def _emit(text: str) -> None:
@@ -239,7 +239,7 @@ def _plan(args, checker) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="the fastest PP x TP x DP x ZeRO x micro-batch x recompute layout (no launch)")
-    p.add_argument("--model", required=True, help="a name in model_configs/ or a .toml path")
+    add_model_argument(p)
     p.add_argument("--gpus", type=int, required=True, help="GPUs (or CPU ranks) in the cluster")
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: the device's (8; cpu: all ranks)")
     p.add_argument("--device", default="a100", help="a100 | a100-40gb | h100 | h200 | cpu | SPEC.toml")

@@ -28,6 +28,7 @@ from ..simulate.events import Link, Network, StepSimulation
 from ..simulate.render import text_timeline, write_gantt
 from ..simulate.schedules import SCHEDULES, SIMULATED_ONLY, parse_schedule
 from ..simulate.step_model import StepModel
+from .common import add_model_argument
 
 # seed 004's four settings (delay, Gb/s) in GB/s: default ~0.1 ms / 10 Gb/s, 1 ms / 5, 5 ms / 2, 10 ms / 1
 SEED_NETWORKS = ((0.1, 1.25), (1.0, 0.625), (5.0, 0.25), (10.0, 0.125))
@@ -253,7 +254,7 @@ def _grid(args, model: LayerSource) -> int:
 
 def add_parser(sub) -> None:
     s = sub.add_parser("simulate", help="one training step under a schedule and a network, simulated (no launch)")
-    s.add_argument("--model", required=True, help="a name in model_configs/ or a .toml path")
+    add_model_argument(s)
     s.add_argument("--stages", type=int, required=True, help="pipeline ranks")
     s.add_argument("--micro-batches", type=int, default=None,
                    help="micro-batches per step (default: global batch / micro-batch, else stages)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import check_launch_steps, emit, launch_model
+from .common import add_model_argument, check_launch_steps, emit, launch_model
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -86,7 +86,7 @@ def shipped_cpu_terms():
 
 def add_parser(sub) -> None:
     w = sub.add_parser("sweep", help="pipeline depth x micro-batches x checkpointing: real launches, a table and a chart")
-    w.add_argument("--model", required=True, help="a name in model_configs/ or a .toml path")
+    add_model_argument(w)
     w.add_argument("--stages", default="1,2,4", help="pipeline depths K (K ranks each), e.g. 1,2,4")
     w.add_argument("--micro-batches", default="1,2,4,8", help="micro-batches per step M, each dividing --global-batch")
     w.add_argument("--checkpointing", default="off,on", help="activation checkpointing: off, on or off,on")
