@@ -36,10 +36,6 @@ def attention_kernel(kernel: str, device: str | None) -> str:
     return "fused" if device not in (None, "cpu") else "eager"
 
 
-# what torch's scaled_dot_product_attention runs on a GPU (torch 2.11, sm80/sm90), or the written-out core
-ATTENTION_BACKENDS = ("eager", "cudnn", "flash", "efficient", "math", "cpu")
-
-
 def attention_backend(kernel: str, device: str | None, *, dtype: str = "bf16", head_dim: int = 64,
                       gqa: bool = False, masked: bool = False) -> str:
     """The kernel an attention core runs: "eager" (written out) or, for SDPA, the backend torch selects on

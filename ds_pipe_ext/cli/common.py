@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -26,6 +27,17 @@ MODEL_HELP = "a name in model_configs/ (tiny, bench-cpu, gpt3-1.3b, llama3-8b, .
 def add_model_argument(parser) -> None:
     """Every command's ``--model``: one name, one help."""
     parser.add_argument("--model", required=True, help=MODEL_HELP)
+
+
+def add_compile_argument(parser) -> None:
+    """``--compile`` of the commands that price layers on a GPU spec (plan, estimate, simulate)."""
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="GPU specs: price the layers as train.compile runs them (default: eager)")
+
+
+def execution_of(args) -> str:
+    """How the layers run on a GPU (``EstimateRequest.execution``): as --compile says, eager by default."""
+    return "compiled" if getattr(args, "compile", None) else "eager"
 
 
 _stdout = sys.stdout

@@ -7,11 +7,10 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import replace
 
-from .common import add_model_argument, check_shape, emit, expert_imbalance
+from .common import add_compile_argument, add_model_argument, check_shape, emit, execution_of, expert_imbalance
 
 
 def cmd_estimate(args) -> int:
@@ -30,7 +29,7 @@ def cmd_estimate(args) -> int:
     cfg = load_model(args.model)
     req = EstimateRequest(micro_batch=args.micro_batch, seq=args.seq or cfg.seq_len, tp=args.tp, sp=args.sp,
                           dtype=args.dtype, selective_recompute=args.selective_recompute,
-                          expert_imbalance=args.expert_imbalance, execution="compiled" if args.compile else "eager")
+                          expert_imbalance=args.expert_imbalance, execution=execution_of(args))
     try:
         device = plan_device(args.device)
         if args.calibrate:
@@ -244,7 +243,6 @@ def add_parser(sub) -> None:
     e.add_argument("--expert-imbalance", type=expert_imbalance, default=1.0, metavar="X|RUN_DIR",
                    help="Mixture-of-Experts, dropless: the busiest expert's load over the mean (>= 1), or an "
                         "instrumented run directory to read it from (default 1: balanced)")
-    e.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="GPU specs: price the layers as train.compile runs them (default: eager)")
+    add_compile_argument(e)
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_estimate)

@@ -12,7 +12,6 @@ Megatron's table printed after DeepSpeed's with the two picks' steps side by sid
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 from ..layout import LayoutError
 from ..plan.space import PlanError, enumerate_layouts, parse_only
 from ..plan.recompute import apply_stage_recompute, describe
-from .common import add_model_argument, expert_imbalance
+from .common import add_compile_argument, add_model_argument, execution_of, expert_imbalance
 
 
 def _emit(text: str) -> None:
@@ -86,11 +85,6 @@ def build_model(args):
     return cfg, PlanModel(cfg, device, cluster, seq=seq, global_batch=global_batch, dtype=dtype,
                           memory_fraction=fraction, expert_imbalance=getattr(args, "expert_imbalance", 1.0),
                           execution=execution_of(args))
-
-
-def execution_of(args) -> str:
-    """How the planned layers run on a GPU: as --compile says (train.compile), eager by default."""
-    return "compiled" if getattr(args, "compile", None) else "eager"
 
 
 def cmd_plan(args) -> int:
@@ -250,8 +244,7 @@ def add_parser(sub) -> None:
     p.add_argument("--global-batch", type=int, default=None, help="samples per step (default: --gpus)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="default bf16 (cpu: fp32)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="GPU specs: price the layers as train.compile runs them (default: eager; the emitted ds.json's train.compile says the same)")
+    add_compile_argument(p)
     p.add_argument("--top", type=int, default=10, help="layouts to show")
     p.add_argument("--only", default=None, help='evaluate one layout: "pp=8,tp=8,dp=16,mb=1,recompute=full,sp=on,'
                                                  'zero=1,schedule=1f1b" (interleaved:3, zb-h1: simulated only)')
