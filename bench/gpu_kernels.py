@@ -98,7 +98,7 @@ def measure_attention(device, dtype, timer, scale: int) -> list[dict]:
     for name, backend in backends.items():
         for d in (64, 128):
             for s in (max(s // scale, 16) for s in SEQS):
-                b, heads, kv = max(tokens // s, 1), max(2048 // d // (scale if scale > 1 else 1), 2), None
+                b, heads = max(tokens // s, 1), max(2048 // d // scale, 2)
                 for gqa in ((False, True) if name == "flash" else (False,)):
                     kv = heads // 4 if gqa else heads
                     q = torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True)
