@@ -16,7 +16,8 @@ Which records fitted what (the rest are predicted; at most half may fit), each i
 The GEMM fill (``k_half``) is read off XLA's public measured B200 table, not fitted here.
 
 Usage: python bench/gpu_fidelity.py [--runs docs/gpu-runs] [--json out.json]
-Ends: RESULT block_head_median_err_pct=... block_head_max_err_pct=... embedding_max_abs_err_ms=...
+Ends: RESULT block_head_median_err_pct=... block_head_max_err_pct=... embedding_max_err_pct=...
+      embedding_max_abs_err_ms=...
       step_median_err_pct=... step_max_err_pct=... fitted_records=N predicted_records=M
 
 The `speed` part's steps (instrumented: a sync around each phase) are priced by `plan --only` of their layout,
@@ -206,7 +207,8 @@ def main(argv=None) -> int:
               f"{'fitted: ' + FITTED[rec.key] if fitted else 'predicted'}")
     predicted = [(rec, pred, err) for rec, pred, err, fitted in rows if not fitted]
     big = [abs(err) for rec, _, err in predicted if rec.layer != "embedding"]
-    emb = [abs(pred - rec.median_ms) if abs(err) > 25 else 0.0
+    # an embedding's target: within 25% or 0.2 ms; both its worst figures are reported
+    emb = [(abs(err), abs(pred - rec.median_ms) if err else 0.0)
            for rec, pred, err in predicted if rec.layer == "embedding"]
     n_fit = sum(len(rec.timings) for rec, *_ , fitted in rows if fitted)
     n_pred = sum(len(rec.timings) for rec, *_ , fitted in rows if not fitted)
@@ -228,7 +230,8 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(out, indent=1))
     print(f"RESULT block_head_median_err_pct={statistics.median(big) if big else 0:.1f} "
           f"block_head_max_err_pct={max(big) if big else 0:.1f} "
-          f"embedding_max_abs_err_ms={max(emb) if emb else 0:.3f} "
+          f"embedding_max_err_pct={max(e for e, _ in emb) if emb else 0:.1f} "
+          f"embedding_max_abs_err_ms={max(ms for _, ms in emb) if emb else 0:.3f} "
           f"step_median_err_pct={statistics.median(step_errs) if step_errs else 0:.1f} "
           f"step_max_err_pct={max(step_errs) if step_errs else 0:.1f} "
           f"fitted_records={n_fit} predicted_records={n_pred}")

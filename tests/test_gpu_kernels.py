@@ -259,5 +259,33 @@ def test_the_fidelity_bench_on_the_committed_gpu_records_fits_at_most_half(capsy
     assert bench.main([]) == 0
     fields = dict(kv.split("=") for kv in capsys.readouterr().out.strip().splitlines()[-1].split()[1:])
     assert int(fields["fitted_records"]) <= int(fields["predicted_records"])
-    assert set(fields) == {"block_head_median_err_pct", "block_head_max_err_pct", "embedding_max_abs_err_ms",
+    assert set(fields) == {"block_head_median_err_pct", "block_head_max_err_pct", "embedding_max_err_pct",
+                           "embedding_max_abs_err_ms",
                            "step_median_err_pct", "step_max_err_pct", "fitted_records", "predicted_records"}
+
+
+def test_a_backward_adds_its_weight_gradients_into_the_last_ones_except_under_megatron():
+    """AccumulateGrad's pass (both gradients read, one written) is in an eager or compiled backward, and
+    not in Megatron's, whose GEMMs accumulate into main_grad themselves."""
+    h200 = get_device("h200")
+    op = A.linear("x", 8, 4096, 4096, A.Shape(b=1, s=8, h=4096, a=1, f=4, V=4096), bias=False)
+    passes = 3 * 4096 * 4096 * 2 / (h200.hbm_bandwidth * h200.gpu.bandwidth_fraction)
+    assert G.grad_accumulate_s(op, dtype="bf16", spec=h200, execution="eager") == pytest.approx(passes)
+    assert G.grad_accumulate_s(op, dtype="bf16", spec=h200, execution="megatron") == 0.0
+    eager = h200.op_time(op, dtype="bf16", tp=1, backward=True)["time_s"]
+    megatron = h200.op_time(op, dtype="bf16", tp=1, backward=True, execution="megatron")["time_s"]
+    assert eager - megatron == pytest.approx(passes)
+
+
+def test_an_embedding_backward_on_a_gpu_moves_its_table_in_its_own_dtype():
+    """CUDA's embedding backward zeroes the table's gradient in the weights' dtype (no fp32 table: its
+    partial sums are per token), then AccumulateGrad reads and writes it: fp32 moves twice bf16's bytes."""
+    h200, cfg = get_device("h200"), load_model("gpt3-1.3b")
+    times = {}
+    for dtype in ("bf16", "fp32"):
+        req = EstimateRequest(micro_batch=1, seq=128, dtype=dtype)
+        word = next(iter(layer_ops(cfg, shape_for(cfg, req, h200))))[2][0]
+        table = cfg.vocab_size * cfg.hidden * (2 if dtype == "bf16" else 4)
+        assert word.gpu_bytes[1] - word.fwd_bytes == pytest.approx(table + 8 * 128 * cfg.hidden)
+        times[dtype] = op_rows([word], h200, req)[0]["bwd_s"]
+    assert 1.8 < times["fp32"] / times["bf16"] < 2.0

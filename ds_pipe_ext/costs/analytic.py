@@ -276,15 +276,19 @@ def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
     # backward: the gradient of the whole (V/t x h) table is zeroed (dense in torch and Megatron: one
     # write-only pass), then the looked-up rows are added, which on small batches costs far less.  Each
     # token's row, read forward and added backward, lies at random in a table beyond the caches
-    # a 16-bit backward on a GPU sums into an fp32 table first (zeroed, then read by the cast): held beside
-    # the result at the cast (an H200, bf16: gpt2-medium's and llama3-8b's embedding peaks measured 4 x V x h
-    # bytes above the table's gradient)
+    # a 16-bit backward on a GPU holds 4 x V x h bytes beside the table's gradient at its peak (an H200, bf16:
+    # gpt2-medium's and llama3-8b's embeddings measured alike), counted as an fp32 table; its time is priced
+    # from CUDA's kernels (``gpu_bytes`` below), which zero the table in its own dtype
     accum = rows * shp.h * shp.table_grad_accum
     ops = [OpCost("word_embedding", "vector", fwd_bytes=2 * out * shp.e, bwd_bytes=2 * out * shp.e + table + 2 * accum,
                   activation_bytes=shp.tokens * 8 + (shp.s * 8 if positions else 0),
                   weight_bytes=rows * shp.h * shp.e, weights=(rows * shp.h,),
                   fwd_allocs=(out * shp.e,), bwd_allocs=(table, accum) if accum else (table,),
                   bwd_fill_bytes=table + accum, row_ops=shp.tokens,
+                  # CUDA's kernels (EmbeddingBackwardKernel.cu): the output's gradient read, the table's
+                  # gradient zeroed in its own dtype, each token's fp32 partial sum written and read, the
+                  # touched rows written
+                  gpu_bytes=(2 * out * shp.e, 2 * out * shp.e + table + 8 * out),
                   # forward: the lookup and the (s, b) transpose's copy; backward: CUDA's
                   # embedding_dense_backward (a radix sort of the ids, segment offsets and sums: ~10
                   # kernels), the table's zeroing and, in 16-bit, the fp32 sum's cast

@@ -155,6 +155,18 @@ def streaming_s(op: OpCost, *, dtype: str, backward: bool, spec, execution: str)
     return max(moved / (spec.hbm_bandwidth * kern.bandwidth_fraction), compute, kern.launch_s * launches)
 
 
+def grad_accumulate_s(op: OpCost, *, dtype: str, spec, execution: str) -> float:
+    """Autograd adding an op's weight gradients into those the micro-batch before left (``AccumulateGrad``:
+    both read, one written, a kernel a tensor), as m - 1 of a step's m micro-batches and the profiler's
+    timing loops run it.  Megatron's GEMMs accumulate into ``main_grad`` themselves
+    (``gradient_accumulation_fusion``): no pass."""
+    if not op.weights or execution == "megatron":
+        return 0.0
+    kern: GpuKernels = spec.gpu
+    moved = 3 * sum(op.weights) * DTYPE_BYTES.get(dtype, 4)
+    return max(moved / (spec.hbm_bandwidth * kern.bandwidth_fraction), kern.launch_s * len(op.weights))
+
+
 # Hopper (H100 SXM / NVL / PCIe, H200: one compute die; the H200 has more memory and bandwidth).  Each figure's
 # source is in docs/CALIBRATION.md, "GPU kernels": the GEMM ceiling is stas00/ml-engineering's maximum achievable
 # bf16 matmul (794.5 of 989 TFLOP/s; the planner's fitted 0.791 replaces it, hardware.CALIBRATED); the fill is

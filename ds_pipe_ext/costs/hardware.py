@@ -112,15 +112,16 @@ class DeviceSpec:
 
         if execution not in G.EXECUTIONS:
             raise AnalyticError(f"execution {execution!r}: use one of {', '.join(G.EXECUTIONS)}")
+        accumulate = G.grad_accumulate_s(op, dtype=dtype, spec=self, execution=execution) if backward else 0.0
         if op.kind == "matrix" and op.gemm:
-            return G.gemm_s(op, dtype=dtype, backward=backward, spec=self, execution=execution)
+            return G.gemm_s(op, dtype=dtype, backward=backward, spec=self, execution=execution) + accumulate
         if op.kind == "attention" and op.attn_shape:
             return G.attention_s(op, dtype=dtype, backward=backward, spec=self, backend=attention_backend or "flash")
         if op.gemm:  # a written-out attention's batched products
             return G.gemm_s(op, dtype=dtype, backward=backward, spec=self)
         if not (op.fwd_flops or op.bwd_flops or op.fwd_bytes or op.bwd_bytes):
             return 0.0  # a record of saved bytes only
-        return G.streaming_s(op, dtype=dtype, backward=backward, spec=self, execution=execution)
+        return G.streaming_s(op, dtype=dtype, backward=backward, spec=self, execution=execution) + accumulate
 
     def collective_time(self, payload_bytes: float, kind: str, n: int, bandwidth: float) -> float:
         """One collective over ``n`` ranks: the measured latency and bus bandwidth where this device
