@@ -241,13 +241,31 @@ def test_deepspeed_passes_over_the_gradients_are_counted_even_with_one_dp_rank()
     assert cpu_like.engine_passes_s(pipe, 1e6) == pytest.approx(0.012)
     dp2 = _layout(1, 1, 2, 0, 1, 2, "none", False, "none")  # and the scaling by 1/dp (r + w): 7 x 2 MB
     assert gpu_like.engine_passes_s(dp2, 1e6) == pytest.approx(0.014)
-    # ZeRO-1 over 2 ranks, 5e5 gradients owned: the float64 norm (2 + 16 bytes each), flatten (2 + 4), copy
-    # into the 16-bit weights (4 + 2), the bucket copy of all gradients (2 x 2 MB): 19 MB = 19 ms; the CPU
-    # maps the two float64 copies (1.2 MB, 2.8 MB: both over 1 MiB) and the 2 MB flat partition: 6 ms
+    # ZeRO-1 over 2 ranks, 5e5 gradients owned: the bf16 overflow check (amax, amin: 2 x 2 bytes each), the
+    # float64 norm (2 + 16), flatten (2 + 4), copy into the 16-bit weights (4 + 2), the bucket copy of all
+    # gradients (2 x 2 MB): 21 MB = 21 ms; the CPU maps the two float64 copies (1.2 MB, 2.8 MB: both over
+    # 1 MiB) and the 2 MB flat partition: 6 ms
     z1 = replace(dp2, zero=1)
-    assert cpu_like.engine_passes_s(z1, 1e6, [3e5, 7e5]) == pytest.approx(0.025)
+    assert cpu_like.engine_passes_s(z1, 1e6, [3e5, 7e5]) == pytest.approx(0.027)
     z2 = replace(dp2, zero=2, micro_batches=3)  # the bucket copy every micro-batch: 3 x 4 MB in place of 4 MB
-    assert gpu_like.engine_passes_s(z2, 1e6) == pytest.approx(0.027)
+    assert gpu_like.engine_passes_s(z2, 1e6) == pytest.approx(0.029)
+
+
+def test_deepspeed_zero_loops_over_the_gradients_a_tensor_at_a_time_on_a_gpu():
+    """ZeRO-1's step on a GPU: each owned tensor at the larger of its bytes and its nine kernels' host
+    dispatch (the overflow check's seven, the norm's two), each tensor's bucket copy at the larger of its
+    bytes and one dispatch.  Worked by hand on a device moving 1 GB/s with a 10 us dispatch."""
+    _, model = plan_model("tiny", gpus=2, device="h100", global_batch=4)
+    assert model.device.gpu is not None
+    gpu = with_device(model, hbm_bandwidth=1e9, memory_efficiency=1.0,
+                      gpu=replace(model.device.gpu, host_kernel_s=1e-5))
+    z1 = replace(_layout(1, 1, 2, 0, 1, 2, "none", False, "none"), zero=1)
+    # 1,000 elements: 34 B owned each = 34 us < 90 us of dispatch; the copy 4 us < 10 us.  10^6: 34 ms, 4 ms.
+    small, big = 1e3, 1e6
+    expected = (90e-6 + 34e-3) / 2 + (10e-6 + 4e-3)
+    assert gpu.engine_passes_s(z1, small + big, tensors=[small, big]) == pytest.approx(expected)
+    # without the tensors (a profile cache that has none): the bytes alone
+    assert gpu.engine_passes_s(z1, small + big) == pytest.approx((34 / 2 + 4) * (small + big) / 1e9)
 
 
 def test_memory_is_the_cap_of_the_exact_partition():

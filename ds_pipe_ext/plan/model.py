@@ -347,6 +347,7 @@ class PlanModel(RankUpdate):
             rank_time[r][0] += st.forward_s
             rank_time[r][1] += st.backward_s
         rank_layer_params = [[c.param_bytes / self.e for c in layers] for layers in rank_layers]
+        rank_tensors = [[n for c in layers for n in c.param_numels] for layers in rank_layers]
         if lay.runtime == "megatron" and lay.tp > 1 and not lay.sp:
             # Megatron sends 1/t of a boundary activation between stages and all-gathers it over TP (its
             # scatter/gather optimisation; under SP the activation is already the rank's shard)
@@ -360,8 +361,9 @@ class PlanModel(RankUpdate):
             stages, m, schedule=spec.name if lay.pipelined else "none", runtime=lay.runtime,
             network=self._stage_network(lay), timeline=timeline, peers=lay.tp * lay.dp,
             update_s=[self.update_s(lay, p, lp, hide_under=tuple(t), expert_params=x, zero3_exposed_s=exposed,
-                                    tied_params=tp_) if update else 0.0
-                      for p, lp, t, x, tp_ in zip(rank_params, rank_layer_params, rank_time, rank_experts, tied)])
+                                    tied_params=tp_, tensors=ts) if update else 0.0
+                      for p, lp, t, x, tp_, ts in zip(rank_params, rank_layer_params, rank_time, rank_experts, tied,
+                                                      rank_tensors)])
         pipeline_s, bubble = pred.step_s, pred.simulation.bubble_fraction
         held = pred.simulation.held_peak_bytes  # per rank: what its schedule holds at its peak
         memory = self.rank_peaks(lay, list(parts), rank_layers, held, modes=modes)

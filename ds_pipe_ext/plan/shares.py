@@ -29,6 +29,7 @@ def step_shares(model, cost) -> dict[str, float]:
     per_rank: list[dict[str, float]] = [dict.fromkeys(("gemm", "attention", "memory", "host", "communication"), 0.0)
                                         for _ in range(lay.pp)]
     params = [0.0] * lay.pp
+    tensors: list[list] = [[] for _ in range(lay.pp)]
     for chunk in range(len(cost.parts) - 1):
         rank = chunk_rank[chunk]
         for row in rows[cost.parts[chunk]:cost.parts[chunk + 1]]:
@@ -37,13 +38,14 @@ def step_shares(model, cost) -> dict[str, float]:
             for kind, seconds in row["class_s"].items():
                 per_rank[rank][kind] += seconds * replay * lay.micro_batches
             params[rank] += row["params"]
+            tensors[rank] += row["tensors"]
     busiest = max(range(lay.pp), key=lambda r: sum(per_rank[r].values()))
     work = per_rank[busiest]
     owned = params[busiest] / (lay.dp if lay.zero >= 1 or lay.runtime == "megatron" else 1)
     optimizer = adam_step_s(owned, model.device, bytes_per_param=model.adam_bytes_per_param)
     if lay.runtime == "deepspeed":
-        optimizer += model.engine_passes_s(lay, params[busiest])
-    update = model.update_s(lay, params[busiest])
+        optimizer += model.engine_passes_s(lay, params[busiest], tensors=tensors[busiest])
+    update = model.update_s(lay, params[busiest], tensors=tensors[busiest])
     shares = {"gemm": work["gemm"], "attention": work["attention"], "memory": work["memory"], "host": work["host"],
               "communication in layers": work["communication"], "optimizer": optimizer,
               "exposed data-parallel communication": max(0.0, update - optimizer)}

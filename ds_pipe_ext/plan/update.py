@@ -31,7 +31,8 @@ class RankUpdate:
 
     def update_s(self, lay: Layout, params: float, layer_params: list[float] | tuple = (),
                  hide_under: tuple[float, float] | None = None, expert_params: float = 0.0,
-                 zero3_exposed_s: float | None = None, tied_params: float = 0.0) -> float:
+                 zero3_exposed_s: float | None = None, tied_params: float = 0.0,
+                 tensors: list[float] | tuple = ()) -> float:
         """A rank's work after its last backward for ``params`` parameters: its DP collectives, DeepSpeed's
         own passes over the gradients (``engine_passes_s``) and Adam over the parameters it owns
         (ZeRO-2/3's per-micro-batch collectives too: with no overlap, where they sit does not change
@@ -47,7 +48,8 @@ class RankUpdate:
         states partition over it.  ``zero3_exposed_s``: ZeRO-3's traffic a micro-batch leaves exposed
         (``zero3_exposed_s``), where the prefetch chain prices it, in place of the serial formula.
         ``tied_params``: a tied embedding's parameters on this rank, whose gradients DeepSpeed's pipeline
-        engine all-reduces between the first and last stage (``ReduceTiedGrads``) before the DP reduction."""
+        engine all-reduces between the first and last stage (``ReduceTiedGrads``) before the DP reduction.
+        ``tensors``: the element count of each of the rank's parameter tensors (``engine_passes_s``)."""
         if lay.runtime == "megatron":
             return self._megatron_update_s(lay, params, hide_under)
         experts = expert_params if lay.ep > 1 else 0.0  # at ep 1 the experts reduce with the rest
@@ -61,7 +63,7 @@ class RankUpdate:
         if tied_params:
             comm += self.device.collective_time(tied_params * self.grad_reduce_bytes(lay), "all-reduce", 2,
                                                 self._tied_bandwidth(lay))
-        return comm + self.engine_passes_s(lay, params, layer_params) + adam_step_s(
+        return comm + self.engine_passes_s(lay, params, layer_params, tensors) + adam_step_s(
             owned, self.device, bytes_per_param=self.adam_bytes_per_param,
             fresh_sizes=self.adam_fresh_bytes(lay, layer_params))
 
@@ -144,7 +146,8 @@ class RankUpdate:
         owned = params / (lay.dp if lay.zero >= 1 else 1)
         return comm + adam_step_s(owned, self.device, bytes_per_param=self.adam_bytes_per_param)
 
-    def engine_passes_s(self, lay: Layout, params: float, layer_params: list[float] | tuple = ()) -> float:
+    def engine_passes_s(self, lay: Layout, params: float, layer_params: list[float] | tuple = (),
+                        tensors: list[float] | tuple = ()) -> float:
         """DeepSpeed's own memory passes over a rank's gradients each step, beside the collectives and
         Adam (read from DeepSpeed 0.19's source; on CPU ranks they are a visible share of the step):
 
@@ -158,21 +161,35 @@ class RankUpdate:
           (read e, write 4) and the updated fp32 partition is copied into the 16-bit one (read 4,
           write e); ZeRO-1/2 also copy each micro-batch's gradients through the reduction bucket
           (read + write) when they reduce.  A CPU pays first touches for the float64 copies of
-          large gradients and for the flat partition.
+          large gradients and for the flat partition.  In 16-bit the step first checks every owned
+          gradient for overflow (``check_grad_overflow``, on by default for bf16: ``amax`` and ``amin``
+          read it, five scalar kernels and the count's add follow).
+
+        ZeRO-1/2 loop over the gradients a tensor at a time (the check, the norm's cast and reduction, the
+        reduction bucket's copy).  On a GPU each such tensor takes at least its kernels' host dispatch
+        (``GpuKernels.host_kernel_s`` a kernel), the host waiting on no work: ``tensors`` (the rank's
+        parameter tensors' element counts) prices each tensor at the larger of its dispatch and its bytes.
         """
         e, dp, m = self.e, lay.dp, lay.micro_batches
+        bandwidth = self.device.hbm_bandwidth * self.device.memory_efficiency
         if lay.zero == 0:
             traffic = (4 + (2 if dp > 1 else 0) + 1) * e * params
             bucket = 5e8
             fresh = [e * min(bucket, params - i * bucket) for i in range(math.ceil(params / bucket))]
-        else:
-            owned = params / dp
-            reductions = {1: 1, 2: m}.get(lay.zero, 0)
-            traffic = (e + 16) * owned + (e + 4) * owned + (4 + e) * owned + reductions * 2 * e * params
-            fresh = [8.0 * p / dp for p in layer_params if 8.0 * p / dp > self.device.fresh_alloc_min_bytes]
-            fresh.append(4.0 * owned)
-        return (traffic / (self.device.hbm_bandwidth * self.device.memory_efficiency)
-                + self.device.fresh_alloc_time(fresh))
+            return traffic / bandwidth + self.device.fresh_alloc_time(fresh)
+        overflow_check = e < 4  # DeepSpeed checks bf16 (by default) and fp16 gradients, not fp32 ones
+        owned_bytes = (e + 16) + (e + 4) + (4 + e) + (2 * e if overflow_check else 0)  # a parameter it owns
+        reductions = {1: 1, 2: m}.get(lay.zero, 0)
+        fresh = [8.0 * p / dp for p in layer_params if 8.0 * p / dp > self.device.fresh_alloc_min_bytes]
+        fresh.append(4.0 * params / dp)
+        kern = self.device.gpu
+        if kern is None or not tensors:
+            traffic = owned_bytes * params / dp + reductions * 2 * e * params
+            return traffic / bandwidth + self.device.fresh_alloc_time(fresh)
+        owned_kernels = (7 if overflow_check else 0) + 2  # the check; the norm's fp64 cast and reduction
+        owned = sum(max(owned_bytes * n / bandwidth, owned_kernels * kern.host_kernel_s) for n in tensors) / dp
+        reduced = reductions * sum(max(2 * e * n / bandwidth, kern.host_kernel_s) for n in tensors)
+        return owned + reduced + self.device.fresh_alloc_time(fresh)
 
     def adam_fresh_bytes(self, lay: Layout, layer_params: list[float]) -> tuple:
         """The fp32 tensors whose Adam temporaries are mapped afresh each step on a CPU (glibc: above its
