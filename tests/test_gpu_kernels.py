@@ -289,3 +289,15 @@ def test_an_embedding_backward_on_a_gpu_moves_its_table_in_its_own_dtype():
         assert word.gpu_bytes[1] - word.fwd_bytes == pytest.approx(table + 8 * 128 * cfg.hidden)
         times[dtype] = op_rows([word], h200, req)[0]["bwd_s"]
     assert 1.8 < times["fp32"] / times["bf16"] < 2.0
+
+
+def test_a_biased_linear_backward_on_a_gpu_holds_a_buffer_of_its_output_gradient():
+    """CUDA's bias-gradient sum (AddmmBackward0 > aten::sum) holds a buffer of the output gradient's size;
+    a CPU's holds none, and a linear without bias has no such sum."""
+    cfg = load_model("gpt2-medium")
+    req = EstimateRequest(micro_batch=8, seq=1024, dtype="bf16")
+    gpu, cpu = shape_for(cfg, req, get_device("h200")), shape_for(cfg, req, get_device("h200"), runs_on="cpu")
+    fc1 = A.linear("fc1", 8192, 1024, 4096, gpu)
+    assert fc1.bwd_allocs == (8192 * 1024 * 2, (1024 * 4096 + 4096) * 2, 8192 * 4096 * 2)
+    assert A.linear("fc1", 8192, 1024, 4096, cpu).bwd_allocs == fc1.bwd_allocs[:2]
+    assert len(A.linear("fc1", 8192, 1024, 4096, gpu, bias=False).bwd_allocs) == 2

@@ -42,7 +42,8 @@ def linear(name: str, tokens: float, k: int, n: int, shp: Shape, *, bias: bool =
         bwd_bytes=(2 * tokens * n + 2 * tokens * k) * shp.e + 2 * w,
         activation_bytes=saved * shp.e, weight_bytes=w, weights=tensors, gemm_dim=float(min(tokens, k, n)),
         gemm_out=int(n), gemm=(tokens, k, n), kernels=(1, 3 if bias else 2),
-        fwd_allocs=(tokens * n * shp.e,), bwd_allocs=(tokens * k * shp.e, w),
+        fwd_allocs=(tokens * n * shp.e,),
+        bwd_allocs=(tokens * k * shp.e, w) + ((tokens * n * shp.e,) if bias and shp.bias_grad_buffer else ()),
     )
 
 

@@ -34,6 +34,9 @@ class Shape:
     # bytes per element of the buffer an embedding's backward sums the table's gradient in before casting it
     # to the weight's dtype (4: CUDA's kernel in 16-bit; 0: none, the CPU's and any fp32 backward)
     table_grad_accum: int = 0
+    # a biased linear's backward on a GPU sums the bias gradient through a buffer of its output gradient's size
+    # (an H200: ``AddmmBackward0 > aten::sum``, 64 MiB live at gpt2-medium's bf16 block peak); a CPU's holds none
+    bias_grad_buffer: bool = False
 
     def __post_init__(self) -> None:
         for name in ("b", "s", "h", "a", "f", "V", "e", "t", "ep"):
