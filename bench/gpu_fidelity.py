@@ -17,8 +17,8 @@ The GEMM fill (``k_half``) is read off XLA's public measured B200 table, not fit
 
 Usage: python bench/gpu_fidelity.py [--runs docs/gpu-runs] [--json out.json]
 Ends: RESULT block_head_median_err_pct=... block_head_max_err_pct=... embedding_max_err_pct=...
-      embedding_max_abs_err_ms=...
-      step_median_err_pct=... step_max_err_pct=... fitted_records=N predicted_records=M
+      embedding_max_abs_err_ms=... step_median_err_pct=... step_max_err_pct=... memory_peak_max_err_pct=...
+      fitted_records=N predicted_records=M
 
 The `speed` part's steps (instrumented: a sync around each phase) are priced by `plan --only` of their layout,
 eager or compiled as they ran; none of them fitted anything.
@@ -179,6 +179,41 @@ def predict_step_ms(run: dict, device: str = "h200") -> tuple[float, float]:
     return 1e3 * cost.step_s, cost.mfu
 
 
+# `compare`'s data-parallel rows on one GPU (bench/gpu_path.py compare_part): model, micro-batch x 2, fp32
+COMPARE_TITLE = re.compile(r"^compare, (?P<model>[\w.\-]+) (?P<dtype>fp32|bf16), micro-batch (?P<mb>\d+) x (?P<m>\d+)")
+
+
+def read_compare(runs: Path) -> list[dict]:
+    """The `compare` part's rows: each ZeRO stage's measured allocator peak (MiB) and its config."""
+    rows = []
+    for log in sorted(runs.rglob("compare*.log")):
+        title = None
+        for line in log.read_text().splitlines():
+            title = COMPARE_TITLE.match(line.strip()) or title
+            cells = re.split(r"\s{2,}", line.strip())
+            if title and len(cells) == 9 and re.fullmatch(r"zero[0-3]", cells[0]) and cells[1] == "ok":
+                rows.append({"config": cells[0], "zero": int(cells[0][-1]), "model": title["model"],
+                             "dtype": title["dtype"], "micro_batch": int(title["mb"]),
+                             "micro_batches": int(title["m"]), "peak_mib": float(cells[7]),
+                             "where": str(log.relative_to(runs))})
+    return rows
+
+
+def predict_compare_mib(row: dict) -> float:
+    """The rank's peak as `compare` predicts it today for the row's config (data parallel on one GPU)."""
+    from ds_pipe_ext.compare.configs import CompareConfig
+    from ds_pipe_ext.compare.predict import layer_activation_bytes, model_shape, predicted_ranks
+    from ds_pipe_ext.layout import Layout
+
+    cfg = load_model(row["model"])
+    cc = CompareConfig(row["config"], Layout(dp=1, zero=row["zero"], micro_batch=row["micro_batch"],
+                                             micro_batches=row["micro_batches"]))
+    acts = layer_activation_bytes(cfg, cc, dtype=row["dtype"], device="cuda")
+    (pred,) = predicted_ranks(cc, model_shape(cfg), acts, element_bytes=4 if row["dtype"] == "fp32" else 2,
+                              model_cfg=cfg, device="cuda")
+    return pred.get("peak_bytes", pred["total_bytes"]) / 2**20
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", default=str(ROOT / "docs" / "gpu-runs"))
@@ -226,6 +261,17 @@ def main(argv=None) -> int:
             out.append({**run, "predicted_step_ms": pred, "predicted_mfu": mfu, "error_pct": err})
             print(f"{run['run']:38s} {run['step_ms']:11.1f} {run['optimizer_ms']:12.1f} {pred:12.1f} {err:+6.1f} "
                   f"{100 * mfu:12.1f}%")
+    memory_errs = []
+    compare_rows = read_compare(Path(args.runs))
+    if compare_rows:
+        print("\n`compare`'s allocator peaks on one GPU against today's prediction (predicted; none fitted anything)\n"
+              f"{'record':44s} {'config':6s} {'measured MiB':>12s} {'predicted MiB':>13s} {'err %':>6s}")
+        for row in compare_rows:
+            pred = predict_compare_mib(row)
+            err = 100.0 * (pred / row["peak_mib"] - 1.0)
+            memory_errs.append(abs(err))
+            out.append({**row, "predicted_peak_mib": pred, "error_pct": err})
+            print(f"{row['where']:44s} {row['config']:6s} {row['peak_mib']:12.0f} {pred:13.0f} {err:+6.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     print(f"RESULT block_head_median_err_pct={statistics.median(big) if big else 0:.1f} "
@@ -234,6 +280,7 @@ def main(argv=None) -> int:
           f"embedding_max_abs_err_ms={max(ms for _, ms in emb) if emb else 0:.3f} "
           f"step_median_err_pct={statistics.median(step_errs) if step_errs else 0:.1f} "
           f"step_max_err_pct={max(step_errs) if step_errs else 0:.1f} "
+          f"memory_peak_max_err_pct={max(memory_errs) if memory_errs else 0:.1f} "
           f"fitted_records={n_fit} predicted_records={n_pred}")
     return 0
 
