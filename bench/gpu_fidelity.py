@@ -100,6 +100,9 @@ def read_records(runs: Path) -> dict[tuple, LayerRecord]:
     (model, dtype, layer).  A key's records must share their config: the first one's is used."""
     found: dict[tuple, LayerRecord] = {}
 
+    # every log, and a records file without the key, ran the unpadded vocabulary (before vocab_pad_to = 128)
+    unpadded = {"vocab_pad_to": 1}
+
     def add(case: str, layer: str, ms: float, where: str, **config) -> None:
         m = CASE.match(case)
         rec = found.setdefault((m["model"], m["dtype"], layer),
@@ -113,16 +116,17 @@ def read_records(runs: Path) -> dict[tuple, LayerRecord]:
         text = log.read_text()
         for row in _table_rows(text):
             if "profiled ms" in row:  # costs: the profile and an independent loop timing of the same call
-                add(row["case"], row["layer"], float(row["profiled ms"]), where)
-                add(row["case"], row["layer"], float(row["loop-timed ms"]), where + " (loop)")
+                add(row["case"], row["layer"], float(row["profiled ms"]), where, overrides=unpadded)
+                add(row["case"], row["layer"], float(row["loop-timed ms"]), where + " (loop)", overrides=unpadded)
             elif "fwd ms" in row:  # layers
-                add(row["case"], row["layer"], float(row["fwd ms"]) + float(row["bwd ms"]), where)
+                add(row["case"], row["layer"], float(row["fwd ms"]) + float(row["bwd ms"]), where,
+                    overrides=unpadded)
     for path in sorted(runs.rglob("*-records.json")):  # bench/gpu_path.py's, since 2026-11-28
         for r in json.loads(path.read_text()).get("layers", []):
             case = f"{r['model']} b{r['b']} s{r['s']} {r['dtype']}"
             for ms in r.get("timings_ms") or [r["ms"]]:
                 add(case, r["layer"], float(ms), str(path.relative_to(runs)), tf32=r.get("tf32", False),
-                    compiled=r.get("compiled", False), overrides=r.get("overrides", {}))
+                    compiled=r.get("compiled", False), overrides={**unpadded, **r.get("overrides", {})})
     return found
 
 
@@ -159,8 +163,8 @@ def read_steps(runs: Path) -> list[dict]:
             cells = re.split(r"\s{2,}", line.strip())
             m = SPEED_RUN.match(cells[0]) if len(cells) >= 6 else None
             if m and re.fullmatch(r"[\d.]+", cells[3] or ""):
-                steps.append({"run": cells[0], "model": m["model"], "overrides": {"layers": int(m["layers"])}
-                              if m["layers"] else {}, "micro_batch": int(m["mb"]), "micro_batches": int(m["m"]),
+                overrides = {"vocab_pad_to": 1, **({"layers": int(m["layers"])} if m["layers"] else {})}
+                steps.append({"run": cells[0], "model": m["model"], "overrides": overrides, "micro_batch": int(m["mb"]), "micro_batches": int(m["m"]),
                               "compiled": bool(m["compiled"]), "step_ms": float(cells[3]),
                               "optimizer_ms": float(cells[4]), "where": str(log.relative_to(runs))})
     return steps
@@ -205,7 +209,7 @@ def predict_compare_mib(row: dict) -> float:
     from ds_pipe_ext.compare.predict import layer_activation_bytes, model_shape, predicted_ranks
     from ds_pipe_ext.layout import Layout
 
-    cfg = load_model(row["model"])
+    cfg = load_model(row["model"], vocab_pad_to=1)  # every compare record ran the unpadded vocabulary
     cc = CompareConfig(row["config"], Layout(dp=1, zero=row["zero"], micro_batch=row["micro_batch"],
                                              micro_batches=row["micro_batches"]))
     acts = layer_activation_bytes(cfg, cc, dtype=row["dtype"], device="cuda")

@@ -54,6 +54,7 @@ from ds_pipe_ext.compare.run import (Comparison, DeepSpeedLauncher, LaunchResult
                                      model_state_error_pct, run_comparison)
 from ds_pipe_ext.layout import Layout  # noqa: E402
 from ds_pipe_ext.models.config import load_model_config  # noqa: E402
+from ds_pipe_ext.models.registry import load_model  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
 from ds_pipe_ext.pipe import schedules as _deepspeed_order  # noqa: E402,F401  (the engine's order, for the simulator)
 from ds_pipe_ext.runner import ROOT, launch  # noqa: E402
@@ -344,7 +345,9 @@ def layer_record(model: str, b: int, seq: int, dtype: str, layer: str, timings_m
     shape, dtype, TF32, compiled or not, its config overrides) and every timing, so no label is parsed."""
     return {"model": model, "b": b, "s": seq, "dtype": dtype, "layer": layer, "ms": statistics.median(timings_ms),
             "timings_ms": list(timings_ms), "tf32": bool(torch.backends.cuda.matmul.allow_tf32), "compiled": False,
-            "overrides": overrides or {}, "torch": torch.__version__, **extra}
+            # the vocabulary's padding always: records before it ran unpadded (gpu_fidelity reads its absence so)
+            "overrides": {"vocab_pad_to": load_model(model).vocab_pad_to, **(overrides or {})},
+            "torch": torch.__version__, **extra}
 
 
 def write_records(out: Path, part: str, records: list[dict]) -> None:

@@ -33,7 +33,7 @@ def _tensor_parallel(tp: int, sp: bool = False):
 def _loss_fn(cfg, impl=None):
     from .layers import loss_fn_for
 
-    return loss_fn_for(_local(impl))
+    return loss_fn_for(_local(impl), cfg)
 
 
 def _family(name: str, config_type: type, load_config, from_hf, specs_module: str, specs_name: str,

@@ -126,6 +126,25 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.t().reshape(-1))
 
 
-def loss_fn_for(impl: LayerImpl) -> Callable:
-    """The loss that matches an implementation's logits (vocab-parallel under TP)."""
-    return impl.loss or lm_loss
+@dataclass(frozen=True)
+class RealVocabLoss:
+    """``lm_loss`` over the first ``vocab_size`` columns of a padded head's logits (``vocab_pad_to``): the
+    padded columns take no part in the softmax and get no gradient, so a padded model trains as the unpadded
+    one (labels never reach them).  Sliced before the fp32 cast, which copies only the real columns."""
+
+    vocab_size: int
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        real = logits[..., : self.vocab_size].float()
+        return F.cross_entropy(real.reshape(-1, self.vocab_size), labels.t().reshape(-1))
+
+
+def loss_fn_for(impl: LayerImpl, cfg=None) -> Callable:
+    """The loss that matches an implementation's logits: Megatron's vocab-parallel cross-entropy under TP
+    (over every column of the rank's shard, padded ones included, as Megatron trains them); at tp 1 over the
+    config's real vocabulary where its head is padded."""
+    if impl.loss is not None:
+        return impl.loss
+    if cfg is not None and getattr(cfg, "padded_vocab", 0) > getattr(cfg, "vocab_size", 0):
+        return RealVocabLoss(cfg.vocab_size)
+    return lm_loss

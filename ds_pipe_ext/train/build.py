@@ -379,8 +379,8 @@ def build(cfg: RunConfig) -> Built:
     elif not cfg.pipelined and cfg.instrument.enabled:
         built.sink, built.recorder = start_data_parallel_instrumentation(built)
     if cfg.options.load:
-        built.start_step = int(checkpoint.load(engine, cfg.options.load, layout=layout, parts=parts,
-                                               experts=experts)["step"])
+        built.start_step = int(checkpoint.load(engine, cfg.options.load, layout=layout, parts=parts, experts=experts,
+                                               vocabulary=checkpoint.vocabulary_of(built.model_cfg))["step"])
     if cfg.zero_stage == 0:  # under ZeRO the gradients are partitioned (and freed) before the inner step
         from ..compat.optimizer import unwrap_optimizer
 

@@ -113,8 +113,17 @@ def read_rng(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def vocabulary_of(model_cfg) -> dict | None:
+    """What a checkpoint's embedding and head rows depend on: the vocabulary and its padding (None for a model
+    that pads nothing: a Hugging Face checkpoint's own rows)."""
+    if not hasattr(model_cfg, "vocab_pad_to"):
+        return None
+    return {"vocab_size": int(model_cfg.vocab_size), "padded_vocab": int(model_cfg.padded_vocab),
+            "vocab_pad_to": int(model_cfg.vocab_pad_to)}
+
+
 def save(engine, save_dir: str | Path, *, step: int, layout: Layout, parts: list[int] | None, keep_last: int,
-         client_state: dict, experts: bool = False) -> Path:
+         client_state: dict, experts: bool = False, vocabulary: dict | None = None) -> Path:
     rank = dist.get_rank()
     tag, root = tag_for(step), Path(save_dir)
     ckpt = root / tag
@@ -130,7 +139,7 @@ def save(engine, save_dir: str | Path, *, step: int, layout: Layout, parts: list
         files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()
                  and p.name != MANIFEST}
         manifest = {"step": step, "tag": tag, "layout": layout.to_dict(), "parts": parts, "experts": experts,
-                    "files": files}
+                    "vocabulary": vocabulary, "files": files}
         _atomic_write(ckpt / MANIFEST, json.dumps(manifest, indent=1))
         _atomic_write(root / LATEST, tag)
         _prune(root, keep_last=keep_last, newest=step)
@@ -181,13 +190,30 @@ def _check_layout(manifest: dict, layout: Layout, parts: list[int] | None, ckpt:
                                   f"{why}; resume with the same {key}")
 
 
-def load(engine, load_dir: str | Path, *, layout: Layout, parts: list[int] | None, experts: bool = False) -> dict:
+def check_vocabulary(manifest: dict, vocabulary: dict | None, ckpt: Path) -> None:
+    """A checkpoint's embedding and head hold ``padded_vocab`` rows: a run that pads the vocabulary otherwise
+    cannot load them.  A manifest from before the record says nothing and is not checked."""
+    saved = manifest.get("vocabulary")
+    if not saved or not vocabulary:
+        return
+    for key in ("vocab_size", "padded_vocab"):
+        if saved[key] != vocabulary[key]:
+            raise CheckpointError(
+                f"{ckpt} was written with {key} = {saved[key]} (vocab_pad_to = {saved['vocab_pad_to']}), this run "
+                f"has {vocabulary[key]} (vocab_pad_to = {vocabulary['vocab_pad_to']}): its embedding and head rows "
+                f"differ; resume with the model config's vocab_pad_to = {saved['vocab_pad_to']}")
+
+
+def load(engine, load_dir: str | Path, *, layout: Layout, parts: list[int] | None, experts: bool = False,
+         vocabulary: dict | None = None) -> dict:
     """Resume from ``latest``: weights, optimizer state, this rank's RNG; returns the client state (``step``).
-    ``experts``: the model has DeepSpeed MoE layers."""
+    ``experts``: the model has DeepSpeed MoE layers; ``vocabulary``: this run's (``vocabulary_of``), refused
+    where the checkpoint's differs."""
     manifest = decide_and_broadcast(lambda: verify(load_dir), what=f"--load {load_dir}")
     ckpt = Path(load_dir) / manifest["tag"]
     decide_and_broadcast(lambda: _check_layout(manifest, layout, parts, ckpt, experts=experts),
                          what=f"--load {load_dir}")
+    decide_and_broadcast(lambda: check_vocabulary(manifest, vocabulary, ckpt), what=f"--load {load_dir}")
     _, client_state = engine.load_checkpoint(str(load_dir), tag=manifest["tag"],
                                              load_module_only=repartitionable(layout, experts=experts))
     if repartitionable(layout, experts=experts):

@@ -105,7 +105,7 @@ class Trainer:
         cfg = self.built.cfg
         checkpoint.save(self.built.engine, cfg.options.save, step=step, layout=self.built.layout, parts=self.built.parts,
                         keep_last=cfg.train.keep_last, client_state={"data_position": step * cfg.grad_accum},
-                        experts=self.built.expert_parallel)
+                        experts=self.built.expert_parallel, vocabulary=checkpoint.vocabulary_of(self.built.model_cfg))
 
     def run(self) -> dict:
         cfg, first = self.built.cfg, self.built.start_step
