@@ -31,6 +31,9 @@ setup(
         # Hugging Face models as pipelines (ds_pipe_ext.hf); the tested range is compat.TRANSFORMERS_TESTED
         "hf": ["transformers>=5.23,<5.30", "safetensors>=0.4"],
         "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "transformers>=5.23,<5.30", "safetensors>=0.4"],
+        # on CUDA, liger-kernel's fused linear cross-entropy for a chunked head + loss (loss_chunk_tokens); pure
+        # Python (its kernels are triton's), carried to a GPU by launch_scripts/gpu_wheels.sh
+        "gpu": ["liger-kernel>=0.5,<1"],
         # apex is not on PyPI: build it from NVIDIA's repository for fused LayerNorm/Adam on GPU.
     },
     entry_points={"console_scripts": ["ds-pipe-ext=ds_pipe_ext.cli:main"]},

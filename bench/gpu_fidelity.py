@@ -100,8 +100,9 @@ def read_records(runs: Path) -> dict[tuple, LayerRecord]:
     (model, dtype, layer).  A key's records must share their config: the first one's is used."""
     found: dict[tuple, LayerRecord] = {}
 
-    # every log, and a records file without the key, ran the unpadded vocabulary (before vocab_pad_to = 128)
-    unpadded = {"vocab_pad_to": 1}
+    # every log, and a records file without the keys, ran the unpadded vocabulary and the plain loss (before
+    # vocab_pad_to = 128 and loss_chunk_tokens = 2048)
+    unpadded = {"vocab_pad_to": 1, "loss_chunk_tokens": 0}
 
     def add(case: str, layer: str, ms: float, where: str, **config) -> None:
         m = CASE.match(case)
@@ -163,7 +164,8 @@ def read_steps(runs: Path) -> list[dict]:
             cells = re.split(r"\s{2,}", line.strip())
             m = SPEED_RUN.match(cells[0]) if len(cells) >= 6 else None
             if m and re.fullmatch(r"[\d.]+", cells[3] or ""):
-                overrides = {"vocab_pad_to": 1, **({"layers": int(m["layers"])} if m["layers"] else {})}
+                overrides = {"vocab_pad_to": 1, "loss_chunk_tokens": 0,
+                             **({"layers": int(m["layers"])} if m["layers"] else {})}
                 steps.append({"run": cells[0], "model": m["model"], "overrides": overrides, "micro_batch": int(m["mb"]), "micro_batches": int(m["m"]),
                               "compiled": bool(m["compiled"]), "step_ms": float(cells[3]),
                               "optimizer_ms": float(cells[4]), "where": str(log.relative_to(runs))})
@@ -209,7 +211,7 @@ def predict_compare_mib(row: dict) -> float:
     from ds_pipe_ext.compare.predict import layer_activation_bytes, model_shape, predicted_ranks
     from ds_pipe_ext.layout import Layout
 
-    cfg = load_model(row["model"], vocab_pad_to=1)  # every compare record ran the unpadded vocabulary
+    cfg = load_model(row["model"], vocab_pad_to=1, loss_chunk_tokens=0)  # as every compare record ran
     cc = CompareConfig(row["config"], Layout(dp=1, zero=row["zero"], micro_batch=row["micro_batch"],
                                              micro_batches=row["micro_batches"]))
     acts = layer_activation_bytes(cfg, cc, dtype=row["dtype"], device="cuda")

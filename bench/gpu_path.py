@@ -346,7 +346,8 @@ def layer_record(model: str, b: int, seq: int, dtype: str, layer: str, timings_m
     return {"model": model, "b": b, "s": seq, "dtype": dtype, "layer": layer, "ms": statistics.median(timings_ms),
             "timings_ms": list(timings_ms), "tf32": bool(torch.backends.cuda.matmul.allow_tf32), "compiled": False,
             # the vocabulary's padding always: records before it ran unpadded (gpu_fidelity reads its absence so)
-            "overrides": {"vocab_pad_to": load_model(model).vocab_pad_to, **(overrides or {})},
+            "overrides": {"vocab_pad_to": load_model(model).vocab_pad_to,
+                          "loss_chunk_tokens": load_model(model).loss_chunk_tokens, **(overrides or {})},
             "torch": torch.__version__, **extra}
 
 

@@ -156,6 +156,7 @@ class ModelDescription:
     tied_head: bool = True
     dropout: bool = False  # dropout layers present (they save masks)
     linear_bias: bool = True  # GPT's linears carry biases; Llama's carry none
+    loss_chunk_tokens: int = 0  # the head + loss in token chunks (models.linear_cross_entropy); 0: plain
 
     def __post_init__(self) -> None:
         for name in ("hidden", "vocab", "seq_len"):

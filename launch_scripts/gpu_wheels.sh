@@ -17,6 +17,10 @@ plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platfo
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 "$pip" download -q --no-deps --only-binary=:all: --python-version "$py" --implementation cp "${plat[@]}" \
   -d "$dest" "${want[@]}"
+# liger-kernel (setup.py's [gpu] extra: the fused linear cross-entropy on CUDA), never in the CPU venv: its
+# newest pure-Python wheel within the extra's range
+"$pip" download -q --no-deps --only-binary=:all: --python-version "$py" --implementation cp "${plat[@]}" \
+  -d "$dest" "liger-kernel>=0.5,<1"
 # DeepSpeed ships a source archive; built with DS_BUILD_OPS=0 it is pure Python (its ops compile on first use)
 DS_BUILD_OPS=0 "$pip" wheel -q --no-deps --no-build-isolation "deepspeed==$(ver deepspeed)" -w "$dest"
 ls -1 "$dest"

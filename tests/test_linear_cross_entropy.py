@@ -62,3 +62,69 @@ def test_clear_errors():
         linear_cross_entropy(hidden, weight, labels, vocab_size=vocab, chunk_tokens=0)
     with pytest.raises(ValueError, match="vocab_size 400 exceeds the head's 320 rows"):
         linear_cross_entropy(hidden, weight, labels, vocab_size=400)
+
+
+def _trained(name: str, chunk: int, *, recompute: bool = False, **overrides):
+    from ds_pipe_ext.models import family_of, load_model
+
+    cfg = load_model(name, vocab_size=500, vocab_pad_to=64, loss_chunk_tokens=chunk, **overrides)
+    family = family_of(cfg)
+    model = family.sequential(family.layer_specs(cfg), family.loss_fn(cfg), base_seed=3, recompute=recompute)
+    x = torch.randint(0, 500, (2, cfg.seq_len), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 500, (2, cfg.seq_len), generator=torch.Generator().manual_seed(2))
+    loss = model(x, y)
+    loss.backward()
+    return loss.item(), [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name, overrides, recompute", [
+    ("tiny", {}, False), ("tiny", {"tie_embeddings": True}, False), ("tiny", {"tie_embeddings": True}, True),
+    ("llama-tiny", {}, False), ("llama-tiny", {"tie_embeddings": True}, True)],
+    ids=["gpt", "gpt-tied", "gpt-tied-recompute", "llama", "llama-tied-recompute"])
+def test_a_model_with_the_chunked_loss_trains_as_with_the_plain_one(name, overrides, recompute):
+    """The head hands the loss its hidden states and an alias of its weight (the embedding's, tied): the same
+    loss and every gradient, the tied matrix's from both its uses, under layer recompute too."""
+    plain_loss, plain_grads = _trained(name, 0, recompute=recompute, **overrides)
+    loss, grads = _trained(name, 16, recompute=recompute, **overrides)
+    assert loss == pytest.approx(plain_loss, abs=1e-5)
+    assert len(grads) == len(plain_grads)
+    for a, b in zip(grads, plain_grads):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_the_profiled_and_the_analytic_chunked_head_hand_the_loss_hidden_states_not_logits():
+    from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs
+    from ds_pipe_ext.costs.hardware import get_device
+    from ds_pipe_ext.costs.layers import layer_names
+    from ds_pipe_ext.costs.profiler import ProfileSettings, profile_layers
+    from ds_pipe_ext.models import family_of, load_model
+
+    costs = {}
+    for chunk in (0, 64):
+        cfg = load_model("tiny", loss_chunk_tokens=chunk, tie_embeddings=True)
+        family = family_of(cfg)
+        specs = family.layer_specs(cfg)
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+        profiled = profile_layers(specs, x, labels=x, loss_fn=family.loss_fn(cfg), names=layer_names(specs),
+                                  settings=ProfileSettings(cache_dir=None, warmup=0, repeats=1, progress=False))
+        analytic = analytic_layer_costs(cfg, EstimateRequest(micro_batch=2, seq=cfg.seq_len, dtype="fp32"),
+                                        get_device("h200"), runs_on="cuda")
+        costs[chunk] = profiled[-1], analytic[-1]
+    tokens, h, v = 2 * cfg.seq_len, cfg.hidden, cfg.vocab_size
+    assert costs[0][0].loss_input_bytes == costs[0][1].loss_input_bytes == tokens * v * 4  # the logits
+    assert costs[64][0].loss_input_bytes == costs[64][1].loss_input_bytes == tokens * h * 4  # hidden states only
+    # analytic, at the sizes of a GPT head: the chunked head's peak at least 3x lower (gpt2-small, 8 x 1,024)
+    req = EstimateRequest(micro_batch=8, seq=1024, dtype="bf16")
+    peaks = [analytic_layer_costs(load_model("gpt2-small", loss_chunk_tokens=c), req, get_device("h200"),
+                                  runs_on="cuda")[-1].peak_bytes for c in (0, 2048)]
+    assert peaks[0] > 3 * peaks[1]
+
+
+def test_the_chunked_loss_setting_is_checked():
+    from ds_pipe_ext.models import load_model
+    from ds_pipe_ext.models.config import ModelConfigError
+
+    with pytest.raises(ModelConfigError, match="loss_chunk_tokens = -1"):
+        load_model("tiny", loss_chunk_tokens=-1)
+    with pytest.raises(ModelConfigError, match="not built for Mixture-of-Experts"):
+        load_model("moe-tiny", loss_chunk_tokens=1024)

@@ -341,6 +341,26 @@ def transformer_block(shp: Shape, *, kv_heads: int | None = None, mlp: str = "ge
     ]
 
 
+def chunked_lm_head(shp: Shape, *, norm: str = "layernorm", chunk_tokens: int) -> list[OpCost]:
+    """The head and its loss in token chunks (``models.linear_cross_entropy``, at tp 1): the same GEMMs, the
+    loss's passes a chunk of fp32 logits at a time, and what the forward keeps for the backward is the two
+    gradients it made (hidden states' tokens x h, the weight's V x h in fp32), not the logits.  The GEMMs are
+    priced as the plain head's, forward and backward, though the chunked head runs its backward ones in its
+    forward: the layer's total is right, its split between the two is not."""
+    head = linear("lm_head", shp.tokens, shp.h, shp.V, shp, bias=False, saved_input_elems=0)
+    chunk = min(chunk_tokens, shp.tokens)
+    logits = shp.tokens * shp.V
+    chunks = -(-shp.tokens // chunk)
+    # a chunk's fp32 logits: the GEMM's output cast (e + 4 + e), log-sum-exp (4), softmax in place (8), the
+    # one-hot's subtraction and the scale (8), the cast back for the gradient GEMMs (4 + e); backward only
+    # scales the two gradients (read and write each)
+    grads = shp.tokens * shp.h * shp.e + shp.V * shp.h * 4
+    xent = OpCost("cross_entropy", "vector", fwd_flops=8.0 * logits, bwd_flops=0.0,
+                  fwd_bytes=(3 * shp.e + 28) * logits, bwd_bytes=2 * grads, activation_bytes=grads,
+                  fwd_allocs=(chunk * shp.V * 4, chunk * shp.V * shp.e), kernels=(10 * chunks, 2))
+    return [{"layernorm": layer_norm, "rmsnorm": rms_norm}[norm]("ln_f", shp), head, xent]
+
+
 def lm_head(shp: Shape, *, norm: str = "layernorm") -> list[OpCost]:
     """Final LayerNorm, the column-parallel vocabulary projection (2*b*s*h*V/t FLOPs), and
     the vocab-parallel cross-entropy, which keeps its softmax (b*s*V/t, fp32 in Megatron)."""

@@ -99,7 +99,10 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
             if block.experts is not None:  # routed experts in place of the MLP (costs/moe_ops.py)
                 built[block] = moe_block(built[block], shaped, block.experts, ep=shp.ep, imbalance=expert_imbalance)
         layers.append(("Block", "block", built[block]))
-    layers.append(("HeadPipe", "head", A.lm_head(shp, norm=desc.norm)))
+    if desc.loss_chunk_tokens and shp.t == 1:
+        layers.append(("HeadPipe", "head", A.chunked_lm_head(shp, norm=desc.norm, chunk_tokens=desc.loss_chunk_tokens)))
+    else:
+        layers.append(("HeadPipe", "head", A.lm_head(shp, norm=desc.norm)))
     return layers
 
 
@@ -159,6 +162,11 @@ def layer_floor_s(ops: list[A.OpCost], device: DeviceSpec, req: EstimateRequest)
             [kern.host_kernel_bwd_s * op.kernels[1] for op in ops])
 
 
+def chunked_head(model, shp: A.Shape) -> bool:
+    """Whether the head hands the loss hidden states, not logits (``loss_chunk_tokens``, at tp 1)."""
+    return bool(as_description(model).loss_chunk_tokens) and shp.t == 1
+
+
 def estimate_layers(model, req: EstimateRequest, device: DeviceSpec, *, runs_on: str | None = None) -> list[dict]:
     """Per layer, its ops costed on ``device``; ``runs_on``: the device the layers run on, where it is not the
     spec's (an "auto" attention's kernel, ``arch.attention_kernel``)."""
@@ -189,7 +197,8 @@ def estimate_layers(model, req: EstimateRequest, device: DeviceSpec, *, runs_on:
             "param_bytes": params * shp.e, "params": params, "expert_params": expert_weight_bytes(ops) / shp.e,
             "tensors": [int(n) for op in ops for n in op.weights],
             "output_bytes": 0 if kind == "head" else shp.replicated_sbh * shp.e,
-            "loss_input_bytes": shp.tokens * -(-shp.V // shp.t) * shp.e if kind == "head" else 0,
+            "loss_input_bytes": (0 if kind != "head" else shp.tokens * shp.h * shp.e if chunked_head(model, shp)
+                                 else shp.tokens * -(-shp.V // shp.t) * shp.e),
             "peak_bytes": layer_peak_bytes(ops, shp.e, selective=req.selective_recompute,
                                            output_bytes=0 if kind == "head" else shp.replicated_sbh * shp.e),
             # selective recompute as a choice per layer: what it keeps, the forward it replays (None: no

@@ -34,7 +34,7 @@ from ..adamw import torch_adamw
 from .cache import ProfileCache, cache_key, library_versions
 from .gpu_timing import Timer, cuda_timer, forward_backward_s
 from .layers import build_for_profiling, describe_layer, layer_names, measured_alone, tied_key
-from .probes import RegionTimer, detach_input, saved_activation_bytes, tensors_of
+from .probes import RegionTimer, detach_input, saved_activation_bytes, storage_key, tensors_of
 from .types import LayerCost, ProfileSettings
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,10 @@ def measure_layer(
         out = call(inp)
         if loss_fn is None:
             return out
-        if not handed_to_loss:
-            handed_to_loss.append(sum(t.numel() * t.element_size() for t in tensors_of(out)))
+        if not handed_to_loss:  # not a chunked head's weight, which the layer holds anyway
+            weights = {storage_key(p) for p in params}
+            handed_to_loss.append(sum(t.numel() * t.element_size() for t in tensors_of(out)
+                                      if storage_key(t) not in weights))
         return loss_fn(out, labels)
 
     grad_out = None

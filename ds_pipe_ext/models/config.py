@@ -40,6 +40,9 @@ class GPTConfig:
     tie_embeddings: bool = False
     layernorm_eps: float = 1e-5
     vocab_pad_to: int = 1  # Megatron's make_vocab_size_divisible_by: embedding/head rows padded to a multiple
+    # the head + loss in chunks of this many tokens (``models.linear_cross_entropy``: the logits never held
+    # whole); 0: the plain head and loss.  At tp 1; under TP Megatron's vocab-parallel loss holds 1/t of them
+    loss_chunk_tokens: int = 0
     # one FFN width per block, for models whose blocks differ (width-pruned models such as Minitron
     # keep a different width in each block); empty: ``ffn`` in every block
     block_ffn_hidden: tuple[int, ...] = ()
@@ -66,6 +69,7 @@ class GPTConfig:
             raise ModelConfigError(f"model config {self.name!r}: tie_embeddings must be true or false")
         if isinstance(self.vocab_pad_to, bool) or not isinstance(self.vocab_pad_to, int) or self.vocab_pad_to < 1:
             raise ModelConfigError(f"model config {self.name!r}: vocab_pad_to must be a positive integer")
+        check_loss_chunk(self)
         widths = self.block_ffn_hidden
         if not isinstance(widths, (list, tuple)) or (widths and (
                 len(widths) != self.layers or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths))):
@@ -173,7 +177,15 @@ def _describe(cfg: GPTConfig) -> ModelDescription:
                             blocks=tuple(Block(Attention(cfg.heads, kernel=ANALYTIC_KERNEL[cfg.attention]),
                                                MLP(w, "gelu")) for w in widths),
                             positions="learned", norm="layernorm", tied_head=cfg.tie_embeddings,
-                            dropout=cfg.dropout > 0)
+                            dropout=cfg.dropout > 0, loss_chunk_tokens=cfg.loss_chunk_tokens)
+
+
+def check_loss_chunk(cfg) -> None:
+    """``loss_chunk_tokens``: 0 (the plain head and loss) or a positive number of tokens a chunk."""
+    v = cfg.loss_chunk_tokens
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ModelConfigError(f"model config {cfg.name!r}: loss_chunk_tokens = {v!r}; use 0 (the plain head and "
+                               f"loss) or a positive number of tokens a chunk")
 
 
 def available_models() -> list[str]:

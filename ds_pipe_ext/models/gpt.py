@@ -18,6 +18,7 @@ probabilities); "auto" runs sdpa on CUDA and eager on a CPU.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -29,7 +30,7 @@ from torch import nn
 
 from ..pipe.sequential import SequentialLayers
 from .config import GPTConfig
-from .layers import INIT_STD, LOCAL, LayerImpl, lm_loss, local_embedding, loss_fn_for  # noqa: F401 (re-exported)
+from .layers import INIT_STD, LOCAL, LayerImpl, head_output, lm_loss, local_embedding, loss_fn_for  # noqa: F401 (re-exported)
 
 class EmbeddingPipe(nn.Module):
     """tokens (b, s) int64 -> hidden states (s, b, h)."""
@@ -41,6 +42,7 @@ class EmbeddingPipe(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.enter_blocks = impl.enter_blocks
         self.tied_head = impl.tied_head
+        self.head_output = functools.partial(head_output, cfg, impl)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -129,9 +131,10 @@ class HeadPipe(nn.Module):
         super().__init__()
         self.ln_f = impl.layer_norm(cfg.hidden, cfg.layernorm_eps)
         self.lm_head = impl.column_linear(cfg.hidden, cfg.padded_vocab, bias=False)
+        self.head_output = functools.partial(head_output, cfg, impl)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))
+    def forward(self, x: torch.Tensor):
+        return self.head_output(self.ln_f(x), self.lm_head.weight, self.lm_head)
 
 
 def tied_lm_head(embedding: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
@@ -140,7 +143,8 @@ def tied_lm_head(embedding: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
     Under TP the matrix is this rank's vocabulary rows, so the product is a
     column-parallel linear: the implementation's ``tied_head`` does it.
     """
-    return embedding.tied_head(x, embedding.word_embeddings.weight)
+    weight = embedding.word_embeddings.weight
+    return embedding.head_output(x, weight, lambda hidden: embedding.tied_head(hidden, weight))
 
 
 def gpt_layer_specs(cfg: GPTConfig, impl: LayerImpl = LOCAL, *, selective_recompute: bool = False) -> list:

@@ -139,12 +139,48 @@ class RealVocabLoss:
         return F.cross_entropy(real.reshape(-1, self.vocab_size), labels.t().reshape(-1))
 
 
+def chunks_loss(cfg, impl: LayerImpl) -> bool:
+    """Whether the head hands the loss its hidden states and weight (``loss_chunk_tokens``, at tp 1) in place
+    of logits."""
+    return bool(getattr(cfg, "loss_chunk_tokens", 0)) and impl.loss is None
+
+
+def head_output(cfg, impl: LayerImpl, hidden: torch.Tensor, weight: torch.Tensor, project: Callable) -> object:
+    """What a head layer returns: its logits (``project(hidden)``), or, where the loss is chunked, the hidden
+    states and an alias of the head's weight (tied or not) for the loss to multiply a chunk at a time.  An
+    alias, not the Parameter: a checkpointed head's outputs are its own, and the gradient reaches the weight
+    through it."""
+    if chunks_loss(cfg, impl):
+        return hidden, weight.view_as(weight)
+    return project(hidden)
+
+
+@dataclass(frozen=True)
+class ChunkedLinearLoss:
+    """The pipeline's loss over a chunked head's (hidden states, weight): ``linear_cross_entropy`` over the real
+    vocabulary, ``chunk_tokens`` tokens at a time."""
+
+    vocab_size: int
+    chunk_tokens: int
+
+    def __call__(self, outputs: tuple, labels: torch.Tensor) -> torch.Tensor:
+        from .linear_cross_entropy import linear_cross_entropy, liger_loss
+
+        hidden, weight = outputs
+        fused = liger_loss() if hidden.is_cuda else None
+        if fused is not None:  # liger-kernel's triton kernels (the [gpu] extra), over the real rows
+            return fused(weight[: self.vocab_size], hidden.reshape(-1, hidden.shape[-1]), labels.t().reshape(-1))
+        return linear_cross_entropy(hidden, weight, labels, vocab_size=self.vocab_size, chunk_tokens=self.chunk_tokens)
+
+
 def loss_fn_for(impl: LayerImpl, cfg=None) -> Callable:
     """The loss that matches an implementation's logits: Megatron's vocab-parallel cross-entropy under TP
     (over every column of the rank's shard, padded ones included, as Megatron trains them); at tp 1 over the
     config's real vocabulary where its head is padded."""
     if impl.loss is not None:
         return impl.loss
+    if cfg is not None and chunks_loss(cfg, impl):
+        return ChunkedLinearLoss(cfg.vocab_size, cfg.loss_chunk_tokens)
     if cfg is not None and getattr(cfg, "padded_vocab", 0) > getattr(cfg, "vocab_size", 0):
         return RealVocabLoss(cfg.vocab_size)
     return lm_loss

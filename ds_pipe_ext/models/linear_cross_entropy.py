@@ -8,11 +8,17 @@ cross-entropy and torchtune's chunked loss do); the backward only scales what th
 past a chunk is the hidden states' gradient (tokens x h) and the weight's (V x h, fp32); a chunk's logits,
 (chunk x V) in fp32, are the transient.
 
+A model sets it with ``loss_chunk_tokens`` (at tp 1): its head layer then hands the loss its hidden states and
+an alias of its weight (``layers.head_output``; tied or not) and ``layers.ChunkedLinearLoss`` runs this, or, on
+CUDA where the ``[gpu]`` extra is installed, liger-kernel's fused kernels.
+
 ``vocab_size`` columns take part (a padded head's extra rows get no gradient, as ``layers.RealVocabLoss``);
 labels of -100 are ignored; the loss is the mean over the others (``F.cross_entropy``'s).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -72,4 +78,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return _ChunkedLinearCrossEntropy.apply(flat, weight, labels.t().reshape(-1), vocab_size, chunk_tokens)
 
 
-__all__ = ["linear_cross_entropy"]
+@functools.lru_cache(maxsize=1)
+def liger_loss():
+    """liger-kernel's fused linear cross-entropy (called as ``(weight, hidden, labels)``, the mean over labels
+    other than -100), where the ``[gpu]`` extra is installed; None otherwise (the chunks above run)."""
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
+
+
+__all__ = ["linear_cross_entropy", "liger_loss"]

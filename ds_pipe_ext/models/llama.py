@@ -22,6 +22,7 @@ Hugging Face checkpoint maps onto it by concatenation.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -32,7 +33,7 @@ from torch import nn
 
 from ..layout import Layout
 from ..pipe.sequential import SequentialLayers
-from .layers import LOCAL, LayerImpl, lm_loss, mark_sections
+from .layers import LOCAL, LayerImpl, head_output, lm_loss, mark_sections
 from .llama_config import LlamaConfig, rotary_inv_freq
 
 
@@ -44,6 +45,7 @@ class LlamaEmbedding(nn.Module):
         self.embed_tokens = impl.embedding(cfg.padded_vocab, cfg.hidden)
         self.enter_blocks = impl.enter_blocks
         self.tied_head = impl.tied_head
+        self.head_output = functools.partial(head_output, cfg, impl)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.enter_blocks(self.embed_tokens(tokens).transpose(0, 1).contiguous())
@@ -199,14 +201,16 @@ class LlamaHead(nn.Module):
         super().__init__()
         self.norm = impl.rms_norm(cfg.hidden, cfg.rms_norm_eps)
         self.lm_head = impl.column_linear(cfg.hidden, cfg.padded_vocab, bias=False)
+        self.head_output = functools.partial(head_output, cfg, impl)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x))
+    def forward(self, x: torch.Tensor):
+        return self.head_output(self.norm(x), self.lm_head.weight, self.lm_head)
 
 
 def tied_lm_head(embedding: LlamaEmbedding, x: torch.Tensor) -> torch.Tensor:
     """The LM head that reuses the input embedding matrix (``TiedLayerSpec`` forward_fn)."""
-    return embedding.tied_head(x, embedding.embed_tokens.weight)
+    weight = embedding.embed_tokens.weight
+    return embedding.head_output(x, weight, lambda hidden: embedding.tied_head(hidden, weight))
 
 
 def llama_layer_specs(cfg: LlamaConfig, impl: LayerImpl = LOCAL, *, selective_recompute: bool = False) -> list:

@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..arch import MLP, Attention, Block, ModelDescription
-from .config import ModelConfigError, config_from_dict, load_family_config
+from .config import ModelConfigError, check_loss_chunk, config_from_dict, load_family_config
 
 ROPE_SCALINGS = ("default", "llama3")
 
@@ -63,6 +63,7 @@ class LlamaConfig:
     qkv_bias: bool = False  # Qwen2's q/k/v projections carry biases
     sliding_window: int = 0  # 0: none; else every layer attends to at most this many past positions
     vocab_pad_to: int = 1
+    loss_chunk_tokens: int = 0  # as GPTConfig's: the head + loss in token chunks; 0: the plain ones
     # one head's width (Megatron's --kv-channels, HF's head_dim); 0: hidden / heads.  Qwen3's heads are
     # wider: 32 heads of 128 on hidden 2,048 (Qwen3-30B-A3B)
     kv_channels: int = 0
@@ -74,6 +75,7 @@ class LlamaConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ModelConfigError(f"{where}: {f} = {v!r}; it must be a positive integer")
+        check_loss_chunk(self)
         kc = self.kv_channels
         if isinstance(kc, bool) or not isinstance(kc, int) or kc < 0:
             raise ModelConfigError(f"{where}: kv_channels = {kc!r}; 0 (hidden / heads) or a head's width")
@@ -155,7 +157,8 @@ def _describe(cfg: LlamaConfig) -> ModelDescription:
     block = Block(attention_of(cfg), MLP(cfg.ffn, "swiglu"))
     return ModelDescription(name=cfg.name, hidden=cfg.hidden, vocab=cfg.padded_vocab, seq_len=cfg.seq_len,
                             blocks=(block,) * cfg.layers, positions="rotary", norm="rmsnorm",
-                            tied_head=cfg.tie_embeddings, dropout=False, linear_bias=False)
+                            tied_head=cfg.tie_embeddings, dropout=False, linear_bias=False,
+                            loss_chunk_tokens=cfg.loss_chunk_tokens)
 
 
 def attention_of(cfg: LlamaConfig) -> Attention:

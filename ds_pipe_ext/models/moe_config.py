@@ -38,6 +38,9 @@ class MoEConfig(LlamaConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.loss_chunk_tokens:
+            raise ModelConfigError(f"model config {self.name!r}: loss_chunk_tokens = {self.loss_chunk_tokens} is not "
+                                   f"built for Mixture-of-Experts models (their loss adds the router's); use 0")
         where = f"model config {self.name!r}"
         for f in ("experts", "top_k"):
             v = getattr(self, f)
