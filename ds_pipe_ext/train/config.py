@@ -58,6 +58,10 @@ class TrainSection(ConfigModel):
     # ran a GPT-2 medium fp32 block at 46 TFLOP/s there, against 494 TF32 on its datasheet): the datasheet
     # specs price fp32 GEMMs at TF32, and MFU takes the fp32 peak by this setting.  No effect on a CPU or in bf16
     tf32: bool = True
+    # profile this step (1-based; 0: none) under torch.profiler and write its summary (top kernels, the device's
+    # idle time, host syncs, the optimizer step: ``instrument.step_profile``) to step_profile.json in the
+    # working directory (rank 0's).  Uninstrumented: no sync is added around the phases
+    profile_step: int = Field(0, ge=0)
 
 
 class TensorParallelSection(ConfigModel):

@@ -45,7 +45,7 @@ def data_parallel_step(built: Built) -> float:
             loss = engine(inputs.to(device), labels.to(device))
         with rec.phase("backward"):
             engine.backward(loss)
-        with rec.phase("optimizer_step"):
+        with rec.phase("optimizer_step"), torch.profiler.record_function("ds_pipe_ext.optimizer_step"):
             engine.step()  # steps the optimizer at the last micro-batch only
         losses.append(loss.detach())
     mean = float(torch.stack(losses).mean())  # what the pipeline engine reports: the mean over micro-batches
@@ -107,13 +107,33 @@ class Trainer:
                         keep_last=cfg.train.keep_last, client_state={"data_position": step * cfg.grad_accum},
                         experts=self.built.expert_parallel, vocabulary=checkpoint.vocabulary_of(self.built.model_cfg))
 
+    def _profiled_step(self, step: int) -> float:
+        """One step under torch.profiler; rank 0 writes its summary (``instrument.step_profile``)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        from ..instrument.step_profile import write_summary
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.built.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            loss = self.step_fn(self.built)
+            if self.built.device.type == "cuda":
+                torch.cuda.synchronize(self.built.device)
+        if self.built.rank == 0:
+            path = write_summary(prof, "step_profile.json", step=step, model=self.built.model_cfg.name,
+                                 device=str(self.built.device))
+            print(f"ds_pipe_ext: step {step} profiled: {path.resolve()}", flush=True)
+        return loss
+
     def run(self) -> dict:
         cfg, first = self.built.cfg, self.built.start_step
         log, last = self._logger(cfg.train.steps), first + cfg.train.steps
         interval = cfg.train.save_interval
         for step in range(first + 1, last + 1):
             t0 = time.perf_counter()
-            loss = self.step_fn(self.built)
+            if step == cfg.train.profile_step:
+                loss = self._profiled_step(step)
+            else:
+                loss = self.step_fn(self.built)
             self.step_times.append(time.perf_counter() - t0)
             self.losses.append(loss)
             if step == first + 1 and cfg.train.compile and self.built.rank == 0:
@@ -152,7 +172,9 @@ def summarize(built: Built, losses: list[float], step_times: list[float]) -> dic
     cfg, layout = built.cfg, built.layout
     # step 1 pays for warm-up; a step whose allocations were traced (instrument.peak_step) for profiling
     traced = cfg.instrument.peak_step if cfg.instrument.enabled else 0
-    timed = [t for n, t in enumerate(step_times, start=1) if n != traced]  # the recorders count this run's steps
+    # the recorders count this run's steps; a profiled step (train.profile_step) counts from the run's start
+    profiled = cfg.train.profile_step - built.start_step
+    timed = [t for n, t in enumerate(step_times, start=1) if n not in (traced, profiled)]
     timed = (timed[1:] if len(timed) > 1 else timed) or [float("nan")]
     global_batch = cfg.micro_batch * cfg.grad_accum * layout.dp
     pipelined = cfg.pipelined
