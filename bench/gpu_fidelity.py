@@ -157,9 +157,20 @@ SPEED_RUN = re.compile(r"^(?P<model>[\w.\-]+?)(?:-layers(?P<layers>\d+))?-z1-mb(
 
 
 def read_steps(runs: Path) -> list[dict]:
-    """The `speed` part's rows: step and optimizer ms as measured (instrumented: a sync around each phase)."""
+    """The `speed` part's rows: step and optimizer ms as measured; the logs' rows ran instrumented (a sync around
+    each phase), the records' (``speed-records.json``) uninstrumented, their optimizer from the profiled step."""
     steps = []
+    for path in sorted(runs.rglob("speed-records.json")):  # bench/gpu_path.py's since the step profile
+        for r in json.loads(path.read_text())["steps"]:
+            if r.get("status") == "ok" and r.get("step_ms") and not r.get("pipeline"):
+                steps.append({"run": r["run"], "model": r["model"], "overrides": r["overrides"],
+                              "micro_batch": r["micro_batch"], "micro_batches": r["micro_batches"],
+                              "compiled": r["compiled"], "step_ms": r["step_ms"],
+                              "optimizer_ms": r.get("optimizer_ms") or float("nan"),
+                              "device": r.get("device_spec") or "h200", "where": str(path.relative_to(runs))})
     for log in sorted(runs.rglob("speed*.log")):
+        if (log.parent / "gpu-path" / "speed-records.json").is_file() or (log.parent / "speed-records.json").is_file():
+            continue  # the same part's records, with their config, were read above
         for line in log.read_text().splitlines():
             cells = re.split(r"\s{2,}", line.strip())
             m = SPEED_RUN.match(cells[0]) if len(cells) >= 6 else None
@@ -261,7 +272,7 @@ def main(argv=None) -> int:
               f"{'run':38s} {'measured ms':>11s} {'optimizer ms':>12s} {'predicted ms':>12s} {'err %':>6s} "
               f"{'predicted MFU':>13s}")
         for run in steps:
-            pred, mfu = predict_step_ms(run)
+            pred, mfu = predict_step_ms(run, run.get("device", "h200"))
             err = 100.0 * (pred / run["step_ms"] - 1.0)
             step_errs.append(abs(err))
             out.append({**run, "predicted_step_ms": pred, "predicted_mfu": mfu, "error_pct": err})

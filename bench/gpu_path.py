@@ -14,7 +14,13 @@ Each part is real launches through ``ds_pipe_ext.runner.launch`` (a line per lau
   layers   per-layer times and bytes of GPT blocks, profiled against the analytic model on the spec of the
            device it runs on (``h100``/``h200``/``a100`` by name); no launch
   speed    train.py data parallel ZeRO-1 bf16: gpt3-1.3b (4 x 4, seq 2048), a 4-block Llama-3-8B (1 x 4, seq 8192),
-           gpt2-medium (8 x 4), each without and with ``train.compile``: samples/s, MFU, the optimizer's share
+           gpt2-medium (8 x 4), each without and with ``train.compile``, uninstrumented: samples/s, MFU; the last
+           step profiled (``train.profile_step``): the optimizer step's time and share, the device's idle time,
+           the top kernels, the host syncs; speed-records.json
+  pipe     the same models, eager, through DeepSpeed's pipeline engine with one stage: against speed's rows
+  backends which SDPA backend each family's attention runs (GPT; Llama with grouped-query heads; Mistral's
+           sliding window) beside the cost model's selector, and the chunked head + loss (liger-kernel's where
+           installed) against the plain one in bf16; no launch
   costs    gpt2-medium and llama3-8b in bf16, per distinct layer: the profile against an independent loop timing
            and against a second profile, the analytic model on the measured ``cuda`` spec, saved bytes and the
            layer's peak; the simulated step of ``profiled`` against ``uniform`` and ``parameters`` at 4 and 8 stages
@@ -59,7 +65,7 @@ from ds_pipe_ext.partition.report import render_table  # noqa: E402
 from ds_pipe_ext.pipe import schedules as _deepspeed_order  # noqa: E402,F401  (the engine's order, for the simulator)
 from ds_pipe_ext.runner import ROOT, launch  # noqa: E402
 
-PARTS = ("train", "compare", "offload", "hf", "oom", "layers", "costs", "speed")
+PARTS = ("train", "compare", "offload", "hf", "oom", "layers", "costs", "speed", "pipe", "backends")
 MiB = 2**20
 OOM_EXIT_LIMIT_S = 60
 
@@ -440,36 +446,202 @@ def model_file(out: Path, name: str, overrides: dict) -> str:
     return str(path)
 
 
-def speed_part(t: Target, out: Path) -> list[Run]:
-    """train.py's data-parallel ZeRO-1 steps in bf16 on one GPU, without and with train.compile: samples/s,
-    MFU and the optimizer's share of the step (from the run's instrumentation).  CPU ranks: fp32, no compile
-    (inductor's C++ builds cost minutes there)."""
-    runs, table = [], []
-    for name, overrides, micro_batch, micro_batches in SPEED_CASES[t.cuda]:
+def speed_config(t: Target, model: str, micro_batch: int, micro_batches: int, *, compiled: bool,
+                 pipeline: bool = False) -> dict:
+    """A speed run's ds.json: ZeRO-1 on one device, uninstrumented, its last step profiled
+    (``train.profile_step``); ``pipeline``: DeepSpeed's pipeline engine with one stage in place of data
+    parallelism."""
+    ds = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": micro_batches,
+          "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
+          "train": {"model": model, "steps": t.steps, "seed": 1234, "log": "json", "compile": compiled,
+                    "profile_step": t.steps}}
+    if pipeline:
+        ds["pipeline"] = {"stages": 1, "partition_method": "parameters"}
+    if t.cuda:
+        ds["bf16"] = {"enabled": True}
+    return ds
+
+
+def speed_record(run: Run, *, model: str, overrides: dict, micro_batch: int, micro_batches: int, compiled: bool,
+                 pipeline: bool) -> dict:
+    """A speed run as bench/gpu_fidelity.py reads it back: its config, step, MFU and the profiled step."""
+    metrics = run.extra.get("metrics") or {}
+    profile_path = Path(run.extra["work"]) / "step_profile.json"
+    profile = json.loads(profile_path.read_text()) if profile_path.is_file() else {}
+    optimizer = (profile.get("phases") or {}).get("optimizer_step", {}).get("ms")
+    cfg = load_model(model)
+    return {"run": run.name, "status": run.status, "model": cfg.name, "overrides": {
+                "vocab_pad_to": cfg.vocab_pad_to, "loss_chunk_tokens": cfg.loss_chunk_tokens, **overrides},
+            "micro_batch": micro_batch, "micro_batches": micro_batches, "compiled": compiled, "pipeline": pipeline,
+            "instrumented": False, "step_ms": 1e3 * metrics["step_s_median"] if "step_s_median" in metrics else None,
+            "step_ms_each": [1e3 * x for x in metrics.get("step_s_each", [])],
+            "samples_per_s": metrics.get("samples_per_s"), "mfu": metrics.get("mfu"),
+            "optimizer_ms": optimizer, "profile": profile, "torch": torch.__version__, "device_spec": device_spec()}
+
+
+def device_spec() -> str | None:
+    """The datasheet spec of this GPU (``costs.hardware.datasheet_name``), None on a CPU."""
+    if not torch.cuda.is_available():
+        return None
+    from ds_pipe_ext.costs.hardware import datasheet_name
+
+    return datasheet_name(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)
+
+
+def speed_runs(part: str, t: Target, out: Path, *, pipeline: bool) -> tuple[list[Run], list[dict]]:
+    runs, records = [], []
+    # on CPU ranks the pipeline rows keep to the first case: the dry run checks the path, not the speed
+    cases = SPEED_CASES[t.cuda][:1] if pipeline and not t.cuda else SPEED_CASES[t.cuda]
+    for name, overrides, micro_batch, micro_batches in cases:
         model = model_file(out, name, overrides)
-        for compiled in ((False, True) if t.cuda else (False,)):
-            ds = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": micro_batches,
-                  "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
-                  "train": {"model": model, "steps": t.steps, "seed": 1234, "log": "json", "compile": compiled}}
-            if t.cuda:
-                ds["bf16"] = {"enabled": True}
+        for compiled in ((False, True) if t.cuda and not pipeline else (False,)):
             label = f"{name}{'-' + '-'.join(f'{k}{v}' for k, v in overrides.items()) if overrides else ''}" \
-                    f"-z1-mb{micro_batch}x{micro_batches}{'-compiled' if compiled else ''}"
-            run = launch_train("speed", label, ds, out, t, instrument=True)
-            metrics = run.extra.get("metrics") or {}
+                    f"-{'pp1' if pipeline else 'z1'}-mb{micro_batch}x{micro_batches}{'-compiled' if compiled else ''}"
+            ds = speed_config(t, model, micro_batch, micro_batches, compiled=compiled, pipeline=pipeline)
+            run = launch_train(part, label, ds, out, t)
+            record = speed_record(run, model=model, overrides=overrides, micro_batch=micro_batch,
+                                  micro_batches=micro_batches, compiled=compiled, pipeline=pipeline)
             if run.status == "ok":
-                (rank,) = json.loads((Path(run.extra["work"]) / "run" / "summary.json").read_text())["ranks"]
-                share = rank["optimizer_step_ms_mean"] / rank["step_ms_median"]
-                run.extra.update(mfu=metrics.get("mfu"), optimizer_share=share)
-                table.append([label, f"{metrics['samples_per_s']:.2f}",
-                              "-" if metrics.get("mfu") is None else f"{100 * metrics['mfu']:.1f}%",
-                              f"{1e3 * metrics['step_s_median']:.1f}", f"{rank['optimizer_step_ms_mean']:.1f}",
-                              f"{100 * share:.1f}%", metrics.get("mfu_peak", "")])
+                step = record["step_ms"]
+                run.extra.update(mfu=record["mfu"], optimizer_share=(record["optimizer_ms"] or 0.0) / step)
             runs.append(run)
-    print("\ntrain.py, data parallel ZeRO-1 on one device: throughput, MFU and the optimizer's share")
-    print("\n".join(render_table(["run", "samples/s", "MFU", "step ms", "optimizer step ms", "optimizer share",
-                                  "MFU against"], table)), flush=True)
+            records.append(record)
+    (out / f"{part}-records.json").write_text(json.dumps({"steps": records}, indent=1))
+    return runs, records
+
+
+def _speed_table(records: list[dict], title: str) -> None:
+    def cell(r, key, fmt):
+        return fmt.format(r[key]) if r.get(key) is not None else "-"
+
+    rows = [[r["run"], cell(r, "samples_per_s", "{:.2f}"),
+             f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-", cell(r, "step_ms", "{:.1f}"),
+             cell(r, "optimizer_ms", "{:.1f}"),
+             f"{100 * r['optimizer_ms'] / r['step_ms']:.1f}%" if r.get("optimizer_ms") and r.get("step_ms") else "-",
+             f"{100 * r['profile']['device_idle_ms'] / r['profile']['wall_ms']:.0f}%"
+             if (r.get("profile") or {}).get("wall_ms") else "-"] for r in records]
+    print(f"\n{title}")
+    print("\n".join(render_table(["run", "samples/s", "MFU", "step ms", "optimizer step ms (profiled)",
+                                  "optimizer share", "device idle (profiled step)"], rows)), flush=True)
+    for r in records:  # where the optimizer's time goes: the profiled step's top kernels and syncs
+        prof = r.get("profile") or {}
+        if prof.get("top_kernels"):
+            top = ", ".join(f"{k['name'][:48]} {k['ms']:.1f} ms x{k['calls']}" for k in prof["top_kernels"][:4])
+            syncs = sum(v["calls"] for v in (prof.get("syncs") or {}).values())
+            print(f"  {r['run']}: {top}; {syncs} syncs", flush=True)
+
+
+def speed_part(t: Target, out: Path) -> list[Run]:
+    """train.py's data-parallel ZeRO-1 steps in bf16 on one GPU, without and with train.compile, uninstrumented:
+    samples/s, MFU, and the last step profiled (``train.profile_step``: the optimizer step's time, the device's
+    idle time, the top kernels and the host syncs, summarized on the device).  CPU ranks: fp32, no compile
+    (inductor's C++ builds cost minutes there)."""
+    runs, records = speed_runs("speed", t, out, pipeline=False)
+    _speed_table(records, "train.py, data parallel ZeRO-1 on one device, uninstrumented (the last step profiled)")
     return runs
+
+
+def pipe_part(t: Target, out: Path) -> list[Run]:
+    """The speed part's models, eager, through DeepSpeed's pipeline engine with one stage (ZeRO-1, bf16 on a
+    GPU): its samples/s against the speed part's data-parallel row where that ran in the same OUT."""
+    runs, records = speed_runs("pipe", t, out, pipeline=True)
+    _speed_table(records, "train.py, DeepSpeed's pipeline engine with one stage, uninstrumented")
+    dp_path = out / "speed-records.json"
+    if dp_path.is_file():
+        dp = {(r["model"], r["micro_batch"], r["micro_batches"]): r for r in json.loads(dp_path.read_text())["steps"]
+              if not r["compiled"] and r.get("samples_per_s")}
+        for r in records:
+            other = dp.get((r["model"], r["micro_batch"], r["micro_batches"]))
+            if other and r.get("samples_per_s"):
+                ratio = r["samples_per_s"] / other["samples_per_s"]
+                print(f"  {r['run']}: {ratio:.3f}x the data-parallel row's samples/s", flush=True)
+                for run in runs:
+                    if run.name == r["run"]:
+                        run.extra["pipeline_vs_dp"] = ratio
+    return runs
+
+
+# (model, its overrides, micro-batch, sequence) of the backends part: GPT, Llama with grouped-query heads, a
+# sliding window (Mistral's); one block each
+BACKEND_CASES = {True: [("gpt2-medium", {}, 8, 1024), ("llama3-8b", {"layers": 1}, 1, 4096),
+                        ("mistral-7b", {"layers": 1}, 1, 4096)],
+                 False: [("tiny-tied", {}, 2, 32), ("llama-tiny", {}, 2, 32), ("llama-tiny", {"sliding_window": 16}, 2, 32)]}
+# the aten op each SDPA backend dispatches to (host events: the same names on every device), most specific first
+SDPA_OPS = (("_scaled_dot_product_flash_attention_for_cpu", "cpu"), ("_scaled_dot_product_cudnn_attention", "cudnn"),
+            ("_scaled_dot_product_flash_attention", "flash"), ("_scaled_dot_product_efficient_attention", "efficient"),
+            ("_scaled_dot_product_attention_math", "math"), ("_scaled_dot_product_fused_attention_overrideable", "other"))
+
+
+def attention_backend_run(names: set[str]) -> str:
+    """Which backend a block's attention ran, from the op names of its profiled forward and backward: an SDPA
+    backend's op, else "eager" (the core written out)."""
+    for op, backend in SDPA_OPS:
+        if any(op in n for n in names):
+            return backend
+    return "eager"
+
+
+def backends_part(t: Target, out: Path) -> dict:
+    """What runs where the cost model has to choose: each family's attention backend, as a block's forward and
+    backward under torch.profiler shows it, beside what ``arch.attention_backend`` (the cost model's selector)
+    says; and the chunked head + loss (``models.linear_cross_entropy``, liger-kernel's where installed) against
+    the plain one, in the run's precision.  No launch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ds_pipe_ext.arch import attention_backend, as_description
+    from ds_pipe_ext.costs.layers import build_for_profiling
+    from ds_pipe_ext.models import family_of, load_model
+    from ds_pipe_ext.models.layers import RealVocabLoss
+    from ds_pipe_ext.models.linear_cross_entropy import linear_cross_entropy, liger_loss
+
+    device = torch.device("cuda" if t.cuda else "cpu")
+    dtype = torch.bfloat16 if t.cuda else torch.float32
+    records, rows, agree = [], [], 0
+    for name, overrides, b, seq in BACKEND_CASES[t.cuda]:
+        cfg = load_model(name, **overrides)
+        block, call = build_for_profiling(family_of(cfg).layer_specs(cfg)[1])
+        block.to(device=device, dtype=dtype)
+        x = torch.randn(seq, b, cfg.hidden, device=device, dtype=dtype, requires_grad=True)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if t.cuda else [])
+        call(x).float().sum().backward()  # warm-up: lazy initialisation, the backends' first calls
+        with profile(activities=activities) as prof:
+            call(x).float().sum().backward()
+            if t.cuda:
+                torch.cuda.synchronize()
+        ran = attention_backend_run({e.key for e in prof.key_averages()})
+        att = as_description(cfg).blocks[0].attention
+        head_dim = att.head_dim or cfg.hidden // att.heads
+        predicted = attention_backend(att.kernel, device.type, dtype="bf16" if t.cuda else "fp32", head_dim=head_dim,
+                                      gqa=att.kv_heads != att.heads, masked=bool(getattr(cfg, "sliding_window", 0)))
+        agree += ran == predicted
+        label = f"{name}{'-' + '-'.join(f'{k}{v}' for k, v in overrides.items()) if overrides else ''}"
+        records.append({"case": label, "b": b, "s": seq, "dtype": str(dtype).removeprefix("torch."), "ran": ran,
+                        "selector": predicted})
+        rows.append([label, f"b{b} s{seq}", ran, predicted, "yes" if ran == predicted else "NO"])
+    print("\nattention backend per family, as it ran (torch.profiler) and as the cost model's selector says")
+    print("\n".join(render_table(["case", "shape", "ran", "selector", "agree"], rows)), flush=True)
+
+    # the loss: plain (fp32 logits), chunked, liger's where installed; a GPT head's shape at 8 x 1,024 on a GPU
+    tokens, hidden, vocab, padded = (8192, 1024, 50257, 50304) if t.cuda else (64, 64, 500, 512)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h = torch.randn(tokens, 1, hidden, generator=g).to(device=device, dtype=dtype)
+    w = (0.02 * torch.randn(padded, hidden, generator=g)).to(device=device, dtype=dtype)
+    labels = torch.randint(0, vocab, (1, tokens), generator=g).to(device)
+    plain = RealVocabLoss(vocab)(torch.nn.functional.linear(h, w), labels).item()
+    chunked = linear_cross_entropy(h, w, labels, vocab_size=vocab, chunk_tokens=2048).item()
+    fused = liger_loss() if t.cuda else None
+    liger = fused(w[:vocab], h.reshape(-1, hidden), labels.t().reshape(-1)).item() if fused is not None else None
+    loss = {"plain": plain, "chunked": chunked, "liger": liger, "chunked_rel_err": abs(chunked / plain - 1),
+            "liger_rel_err": abs(liger / plain - 1) if liger is not None else None}
+    fused_note = "not installed" if liger is None else f"{liger:.5f} (rel. {loss['liger_rel_err']:.2e})"
+    print(f"\nhead + loss, {tokens} tokens x {vocab} words ({str(dtype).removeprefix('torch.')}): plain {plain:.5f}, "
+          f"chunked {chunked:.5f} (rel. {loss['chunked_rel_err']:.2e}), liger {fused_note}", flush=True)
+    (out / "backends-records.json").write_text(json.dumps({"attention": records, "loss": loss}, indent=1))
+    result = {"attention_backends_agree": f"{agree}/{len(records)}",
+              "chunked_loss_rel_err": f"{loss['chunked_rel_err']:.1e}"}
+    if loss["liger_rel_err"] is not None:
+        result["liger_loss_rel_err"] = f"{loss['liger_rel_err']:.1e}"
+    return result
 
 
 # (model, micro-batch, sequence) of the costs part: a GPT and a Llama in bf16 on a GPU; their tiny stand-ins on CPU
@@ -628,13 +800,15 @@ def main(argv=None) -> int:
     print(f"device: {device}, torch {torch.__version__}, parts: {', '.join(parts)}", flush=True)
     runs, result = [], {}
     handlers = {"train": train_part, "compare": compare_part, "offload": offload_part, "hf": hf_part, "oom": oom_part,
-                "speed": speed_part}
+                "speed": speed_part, "pipe": pipe_part}
     for part in parts:
         t0 = time.perf_counter()
         if part == "layers":
             result |= layers_part(t, out)
         elif part == "costs":
             result |= costs_part(t, out)
+        elif part == "backends":
+            result |= backends_part(t, out)
         else:
             runs += handlers[part](t, out)
         print(f"{part}: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -653,6 +827,9 @@ def main(argv=None) -> int:
     rows = [r.extra["row"] for r in runs if "row" in r.extra and r.part in ("compare", "offload")]
     if rows:
         result["zero_states_worst_error_pct"] = round(model_state_error_pct(rows), 3)
+    pipes = [r.extra["pipeline_vs_dp"] for r in runs if "pipeline_vs_dp" in r.extra]
+    if pipes:
+        result["pipeline_vs_dp_min"] = round(min(pipes), 3)
     speeds = {r.name: r.extra for r in runs if r.part == "speed" and "optimizer_share" in r.extra}
     for key, prefix in (("gpt3-1.3b-z1-mb4x4", "gpt3_1.3b"), ("llama3-8b-layers4-z1-mb1x4", "llama3_8b_4blocks")):
         best = [e["mfu"] for name, e in speeds.items() if name.startswith(key) and e.get("mfu") is not None]

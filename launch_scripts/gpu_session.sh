@@ -6,7 +6,11 @@
 #                                              bytes, not time), then oom, costs and layers alone: ~6.5 min on an H200
 #   bash launch_scripts/gpu_session.sh kernels install; bench/gpu_kernels.py (~2 minutes): the GPU's kernel table
 #                                              into ds_pipe_ext/costs/kernels/ and OUT/kernels/
-#   bash launch_scripts/gpu_session.sh two     install; speed alone: about 6 minutes
+#   bash launch_scripts/gpu_session.sh two     install; backends (which attention kernel each family runs, the
+#                                              chunked loss's bf16 parity; no launch), then speed (uninstrumented,
+#                                              each run's last step profiled): about 7 minutes
+#   bash launch_scripts/gpu_session.sh three   install; pipe: the speed models through DeepSpeed's pipeline engine
+#                                              with one stage, against speed's rows in the same OUT: ~4 minutes
 #   bash launch_scripts/gpu_session.sh rest    install; train and compare together, then oom, hf and layers: the
 #                                              parts a first session left unmeasured, about 8 minutes
 #   bash launch_scripts/gpu_session.sh PART..  install; those parts one after another
@@ -24,7 +28,7 @@ mkdir -p "$OUT/gpu-path"
 # seconds each part may take: measured on an H200 (2026-11-27) with room; a gpt3-1.3b launch needs ~55 s to
 # its first step, so oom's launch needs more than a minute before its out-of-memory error
 declare -A LIMIT=([train]=200 [compare]=200 [oom]=200 [costs]=200 [speed]=420 [layers]=150 [hf]=120 [offload]=300
-                  [kernels]=180)
+                  [kernels]=180 [pipe]=300 [backends]=120)
 kernels() {  # the GPU's kernel table, kept in the package (the cost model reads it) and handed back
   elapsed "start kernels (limit ${LIMIT[kernels]} s)"
   timeout -k 10 "${LIMIT[kernels]}" python3 bench/gpu_kernels.py > "$OUT/kernels.log" 2>&1
@@ -47,7 +51,8 @@ part() {
 }
 case ${1:-one} in
   one) has_table || kernels; part train & part compare & wait; part oom; part costs; part layers ;;
-  two) part speed ;;
+  two) part backends; part speed ;;
+  three) part pipe ;;
   rest) part train & part compare & wait; part oom; part hf; part layers ;;
   *) for p in "$@"; do part "$p"; done ;;
 esac

@@ -32,14 +32,19 @@ def test_the_gpu_check_runs_its_whole_plan_on_cpu_ranks(tmp_path):
         ("train", "ds.json-1-rank"), ("train", "tiny-tied-bf16-pp1-z0"), ("train", "tiny-tied-bf16-pp1-z1"),
         ("train", "report tiny-tied-bf16-pp1-z1"), ("compare", "zero0"), ("compare", "zero1"), ("compare", "zero2"),
         ("compare", "zero3"), ("hf", "llama-2-layers-pp1"), ("oom", "zero0-mb2"),
-        ("speed", "tiny-tied-z1-mb2x2"), ("speed", "llama-tiny-layers4-z1-mb2x2")]
+        ("speed", "tiny-tied-z1-mb2x2"), ("speed", "llama-tiny-layers4-z1-mb2x2"), ("pipe", "tiny-tied-pp1-mb2x2")]
     assert result["launches_ok"] == f"{len(runs)}/{len(runs)}" and result["device"] == "cpu-dry-run"
     assert result["oom_row"] == "oom" and float(result["oom_exit_s"]) < 60
     assert "every process gone" in proc.stdout and "after the error" in proc.stdout  # timed from the rank's stop
     # a tied model's states (ZeRO-0..3 data parallel; a 1-stage pipeline holding both ends) exact against the rule
     assert result["zero_states_worst_error_pct"] == "0.0" and result["pipeline_states_worst_error_pct"] == "0.0"
     assert float(result["activation_bytes_worst_error_pct"]) < 2  # the layer part ran, on the cpu spec
-    assert 0 < float(result["optimizer_share_max"]) < 1  # the speed part read the optimizer's share of a step
+    assert 0 < float(result["optimizer_share_max"]) < 1  # the speed part read the optimizer's profiled step
+    profile = json.loads((tmp_path / "speed-records.json").read_text())["steps"][0]["profile"]
+    assert profile["phases"]["optimizer_step"]["calls"] == 2 and profile["top_host_ops"]
+    assert float(result["pipeline_vs_dp_min"]) > 0  # the pipe part set its row beside speed's
+    # the backends part: each family's attention as the selector says; the chunked loss as the plain one
+    assert result["attention_backends_agree"] == "3/3" and float(result["chunked_loss_rel_err"]) < 1e-5
     # the costs part: profiled is the shortest simulated step of the three methods, at every depth
     assert float(result["profiled_vs_uniform_min"]) >= 1.0 and float(result["profiled_vs_parameters_min"]) >= 1.0
     assert (tmp_path / "train" / "tiny-tied-bf16-pp1-z1" / "run" / "report.png").stat().st_size > 0
