@@ -167,7 +167,9 @@ def read_steps(runs: Path) -> list[dict]:
                               "micro_batch": r["micro_batch"], "micro_batches": r["micro_batches"],
                               "compiled": r["compiled"], "step_ms": r["step_ms"],
                               "optimizer_ms": r.get("optimizer_ms") or float("nan"),
-                              "device": r.get("device_spec") or "h200", "where": str(path.relative_to(runs))})
+                              "device": r.get("device_spec") or "h200",
+                              "check_grad_overflow": r.get("check_grad_overflow", True),
+                              "where": str(path.relative_to(runs))})
     for log in sorted(runs.rglob("speed*.log")):
         if (log.parent / "gpu-path" / "speed-records.json").is_file() or (log.parent / "speed-records.json").is_file():
             continue  # the same part's records, with their config, were read above
@@ -190,8 +192,10 @@ def predict_step_ms(run: dict, device: str = "h200") -> tuple[float, float]:
 
     cfg = load_model(run["model"], **run["overrides"])
     batch = run["micro_batch"] * run["micro_batches"]
+    # the logs' runs kept DeepSpeed's default overflow check (bf16.check_grad_overflow true)
     model = PlanModel.on_its_cluster(cfg, get_device(device), seq=cfg.seq_len, global_batch=batch,
-                                     execution="compiled" if run["compiled"] else "eager")
+                                     execution="compiled" if run["compiled"] else "eager",
+                                     check_grad_overflow=run.get("check_grad_overflow", True))
     cost = model.evaluate(parse_only(f"pp=1,tp=1,dp=1,mb={run['micro_batch']},zero=1", gpus=1, global_batch=batch))
     return 1e3 * cost.step_s, cost.mfu
 

@@ -457,8 +457,8 @@ def speed_config(t: Target, model: str, micro_batch: int, micro_batches: int, *,
                     "profile_step": t.steps}}
     if pipeline:
         ds["pipeline"] = {"stages": 1, "partition_method": "parameters"}
-    if t.cuda:
-        ds["bf16"] = {"enabled": True}
+    if t.cuda:  # without DeepSpeed's per-tensor overflow check, as launch_scripts/ds_gpu_bf16.json
+        ds["bf16"] = {"enabled": True, "check_grad_overflow": False}
     return ds
 
 
@@ -501,6 +501,7 @@ def speed_runs(part: str, t: Target, out: Path, *, pipeline: bool) -> tuple[list
             run = launch_train(part, label, ds, out, t)
             record = speed_record(run, model=model, overrides=overrides, micro_batch=micro_batch,
                                   micro_batches=micro_batches, compiled=compiled, pipeline=pipeline)
+            record["check_grad_overflow"] = bool(ds.get("bf16", {}).get("check_grad_overflow", "bf16" in ds))
             if run.status == "ok":
                 step = record["step_ms"]
                 run.extra.update(mfu=record["mfu"], optimizer_share=(record["optimizer_ms"] or 0.0) / step)

@@ -246,9 +246,12 @@ def test_deepspeed_passes_over_the_gradients_are_counted_even_with_one_dp_rank()
     # gradients (2 x 2 MB): 21 MB = 21 ms; the CPU maps the two float64 copies (1.2 MB, 2.8 MB: both over
     # 1 MiB) and the 2 MB flat partition: 6 ms
     z1 = replace(dp2, zero=1)
+    cpu_like.check_grad_overflow = gpu_like.check_grad_overflow = True  # DeepSpeed's default for bf16
     assert cpu_like.engine_passes_s(z1, 1e6, [3e5, 7e5]) == pytest.approx(0.027)
     z2 = replace(dp2, zero=2, micro_batches=3)  # the bucket copy every micro-batch: 3 x 4 MB in place of 4 MB
     assert gpu_like.engine_passes_s(z2, 1e6) == pytest.approx(0.029)
+    gpu_like.check_grad_overflow = False  # bf16.check_grad_overflow off (what plan emits): 2 MB less
+    assert gpu_like.engine_passes_s(z2, 1e6) == pytest.approx(0.027)
 
 
 def test_deepspeed_zero_loops_over_the_gradients_a_tensor_at_a_time_on_a_gpu():
@@ -259,6 +262,7 @@ def test_deepspeed_zero_loops_over_the_gradients_a_tensor_at_a_time_on_a_gpu():
     assert model.device.gpu is not None
     gpu = with_device(model, hbm_bandwidth=1e9, memory_efficiency=1.0,
                       gpu=replace(model.device.gpu, host_kernel_s=1e-5))
+    gpu.check_grad_overflow = True  # DeepSpeed's default for bf16
     z1 = replace(_layout(1, 1, 2, 0, 1, 2, "none", False, "none"), zero=1)
     # 1,000 elements: 34 B owned each = 34 us < 90 us of dispatch; the copy 4 us < 10 us.  10^6: 34 ms, 4 ms.
     small, big = 1e3, 1e6
@@ -266,6 +270,10 @@ def test_deepspeed_zero_loops_over_the_gradients_a_tensor_at_a_time_on_a_gpu():
     assert gpu.engine_passes_s(z1, small + big, tensors=[small, big]) == pytest.approx(expected)
     # without the tensors (a profile cache that has none): the bytes alone
     assert gpu.engine_passes_s(z1, small + big) == pytest.approx((34 / 2 + 4) * (small + big) / 1e9)
+    # without the overflow check: 30 bytes an owned element, the norm's two kernels (20 us < the small one's 30 us)
+    gpu.check_grad_overflow = False
+    expected = (30e-6 + 30e-3) / 2 + (10e-6 + 4e-3)
+    assert gpu.engine_passes_s(z1, small + big, tensors=[small, big]) == pytest.approx(expected)
 
 
 def test_memory_is_the_cap_of_the_exact_partition():

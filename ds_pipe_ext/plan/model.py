@@ -105,7 +105,8 @@ class PlanModel(RankUpdate):
     def __init__(self, cfg, device: DeviceSpec, cluster: Cluster, *, seq: int, global_batch: int,
                  dtype: str = "bf16", memory_fraction: float = USABLE_MEMORY, step_model: StepModel | None = None,
                  network: Network | None = None, expert_imbalance: float = 1.0, zero_settings: dict | None = None,
-                 runtime_terms: bool = True, grad_accum_dtype: str | None = None, execution: str = "eager"):
+                 runtime_terms: bool = True, grad_accum_dtype: str | None = None, execution: str = "eager",
+                 check_grad_overflow: bool = False):
         self.cfg, self.device, self.cluster = as_description(cfg), device, cluster  # what the model computes
         # the run's ZeRO buckets and thresholds (ours: what the emitted ds.json sets; a published run's: its own)
         self.zero_settings = {**zero_settings_for(self.cfg.hidden, device.name,
@@ -118,6 +119,10 @@ class PlanModel(RankUpdate):
         # ds.json's data_types.grad_accum_dtype: the dtype BF16_Optimizer accumulates and reduces gradients in
         # (DeepSpeed 0.19: the training dtype unless set; the 2022 branch BLOOM ran: fp32)
         self.grad_accum_dtype = grad_accum_dtype or dtype
+        # ds.json's bf16.check_grad_overflow: DeepSpeed's ZeRO-1/2 step checks every 16-bit gradient for inf/NaN
+        # (its default; a host-bound loop of kernels a tensor on a GPU).  The ds.json plan emits and the GPU
+        # configs here set it off, as Megatron runs bf16 (no step is skipped for a non-finite gradient)
+        self.check_grad_overflow = check_grad_overflow
         self.expert_imbalance = expert_imbalance  # dropless routing: the busiest expert's load over the mean
         # how the layers run on a GPU: "eager" (train.py), "compiled" (train.compile) ("costs.gpu_pricing")
         self.execution = execution
@@ -147,7 +152,7 @@ class PlanModel(RankUpdate):
                          memory_fraction=self.memory_fraction, step_model=self.step_model, network=self.network,
                          expert_imbalance=self.expert_imbalance, zero_settings=self.zero_settings,
                          runtime_terms=self.runtime_terms, grad_accum_dtype=self.grad_accum_dtype,
-                         execution=self.execution)
+                         execution=self.execution, check_grad_overflow=self.check_grad_overflow)
 
     def _model_flops_per_sample(self) -> float:
         """Matrix and attention FLOPs of forward + backward of one sample (no recompute): MFU's numerator,

@@ -147,7 +147,9 @@ def ds_config(cost: LayoutCost, *, model: str, steps: int = 10, dtype: str = "bf
     lay = cost.layout
     if not lay.runnable:
         raise ValueError(f"{lay.name}: DeepSpeed runs no {lay.schedule} schedule; emit a runnable layout")
-    precision = {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}.get(dtype, {})
+    # bf16 without DeepSpeed's per-tensor overflow check, as the plan priced it (PlanModel.check_grad_overflow)
+    precision = {"bf16": {"bf16": {"enabled": True, "check_grad_overflow": False}},
+                 "fp16": {"fp16": {"enabled": True}}}.get(dtype, {})
     train = {"model": model, "steps": steps, "seed": 1234}
     if compile:  # priced compiled: the run compiles its layers too
         train["compile"] = True

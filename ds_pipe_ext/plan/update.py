@@ -162,8 +162,9 @@ class RankUpdate:
           write e); ZeRO-1/2 also copy each micro-batch's gradients through the reduction bucket
           (read + write) when they reduce.  A CPU pays first touches for the float64 copies of
           large gradients and for the flat partition.  In 16-bit the step first checks every owned
-          gradient for overflow (``check_grad_overflow``, on by default for bf16: ``amax`` and ``amin``
-          read it, five scalar kernels and the count's add follow).
+          gradient for overflow (``bf16.check_grad_overflow``, on by default for bf16, ``PlanModel``'s
+          ``check_grad_overflow``; always for fp16: ``amax`` and ``amin`` read it, five scalar kernels and
+          the count's add follow).
 
         ZeRO-1/2 loop over the gradients a tensor at a time (the check, the norm's cast and reduction, the
         reduction bucket's copy).  On a GPU each such tensor takes at least its kernels' host dispatch
@@ -177,7 +178,8 @@ class RankUpdate:
             bucket = 5e8
             fresh = [e * min(bucket, params - i * bucket) for i in range(math.ceil(params / bucket))]
             return traffic / bandwidth + self.device.fresh_alloc_time(fresh)
-        overflow_check = e < 4  # DeepSpeed checks bf16 (by default) and fp16 gradients, not fp32 ones
+        # DeepSpeed checks fp16 gradients always, bf16 ones where bf16.check_grad_overflow (its default), fp32 never
+        overflow_check = e < 4 and (self.dtype == "fp16" or self.check_grad_overflow)
         owned_bytes = (e + 16) + (e + 4) + (4 + e) + (2 * e if overflow_check else 0)  # a parameter it owns
         reductions = {1: 1, 2: m}.get(lay.zero, 0)
         fresh = [8.0 * p / dp for p in layer_params if 8.0 * p / dp > self.device.fresh_alloc_min_bytes]
