@@ -53,6 +53,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_hidden[start:start + chunk] = grad @ real
             if grad_weight is not None:
                 grad_weight[:vocab_size] += (grad.t() @ h).float()
+            del logits, grad  # before the next chunk's logits are made: one chunk's alive at a time
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total / count
