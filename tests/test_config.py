@@ -70,3 +70,28 @@ def test_pipeline_section_parses_and_validates():
     ]:
         with pytest.raises(ConfigError, match=match):
             PipelineSettings.from_ds_config(bad)
+
+
+def test_a_ds_json_without_a_partition_method_means_parameters_at_every_point_that_reads_it():
+    """One record resolves partition_method, with DeepSpeed's default: train.py's recompute check, the settings
+    and PipelineModule (whose partition callback reads what its __init__ resolved) all see "parameters"."""
+    from torch import nn
+
+    from ds_pipe_ext import PipelineModule
+    from ds_pipe_ext.partition import PartitionError
+    from ds_pipe_ext.partition.methods import lookup
+    from ds_pipe_ext.train.config import build_run_config
+
+    section = {"stages": 2, "memory_cap_gib": 1.0}
+    needs_costs = 'recompute = "auto" is decided with the split from layer costs'
+    with pytest.raises(ConfigError, match=needs_costs):
+        build_run_config({"pipeline": section, "train": {"model": "tiny", "recompute": "auto"}})
+    settings = PipelineSettings.from_ds_config({"pipeline": section})
+    assert settings.partition_method == "parameters" and settings.method == lookup("parameters")
+    with pytest.raises(PartitionError, match=needs_costs):
+        PipelineModule([nn.Linear(2, 2), nn.Linear(2, 2)], settings=settings, recompute="auto")
+    # with the method given, the same check passes everywhere it is read
+    build_run_config({"pipeline": {**section, "partition_method": "profiled"},
+                      "train": {"model": "tiny", "recompute": "auto"}})
+    with pytest.raises(ConfigError, match="unknown partition_method 'balanced'"):
+        PipelineSettings.from_ds_config({"pipeline": {"partition_method": "balanced"}})

@@ -85,7 +85,8 @@ class PipelineSettings(ConfigModel):
     grad_partitioned: bool | None = None
     use_reentrant: bool | None = None
     activation_checkpoint_interval: int = Field(0, ge=0)
-    # ours
+    # ours.  DeepSpeed's default, so that the drop-in stays one; train.py's own configs say "profiled".  Resolved
+    # here once (``method``): the recompute check, PipelineModule and its partition callback read this record
     partition_method: str = Field("parameters", min_length=1)
     profile: ProfileSettings = ProfileSettings()
     memory_cap_gib: float | None = Field(None, gt=0)
@@ -114,6 +115,25 @@ class PipelineSettings(ConfigModel):
             data = {**data, "link_bandwidth_gbs": data["link_bandwidth_gbps"]}
             del data["link_bandwidth_gbps"]
         return data
+
+    @field_validator("partition_method")
+    @classmethod
+    def _known_method(cls, method: str) -> str:
+        from ..partition import PartitionError
+        from ..partition.methods import lookup
+
+        try:
+            lookup(method)
+        except PartitionError as e:
+            raise ValueError(str(e)) from None
+        return method
+
+    @property
+    def method(self) -> tuple:
+        """The partition method's spec and its argument (``partition.methods.lookup``)."""
+        from ..partition.methods import lookup
+
+        return lookup(self.partition_method)
 
     @model_validator(mode="after")
     def _stages(self):

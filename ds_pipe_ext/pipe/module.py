@@ -122,7 +122,9 @@ class PipelineModule(_DeepSpeedPipelineModule):
         stages = topology.get_dim("pipe") if topology is not None else num_stages
         layers = list(layers)
         # Everything that can be checked without communication fails here, identically on every rank.
-        spec, _ = lookup(method)
+        # The method is resolved once: DeepSpeed hands it back to _partition_layers, which reads this
+        spec, arg = settings.method if partition_method is None else lookup(method)
+        self._ext_method = (spec, arg)
         self._ext_layer_recompute: list[str] | str | None = None
         if recompute == "auto":
             check_auto_recompute(spec.needs_costs, settings.memory_cap_gib, interval, settings.schedule)
@@ -206,7 +208,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         return terms() if terms is not None else None
 
     def _partition_layers(self, method: str = "parameters") -> None:
-        spec, arg = lookup(method)
+        spec, arg = self._ext_method  # what __init__ resolved and handed DeepSpeed as ``method``
         if spec.deepspeed_builtin:
             super()._partition_layers(method=method)
             # DeepSpeed's partition_balanced returns numpy ints, which break seed_layers

@@ -166,13 +166,12 @@ def build_run_config(ds: dict, *, train: dict | None = None, pipeline: dict | No
         merged = _merge(ds.get("pipeline"), pipe_overrides, "pipeline")
         if train_cfg.recompute == "auto":
             from ..partition import PartitionError
-            from ..partition.methods import lookup
             from ..pipe.recompute import check_auto_recompute
 
+            settings = parse_section(PipelineSettings, merged, "pipeline")  # the one record of the section
             try:
-                check_auto_recompute(lookup(merged.get("partition_method", "profiled"))[0].needs_costs,
-                                     merged.get("memory_cap_gib"), merged.get("activation_checkpoint_interval", 0),
-                                     merged.get("schedule", "1f1b"))
+                check_auto_recompute(settings.method[0].needs_costs, settings.memory_cap_gib,
+                                     settings.activation_checkpoint_interval, settings.schedule)
             except PartitionError as e:
                 raise ConfigError(str(e)) from None
         if isinstance(train_cfg.recompute, list) or train_cfg.recompute == "auto":
