@@ -63,7 +63,9 @@ def test_the_gpu_config_the_readme_starts_from_is_a_valid_run():
     from ds_pipe_ext.train.config import build_run_config, read_ds_json
 
     cfg = build_run_config(read_ds_json(str(ROOT / "launch_scripts" / "ds_gpu_bf16.json")))
-    assert cfg.deepspeed["bf16"] == {"enabled": True} and cfg.pipeline.partition_method == "profiled"
+    # bf16 without DeepSpeed's per-tensor overflow check, as Megatron runs it (plan prices it so)
+    assert cfg.deepspeed["bf16"] == {"enabled": True, "check_grad_overflow": False}
+    assert cfg.pipeline.partition_method == "profiled"
     assert cfg.train.compile is True  # each layer torch.compile'd on the GPU
     for gpus in (1, 4, 8):
         layout = run_layout(cfg, load_model(cfg.train.model), gpus)
