@@ -11,11 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import PartitionError, partition_min_max
+from .algorithms import PartitionError
+from .split import partition_min_max
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PartitionRequest:
+    """What a method partitions, named field by field (no positional construction)."""
+
     num_stages: int
     num_layers: int
     costs: Callable[[str], list]  # source name ("profiled" | "analytic") -> LayerCost list, computed lazily
@@ -170,8 +173,10 @@ def decide_offline(
     if num_stages > len(costs):
         raise PartitionError(f"{num_stages} stages but only {len(costs)} layers: use at most {len(costs)} stages")
     if not spec.deepspeed_builtin:
-        request = PartitionRequest(num_stages, len(costs), lambda source: costs, micro_batches,
-                                   memory_cap_gib, link_bandwidth, recompute, arg, schedule, step_model, peak_rule)
+        request = PartitionRequest(num_stages=num_stages, num_layers=len(costs), costs=lambda source: costs,
+                                   micro_batches=micro_batches, memory_cap_gib=memory_cap_gib,
+                                   link_bandwidth=link_bandwidth, recompute=recompute, arg=arg, schedule=schedule,
+                                   step_model=step_model, peak_rule=peak_rule)
         return [int(b) for b in spec.solve(request)]
     import re
 
