@@ -13,7 +13,7 @@ Pure functions of integers, no torch.
 
 from __future__ import annotations
 
-from . import PartitionError
+from .algorithms import PartitionError
 
 
 def parts_from_blocks(blocks: list[int]) -> list[int]:

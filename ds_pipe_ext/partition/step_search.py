@@ -35,8 +35,8 @@ import numpy as np
 from ..costs.stage import held_activation_bytes, in_flight, replayed, stage_costs
 from ..simulate.schedules import parse_schedule
 from ..simulate.step_model import FixedStages, StepModel, step_lower_bound
-from . import partition_min_max
 from .problem import InfeasibleMemoryCap
+from .split import partition_min_max
 
 SIMULATED_INSTRUCTIONS = 2_000 * 2 * 8 * 32  # the default budget: 2,000 leaves at p = 8, m = 32
 # and a budget of bounds: where the bounds are loose (deep pipelines of many alike layers) subtrees whose
