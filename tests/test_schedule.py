@@ -3,7 +3,7 @@ import random
 import pytest
 
 from ds_pipe_ext.simulate.events import ChunkCosts, Link, Network, simulate
-from ds_pipe_ext.simulate.schedule import simulate_1f1b
+from ds_pipe_ext.simulate.stage_step import simulate_1f1b
 from ds_pipe_ext.simulate.schedules import SCHEDULES, build_schedule, parse_schedule
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..costs.stage import StageCost, imbalance, stage_costs
-from ..simulate.schedule import simulate_stages
+from ..simulate.stage_step import simulate_stages
 from ..simulate.schedules import parse_schedule
 from ..simulate.step_model import StepModel
 
