@@ -48,7 +48,7 @@ from ds_pipe_ext.costs.hardware import DEVICES  # noqa: E402
 from ds_pipe_ext.plan.machine import Cluster  # noqa: E402
 from ds_pipe_ext.plan.model import PlanModel  # noqa: E402
 from ds_pipe_ext.layout import Layout  # noqa: E402
-from ds_pipe_ext.models.config import GPTConfig  # noqa: E402
+from ds_pipe_ext.models.gpt_config import GPTConfig  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
 from ds_pipe_ext.pipe import schedules as _deepspeed_order  # noqa: E402,F401  (registers DeepSpeed's engine order)
 

@@ -59,7 +59,7 @@ from ds_pipe_ext.compare.configs import CompareConfig  # noqa: E402
 from ds_pipe_ext.compare.run import (Comparison, DeepSpeedLauncher, LaunchResult, launch_status,  # noqa: E402
                                      model_state_error_pct, run_comparison)
 from ds_pipe_ext.layout import Layout  # noqa: E402
-from ds_pipe_ext.models.config import load_model_config  # noqa: E402
+from ds_pipe_ext.models.gpt_config import load_model_config  # noqa: E402
 from ds_pipe_ext.models.registry import load_model  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
 from ds_pipe_ext.pipe import schedules as _deepspeed_order  # noqa: E402,F401  (the engine's order, for the simulator)
@@ -370,7 +370,7 @@ def layers_part(t: Target, out: Path) -> dict:
     from ds_pipe_ext.costs.layers import build_for_profiling
     from ds_pipe_ext.costs.profiler import profile_layers
     from ds_pipe_ext.costs.types import ProfileSettings
-    from ds_pipe_ext.models.config import GPTConfig
+    from ds_pipe_ext.models.gpt_config import GPTConfig
     from ds_pipe_ext.models.gpt import gpt_layer_specs, lm_loss
 
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -100,7 +100,7 @@ def simulate_cell(ranks: list[dict], schedule: str, n: int, b: int) -> float:
     cell, from the calibration cell's stage times."""
     import ds_pipe_ext.pipe.schedules  # noqa: F401 - hands the step model DeepSpeed's order
     from ds_pipe_ext.costs.stage import measured_stages
-    from ds_pipe_ext.models.config import load_model_config
+    from ds_pipe_ext.models.gpt_config import load_model_config
     from ds_pipe_ext.simulate.step_model import StepModel
 
     m = GLOBAL_BATCH // b

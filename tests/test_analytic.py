@@ -181,7 +181,7 @@ def test_analytic_activations_match_what_autograd_saves_on_cpu(dropout, b):
     from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers
     from ds_pipe_ext.costs.hardware import DeviceSpec
     from ds_pipe_ext.costs.profiler import ProfileSettings, profile_layers
-    from ds_pipe_ext.models.config import GPTConfig, load_model_config
+    from ds_pipe_ext.models.gpt_config import GPTConfig, load_model_config
     from ds_pipe_ext.models.gpt import gpt_layer_specs, lm_loss
 
     cfg = GPTConfig.from_dict({**load_model_config("bench-cpu").to_dict(), "seq_len": 128, "vocab_size": 8192,

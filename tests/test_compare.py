@@ -14,7 +14,7 @@ from ds_pipe_ext.layout import ZERO_SETTINGS
 from ds_pipe_ext.compare.predict import model_shape
 from ds_pipe_ext.compare.run import Comparison, LaunchResult, search_max_micro_batch
 from ds_pipe_ext.costs.zero import zero_model_states
-from ds_pipe_ext.models.config import load_model_config
+from ds_pipe_ext.models.gpt_config import load_model_config
 from ds_pipe_ext.runner import ROOT
 
 

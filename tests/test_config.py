@@ -1,7 +1,8 @@
 import pytest
 
 from ds_pipe_ext.models import load_model
-from ds_pipe_ext.models.config import GPTConfig, ModelConfigError, available_models, load_model_config
+from ds_pipe_ext.models.config import ModelConfigError, available_models
+from ds_pipe_ext.models.gpt_config import GPTConfig, load_model_config
 from ds_pipe_ext.pipe.config import ConfigError, PipelineSettings
 
 

@@ -11,7 +11,7 @@ from ds_pipe_ext.costs.frozen import freeze_costs
 from ds_pipe_ext.costs.hardware import get_device
 from ds_pipe_ext.costs.profiler import profile_layers
 from ds_pipe_ext.costs.types import ProfileSettings
-from ds_pipe_ext.models.config import load_model_config
+from ds_pipe_ext.models.gpt_config import load_model_config
 from ds_pipe_ext.models.gpt import gpt_layer_specs, lm_loss
 from ds_pipe_ext.partition.methods import decide_offline
 from ds_pipe_ext.pipe.freeze import FrozenLayerSpec, freeze_layers, frozen_flags, parse_layer_set

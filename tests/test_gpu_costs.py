@@ -18,7 +18,7 @@ from ds_pipe_ext.costs.hardware import DEVICES, get_device
 from ds_pipe_ext.costs.probes import saved_activation_bytes
 from ds_pipe_ext.costs.profiler import profile_layers
 from ds_pipe_ext.costs.types import ProfileSettings
-from ds_pipe_ext.models.config import load_model_config
+from ds_pipe_ext.models.gpt_config import load_model_config
 from ds_pipe_ext.pipe.config import engine_dtype
 
 QUICK = ProfileSettings(warmup=0, repeats=1, cache_dir=None, progress=False)

@@ -5,7 +5,7 @@ import pytest
 
 from ds_pipe_ext.costs.hardware import DEVICES
 from ds_pipe_ext.layout import Layout
-from ds_pipe_ext.models.config import GPTConfig
+from ds_pipe_ext.models.gpt_config import GPTConfig
 from ds_pipe_ext.plan.machine import Cluster
 from ds_pipe_ext.plan.model import PlanModel
 

@@ -83,7 +83,7 @@ def test_plan_report_renders():
 def test_analytic_method_partitions_analytic_costs():
     from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs
     from ds_pipe_ext.costs.hardware import get_device
-    from ds_pipe_ext.models.config import load_model_config
+    from ds_pipe_ext.models.gpt_config import load_model_config
 
     cfg = load_model_config("bench-cpu")
     costs = analytic_layer_costs(cfg, EstimateRequest(micro_batch=4, seq=256, dtype="fp32"), get_device("a100"))

@@ -2,7 +2,7 @@ import torch
 from deepspeed.pipe import TiedLayerSpec
 
 from ds_pipe_ext.costs.profiler import ProfileSettings, profile_layers
-from ds_pipe_ext.models.config import GPTConfig, load_model_config
+from ds_pipe_ext.models.gpt_config import GPTConfig, load_model_config
 from ds_pipe_ext.costs.layers import layer_names
 from ds_pipe_ext.models.gpt import SequentialGPT, gpt_layer_specs, lm_loss
 

@@ -71,7 +71,7 @@ def test_partition_and_schedule_do_not_change_the_math(tmp_path):
     import torch
     from test_tensor_parallel import serial_reference
 
-    from ds_pipe_ext.models.config import load_model_config
+    from ds_pipe_ext.models.gpt_config import load_model_config
     from ds_pipe_ext.models.gpt import SequentialGPT, gpt_layer_specs
 
     cfg = load_model_config("tiny")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from ds_pipe_ext.models.config import GPTConfig, load_model_config
+from ds_pipe_ext.models.gpt_config import GPTConfig, load_model_config
 from ds_pipe_ext.compat import cpu_shims
 from ds_pipe_ext.layout import Layout, LayoutError
 from ds_pipe_ext.parallel.topology import check_agreement, deepspeed_groups

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from ds_pipe_ext.cli import main
-from ds_pipe_ext.models.config import load_model_config
+from ds_pipe_ext.models.gpt_config import load_model_config
 from ds_pipe_ext.plan.bounds import layout_step_bound, split_step_bound
 from ds_pipe_ext.cli.plan import build_model
 from ds_pipe_ext.costs.cpu_comm import fit

@@ -8,7 +8,7 @@ from torch import nn
 
 from ds_pipe_ext.costs import profiler
 from ds_pipe_ext.costs.profiler import ProfileSettings, profile_layers
-from ds_pipe_ext.models.config import load_model_config
+from ds_pipe_ext.models.gpt_config import load_model_config
 from ds_pipe_ext.costs.layers import layer_names
 from ds_pipe_ext.models.gpt import gpt_layer_specs, lm_loss
 

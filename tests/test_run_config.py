@@ -8,7 +8,7 @@ import torch
 
 from ds_pipe_ext.cli import main as cli
 from ds_pipe_ext.config_model import ConfigError
-from ds_pipe_ext.models.config import load_model_config
+from ds_pipe_ext.models.gpt_config import load_model_config
 from ds_pipe_ext.pipe.config import PipelineSettings
 from ds_pipe_ext.train import checkpoint
 from ds_pipe_ext.train.config import build_run_config

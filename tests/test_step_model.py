@@ -274,7 +274,8 @@ def test_step_model_cli_fits_and_predicts_run_directories(tmp_path, capsys):
 
 
 def test_blocks_of_different_widths_build_and_bad_widths_are_refused():
-    from ds_pipe_ext.models.config import GPTConfig, ModelConfigError, load_model_config
+    from ds_pipe_ext.models.config import ModelConfigError
+    from ds_pipe_ext.models.gpt_config import GPTConfig, load_model_config
     from ds_pipe_ext.models.gpt import gpt_layer_specs
 
     cfg = load_model_config("tiny", block_ffn_hidden=[64, 128, 256, 512])

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ds_pipe_ext.models.config import load_model_config
+from ds_pipe_ext.models.gpt_config import load_model_config
 from ds_pipe_ext.models.gpt import SequentialGPT, gpt_layer_specs
 from ds_pipe_ext.runner import ROOT, launch, write_config
 from test_tensor_parallel import serial_reference

@@ -9,7 +9,8 @@ import torch
 
 from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs
 from ds_pipe_ext.costs.hardware import get_device
-from ds_pipe_ext.models.config import GPTConfig, ModelConfigError, load_model_config
+from ds_pipe_ext.models.config import ModelConfigError
+from ds_pipe_ext.models.gpt_config import GPTConfig, load_model_config
 from ds_pipe_ext.models.gpt import SequentialGPT, gpt_layer_specs
 from ds_pipe_ext.train.build import make_adamw
 

@@ -1,6 +1,6 @@
 """Model families, each registered here (``registry``): the core and the commands never import a model.
 
-    gpt     GPT-2/3 (``gpt.py``, its config in ``config.py``)
+    gpt     GPT-2/3 (``gpt.py``, its config in ``gpt_config.py``; what every family's config shares in ``config.py``)
     llama   Llama 2/3, Mistral, Qwen2 (``llama.py``, its config in ``llama_config.py``)
     moe     Mixture-of-Experts on Llama blocks: Mixtral, Qwen-MoE, DeepSeekMoE (``moe.py``, its config in
             ``moe_config.py``): DeepSpeed's MoE layer, costed at ep 1 (``costs/moe_ops.py``)
@@ -10,7 +10,7 @@ Both build their layers from a ``layers.LayerImpl`` (megatron-core's tensor para
 Each callable imports its module when first called: loading a config needs no torch.
 """
 
-from .config import GPTConfig, from_hf_gpt2, load_model_config
+from .gpt_config import GPTConfig, from_hf_gpt2, load_model_config
 from .llama_config import LlamaConfig, from_hf_llama, load_llama_config
 from .moe_config import MoEConfig, from_hf_moe, load_moe_config
 from .registry import ModelFamily, family_of, get_family, load_model, register_family

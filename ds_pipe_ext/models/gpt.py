@@ -29,7 +29,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from ..pipe.sequential import SequentialLayers
-from .config import GPTConfig
+from .gpt_config import GPTConfig
 from .layers import INIT_STD, LOCAL, LayerImpl, head_output, lm_loss, local_embedding, loss_fn_for  # noqa: F401 (re-exported)
 
 class EmbeddingPipe(nn.Module):
