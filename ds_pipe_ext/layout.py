@@ -29,10 +29,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from .arch import as_description
-from .simulate.schedules import ScheduleSpec, parse_schedule
+from .simulate.schedules import RUNTIMES, ScheduleSpec, parse_schedule
 
 RECOMPUTE = ("none", "selective", "full")
-RUNTIMES = ("deepspeed", "megatron")
 NO_PIPELINE = "none"
 
 # DeepSpeed's memory-relevant ZeRO settings, written into every ZeRO config so that the cost model

@@ -76,6 +76,24 @@ def test_the_import_graph_has_no_circle():
             visit(name, [name])
 
 
+def test_no_two_packages_import_each_other():
+    """Package level (a top-level module counts as its own): ``layout`` reads ``simulate``'s schedules, never
+    the reverse; ``parallel`` reads ``models``, never the reverse; and so on for every pair."""
+    modules = _modules()
+
+    def package(name: str) -> str:
+        return name.split(".")[1] if "." in name else name
+
+    edges: dict[tuple[str, str], str] = {}
+    for name, path in modules.items():
+        for target in _imports(name, path, modules):
+            a, b = package(name), package(target)
+            if a != b:
+                edges.setdefault((a, b), f"{name} -> {target}")
+    both = sorted(f"{edges[a, b]} and {edges[b, a]}" for a, b in edges if (b, a) in edges and a < b)
+    assert not both, both
+
+
 def test_each_rule_of_the_spine_has_one_owner():
     where: dict[str, list[str]] = {name: [] for name in ONE_OWNER}
     for path in ROOT.rglob("*.py"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ds_pipe_ext.models.config import load_model_config
+from ds_pipe_ext.models.gpt_config import load_model_config
 
 STEPS, LR = 3, 1e-3
 
@@ -59,7 +59,7 @@ def _worker(rank, world, sp, init_file, refs, out_path, tied=False):
 
     from ds_pipe_ext.layout import Layout
     from ds_pipe_ext.models import family_of
-    from ds_pipe_ext.parallel.tensor_parallel import shard_like
+    from ds_pipe_ext.models.tensor_parallel import shard_like
     from ds_pipe_ext.parallel.topology import initialize
 
     torch.set_num_threads(1)
@@ -259,7 +259,7 @@ def test_analytic_activations_match_tp2_shards():
     """Each layer as TP rank 0 runs it (TP=2, SP off and on): analytic bytes within 3% of the hooks' count."""
     from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers
     from ds_pipe_ext.costs.hardware import DeviceSpec
-    from ds_pipe_ext.models.config import GPTConfig
+    from ds_pipe_ext.models.gpt_config import GPTConfig
     from ds_pipe_ext.parallel.probe import tp_activation_bytes
 
     cfg = GPTConfig.from_dict({**load_model_config("bench-cpu").to_dict(), "seq_len": 128, "vocab_size": 8000,

@@ -6,7 +6,7 @@
             ``moe_config.py``): DeepSpeed's MoE layer, costed at ep 1 (``costs/moe_ops.py``)
 
 Both build their layers from a ``layers.LayerImpl`` (megatron-core's tensor parallelism in
-``parallel/tensor_parallel.py`` for either) and are costed from their description (``costs.py``).
+``tensor_parallel.py`` for either) and are costed from their description (``costs.py``).
 Each callable imports its module when first called: loading a config needs no torch.
 """
 
@@ -25,7 +25,7 @@ def _local(impl):
 def _tensor_parallel(tp: int, sp: bool = False):
     if tp == 1:
         return _local(None)
-    from ..parallel.tensor_parallel import megatron_layer_impl
+    from .tensor_parallel import megatron_layer_impl
 
     return megatron_layer_impl(tp=tp, sequence_parallel=sp)
 

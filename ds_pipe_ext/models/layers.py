@@ -2,7 +2,7 @@
 the local one, and the causal-LM loss.
 
 A family's model file asks its ``LayerImpl`` for every linear, the vocabulary embedding and the norms;
-``LOCAL`` builds plain torch layers, ``parallel.tensor_parallel.megatron_layer_impl`` megatron-core's
+``LOCAL`` builds plain torch layers, ``tensor_parallel.megatron_layer_impl`` megatron-core's
 parallel ones, so a family gets tensor and sequence parallelism without a second model file.
 """
 
@@ -39,7 +39,7 @@ def mark_sections(linear: nn.Module, sections: tuple[int, ...]) -> nn.Module:
     """Say that a column-parallel linear's output is several projections side by side (Llama's q, k and v;
     SwiGLU's gate and up): each TP rank holds its share of every section, [q_r; k_r; v_r], as megatron-core
     lays out GQA and ``gated_linear_unit``.  ``sections`` are the full (unsharded) widths;
-    ``parallel.tensor_parallel.shard_like`` reads them to slice a single-process state dict."""
+    ``tensor_parallel.shard_like`` reads them to slice a single-process state dict."""
     for p in (linear.weight, getattr(linear, "bias", None)):
         if p is not None:
             p.shard_sections = tuple(sections)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models.layers import INIT_STD, LayerImpl, RMSNorm
+from .layers import INIT_STD, LayerImpl, RMSNorm
 
 
 def _init(weight: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from itertools import count
 from typing import NamedTuple
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
+RUNTIMES = ("deepspeed", "megatron")  # the engines whose order of work the step model replays
 SIMULATED_ONLY = ("interleaved", "zb-h1")  # no DeepSpeed engine runs them
 COMPUTE = ("F", "B", "I", "W")
 

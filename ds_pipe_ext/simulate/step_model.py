@@ -46,8 +46,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .events import ChunkCosts, Link, Network, StepSimulation, simulate
-from ..layout import RUNTIMES
-from .schedules import COMPUTE, Schedule, parse_schedule
+from .schedules import COMPUTE, RUNTIMES, Schedule, parse_schedule
 
 CONTENTION_ROUNDS = 6  # fixed-point rounds of the shared-core slowdown (converges in 3-4 on 2-8 ranks)
 

@@ -144,7 +144,7 @@ def load_full_state(model: torch.nn.Module, path: str, *, tp: int, pipelined: bo
     if pipelined:  # a PipelineModule names its layers "<i>.…"
         full = {k.removeprefix("layers."): v for k, v in full.items()}
     if tp > 1:
-        from ..parallel.tensor_parallel import shard_like
+        from ..models.tensor_parallel import shard_like
 
         full = shard_like(full, model)
     from ..models.moe import global_expert_names
