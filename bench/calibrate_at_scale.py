@@ -329,7 +329,7 @@ def report(results: list[dict], layers: list[list[str]], before: dict[str, dict]
 
     lines += ["## Published runs set beside `plan --only` (predicted, never fitted)", "",
               "No parameter above was fitted to these rows; `plan --only` with a row's layout prints the prediction "
-              "beside the published figure (docs/RESULTS.md has them, with the assumed schedule).", "", "```"]
+              "beside the published figure (docs/results/2026-11-25-llama-and-hugging-face.md has Llama 3 405B's, with the assumed schedule).", "", "```"]
     lines += render_table(["run", "model", "GPUs", "layout", "precision", "published TFLOP/s", "source"],
                           [[r.name, r.model, str(r.gpus), f"tp{r.tp} pp{r.pp} dp{r.dp}", r.precision,
                             f"{r.tflops_per_gpu:.0f}" if r.tflops_per_gpu else f"not modelled: {r.not_modelled}",

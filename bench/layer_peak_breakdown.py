@@ -3,7 +3,7 @@ backward (as the profiler measures it, ``costs.profiler.profile_layer``) taken a
 
 The profiler's peak is one number; where it and the analytic model disagree, this says which tensors make the
 difference (on an H200, 2026-11-27: the Llama-3-8B block's 318 MiB were the profiler's own AdamW states, read
-into the peak; the GPT-2 medium block's 80 MiB include 64 MiB a bias gradient's sum holds, docs/RESULTS.md).  One
+into the peak; the GPT-2 medium block's 80 MiB include 64 MiB a bias gradient's sum holds, docs/results/2026-11-27-gpu-path.md).  One
 forward + backward runs untraced (lazy initialisation, the previous call's output still referenced, as in the
 profiler's loop), then one under ``torch.profiler`` with ``profile_memory``: its allocation events, each under
 the op that made it, are replayed to the highest ``total_allocated``, and the blocks live there are summed by

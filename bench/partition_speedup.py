@@ -27,7 +27,7 @@ Two phases (bench/splits_in_one_launch.py: each method built afresh, 1 warm-up s
    the best split's build beside it), medians over the cycles.  The best split is the contender with
    the highest playoff median; a split outside the screen's top three could only beat it by being
    under-measured by more than the screen's spread, which the screen table shows.  Each record keeps
-   its step times (``step_s_each``, step 1 the warm-up).  docs/RESULTS.md has the measurements behind
+   its step times (``step_s_each``, step 1 the warm-up).  docs/results/2026-11-27-profiled-generalization.md has the measurements behind
    each of these choices.
 
 Scores: `profiled` by its own builds (a fresh profile and decision each, as a user's launch would),
@@ -36,8 +36,8 @@ DeepSpeed's `uniform` and `parameters` by the splits their own functions choose.
     python bench/partition_speedup.py [--rounds 2] [--cycles 6] [--playoff-steps 4] [--playoff-launch build|cycle] [--out DIR]
     python bench/partition_speedup.py --model bench-cpu           (one of the pair: its X and Y alone)
     python bench/partition_speedup.py --model bench-cpu-llama    (Llama: adds Megatron's accounting to the
-        built-ins, and a simulated 4- and 8-stage comparison of the hand rules on llama3-8b; docs/RESULTS.md
-        has it at the default 16 micro-batches and at --micro-batches 32 --cycles 12)
+        built-ins, and a simulated 4- and 8-stage comparison of the hand rules on llama3-8b; docs/results/
+        2026-11-25-llama-and-hugging-face.md has it at the default 16 micro-batches and at --micro-batches 32 --cycles 12)
     python bench/partition_speedup.py --model bench-cpu-moe      (Mixture-of-Experts at ep 1: first records
         the step model's prediction from layers profiled here, prediction.json, before any launch)
     python bench/partition_speedup.py --model bench-cpu-moe --predict-only

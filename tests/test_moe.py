@@ -159,7 +159,7 @@ def test_compare_adds_expert_parallel_rows_and_shows_zero3_refused(capfd):
 
 def test_compare_predicts_a_ranks_share_of_the_experts():
     """`compare`'s model states under EP: a rank holds 1/ep of each layer's experts, and ZeRO partitions them
-    over dp / ep (measured equal on every EP row of moe-tiny on 4 ranks: docs/RESULTS.md)."""
+    over dp / ep (measured equal on every EP row of moe-tiny on 4 ranks: docs/results/2026-11-25-mixture-of-experts.md)."""
     from ds_pipe_ext.compare.configs import comparison_configs
     from ds_pipe_ext.compare.predict import model_shape, predicted_ranks
 

@@ -4,7 +4,7 @@ DeepSpeed 0.19's ``PipelineEngine._exec_backward_pass`` backpropagates a tuple o
 (``out.backward(grad, retain_graph=...)`` per tensor), so a stage whose outputs share their graph runs its whole
 backward once per output: a Mixture-of-Experts stage hands on (hidden states, router loss), and the router loss
 depends on every block's hidden states, so its backward ran twice (stage 0 of a dropless MoE model at 2 x 4:
-157 ms a micro-batch against 95 ms profiled; docs/RESULTS.md, issue 53).  The profiler, and any single
+157 ms a micro-batch against 95 ms profiled; docs/results/2026-11-27-profiled-generalization.md).  The profiler, and any single
 ``torch.autograd.backward(outputs, grads)``, runs it once.
 
 ``install_one_pass_backward`` wraps the class map's backward instruction: for such a stage it hands DeepSpeed one

@@ -112,7 +112,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         # CPU ranks: every rank trains under the malloc thresholds rank 0 profiles under (costs.profiler sets them
         # for its process).  Left to glibc, a rank that never profiled maps each buffer above its dynamic threshold
         # afresh and pays its page faults on every call: a user's script trained the last stage 13-17% over its
-        # profile, and `profiled` moved layers onto it (docs/RESULTS.md, issue 53).  train.py sets them at start.
+        # profile, and `profiled` moved layers onto it (docs/results/2026-11-27-profiled-generalization.md).  train.py sets them at start.
         steady_host_allocator()
         # DeepSpeed moves the built stage to cuda:LOCAL_RANK; the profile and the partition's broadcast
         # come before that, and must run on that GPU too (a user's script may not have selected it)

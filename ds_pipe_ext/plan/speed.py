@@ -9,12 +9,12 @@ layout the model predicts is a prediction.
 Which rates the factor scales: compute and memory always.  Links only where they are the same
 cores' work: CPU ranks talk gloo over loopback TCP, copies through the kernel on the cores that also
 compute, so a loaded machine slows them alike (scaling compute alone would make the layouts heavy
-in collectives look relatively fast; docs/RESULTS.md, the planner).  A GPU's NVLink or network does
+in collectives look relatively fast; docs/results/2026-11-22-sweep-and-planner.md).  A GPU's NVLink or network does
 not slow with its SMs: there the links stay.
 
 CPU ranks with a core each still slow each other while they compute together (one memory system and
 its caches): a pipeline's stages ran 1.1-1.25x their one-process profile, data-parallel ranks, always in
-the same pass, 1.3-1.6x (docs/RESULTS.md, issue 37).  So on CPU ranks the factor is the speed of ranks
+the same pass, 1.3-1.6x (docs/results/2026-11-26-predictions-beyond-calibration.md).  So on CPU ranks the factor is the speed of ranks
 computing together, and a compute item during which no other rank computes runs at the spec's own
 speed, as the layers were profiled, alone (``StepModel.alone_share`` = the factor).  Fitted on a layout
 whose ranks always compute together (data or tensor parallel), the factor is the same either way.
