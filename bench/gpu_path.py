@@ -570,12 +570,13 @@ BACKEND_CASES = {True: [("gpt2-medium", {}, 8, 1024), ("llama3-8b", {"layers": 1
 # the aten op each SDPA backend dispatches to (host events: the same names on every device), most specific first
 SDPA_OPS = (("_scaled_dot_product_flash_attention_for_cpu", "cpu"), ("_scaled_dot_product_cudnn_attention", "cudnn"),
             ("_scaled_dot_product_flash_attention", "flash"), ("_scaled_dot_product_efficient_attention", "efficient"),
-            ("_scaled_dot_product_attention_math", "math"), ("_scaled_dot_product_fused_attention_overrideable", "other"))
+            ("_scaled_dot_product_attention_math", "math"), ("_scaled_dot_product_fused_attention_overrideable", "other"),
+            ("flex_attention", "flex"))
 
 
 def attention_backend_run(names: set[str]) -> str:
     """Which backend a block's attention ran, from the op names of its profiled forward and backward: an SDPA
-    backend's op, else "eager" (the core written out)."""
+    backend's op, flex_attention's, else "eager" (the core written out)."""
     for op, backend in SDPA_OPS:
         if any(op in n for n in names):
             return backend

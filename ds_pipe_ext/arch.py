@@ -44,13 +44,17 @@ def attention_backend(kernel: str, device: str | None, *, dtype: str = "bf16", h
     On a GPU, torch 2.11 tries cuDNN, then flash, then memory-efficient, then math, each where it can:
     flash and cuDNN take 16-bit inputs without an explicit mask, head dims to 256 (cuDNN: 128); cuDNN's
     path takes no ``enable_gqa`` (flash does); memory-efficient takes fp32 and a mask but no
-    ``enable_gqa``, so a grouped-query core with a dense mask falls to math, which writes the s x s scores
-    out (gpt2-medium's bf16 block ran cuDNN on an H200: the layer peak trace)."""
+    ``enable_gqa``, so a grouped-query core with a dense mask would fall to math, which writes the s x s scores
+    out (gpt2-medium's bf16 block ran cuDNN on an H200: the layer peak trace).  A masked core here is a sliding
+    window, which on a GPU runs as "flex": flex_attention's block mask, the blocks outside the window skipped
+    (``models.llama``); a CPU keeps SDPA with the dense mask."""
     kind = attention_kernel(kernel, device)
     if kind == "eager":
         return "eager"
     if device in (None, "cpu"):
         return "cpu"
+    if masked:
+        return "flex"
     sixteen_bit = dtype in ("bf16", "fp16")
     if sixteen_bit and not masked and not gqa and head_dim <= 128:
         return "cudnn"

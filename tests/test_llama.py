@@ -288,3 +288,26 @@ def test_llamas_sdpa_core_is_written_out_attention(window):
     fused_grads = torch.autograd.grad((fused * w).sum(), (q, k, v))
     for a, b_ in zip(fused_grads, torch.autograd.grad((written * w).sum(), (q, k, v))):
         assert torch.allclose(a, b_, atol=1e-5)
+
+
+def test_a_sliding_window_runs_flex_attention_on_a_gpu_and_the_dense_mask_on_a_cpu():
+    """The one selector (arch.attention_backend) the model code and the cost model ask: a window on CUDA runs
+    flex_attention's block mask (priced as "flex", no s x s mask held), on a CPU SDPA's dense mask; the flex
+    path (eager here; flex_attention has no CPU backward) is the dense-mask SDPA within 1e-5."""
+    from ds_pipe_ext.arch import attention_backend
+    from ds_pipe_ext.models.llama import window_attention
+
+    assert attention_backend("fused", "cuda", masked=True) == "flex"
+    assert attention_backend("fused", "cpu", masked=True) == "cpu"
+    assert attention_backend("fused", "cuda", masked=False, gqa=True) == "flash"
+    cfg = load_model("mistral-7b", layers=1)  # a 4,096-token window over 8,192 tokens
+    rows = {dev: estimate_layers(cfg, EstimateRequest(micro_batch=1, seq=8192, dtype="bf16"), get_device(dev))[1]
+            for dev in ("h200", "cpu")}
+    assert rows["cpu"]["activation_bytes"] - rows["h200"]["activation_bytes"] == 8192 * 8192 * 2  # the dense mask
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 64, 16, generator=g)
+    k, v = (torch.randn(1, 2, 64, 16, generator=g) for _ in range(2))
+    i = torch.arange(64)
+    dense = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 8)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+    assert torch.allclose(window_attention(q, k, v, 8, enable_gqa=True, compiled=False), ref, atol=1e-5)

@@ -124,8 +124,9 @@ def fused_attention(shp: Shape, kv_heads: int | None = None, window: int | None 
     kv_heads key/value heads.  It saves q, k and v and the fp32 log-sum-exp per query row, and
     recomputes the probabilities backward (five products against the forward's two, Dao et al. 2022);
     its output is the projection's saved input, counted there.  Each query sees ``window`` keys at most
-    (all s otherwise, as Megatron counts causal attention); a window goes to the kernel as an s x s mask
-    in the query's dtype, which it keeps.  Two records: selective recompute reruns the kernel from the
+    (all s otherwise, as Megatron counts causal attention); a window goes to a CPU's kernel as an s x s mask
+    in the query's dtype, which it keeps, and to a GPU's as flex_attention's block mask (the blocks outside
+    the window skipped, a few bytes a block).  Two records: selective recompute reruns the kernel from the
     q, k and v it keeps, so only the log-sum-exp goes."""
     kv = _kv_heads(shp, kv_heads)
     keys = min(window, shp.s) if window else shp.s
@@ -133,12 +134,13 @@ def fused_attention(shp: Shape, kv_heads: int | None = None, window: int | None 
     q = shp.sbA / shp.t
     kv_elems = 2 * shp.tokens * kv * shp.head_dim / shp.t
     lse = shp.b * shp.a / shp.t * shp.s * 4
-    mask = shp.s * shp.s * shp.e if window and window < shp.s else 0.0
+    windowed = bool(window and window < shp.s)
+    mask = shp.s * shp.s * shp.e if windowed and shp.dense_window_mask else 0.0
     return [OpCost("fused_attention", "attention", fwd_flops=flops, bwd_flops=2.5 * flops,
                    fwd_bytes=(2 * q + kv_elems) * shp.e, bwd_bytes=(3 * q + 2 * kv_elems) * shp.e,
                    activation_bytes=(q + kv_elems) * shp.e + mask,
                    fwd_allocs=(q * shp.e,), bwd_allocs=(q * shp.e, kv_elems * shp.e),
-                   attn_shape=(shp.b, shp.a // shp.t, kv // shp.t, shp.s, keys, shp.head_dim, int(bool(mask)),
+                   attn_shape=(shp.b, shp.a // shp.t, kv // shp.t, shp.s, keys, shp.head_dim, int(windowed),
                                int(shp.dropout)),
                    kernels=(1, 3)),
             OpCost("fused_attention_lse", "attention", activation_bytes=lse, recompute=True)]

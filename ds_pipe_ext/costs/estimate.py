@@ -69,7 +69,8 @@ def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None, *, 
     return A.Shape(b=req.micro_batch, s=req.seq, h=desc.hidden, a=desc.heads, f=desc.ffn, V=desc.vocab,
                    e=e, m=m, t=req.tp, sp=req.sp, dropout=desc.dropout, ep=req.ep,
                    d=desc.blocks[0].attention.head_dim or 0,
-                   table_grad_accum=table_grad_accum_bytes(runs_on, req.dtype), bias_grad_buffer=runs_on != "cpu")
+                   table_grad_accum=table_grad_accum_bytes(runs_on, req.dtype), bias_grad_buffer=runs_on != "cpu",
+                   dense_window_mask=runs_on == "cpu")
 
 
 def assumed_attention(model, device: str) -> str:

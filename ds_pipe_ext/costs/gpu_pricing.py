@@ -173,7 +173,8 @@ def grad_accumulate_s(op: OpCost, *, dtype: str, spec, execution: str) -> float:
 # read off XLA's measured B200 table; the 4-byte alignment is ml-engineering's SwiGLU pair (273 against 398
 # TFLOP/s), 8 bytes taken halfway; cuDNN's d64 forward is the H200 `cuda` spec's causal SDPA, d128 scaled by
 # FlashAttention-3's d128 / d64 ratio, backward at 0.75 of the forward (Shah et al. 2024); flash is
-# FlashAttention-2's H100 rows there, memory-efficient half of flash (Dao 2023); the streaming share is the H200
+# FlashAttention-2's H100 rows there, memory-efficient half of flash (Dao 2023), flex_attention 90% / 85% of
+# flash forward / backward (PyTorch's FlexAttention write-up, 2024); the streaming share is the H200
 # `cuda` spec's 1 GiB copy.  Fitted on the H200 records (bench/gpu_fidelity.py names them): the 2-byte
 # alignment (the bf16 GPT heads), attention with dropout (gpt2-medium's bf16 block), fp32 memory-efficient
 # attention (its fp32 block, a share of the TF32 peak: cutlass's three-pass fp32), the host dispatch (its
@@ -188,7 +189,10 @@ HOPPER = dict(
                "efficient": {64: (0.12, 0.085), 128: (0.145, 0.11)},
                "math": {64: (0.06, 0.045), 128: (0.08, 0.06)},
                "efficient-fp32": {64: (0.213, 0.160), 128: (0.213, 0.160)},
-               "math-fp32": {64: (0.03, 0.02), 128: (0.04, 0.03)}},
+               "math-fp32": {64: (0.03, 0.02), 128: (0.04, 0.03)},
+               # flex_attention (a sliding window's block mask): 90% of FlashAttention-2 forward, 85% backward
+               "flex": {64: (0.216, 0.145), 128: (0.261, 0.187)},
+               "flex-fp32": {64: (0.213, 0.160), 128: (0.213, 0.160)}},
     attention_dropout=0.343,
     bandwidth_fraction=0.88,
     host_kernel_s=12.35e-6,
@@ -203,7 +207,9 @@ AMPERE = dict(HOPPER, gemm_efficiency=0.87,
                          "efficient": {64: (0.30, 0.25), 128: (0.36, 0.31)},
                          "math": {64: (0.10, 0.08), 128: (0.12, 0.10)},
                          "efficient-fp32": HOPPER["attention"]["efficient-fp32"],
-                         "math-fp32": HOPPER["attention"]["math-fp32"]})
+                         "math-fp32": HOPPER["attention"]["math-fp32"],
+                         "flex": {64: (0.54, 0.425), 128: (0.657, 0.536)},
+                         "flex-fp32": HOPPER["attention"]["flex-fp32"]})
 
 
 def gpu_kernels(name: str, *, table=None) -> GpuKernels | None:

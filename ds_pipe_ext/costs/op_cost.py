@@ -37,6 +37,9 @@ class Shape:
     # a biased linear's backward on a GPU sums the bias gradient through a buffer of its output gradient's size
     # (an H200: ``AddmmBackward0 > aten::sum``, 64 MiB live at gpt2-medium's bf16 block peak); a CPU's holds none
     bias_grad_buffer: bool = False
+    # a sliding window goes to the attention kernel as a dense s x s mask (a CPU's SDPA), not flex_attention's
+    # block mask (a GPU's: a few bytes a block)
+    dense_window_mask: bool = True
 
     def __post_init__(self) -> None:
         for name in ("b", "s", "h", "a", "f", "V", "e", "t", "ep"):

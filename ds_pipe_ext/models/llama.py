@@ -11,7 +11,9 @@ gives the family megatron-core's tensor and sequence parallelism:
   per rank, as megatron-core's ``gated_linear_unit`` lays them out.  Qwen3's per-head q/k RMSNorms
   are replicated; their gradients are summed over the TP group (each rank normalised its own heads).
 * Attention is torch's fused ``scaled_dot_product_attention`` (grouped-query natively): on a CPU it
-  saves q, k, v, its output and the log-sum-exp, no s x s probabilities.  Rotary positions are
+  saves q, k, v, its output and the log-sum-exp, no s x s probabilities.  A sliding window (Mistral) is a
+  dense mask on a CPU and ``flex_attention``'s block mask on a GPU, where a dense mask would rule out SDPA's
+  fast kernels (``arch.attention_backend`` decides, for this code and the cost model).  Rotary positions are
   recomputed from 0..s-1 in every block, so only hidden states cross a stage boundary.
 * SiLU(gate) * up is one autograd function that keeps only its input (megatron-core's fused
   ``bias_swiglu`` does the same): eager torch would also keep SiLU(gate), a third f-wide tensor.
@@ -31,6 +33,7 @@ import torch.utils.checkpoint
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
+from ..arch import attention_backend
 from ..layout import Layout
 from ..pipe.sequential import SequentialLayers
 from .layers import LOCAL, LayerImpl, head_output, lm_loss, mark_sections
@@ -66,6 +69,34 @@ class Rotary(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+@functools.lru_cache(maxsize=8)
+def _window_block_mask(s: int, window: int, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def keep(_b, _h, q_idx, kv_idx):  # query i sees keys i - window + 1 .. i
+        return (kv_idx <= q_idx) & (kv_idx > q_idx - window)
+
+    return create_block_mask(keep, None, None, s, s, device=device)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)  # flex_attention's fused kernel is its compiled form
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, *, enable_gqa: bool,
+                     compiled: bool = True) -> torch.Tensor:
+    """Sliding-window causal attention through ``flex_attention``'s block mask: the blocks outside the window
+    are skipped, nothing s x s is made.  ``compiled=False``: the eager reference (a CPU test's)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    attend = _compiled_flex_attention() if compiled else flex_attention
+    mask = _window_block_mask(q.shape[2], int(window), str(q.device))
+    return attend(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x cos + rotate_half(x) sin over the last dimension (transformers' ``apply_rotary_pos_emb``)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -93,7 +124,7 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary = Rotary(cfg)
-        window = cfg.window
+        window = self.window = cfg.window
         if window is not None:  # query i sees keys i - window + 1 .. i, as transformers' sliding-window mask
             i = torch.arange(cfg.seq_len)
             allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
@@ -128,6 +159,10 @@ class LlamaAttention(nn.Module):
         gqa = self.kv_heads != self.heads
         if self.window_mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        # the kernel the cost model prices: the one selector both ask (a dense mask rules out SDPA's fast
+        # kernels on a GPU, so there the window runs as flex_attention's block mask)
+        if attention_backend("fused", q.device.type, masked=True) == "flex":
+            return window_attention(q, k, v, self.window, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.window_mask[:s, :s], enable_gqa=gqa)
 
 
