@@ -49,3 +49,17 @@ def test_seeded_layers_match_deepspeed_seed_layers():
     alone = specs[3].build()
     for a, b in zip(alone.parameters(), model.layers[3].parameters()):
         assert torch.equal(a, b)
+
+
+def test_gpt_attention_picks_its_kernel_by_the_device_it_is_built_for(monkeypatch):
+    """The GPT's "auto" attention: written out on a CPU, SDPA where CUDA is present (patched here), as the cost
+    model's selector says for the same setting (arch.attention_backend)."""
+    from ds_pipe_ext.arch import attention_backend
+    from ds_pipe_ext.models.gpt import Block
+
+    cfg = load_model_config("tiny")
+    assert cfg.attention == "auto" and not Block(cfg).attn.sdpa
+    assert attention_backend("auto", "cpu") == "eager"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert Block(cfg).attn.sdpa
+    assert attention_backend("auto", "h200", dtype="bf16", head_dim=cfg.hidden // cfg.heads) == "cudnn"
