@@ -100,7 +100,7 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
             if block.experts is not None:  # routed experts in place of the MLP (costs/moe_ops.py)
                 built[block] = moe_block(built[block], shaped, block.experts, ep=shp.ep, imbalance=expert_imbalance)
         layers.append(("Block", "block", built[block]))
-    if desc.loss_chunk_tokens and shp.t == 1:
+    if chunked_head(desc, shp):
         layers.append(("HeadPipe", "head", A.chunked_lm_head(shp, norm=desc.norm, chunk_tokens=desc.loss_chunk_tokens)))
     else:
         layers.append(("HeadPipe", "head", A.lm_head(shp, norm=desc.norm)))

@@ -123,7 +123,8 @@ LOCAL = LayerImpl(
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of (s, b, V) logits; ``labels`` (b, s) are the inputs shifted by one
     (-100 ignored, as transformers' causal-LM loss does)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.t().reshape(-1))
+    # cast, then flatten: a view of contiguous logits either way, one fp32 copy of a slice's (RealVocabLoss)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.t().reshape(-1))
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,7 @@ class RealVocabLoss:
     vocab_size: int
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        real = logits[..., : self.vocab_size].float()
-        return F.cross_entropy(real.reshape(-1, self.vocab_size), labels.t().reshape(-1))
+        return lm_loss(logits[..., : self.vocab_size], labels)
 
 
 def chunks_loss(cfg, impl: LayerImpl) -> bool:
