@@ -43,6 +43,9 @@ from ds_pipe_ext.models.registry import load_model  # noqa: E402
 
 LAYERS = {"embedding": 0, "block": 1, "head+loss": -1}
 CASE = re.compile(r"^(?P<model>[\w.\-]+) b(?P<b>\d+) s(?P<s>\d+) (?P<dtype>bf16|fp16|fp32)$")
+# the config every log, and a records file without these keys, ran: the unpadded vocabulary and the plain loss
+# (before vocab_pad_to = 128 and loss_chunk_tokens = 2048)
+AS_RECORDED_BEFORE = {"vocab_pad_to": 1, "loss_chunk_tokens": 0}
 # (model, dtype, layer) of the records each fitted figure came from: everything else is predicted
 FITTED = {("gpt2-medium", "bf16", "embedding"): "host and launch figures",
           ("gpt2-medium", "bf16", "block"): "attention with dropout",
@@ -100,9 +103,6 @@ def read_records(runs: Path) -> dict[tuple, LayerRecord]:
     (model, dtype, layer).  A key's records must share their config: the first one's is used."""
     found: dict[tuple, LayerRecord] = {}
 
-    # every log, and a records file without the keys, ran the unpadded vocabulary and the plain loss (before
-    # vocab_pad_to = 128 and loss_chunk_tokens = 2048)
-    unpadded = {"vocab_pad_to": 1, "loss_chunk_tokens": 0}
 
     def add(case: str, layer: str, ms: float, where: str, **config) -> None:
         m = CASE.match(case)
@@ -117,17 +117,18 @@ def read_records(runs: Path) -> dict[tuple, LayerRecord]:
         text = log.read_text()
         for row in _table_rows(text):
             if "profiled ms" in row:  # costs: the profile and an independent loop timing of the same call
-                add(row["case"], row["layer"], float(row["profiled ms"]), where, overrides=unpadded)
-                add(row["case"], row["layer"], float(row["loop-timed ms"]), where + " (loop)", overrides=unpadded)
+                add(row["case"], row["layer"], float(row["profiled ms"]), where, overrides=AS_RECORDED_BEFORE)
+                add(row["case"], row["layer"], float(row["loop-timed ms"]), where + " (loop)",
+                    overrides=AS_RECORDED_BEFORE)
             elif "fwd ms" in row:  # layers
                 add(row["case"], row["layer"], float(row["fwd ms"]) + float(row["bwd ms"]), where,
-                    overrides=unpadded)
+                    overrides=AS_RECORDED_BEFORE)
     for path in sorted(runs.rglob("*-records.json")):  # bench/gpu_path.py's, since 2026-11-28
         for r in json.loads(path.read_text()).get("layers", []):
             case = f"{r['model']} b{r['b']} s{r['s']} {r['dtype']}"
             for ms in r.get("timings_ms") or [r["ms"]]:
                 add(case, r["layer"], float(ms), str(path.relative_to(runs)), tf32=r.get("tf32", False),
-                    compiled=r.get("compiled", False), overrides={**unpadded, **r.get("overrides", {})})
+                    compiled=r.get("compiled", False), overrides={**AS_RECORDED_BEFORE, **r.get("overrides", {})})
     return found
 
 
@@ -177,8 +178,7 @@ def read_steps(runs: Path) -> list[dict]:
             cells = re.split(r"\s{2,}", line.strip())
             m = SPEED_RUN.match(cells[0]) if len(cells) >= 6 else None
             if m and re.fullmatch(r"[\d.]+", cells[3] or ""):
-                overrides = {"vocab_pad_to": 1, "loss_chunk_tokens": 0,
-                             **({"layers": int(m["layers"])} if m["layers"] else {})}
+                overrides = {**AS_RECORDED_BEFORE, **({"layers": int(m["layers"])} if m["layers"] else {})}
                 steps.append({"run": cells[0], "model": m["model"], "overrides": overrides, "micro_batch": int(m["mb"]), "micro_batches": int(m["m"]),
                               "compiled": bool(m["compiled"]), "step_ms": float(cells[3]),
                               "optimizer_ms": float(cells[4]), "where": str(log.relative_to(runs))})
@@ -226,7 +226,7 @@ def predict_compare_mib(row: dict) -> float:
     from ds_pipe_ext.compare.predict import layer_activation_bytes, model_shape, predicted_ranks
     from ds_pipe_ext.layout import Layout
 
-    cfg = load_model(row["model"], vocab_pad_to=1, loss_chunk_tokens=0)  # as every compare record ran
+    cfg = load_model(row["model"], **AS_RECORDED_BEFORE)  # as every compare record ran
     cc = CompareConfig(row["config"], Layout(dp=1, zero=row["zero"], micro_batch=row["micro_batch"],
                                              micro_batches=row["micro_batches"]))
     acts = layer_activation_bytes(cfg, cc, dtype=row["dtype"], device="cuda")

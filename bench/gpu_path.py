@@ -345,16 +345,20 @@ def spec_name(t: Target) -> str:
     return spec
 
 
+def recorded_overrides(model: str, overrides: dict | None = None) -> dict:
+    """A record's config beside its model's name: its overrides, and always the vocabulary's padding and the
+    loss's chunking (records before them ran without: gpu_fidelity reads their absence so)."""
+    cfg = load_model(model)
+    return {"vocab_pad_to": cfg.vocab_pad_to, "loss_chunk_tokens": cfg.loss_chunk_tokens, **(overrides or {})}
+
+
 def layer_record(model: str, b: int, seq: int, dtype: str, layer: str, timings_ms: list[float], *,
                  overrides: dict | None = None, **extra) -> dict:
     """One layer's timings as bench/gpu_fidelity.py reads them back: the full config it ran with (model,
     shape, dtype, TF32, compiled or not, its config overrides) and every timing, so no label is parsed."""
     return {"model": model, "b": b, "s": seq, "dtype": dtype, "layer": layer, "ms": statistics.median(timings_ms),
             "timings_ms": list(timings_ms), "tf32": bool(torch.backends.cuda.matmul.allow_tf32), "compiled": False,
-            # the vocabulary's padding always: records before it ran unpadded (gpu_fidelity reads its absence so)
-            "overrides": {"vocab_pad_to": load_model(model).vocab_pad_to,
-                          "loss_chunk_tokens": load_model(model).loss_chunk_tokens, **(overrides or {})},
-            "torch": torch.__version__, **extra}
+            "overrides": recorded_overrides(model, overrides), "torch": torch.__version__, **extra}
 
 
 def write_records(out: Path, part: str, records: list[dict]) -> None:
@@ -469,9 +473,8 @@ def speed_record(run: Run, *, model: str, overrides: dict, micro_batch: int, mic
     profile_path = Path(run.extra["work"]) / "step_profile.json"
     profile = json.loads(profile_path.read_text()) if profile_path.is_file() else {}
     optimizer = (profile.get("phases") or {}).get("optimizer_step", {}).get("ms")
-    cfg = load_model(model)
-    return {"run": run.name, "status": run.status, "model": cfg.name, "overrides": {
-                "vocab_pad_to": cfg.vocab_pad_to, "loss_chunk_tokens": cfg.loss_chunk_tokens, **overrides},
+    return {"run": run.name, "status": run.status, "model": load_model(model).name,
+            "overrides": recorded_overrides(model, overrides),
             "micro_batch": micro_batch, "micro_batches": micro_batches, "compiled": compiled, "pipeline": pipeline,
             "instrumented": False, "step_ms": 1e3 * metrics["step_s_median"] if "step_s_median" in metrics else None,
             "step_ms_each": [1e3 * x for x in metrics.get("step_s_each", [])],
