@@ -132,12 +132,12 @@ class MegatronLayoutChecker:
             return {"missing": f"the checker failed ({e})"}
 
     def close(self) -> None:
-        if self.proc.stdin:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        # every answer has been read (calls are synchronous) and the child writes nothing: stop it at once
+        # rather than let a plan that ended early (bad input, a small search) wait out megatron-core's import
+        self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            pipe.close()
 
 
 def ds_config(cost: LayoutCost, *, model: str, steps: int = 10, dtype: str = "bf16",
