@@ -116,21 +116,26 @@ def test_the_malloc_shim_serves_large_blocks_from_the_heap_and_can_be_declined()
     except (OSError, AttributeError):
         pytest.skip("not glibc >= 2.33")
 
-    def probe(mode, *args, **env):
-        out = subprocess.run([sys.executable, "-c", MALLOC_PROBE, mode, *args], capture_output=True, text=True,
-                             check=True, env={**os.environ, **env}).stdout
-        return [word for word in out.split() if word in ("fixed", "mmapped", "True", "False", "0", "1")]
-
-    assert probe("glibc") == ["mmapped", "1"]
-    assert probe("fixed") == ["fixed", "True", "mmapped", "0"]
-    assert probe("fixed", DS_PIPE_EXT_GLIBC_MALLOC="default") == ["fixed", "False", "mmapped", "1"]
-    # thresholds the environment fixed (compare --compact-malloc's 128 KiB) are kept, not overridden
-    assert probe("fixed", MALLOC_MMAP_THRESHOLD_="131072") == ["fixed", "False", "mmapped", "1"]
-    # the drop-in sets them on every rank, not only on the rank that profiles (issue 53)
     from ds_pipe_ext.runner import free_port
 
-    assert probe("drop-in", str(free_port())) == ["mmapped", "0"]
-    assert probe("drop-in", str(free_port()), DS_PIPE_EXT_GLIBC_MALLOC="default") == ["mmapped", "1"]
+    def probe(mode, *args, **env):  # started at once, read below: each process spends seconds importing torch
+        return subprocess.Popen([sys.executable, "-c", MALLOC_PROBE, mode, *args], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, **env})
+
+    probes = [
+        (probe("glibc"), ["mmapped", "1"]),
+        (probe("fixed"), ["fixed", "True", "mmapped", "0"]),
+        (probe("fixed", DS_PIPE_EXT_GLIBC_MALLOC="default"), ["fixed", "False", "mmapped", "1"]),
+        # thresholds the environment fixed (compare --compact-malloc's 128 KiB) are kept, not overridden
+        (probe("fixed", MALLOC_MMAP_THRESHOLD_="131072"), ["fixed", "False", "mmapped", "1"]),
+        # the drop-in sets them on every rank, not only on the rank that profiles (issue 53)
+        (probe("drop-in", str(free_port())), ["mmapped", "0"]),
+        (probe("drop-in", str(free_port()), DS_PIPE_EXT_GLIBC_MALLOC="default"), ["mmapped", "1"]),
+    ]
+    for proc, expected in probes:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, (proc.args, expected)
+        assert [word for word in out.split() if word in ("fixed", "mmapped", "True", "False", "0", "1")] == expected
 
 
 def test_the_cpu_spec_charges_page_faults_above_the_threshold_training_runs_with(monkeypatch):
