@@ -110,8 +110,9 @@ def _report(run: Run) -> Run:
     return run
 
 
-def launch_train(part: str, name: str, ds: dict, out: Path, t: Target, *, instrument: bool = False) -> Run:
-    """``deepspeed --num_gpus 1 train.py --deepspeed_config DS`` in OUT/PART/NAME."""
+def launch_train(part: str, name: str, ds: dict, out: Path, t: Target, *, instrument: bool = False,
+                 user_command: bool = False) -> Run:
+    """One rank of train.py with DS in OUT/PART/NAME; through ``deepspeed --num_gpus 1`` itself if user_command."""
     work = out / part / name
     work.mkdir(parents=True, exist_ok=True)
     config = work / "ds.json"
@@ -119,7 +120,7 @@ def launch_train(part: str, name: str, ds: dict, out: Path, t: Target, *, instru
     args = ["--instrument", str(work / "run")] if instrument else []
     t0 = time.perf_counter()
     try:
-        proc, ranks = launch(1, config, *args, out_dir=work, cwd=work, timeout=t.timeout)
+        proc, ranks = launch(1, config, *args, out_dir=work, cwd=work, timeout=t.timeout, user_command=user_command)
         rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
     except subprocess.TimeoutExpired:
         rc, ranks, tail = 124, {}, f"timed out after {t.timeout} s"
@@ -149,7 +150,7 @@ def train_part(t: Target, out: Path) -> list[Run]:
     root = json.loads((ROOT / "ds.json").read_text())
     root["pipeline"]["stages"] = 1
     root["train"] = {**root["train"], "steps": t.steps, "log": "json"}
-    runs = [launch_train("train", "ds.json-1-rank", root, out, t)]
+    runs = [launch_train("train", "ds.json-1-rank", root, out, t, user_command=True)]  # the README's command
     for zero in (0, 1):
         runs.append(launch_train("train", f"{t.gpt}-{t.dtype}-pp1-z{zero}", pipeline_config(t, zero), out, t,
                                  instrument=True))

@@ -1,10 +1,11 @@
-"""Run `deepspeed --num_gpus N train.py ...` for real and collect what each rank wrote.
+"""Run `deepspeed --num_gpus N train.py ...`, or what it runs on one node, for real; collect what each rank wrote.
 
 Used by the multi-process tests and the benches; needs a source checkout (train.py).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -51,20 +52,35 @@ def deepspeed_launcher() -> Path:
     return Path(found)
 
 
+def single_node_launch(num_ranks: int, port: int) -> list[str]:
+    """What ``deepspeed --num_gpus N --master_port PORT`` runs without a hostfile (deepspeed/launcher/runner.py,
+    its one-node branch): deepspeed.launcher.launch with the slots 0..N-1 of localhost as base64 JSON."""
+    world_info = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(num_ranks))}).encode()).decode()
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+            "--master_addr=127.0.0.1", f"--master_port={port}", "--enable_each_rank_log=None", "--log_level=info"]
+
+
 def launch(num_ranks: int, config: Path | None, *args: str, out_dir: Path | None = None, cwd: Path = ROOT,
-           timeout: int = 240, threads_per_rank: int = 1, script: str = "train.py", env: dict | None = None):
-    """``deepspeed --num_gpus N SCRIPT ...`` on a free port, the one launcher of the tests and benches.
-    Returns (completed process, {rank: metrics}).  Ranks run with OMP_NUM_THREADS=threads_per_rank.
+           timeout: int = 240, threads_per_rank: int = 1, script: str = "train.py", env: dict | None = None,
+           user_command: bool = False):
+    """N ranks of SCRIPT on this machine, spawned by DeepSpeed's launcher on a free port: the one launcher of the
+    tests and benches.  Returns (completed process, {rank: metrics}).  Ranks run with
+    OMP_NUM_THREADS=threads_per_rank.
+
+    ``user_command=True`` runs the user's own ``deepspeed --num_gpus N SCRIPT ...``.  Otherwise the command that
+    ``deepspeed`` itself runs on one node (``single_node_launch``): the same per-node launcher, the same rank
+    environment, without the runner's own interpreter (~3 s of imports a launch).
 
     ``script`` (relative to the repository) gets ``--metrics-out OUT_DIR/metrics.json`` where ``out_dir``
     is given, and must then write NAME.rankR.json files; without ``out_dir`` it reports its own way.
     ``config`` is passed as ``--deepspeed_config`` unless None.
     """
-    deepspeed = deepspeed_launcher()
     config_args = ["--deepspeed_config", str(config)] if config is not None else []
     metrics_args = ["--metrics-out", str(out_dir / "metrics.json")] if out_dir is not None else []
-    cmd = [str(deepspeed), "--num_gpus", str(num_ranks), "--master_port", str(free_port()), str(ROOT / script),
-           *config_args, *metrics_args, *args]
+    port = free_port()
+    launcher = ([str(deepspeed_launcher()), "--num_gpus", str(num_ranks), "--master_port", str(port)] if user_command
+                else single_node_launch(num_ranks, port))
+    cmd = [*launcher, str(ROOT / script), *config_args, *metrics_args, *args]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONPATH": str(ROOT),
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", **(env or {})}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multiprocess
 
 def test_user_command_on_4_ranks_every_rank_builds_the_same_stages(tmp_path):
     # the README's command, from the repo root, with the root ds.json (4 stages, "profiled")
-    proc, ranks = launch(4, ROOT / "ds.json", "--steps", "2", out_dir=tmp_path)
+    proc, ranks = launch(4, ROOT / "ds.json", "--steps", "2", out_dir=tmp_path, user_command=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(ranks) == [0, 1, 2, 3]
     parts = ranks[0]["parts"]

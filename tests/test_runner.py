@@ -1,4 +1,5 @@
-"""The launch helpers' resume rule: a stored launch is re-read only for the run that made it."""
+"""The launch helpers: the command a launch runs, and the resume rule (a stored launch is re-read only for the run
+that made it)."""
 
 import json
 import re
@@ -38,3 +39,33 @@ def test_a_stored_launch_of_another_run_is_refused(tmp_path, methods, overrides,
     with pytest.raises(SystemExit, match=re.escape(named)) as err:
         _measure(tmp_path / "a", methods, **overrides)
     assert "remove the directory or choose another --out" in str(err.value)
+
+
+def test_a_launch_runs_what_the_deepspeed_command_runs_on_one_node(monkeypatch):
+    """``launch`` skips the ``deepspeed`` runner's interpreter, not what it does: on one node without a hostfile
+    the runner hands deepspeed.launcher.launch exactly this command, for any device count it accepts."""
+    from types import SimpleNamespace
+
+    import deepspeed.launcher.runner as ds_runner
+
+    from ds_pipe_ext.runner import single_node_launch
+
+    started = []
+
+    class Started:
+        returncode = 0
+
+        def __init__(self, cmd, env=None):
+            started.append(cmd)
+
+        def wait(self):
+            return 0
+
+    accelerator = SimpleNamespace(device_count=lambda: 8, visible_devices_envs=lambda: ["CUDA_VISIBLE_DEVICES"])
+    monkeypatch.setattr(ds_runner, "get_accelerator", lambda: accelerator)
+    monkeypatch.setattr(ds_runner, "fetch_hostfile", lambda path: None)  # one node
+    monkeypatch.setattr(ds_runner, "subprocess", SimpleNamespace(Popen=Started))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for ranks in (1, 2, 4):
+        ds_runner.main(["--num_gpus", str(ranks), "--master_port", "29611", "train.py", "--steps", "2"])
+        assert started[-1] == [*single_node_launch(ranks, 29611), "train.py", "--steps", "2"]
