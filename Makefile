@@ -31,8 +31,12 @@ demo: install
 	PATH=$(abspath $(VENV))/bin:$$PATH launch_scripts/compare_zero3.sh 2 compare-cpu --micro-batch 8 --steps 3 \
 		--out runs/demo-compare --png runs/demo-compare/compare.png
 
+# two test workers on the CI machine's two cores: a launch spends much of its time starting interpreters and
+# polling, which the other worker's tests fill (test ports are free ports, caches are written atomically)
+TEST_WORKERS ?= 2
+
 test: install
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -q --durations=15 tests
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 tests
 
 # the pure tests only (no process launches)
 test-fast: install
