@@ -44,22 +44,20 @@ def test_user_command_on_4_ranks_every_rank_builds_the_same_stages(tmp_path):
 
 
 def test_partition_and_schedule_do_not_change_the_math(tmp_path):
-    """Three runs on 2 ranks - 1F1B, GPipe (DeepSpeed's engine through ``_train_schedule``) over an
-    emulated slow link, DeepSpeed's DualPipeV engine cut by our pair-balancing ``profiled`` split -
-    and one process without a pipeline: the same losses."""
+    """Three runs in one launch on 2 ranks - 1F1B, DeepSpeed's DualPipeV engine cut by our pair-balancing
+    ``profiled`` split, GPipe (DeepSpeed's engine through ``_train_schedule``) over an emulated slow link - and
+    one process without a pipeline: the same losses."""
     gpipe = write_config(tmp_path / "gpipe.json", pipeline={"schedule": "gpipe",
                                                             "link_emulation": {"latency_ms": 2, "bandwidth_gbs": 0.5}})
     dualpipev = write_config(tmp_path / "dualpipev.json", pipeline={"schedule": "dualpipev"})
-    runs = {}
-    for name, method, ds in [("front", "parts:0,2,6", ROOT / "launch_scripts" / "ds_pipeline.json"),
-                             ("back", "parts:0,4,6", gpipe), ("dualpipev", "profiled", dualpipev)]:
-        out = tmp_path / name
-        out.mkdir()
-        proc, ranks = launch(2, ds, "--steps", "3", "--partition-method", method, out_dir=out, cwd=tmp_path)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        if method.startswith("parts:"):
-            assert ranks[0]["parts"] == [int(b) for b in method.split(":")[1].split(",")]
-        runs[name] = ranks[0]
+    proc, ranks = launch(2, ROOT / "launch_scripts" / "ds_pipeline.json", "--steps", "3",
+                         "--run", "front: --partition-method parts:0,2,6",
+                         "--run", f"dualpipev: --partition-method profiled --deepspeed_config {dualpipev}",
+                         "--run", f"back: --partition-method parts:0,4,6 --deepspeed_config {gpipe}",
+                         out_dir=tmp_path, cwd=tmp_path, script="tests/models_in_turn.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = ranks[0]["runs"]
+    assert runs["front"]["parts"] == [0, 2, 6] and runs["back"]["parts"] == [0, 4, 6]
     assert runs["back"]["schedule"] == "gpipe" and runs["back"]["link_emulation"]["latency_ms"] == 2
     # DualPipeV: 2p = 4 chunks, rank 0 holds the first and the last (the embedding and the head)
     dpv = runs["dualpipev"]
@@ -133,25 +131,45 @@ def assert_peaks_follow_the_rule(ds_path, run_dir, *, world: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "ranks_n, overrides, message, before_group",
+    "overrides, message, before_group",
     [
-        (2, {"pipeline": {"memory_cap_gib": 1e-6}}, "smallest cap that admits a partition", False),
-        (2, {"pipeline": {"partition_method": "profile"}}, "unknown partition_method 'profile'; valid methods", False),
-        # topology and config keys: checked before any process group exists (every other bad
-        # layout and key is unit-tested: test_parallel.py, test_run_config.py, test_drop_in.py)
-        (2, {"tensor_parallel": {"size": 4}}, "world size 2 is not pipeline (2) x tensor (4) x data parallel", True),
-        (2, {"tensor_parallel": {"size": 2, "sequence_parallel": "false"}},
-         "tensor_parallel.sequence_parallel = 'false': Input should be a valid boolean", True),
-        # expert parallelism wider than a stage's data-parallel group (the MoE family's other refusals:
-        # tests/test_moe.py, raised by the same Layout check at the same point)
-        (2, {"moe": {"ep_size": 2}, "train": {"model": "moe-tiny"}},
-         "ep = 2 does not divide dp = 1: DeepSpeed builds each expert-parallel group", True),
+        ({"pipeline": {"memory_cap_gib": 1e-6}}, "smallest cap that admits a partition", False),
+        # topology: checked before any process group exists (every other bad layout and key is unit-tested:
+        # test_parallel.py, test_run_config.py, test_drop_in.py)
+        ({"tensor_parallel": {"size": 4}}, "world size 2 is not pipeline (2) x tensor (4) x data parallel", True),
     ],
 )
-def test_bad_input_fails_on_every_rank_without_hanging(tmp_path, ranks_n, overrides, message, before_group):
+def test_bad_input_fails_on_every_rank_without_hanging(tmp_path, overrides, message, before_group):
     cfg = write_config(tmp_path / "bad.json", **overrides)
-    proc, _ = launch(ranks_n, cfg, "--steps", "1", out_dir=tmp_path, cwd=tmp_path, timeout=180)
+    proc, _ = launch(2, cfg, "--steps", "1", out_dir=tmp_path, cwd=tmp_path, timeout=180)
     assert proc.returncode != 0
-    assert proc.stderr.count(message) == ranks_n, proc.stderr[-3000:]
+    assert proc.stderr.count(message) == 2, proc.stderr[-3000:]
     if before_group:  # no rank got as far as starting the process group
         assert "process group up" not in proc.stdout + proc.stderr
+
+
+BAD_CONFIGS = {  # what each refusal says
+    "method": ({"pipeline": {"partition_method": "profile"}}, "unknown partition_method 'profile'; valid methods"),
+    "key": ({"tensor_parallel": {"size": 2, "sequence_parallel": "false"}},
+            "tensor_parallel.sequence_parallel = 'false': Input should be a valid boolean"),
+    # expert parallelism wider than a stage's data-parallel group (the MoE family's other refusals:
+    # tests/test_moe.py, raised by the same Layout check at the same point)
+    "experts": ({"moe": {"ep_size": 2}, "train": {"model": "moe-tiny"}},
+                "ep = 2 does not divide dp = 1: DeepSpeed builds each expert-parallel group"),
+}
+
+
+def test_more_bad_input_is_refused_on_every_rank_and_the_ranks_stay_in_step(tmp_path):
+    """The other refusals, in one launch of train.py's build in turn: each on both ranks with its message, and a
+    good run trains after them (no rank left waiting in a collective)."""
+    runs = []
+    for name, (overrides, _) in BAD_CONFIGS.items():
+        runs += ["--run", f"{name}: --deepspeed_config {write_config(tmp_path / f'{name}.json', **overrides)}"]
+    proc, ranks = launch(2, ROOT / "launch_scripts" / "ds_pipeline.json", "--steps", "1", *runs, "--run", "good: ",
+                         out_dir=tmp_path, cwd=tmp_path, script="tests/models_in_turn.py", timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        got = ranks[rank]["runs"]
+        for name, (_, message) in BAD_CONFIGS.items():
+            assert message in got[name]["error"], (rank, name, got[name])
+        assert "error" not in got["good"] and len(got["good"]["losses"]) == 1
