@@ -190,13 +190,25 @@ def partition_with_recompute(times: Sequence[float], static_bytes: Sequence[floa
 
 
 def _smallest_cap(options, prefix_m, prefix_step, inflight, reserve, n: int, p: int) -> float:
-    """The smallest cap any split fits with its leanest modes: min over splits of the most any stage needs."""
-    @lru_cache(maxsize=None)
+    """The smallest cap any split fits with its leanest modes: min over splits of the most any stage needs.
+
+    A stage's leanest need is the least, over candidate largest replays r, of inflight x (each layer's smallest
+    kept bytes among modes replaying at most r) + r.  Per r those sums are prefix sums over the layers, so a
+    stage costs O(#r); an r none of the stage's own modes has never wins (the sums are those of the stage's
+    next smaller value, r is larger)."""
+    replays = sorted({m.replay_bytes for layer in options for m in layer})
+    kept_sums, missing = {}, {}  # per r: prefix sums of the leanest kept bytes; of layers with no mode <= r
+    for r in replays:
+        kept, none = [0.0], [0]
+        for layer in options:
+            allowed = [m.kept_bytes for m in layer if m.replay_bytes <= r]
+            kept.append(kept[-1] + (min(allowed) if allowed else 0.0))
+            none.append(none[-1] + (not allowed))
+        kept_sums[r], missing[r] = kept, none
+
     def need(s: int, i: int, j: int) -> float:
-        layers = options[i:j]
-        lean = min(inflight[s] * sum(min(m.kept_bytes for m in layer if m.replay_bytes <= r) for layer in layers) + r
-                   for r in sorted({m.replay_bytes for layer in layers for m in layer})
-                   if all(any(m.replay_bytes <= r for m in layer) for layer in layers))
+        lean = min(inflight[s] * (kept_sums[r][j] - kept_sums[r][i]) + r
+                   for r in replays if missing[r][j] == missing[r][i])
         return max(prefix_m[j] - prefix_m[i] + reserve[s] + lean, prefix_step[j] - prefix_step[i])
 
     best = [[INF] * (n + 1) for _ in range(p + 1)]
