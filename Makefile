@@ -41,7 +41,7 @@ test: install
 
 # the pure tests only (no process launches)
 test-fast: install
-	$(PY) -m pytest -q -m "not multiprocess" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not multiprocess" tests
 
 clean:
 	rm -rf $(VENV) .ds_pipe_ext_cache .pytest_cache .hypothesis *.egg-info
