@@ -26,6 +26,7 @@ setup(
         "pydantic>=2.5,<3",  # config sections, validated as DeepSpeed validates its own
         "matplotlib>=3.8,<4",
         "tqdm>=4.66,<5",
+        "filelock>=3.12",  # one measurement of the machine when several processes ask at once (torch needs it too)
     ],
     extras_require={
         # Hugging Face models as pipelines (ds_pipe_ext.hf); the tested range is compat.TRANSFORMERS_TESTED

@@ -1,4 +1,5 @@
-"""On-disk cache of profiled layer costs, keyed by everything that changes them."""
+"""On-disk caches: profiled layer costs, keyed by everything that changes them; a measurement made once when
+several processes ask for it at the same time (``measured_once``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import json
 import logging
 import os
 import platform
+from contextlib import contextmanager
 from pathlib import Path
+
+from filelock import FileLock
 
 from .types import LayerCost
 
@@ -30,6 +34,19 @@ def library_versions() -> dict[str, str]:
 
     versions["ds_pipe_ext"] = __version__
     return versions
+
+
+@contextmanager
+def measured_once(path: Path | None):
+    """Hold PATH.lock while the measurement cached at PATH is read or made: processes that ask at once (the
+    ranks of a launch, test workers) measure it once and read it after, and no measurement runs beside another
+    one that would slow it.  Nothing is held for an uncached (None) measurement."""
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        yield
 
 
 def cache_key(fields: dict) -> str:

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .cache import measured_once
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "p2p")
 SMALL, LARGE = 64 * 2**10, 64 * 2**20  # bytes: latency-bound and bandwidth-bound
 
@@ -123,28 +125,29 @@ def measure_cpu_ranks(world: int = 2, cache_dir: str | None = ".ds_pipe_ext_cach
     (memory-copy) speed while every rank runs one, over its speed alone: ranks share the cores'
     memory bandwidth and caches, and the single-process micro-benchmarks see neither."""
     path = Path(cache_dir) / f"cpu-ranks-v3-{world}ranks.json" if cache_dir else None
-    if path is not None and path.is_file():
-        try:
-            got = json.loads(path.read_text())
-            if set(got["collectives"]) == set(KINDS) and set(got["shared"]) == {"matrix", "memory"}:
-                return got
-        except (ValueError, KeyError, TypeError):
-            pass  # corrupt: measure again
-    with tempfile.TemporaryDirectory() as d:
-        # a child interpreter spawns the ranks: spawning from here would re-import the caller's
-        # __main__, which a script without a main guard cannot survive
-        out = Path(d) / "out.json"
-        proc = subprocess.run([sys.executable, "-m", __name__, str(world), str(out)], capture_output=True, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
-        if proc.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"measuring gloo collectives between {world} CPU ranks failed "
-                               f"(exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-        raw = json.loads(out.read_text())
-    got = {"collectives": fit(raw["times"], world), "shared": raw["shared"]}
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(got))
-    return got
+    with measured_once(path):  # several commands or test workers at once: one measures, the others read
+        if path is not None and path.is_file():
+            try:
+                got = json.loads(path.read_text())
+                if set(got["collectives"]) == set(KINDS) and set(got["shared"]) == {"matrix", "memory"}:
+                    return got
+            except (ValueError, KeyError, TypeError):
+                pass  # corrupt: measure again
+        with tempfile.TemporaryDirectory() as d:
+            # a child interpreter spawns the ranks: spawning from here would re-import the caller's
+            # __main__, which a script without a main guard cannot survive
+            out = Path(d) / "out.json"
+            proc = subprocess.run([sys.executable, "-m", __name__, str(world), str(out)], capture_output=True,
+                                  text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+            if proc.returncode != 0 or not out.is_file():
+                raise RuntimeError(f"measuring gloo collectives between {world} CPU ranks failed "
+                                   f"(exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+            raw = json.loads(out.read_text())
+        got = {"collectives": fit(raw["times"], world), "shared": raw["shared"]}
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(got))
+        return got
 
 
 if __name__ == "__main__":  # python -m ds_pipe_ext.costs.cpu_comm WORLD OUT.json (measure_cpu_ranks' child)
