@@ -114,3 +114,30 @@ def test_profiling_frees_the_layers_it_built():
     before = live()
     profile_layers([LayerSpec(Saves)] * 3, torch.randn(8, 37), settings=ProfileSettings(cache_dir=None, **FAST))
     assert live() == before
+
+
+MEASURE_ONCE = """
+import sys, time
+from pathlib import Path
+from ds_pipe_ext.costs.cache import measured_once
+path, log = Path(sys.argv[1]), Path(sys.argv[2])
+with measured_once(path):
+    if not path.exists():
+        with log.open("a") as f:
+            f.write("measured\\n")
+        time.sleep(0.5)  # a measurement others would run beside, without the lock
+        path.write_text("42")
+    print(path.read_text())
+"""
+
+
+def test_a_cached_measurement_asked_for_at_once_is_made_once(tmp_path):
+    """Three processes ask for the same cached measurement together: one makes it, the others read it."""
+    import subprocess
+    import sys
+
+    path, log = tmp_path / "cache" / "spec.json", tmp_path / "log"
+    procs = [subprocess.Popen([sys.executable, "-c", MEASURE_ONCE, str(path), str(log)], stdout=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    assert [p.communicate(timeout=120)[0].strip() for p in procs] == ["42"] * 3
+    assert log.read_text() == "measured\n"
