@@ -181,15 +181,18 @@ def serial_reference(cfg, weights_path, steps, *, micro_batch=4, gas=4, seed=123
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("sp", [True, False], ids=["pp2_tp2_sp", "pp2_tp2"])
-def test_pp2_tp2_parity_through_deepspeed(tmp_path, sp):
-    """deepspeed --num_gpus 4: PP=2 x TP=2 (SP on/off), "profiled", against one process, same weights: train.py's
-    build and loop for the GPT and then llama-tiny (GQA with 2 key/value heads split over TP 2, 5 blocks: 7
-    pipeline layers on 2 stages) in one launch."""
+def test_pp2_tp2_parity_through_deepspeed(tmp_path):
+    """deepspeed --num_gpus 4: PP=2 x TP=2, SP on and off, "profiled", against one process, same weights:
+    train.py's build and loop for the GPT and llama-tiny (GQA with 2 key/value heads split over TP 2, 5 blocks: 7
+    pipeline layers on 2 stages), each with and without SP, in one launch."""
     from ds_pipe_ext.models import family_of
     from ds_pipe_ext.runner import launch, write_config
 
     runs, want = [], {}
+    ds = write_config(tmp_path / "ds.json", base="ds_pp2_tp2_sp.json",
+                      tensor_parallel={"size": 2, "sequence_parallel": True})
+    no_sp = write_config(tmp_path / "no-sp.json", base="ds_pp2_tp2_sp.json",
+                         tensor_parallel={"size": 2, "sequence_parallel": False})
     for name in MODELS:
         cfg = tiny(False, name)
         family = family_of(cfg)
@@ -197,61 +200,60 @@ def test_pp2_tp2_parity_through_deepspeed(tmp_path, sp):
         torch.save(family.sequential(family.layer_specs(cfg), family.loss_fn(cfg), base_seed=99,
                                      recompute=False).state_dict(), init)
         want[name] = serial_reference(cfg, init, STEPS)
-        runs += ["--run", f"{name}={init}"]
-    ds = write_config(tmp_path / "ds.json", base="ds_pp2_tp2_sp.json", tensor_parallel={"size": 2, "sequence_parallel": sp})
+        runs += ["--run", f"{name}={init}",
+                 "--run", f"{name} without sp: --model {name} --init-from {init} --deepspeed_config {no_sp}"]
     # without SP, llama-tiny once more under a recompute mode per layer (issue 36): the same losses
     modes = ["none", "selective", "full", "none", "full", "selective", "none"]
-    if not sp:
-        per_layer = write_config(tmp_path / "per-layer.json", base="ds_pp2_tp2_sp.json",
-                                 tensor_parallel={"size": 2, "sequence_parallel": sp}, train={"recompute": modes})
-        runs += ["--run", f"per-layer recompute: --model llama-tiny --init-from {tmp_path / 'init-llama-tiny.pt'} "
-                          f"--deepspeed_config {per_layer}"]
-        # recompute="auto": the modes chosen with the analytic split under a cap that no split fits without
-        # recompute; and under a cap nothing fits, the same error on every rank naming the smallest cap
-        cap = auto_recompute_cap()
-        for name, gib in (("auto", cap), ("auto infeasible", cap / 100)):
-            file = name.replace(" ", "-")
-            auto = write_config(tmp_path / f"{file}.json", base="ds_pp2_tp2_sp.json",
-                                tensor_parallel={"size": 2, "sequence_parallel": False}, train={"recompute": "auto"},
-                                pipeline={"partition_method": "analytic", "memory_cap_gib": gib,
-                                          "instrument": {"enabled": True, "run_dir": str(tmp_path / file)}})
-            runs += ["--run", f"{name}: --model llama-tiny --init-from {tmp_path / 'init-llama-tiny.pt'} "
-                              f"--deepspeed_config {auto}"]
+    per_layer = write_config(tmp_path / "per-layer.json", base="ds_pp2_tp2_sp.json",
+                             tensor_parallel={"size": 2, "sequence_parallel": False}, train={"recompute": modes})
+    runs += ["--run", f"per-layer recompute: --model llama-tiny --init-from {tmp_path / 'init-llama-tiny.pt'} "
+                      f"--deepspeed_config {per_layer}"]
+    # recompute="auto": the modes chosen with the analytic split under a cap that no split fits without
+    # recompute; and under a cap nothing fits, the same error on every rank naming the smallest cap
+    cap = auto_recompute_cap()
+    for name, gib in (("auto", cap), ("auto infeasible", cap / 100)):
+        file = name.replace(" ", "-")
+        auto = write_config(tmp_path / f"{file}.json", base="ds_pp2_tp2_sp.json",
+                            tensor_parallel={"size": 2, "sequence_parallel": False}, train={"recompute": "auto"},
+                            pipeline={"partition_method": "analytic", "memory_cap_gib": gib,
+                                      "instrument": {"enabled": True, "run_dir": str(tmp_path / file)}})
+        runs += ["--run", f"{name}: --model llama-tiny --init-from {tmp_path / 'init-llama-tiny.pt'} "
+                          f"--deepspeed_config {auto}"]
     proc, ranks = launch(4, ds, "--steps", str(STEPS), *runs, out_dir=tmp_path, cwd=tmp_path,
                          script="tests/models_in_turn.py", timeout=360)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    if not sp:
-        got, (want_losses, want_norms) = ranks[0]["runs"]["per-layer recompute"], want["llama-tiny"]
-        assert got["recompute"] == modes
-        built = {int(i): m for r in ranks.values() for i, m in r["runs"]["per-layer recompute"]["recomputed_layers"].items()}
-        assert built == {i: m for i, m in enumerate(modes) if m != "none"}  # as DeepSpeed and the layers run them
-        assert ranks[0]["runs"]["llama-tiny"]["recomputed_layers"] == {}
-        from ds_pipe_ext.instrument.report import build_report, render_report_table
-        from ds_pipe_ext.instrument.rundir import RunDir
+    got, (want_losses, want_norms) = ranks[0]["runs"]["per-layer recompute"], want["llama-tiny"]
+    assert got["recompute"] == modes
+    built = {int(i): m for r in ranks.values() for i, m in r["runs"]["per-layer recompute"]["recomputed_layers"].items()}
+    assert built == {i: m for i, m in enumerate(modes) if m != "none"}  # as DeepSpeed and the layers run them
+    assert ranks[0]["runs"]["llama-tiny without sp"]["recomputed_layers"] == {}
+    from ds_pipe_ext.instrument.report import build_report, render_report_table
+    from ds_pipe_ext.instrument.rundir import RunDir
 
-        chosen = RunDir(tmp_path / "auto").read_predicted().layer_recompute
-        assert len(chosen) == 7 and set(chosen) - {"none"}, chosen
-        built = {int(i): m for r in ranks.values() for i, m in r["runs"]["auto"]["recomputed_layers"].items()}
-        assert built == {i: m for i, m in enumerate(chosen) if m != "none"}
-        got = ranks[0]["runs"]["auto"]
-        assert got["losses"][0] == pytest.approx(want_losses[0], rel=1e-5)
-        assert got["losses"] == pytest.approx(want_losses, rel=1e-4)
-        table = render_report_table(build_report(tmp_path / "auto"))
-        assert "recompute per stage" in table and "of cap" in table
-        error = ranks[0]["runs"]["auto infeasible"]["error"]
-        assert "the smallest cap that admits a partition is" in error
-        assert all(r["runs"]["auto infeasible"]["error"] == error for r in ranks.values())
-        assert got["losses"][0] == pytest.approx(want_losses[0], rel=1e-5)
-        assert got["grad_norms"][0] == pytest.approx(want_norms[0], rel=1e-5)
-        assert got["losses"] == pytest.approx(want_losses, rel=1e-4)
+    chosen = RunDir(tmp_path / "auto").read_predicted().layer_recompute
+    assert len(chosen) == 7 and set(chosen) - {"none"}, chosen
+    built = {int(i): m for r in ranks.values() for i, m in r["runs"]["auto"]["recomputed_layers"].items()}
+    assert built == {i: m for i, m in enumerate(chosen) if m != "none"}
+    got = ranks[0]["runs"]["auto"]
+    assert got["losses"][0] == pytest.approx(want_losses[0], rel=1e-5)
+    assert got["losses"] == pytest.approx(want_losses, rel=1e-4)
+    table = render_report_table(build_report(tmp_path / "auto"))
+    assert "recompute per stage" in table and "of cap" in table
+    error = ranks[0]["runs"]["auto infeasible"]["error"]
+    assert "the smallest cap that admits a partition is" in error
+    assert all(r["runs"]["auto infeasible"]["error"] == error for r in ranks.values())
+    assert got["losses"][0] == pytest.approx(want_losses[0], rel=1e-5)
+    assert got["grad_norms"][0] == pytest.approx(want_norms[0], rel=1e-5)
+    assert got["losses"] == pytest.approx(want_losses, rel=1e-4)
     for name in MODELS:
-        got = ranks[0]["runs"][name]
-        want_losses, want_norms = want[name]
-        assert (got["model"], got["tensor_parallel"], got["sequence_parallel"]) == (name, 2, sp)
-        assert got["losses"][0] == pytest.approx(want_losses[0], rel=1e-5), name
-        assert got["grad_norms"][0] == pytest.approx(want_norms[0], rel=1e-5), name
-        assert got["losses"] == pytest.approx(want_losses, rel=1e-4), name
-        assert all(r["runs"][name]["parts"] == got["parts"] for r in ranks.values())
+        for run, sp in ((name, True), (f"{name} without sp", False)):
+            got = ranks[0]["runs"][run]
+            want_losses, want_norms = want[name]
+            assert (got["model"], got["tensor_parallel"], got["sequence_parallel"]) == (name, 2, sp)
+            assert got["losses"][0] == pytest.approx(want_losses[0], rel=1e-5), run
+            assert got["grad_norms"][0] == pytest.approx(want_norms[0], rel=1e-5), run
+            assert got["losses"] == pytest.approx(want_losses, rel=1e-4), run
+            assert all(r["runs"][run]["parts"] == got["parts"] for r in ranks.values())
 
 
 @pytest.mark.multiprocess
