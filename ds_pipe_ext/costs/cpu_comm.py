@@ -133,21 +133,25 @@ def measure_cpu_ranks(world: int = 2, cache_dir: str | None = ".ds_pipe_ext_cach
                     return got
             except (ValueError, KeyError, TypeError):
                 pass  # corrupt: measure again
-        with tempfile.TemporaryDirectory() as d:
-            # a child interpreter spawns the ranks: spawning from here would re-import the caller's
-            # __main__, which a script without a main guard cannot survive
-            out = Path(d) / "out.json"
-            proc = subprocess.run([sys.executable, "-m", __name__, str(world), str(out)], capture_output=True,
-                                  text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
-            if proc.returncode != 0 or not out.is_file():
-                raise RuntimeError(f"measuring gloo collectives between {world} CPU ranks failed "
-                                   f"(exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-            raw = json.loads(out.read_text())
-        got = {"collectives": fit(raw["times"], world), "shared": raw["shared"]}
+        got = _measure_now(world)
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(got))
         return got
+
+
+def _measure_now(world: int) -> dict:
+    """``measure_cpu_ranks``' measurement, run here and now."""
+    with tempfile.TemporaryDirectory() as d:
+        # a child interpreter spawns the ranks: spawning from here would re-import the caller's
+        # __main__, which a script without a main guard cannot survive
+        out = Path(d) / "out.json"
+        proc = subprocess.run([sys.executable, "-m", __name__, str(world), str(out)], capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+        if proc.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"measuring gloo collectives between {world} CPU ranks failed "
+                               f"(exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        raw = json.loads(out.read_text())
+    return {"collectives": fit(raw["times"], world), "shared": raw["shared"]}
 
 
 if __name__ == "__main__":  # python -m ds_pipe_ext.costs.cpu_comm WORLD OUT.json (measure_cpu_ranks' child)
