@@ -39,7 +39,9 @@ def test_the_gpu_check_runs_its_whole_plan_on_cpu_ranks(tmp_path):
     # a tied model's states (ZeRO-0..3 data parallel; a 1-stage pipeline holding both ends) exact against the rule
     assert result["zero_states_worst_error_pct"] == "0.0" and result["pipeline_states_worst_error_pct"] == "0.0"
     assert float(result["activation_bytes_worst_error_pct"]) < 2  # the layer part ran, on the cpu spec
-    assert 0 < float(result["optimizer_share_max"]) < 1  # the speed part read the optimizer's profiled step
+    # the speed part read the optimizer's profiled step (its share of the median step: on CPU ranks beside other
+    # tests' launches the one profiled step can run slower than the median, so no upper bound here)
+    assert float(result["optimizer_share_max"]) > 0
     profile = json.loads((tmp_path / "speed-records.json").read_text())["steps"][0]["profile"]
     assert profile["phases"]["optimizer_step"]["calls"] == 2 and profile["top_host_ops"]
     assert float(result["pipeline_vs_dp_min"]) > 0  # the pipe part set its row beside speed's
