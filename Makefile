@@ -33,7 +33,7 @@ demo: install
 
 # three test workers on the CI machine's two cores: a launch spends most of its time starting interpreters and
 # polling, which the other workers' tests fill (3: 528 s, 2: 654 s, 1: 1,191 s here; test ports are free ports,
-# caches are written atomically)
+# profiles are cached atomically, the machine's measurements once under a lock: costs.cache)
 TEST_WORKERS ?= 3
 
 test: install

@@ -31,7 +31,8 @@ setup(
     extras_require={
         # Hugging Face models as pipelines (ds_pipe_ext.hf); the tested range is compat.TRANSFORMERS_TESTED
         "hf": ["transformers>=5.23,<5.30", "safetensors>=0.4"],
-        "test": ["pytest>=8,<10", "pytest-xdist>=3.6,<4", "hypothesis>=6.100,<7", "transformers>=5.23,<5.30", "safetensors>=0.4"],
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.6,<4", "hypothesis>=6.100,<7", "transformers>=5.23,<5.30",
+                 "safetensors>=0.4"],
         # on CUDA, liger-kernel's fused linear cross-entropy for a chunked head + loss (loss_chunk_tokens); pure
         # Python (its kernels are triton's), carried to a GPU by launch_scripts/gpu_wheels.sh
         "gpu": ["liger-kernel>=0.5,<1"],

@@ -103,7 +103,6 @@ def read_records(runs: Path) -> dict[tuple, LayerRecord]:
     (model, dtype, layer).  A key's records must share their config: the first one's is used."""
     found: dict[tuple, LayerRecord] = {}
 
-
     def add(case: str, layer: str, ms: float, where: str, **config) -> None:
         m = CASE.match(case)
         rec = found.setdefault((m["model"], m["dtype"], layer),

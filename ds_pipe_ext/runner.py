@@ -5,7 +5,6 @@ Used by the multi-process tests and the benches; needs a source checkout (train.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shutil
@@ -54,8 +53,11 @@ def deepspeed_launcher() -> Path:
 
 def single_node_launch(num_ranks: int, port: int) -> list[str]:
     """What ``deepspeed --num_gpus N --master_port PORT`` runs without a hostfile (deepspeed/launcher/runner.py,
-    its one-node branch): deepspeed.launcher.launch with the slots 0..N-1 of localhost as base64 JSON."""
-    world_info = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(num_ranks))}).encode()).decode()
+    its one-node branch): deepspeed.launcher.launch with the slots 0..N-1 of localhost, encoded by the runner's
+    own ``encode_world_info``."""
+    from deepspeed.launcher.runner import encode_world_info
+
+    world_info = encode_world_info({"localhost": list(range(num_ranks))})
     return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
             "--master_addr=127.0.0.1", f"--master_port={port}", "--enable_each_rank_log=None", "--log_level=info"]
 
