@@ -179,3 +179,45 @@ def test_without_cuda_the_rank_device_is_the_cpu_and_gloo_takes_cpu_tensors(monk
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     assert device.select_rank_device() == torch.device("cpu")
     assert device.collective_device() == torch.device("cpu")
+
+
+@pytest.mark.parametrize("zero, dtype, on_gpu", [(0, "bf16", True), (1, "bf16", True), (1, "fp32", True),
+                                                 (2, "fp32", True), (2, "bf16", False), (3, "fp32", False)])
+def test_a_rank_builds_its_weights_on_its_gpu_unless_only_partitioned_states_fit(monkeypatch, zero, dtype, on_gpu):
+    """ZeRO-0/1 (and fp32 ZeRO-2) hold at least the fp32 weights' bytes on the GPU while training: built there.
+    ZeRO-3 and 16-bit ZeRO-2 hold less: built on the host, as DeepSpeed's engine takes them."""
+    from ds_pipe_ext import device
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert device.build_device(zero, dtype) == (torch.device("cuda", 1) if on_gpu else torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device.build_device(zero, dtype) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("zero, built_on", [(1, META), (3, torch.device("cpu"))])
+def test_a_data_parallel_model_is_initialised_where_it_trains(monkeypatch, zero, built_on):
+    from ds_pipe_ext import device
+    from ds_pipe_ext.train import build
+    from ds_pipe_ext.train.config import build_run_config
+
+    monkeypatch.setattr(device, "rank_device", lambda: META)  # neither the host nor CUDA: where build_device points
+    cfg = build_run_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": zero},
+                            "bf16": {"enabled": True}, "train": {"model": "tiny"}})
+    model_cfg = build.load_model(cfg.train.model)
+    model = build.build_model(cfg, model_cfg, build.run_layout(cfg, model_cfg, 1))
+    assert {p.device for p in model.parameters()} == {built_on}
+
+
+def test_a_pipeline_stage_is_built_on_the_ranks_gpu(monkeypatch):
+    """DeepSpeed builds a stage on the host and then moves it; the drop-in builds it where it moves it."""
+    from ds_pipe_ext import device
+    from ds_pipe_ext.pipe import module
+
+    seen = []
+    monkeypatch.setattr(device, "rank_device", lambda: META)
+    monkeypatch.setattr(module._DeepSpeedPipelineModule, "_build", lambda self: seen.append(torch.empty(0).device))
+    stage = module.PipelineModule.__new__(module.PipelineModule)
+    object.__setattr__(stage, "_ext_zero_stage", 1)
+    stage._build()
+    assert seen == [META] and torch.empty(0).device == torch.device("cpu")

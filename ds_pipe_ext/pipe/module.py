@@ -23,7 +23,7 @@ from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineMo
 
 from ..compat import engine as ds_engine
 from ..compat.cpu_shims import steady_host_allocator
-from ..device import rank_device, select_rank_device
+from ..device import build_device, rank_device, select_rank_device
 from ..costs.frozen import freeze_costs
 from ..costs.layers import deepspeed_layer_seeds, is_layer_spec
 from ..costs.model import CostModel
@@ -238,6 +238,12 @@ class PipelineModule(_DeepSpeedPipelineModule):
     def schedule_name(self) -> str:
         """The schedule the engine will run (the partitioner's memory rule follows it)."""
         return self._ext_settings.schedule
+
+    def _build(self) -> None:
+        """DeepSpeed's build of this rank's layers, on the rank's GPU where it moves them next: the stage's
+        weights are initialised there, not on the host and copied (``device.build_device``)."""
+        with build_device(self._ext_zero_stage):
+            super()._build()
 
     def _take_parts(self, parts: list[int]) -> None:
         """Adopt the boundaries and build only this rank's stage."""

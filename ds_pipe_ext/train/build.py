@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..adamw import torch_adamw
 from ..config_model import ConfigError
-from ..device import select_rank_device, use_tf32
+from ..device import build_device, select_rank_device, use_tf32
 from ..mfu import Throughput
 from ..pipe.config import engine_dtype
 from ..models import family_of, load_model
@@ -315,10 +315,11 @@ def refine_overheads(cfg: RunConfig) -> dict | None:
 def build_model(cfg: RunConfig, model_cfg, layout: Layout) -> torch.nn.Module:
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
     specs, loss_fn, impl, topology = build_layers(cfg, model_cfg, layout)
-    if cfg.pipelined:
+    if cfg.pipelined:  # its stage's layers built on the rank's GPU (PipelineModule._build)
         model = build_pipeline(cfg, model_cfg, layout, specs, loss_fn, impl, topology)
     else:
-        model = build_data_parallel(cfg, model_cfg, specs, loss_fn)
+        with build_device(layout.zero, engine_dtype(cfg.deepspeed)):
+            model = build_data_parallel(cfg, model_cfg, specs, loss_fn)
     if cfg.options.init_from:
         load_full_state(model, cfg.options.init_from, tp=layout.tp, pipelined=cfg.pipelined)
     return model
