@@ -17,7 +17,8 @@ Each part is real launches through ``ds_pipe_ext.runner.launch`` (a line per lau
            gpt2-medium (8 x 4), each without and with ``train.compile``, uninstrumented: samples/s, MFU; the last
            step profiled (``train.profile_step``): the optimizer step's time and share, the device's idle time,
            the top kernels, the host syncs; speed-records.json
-  pipe     the same models, eager, through DeepSpeed's pipeline engine with one stage: against speed's rows
+  pipe     the same models, eager, through DeepSpeed's pipeline engine with one stage (ZeRO-1; the first also
+           ZeRO-0, DeepSpeed's BF16_Optimizer on a GPU): against speed's rows
   backends which SDPA backend each family's attention runs (GPT; Llama with grouped-query heads; Mistral's
            sliding window) beside the cost model's selector, and the chunked head + loss (liger-kernel's where
            installed) against the plain one in bf16; no launch
@@ -452,12 +453,12 @@ def model_file(out: Path, name: str, overrides: dict) -> str:
 
 
 def speed_config(t: Target, model: str, micro_batch: int, micro_batches: int, *, compiled: bool,
-                 pipeline: bool = False) -> dict:
-    """A speed run's ds.json: ZeRO-1 on one device, uninstrumented, its last step profiled
+                 pipeline: bool = False, zero: int = 1) -> dict:
+    """A speed run's ds.json: ZeRO-1 (or ``zero``) on one device, uninstrumented, its last step profiled
     (``train.profile_step``); ``pipeline``: DeepSpeed's pipeline engine with one stage in place of data
-    parallelism."""
+    parallelism (ZeRO-0 there in bf16: DeepSpeed's BF16_Optimizer)."""
     ds = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": micro_batches,
-          "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
+          "steps_per_print": 10**6, "zero_optimization": {"stage": zero},
           "train": {"model": model, "steps": t.steps, "seed": 1234, "log": "json", "compile": compiled,
                     "profile_step": t.steps}}
     if pipeline:
@@ -468,7 +469,7 @@ def speed_config(t: Target, model: str, micro_batch: int, micro_batches: int, *,
 
 
 def speed_record(run: Run, *, model: str, overrides: dict, micro_batch: int, micro_batches: int, compiled: bool,
-                 pipeline: bool) -> dict:
+                 pipeline: bool, zero: int = 1) -> dict:
     """A speed run as bench/gpu_fidelity.py reads it back: its config, step, MFU and the profiled step."""
     metrics = run.extra.get("metrics") or {}
     profile_path = Path(run.extra["work"]) / "step_profile.json"
@@ -477,7 +478,7 @@ def speed_record(run: Run, *, model: str, overrides: dict, micro_batch: int, mic
     return {"run": run.name, "status": run.status, "model": load_model(model).name,
             "overrides": recorded_overrides(model, overrides),
             "micro_batch": micro_batch, "micro_batches": micro_batches, "compiled": compiled, "pipeline": pipeline,
-            "instrumented": False, "step_ms": 1e3 * metrics["step_s_median"] if "step_s_median" in metrics else None,
+            "zero": zero, "instrumented": False, "step_ms": 1e3 * metrics["step_s_median"] if "step_s_median" in metrics else None,
             "step_ms_each": [1e3 * x for x in metrics.get("step_s_each", [])],
             "samples_per_s": metrics.get("samples_per_s"), "mfu": metrics.get("mfu"),
             "optimizer_ms": optimizer, "profile": profile, "torch": torch.__version__, "device_spec": device_spec()}
@@ -496,15 +497,18 @@ def speed_runs(part: str, t: Target, out: Path, *, pipeline: bool) -> tuple[list
     runs, records = [], []
     # on CPU ranks the pipeline rows keep to the first case: the dry run checks the path, not the speed
     cases = SPEED_CASES[t.cuda][:1] if pipeline and not t.cuda else SPEED_CASES[t.cuda]
-    for name, overrides, micro_batch, micro_batches in cases:
+    for i, (name, overrides, micro_batch, micro_batches) in enumerate(cases):
         model = model_file(out, name, overrides)
-        for compiled in ((False, True) if t.cuda and not pipeline else (False,)):
+        # the pipeline's first model under ZeRO-0 too: a bf16 pipeline without ZeRO runs DeepSpeed's BF16_Optimizer
+        variants = [(False, 0), (False, 1)] if pipeline and i == 0 else \
+            [(False, 1)] + ([(True, 1)] if t.cuda and not pipeline else [])
+        for compiled, zero in variants:
             label = f"{name}{'-' + '-'.join(f'{k}{v}' for k, v in overrides.items()) if overrides else ''}" \
-                    f"-{'pp1' if pipeline else 'z1'}-mb{micro_batch}x{micro_batches}{'-compiled' if compiled else ''}"
-            ds = speed_config(t, model, micro_batch, micro_batches, compiled=compiled, pipeline=pipeline)
+                    f"-{'pp1-' if pipeline else ''}z{zero}-mb{micro_batch}x{micro_batches}{'-compiled' if compiled else ''}"
+            ds = speed_config(t, model, micro_batch, micro_batches, compiled=compiled, pipeline=pipeline, zero=zero)
             run = launch_train(part, label, ds, out, t)
             record = speed_record(run, model=model, overrides=overrides, micro_batch=micro_batch,
-                                  micro_batches=micro_batches, compiled=compiled, pipeline=pipeline)
+                                  micro_batches=micro_batches, compiled=compiled, pipeline=pipeline, zero=zero)
             record["check_grad_overflow"] = bool(ds.get("bf16", {}).get("check_grad_overflow", "bf16" in ds))
             if run.status == "ok":
                 step = record["step_ms"]
@@ -523,11 +527,14 @@ def _speed_table(records: list[dict], title: str) -> None:
              f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-", cell(r, "step_ms", "{:.1f}"),
              cell(r, "optimizer_ms", "{:.1f}"),
              f"{100 * r['optimizer_ms'] / r['step_ms']:.1f}%" if r.get("optimizer_ms") and r.get("step_ms") else "-",
+             f"{(r.get('profile') or {}).get('wall_ms'):.1f}" if (r.get("profile") or {}).get("wall_ms") else "-",
              f"{100 * r['profile']['device_idle_ms'] / r['profile']['wall_ms']:.0f}%"
              if (r.get("profile") or {}).get("wall_ms") else "-"] for r in records]
     print(f"\n{title}")
+    # the profiled step is the instrumented figure, printed beside the uninstrumented median step
     print("\n".join(render_table(["run", "samples/s", "MFU", "step ms", "optimizer step ms (profiled)",
-                                  "optimizer share", "device idle (profiled step)"], rows)), flush=True)
+                                  "optimizer share", "profiled step ms", "device idle (profiled step)"], rows)),
+          flush=True)
     for r in records:  # where the optimizer's time goes: the profiled step's top kernels and syncs
         prof = r.get("profile") or {}
         if prof.get("top_kernels"):
@@ -547,8 +554,9 @@ def speed_part(t: Target, out: Path) -> list[Run]:
 
 
 def pipe_part(t: Target, out: Path) -> list[Run]:
-    """The speed part's models, eager, through DeepSpeed's pipeline engine with one stage (ZeRO-1, bf16 on a
-    GPU): its samples/s against the speed part's data-parallel row where that ran in the same OUT."""
+    """The speed part's models, eager, through DeepSpeed's pipeline engine with one stage (ZeRO-1, the first
+    also ZeRO-0: BF16_Optimizer in bf16 on a GPU): its samples/s against the speed part's data-parallel ZeRO-1
+    row where that ran in the same OUT."""
     runs, records = speed_runs("pipe", t, out, pipeline=True)
     _speed_table(records, "train.py, DeepSpeed's pipeline engine with one stage, uninstrumented")
     dp_path = out / "speed-records.json"

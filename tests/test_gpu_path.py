@@ -32,7 +32,8 @@ def test_the_gpu_check_runs_its_whole_plan_on_cpu_ranks(tmp_path):
         ("train", "ds.json-1-rank"), ("train", "tiny-tied-bf16-pp1-z0"), ("train", "tiny-tied-bf16-pp1-z1"),
         ("train", "report tiny-tied-bf16-pp1-z1"), ("compare", "zero0"), ("compare", "zero1"), ("compare", "zero2"),
         ("compare", "zero3"), ("hf", "llama-2-layers-pp1"), ("oom", "zero0-mb2"),
-        ("speed", "tiny-tied-z1-mb2x2"), ("speed", "llama-tiny-layers4-z1-mb2x2"), ("pipe", "tiny-tied-pp1-mb2x2")]
+        ("speed", "tiny-tied-z1-mb2x2"), ("speed", "llama-tiny-layers4-z1-mb2x2"),
+        ("pipe", "tiny-tied-pp1-z0-mb2x2"), ("pipe", "tiny-tied-pp1-z1-mb2x2")]
     assert result["launches_ok"] == f"{len(runs)}/{len(runs)}" and result["device"] == "cpu-dry-run"
     assert result["oom_row"] == "oom" and float(result["oom_exit_s"]) < 60
     assert "every process gone" in proc.stdout and "after the error" in proc.stdout  # timed from the rank's stop
@@ -45,6 +46,8 @@ def test_the_gpu_check_runs_its_whole_plan_on_cpu_ranks(tmp_path):
     profile = json.loads((tmp_path / "speed-records.json").read_text())["steps"][0]["profile"]
     assert profile["phases"]["optimizer_step"]["calls"] == 2 and profile["top_host_ops"]
     assert float(result["pipeline_vs_dp_min"]) > 0  # the pipe part set its row beside speed's
+    # ZeRO-0 (DeepSpeed's BF16_Optimizer in bf16 on a GPU) and ZeRO-1 through the pipeline engine
+    assert [r["zero"] for r in json.loads((tmp_path / "pipe-records.json").read_text())["steps"]] == [0, 1]
     # the backends part: each family's attention as the selector says; the chunked loss as the plain one
     assert result["attention_backends_agree"] == "3/3" and float(result["chunked_loss_rel_err"]) < 1e-5
     # the costs part: profiled is the shortest simulated step of the three methods, at every depth
