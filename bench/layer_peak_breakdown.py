@@ -33,22 +33,12 @@ from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
 from ds_pipe_ext.costs.layers import build_for_profiling  # noqa: E402
 from ds_pipe_ext.costs.probes import allocation_events, detach_input, tensors_of  # noqa: E402
 from ds_pipe_ext.costs.profiler import TORCH_DTYPES  # noqa: E402
+from ds_pipe_ext.instrument.peak import allocating_op  # noqa: E402
 from ds_pipe_ext.models import family_of, load_model  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
 
 MiB = 2**20
 GPU_CASES = ["gpt2-medium:block:8:1024:bf16", "llama3-8b:block:1:4096:bf16", "gpt2-medium:head:8:1024:bf16"]
-
-
-def op_chain(event) -> str:
-    """The allocation's ops, outermost first, with autograd's wrapper names shortened; at most three."""
-    names = []
-    node = event.parent
-    while node is not None:
-        names.append(node.name.replace("autograd::engine::evaluate_function: ", ""))
-        node = node.parent
-    names = names[::-1]
-    return " > ".join(names if len(names) <= 3 else [names[0], "..", *names[-2:]]) or "(no op)"
 
 
 def peak_breakdown(run, device: torch.device) -> tuple[int, int, dict[str, int]]:
@@ -71,7 +61,7 @@ def peak_breakdown(run, device: torch.device) -> tuple[int, int, dict[str, int]]
         if before is None:
             before = total - size  # what the allocator held before the first event
         if size > 0:
-            live[ptr] = (size, op_chain(event))
+            live[ptr] = (size, allocating_op(event))
         elif ptr in live:
             del live[ptr]
         else:

@@ -39,6 +39,9 @@ def test_the_gpu_check_runs_its_whole_plan_on_cpu_ranks(tmp_path):
     assert "every process gone" in proc.stdout and "after the error" in proc.stdout  # timed from the rank's stop
     # a tied model's states (ZeRO-0..3 data parallel; a 1-stage pipeline holding both ends) exact against the rule
     assert result["zero_states_worst_error_pct"] == "0.0" and result["pipeline_states_worst_error_pct"] == "0.0"
+    # the heaviest compare row's memory trace, summarized where it ran: what its step held at the peak, by op
+    trace = json.loads((tmp_path / "compare-trace.json").read_text())
+    assert set(trace) == {"zero0", "zero1", "zero2", "zero3", "heaviest"} and trace[trace["heaviest"]]["by_op"]
     assert float(result["activation_bytes_worst_error_pct"]) < 2  # the layer part ran, on the cpu spec
     # the speed part read the optimizer's profiled step (its share of the median step: on CPU ranks beside other
     # tests' launches the one profiled step can run slower than the median, so no upper bound here)

@@ -60,6 +60,17 @@ def test_a_large_optimizer_temporary_moves_the_peak_to_the_step():
     assert sum(peak.by_kind.values()) == peak.peak_bytes
 
 
+def test_what_the_step_holds_at_its_peak_is_summed_by_the_op_that_made_it():
+    ops = {0x400: "aten::addmm", 0x500: "aten::gelu", 0x600: "AddmmBackward0 > aten::mm"}
+    named = [Alloc(e.t_ns, e.ptr, e.nbytes, ops.get(e.ptr, "") if e.nbytes > 0 else "") for e in events(250)]
+    peak = step_peak(named + [Alloc(17, 0x610, 40, "AddmmBackward0 > aten::mm")], MARKERS, **START)
+    # at the peak (t=17): the saved 300 bytes and both gradient blocks (0x610 unsighted: a temporary); the
+    # gelu temporary is gone, 0x300 was made before the step
+    assert peak.by_op == [(400, "grad_bytes", "AddmmBackward0 > aten::mm", 1), (300, "activation_bytes", "aten::addmm", 1),
+                          (40, "temporary", "AddmmBackward0 > aten::mm", 1)]
+    assert peak.to_dict()["by_op"][0] == [400, "grad_bytes", "AddmmBackward0 > aten::mm", 1]
+
+
 def test_a_held_tensor_freed_in_the_step_leaves_its_kind():
     # the optimizer's 200 bytes at 0x200 (made before the trace) are freed at t=16, before the peak
     peak = step_peak(events(250) + [Alloc(16, 0x200, -200)], MARKERS, **START)
@@ -102,6 +113,9 @@ def test_the_trace_of_a_plain_training_step_on_cpu():
     peak = trace.peak()
     assert peak.by_kind["param_bytes"] == n and peak.by_kind["optimizer_bytes"] == 2 * n
     assert peak.by_kind["grad_bytes"] == n  # every gradient alive at the step
+    # each gradient named by the backward op that made it
+    grads = [(nbytes, op) for nbytes, kind, op, _ in peak.by_op if kind == "grad_bytes"]
+    assert sum(nbytes for nbytes, _ in grads) == n and all("Backward" in op for _, op in grads), peak.by_op
     assert peak.phase in ("backward 0", "optimizer_step")
     assert sum(peak.by_kind.values()) == peak.peak_bytes
 

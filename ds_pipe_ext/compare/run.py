@@ -125,6 +125,7 @@ def build_row(cfg: CompareConfig, result: LaunchResult, shape: ModelShape, model
         row["ranks"].append({"rank": r["rank"], "stage": r["stage"], "measured": measured, "at_step_bytes": counted,
                              "peak_bytes": _peak(r, traced.get("peak_bytes")),
                              "peak_phase": traced.get("phase"), "peak_by_kind": traced.get("by_kind"),
+                             "peak_by_op": traced.get("by_op"),
                              "process_peak_bytes": r.get("peak_rss_bytes"),
                              "predicted": by_rank.get((data_parallel_rank(cfg, r["rank"]), r["stage"]))})
     if row["ranks"]:
@@ -132,13 +133,14 @@ def build_row(cfg: CompareConfig, result: LaunchResult, shape: ModelShape, model
         row["heaviest_rank"] = heaviest["rank"]
         row["peak_memory_bytes"] = heaviest["peak_bytes"]
         row["peak_phase"] = heaviest["peak_phase"]
+        row["peak_by_op"] = heaviest["peak_by_op"]  # what the step made and held at the peak, by the op that made it
         row["at_step_bytes"] = heaviest["at_step_bytes"]
         row["measured_bytes"] = heaviest["measured"]
         row["process_peak_bytes"] = heaviest["process_peak_bytes"]
         pred = heaviest["predicted"] or {}
     else:
         row.update(heaviest_rank=None, peak_memory_bytes=None, measured_bytes=None, process_peak_bytes=None,
-                   peak_phase=None, at_step_bytes=None)
+                   peak_phase=None, peak_by_op=None, at_step_bytes=None)
         pred = max(predicted, key=lambda p: p.get("peak_bytes", p["total_bytes"])) if predicted else {}
     row["predicted_bytes"] = {k: pred[k] for k in KINDS} if pred else None
     row["predicted_at_step_bytes"] = pred.get("total_bytes")

@@ -31,6 +31,7 @@ class Alloc:
     t_ns: int
     ptr: int
     nbytes: int
+    op: str = ""  # the ops that made it, outermost first (``allocating_op``)
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,15 @@ class StepPeak:
     unmatched_free_bytes: int = 0  # frees of blocks the trace never saw allocated (kept alive in the count)
     unseen_free_bytes: int = 0  # blocks made in the step whose free the trace did not see (see step_peak)
     largest: list[tuple[int, str, str]] = field(default_factory=list)  # the step's blocks alive at the peak, largest first: (nbytes, kind, phase made)
+    # the step's blocks alive at the peak summed by what they are and the op that made them, largest first:
+    # (nbytes, kind, op, blocks); says which op's tensors a kind's bytes are
+    by_op: list[tuple[int, str, str, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"peak_bytes": self.peak_bytes, "phase": self.phase, "by_kind": dict(self.by_kind),
                 "temporary_by_phase": dict(self.temporary_by_phase), "start_bytes": self.start_bytes,
                 "unmatched_free_bytes": self.unmatched_free_bytes, "unseen_free_bytes": self.unseen_free_bytes,
-                "largest": [list(b) for b in self.largest]}
+                "largest": [list(b) for b in self.largest], "by_op": [list(b) for b in self.by_op]}
 
 
 def _phase_kind(phase: str) -> str:
@@ -116,7 +120,7 @@ def step_peak(events: list[Alloc], markers: list[Marker], *, start_ns: int, star
                 old["freed"] = unreached(old, t)
                 unseen.append(old)
             live[item.ptr] = {"made": t, "freed": None, "nbytes": item.nbytes, "phase": phase, "kind": None,
-                              "ptr": item.ptr}
+                              "ptr": item.ptr, "op": item.op}
             blocks.append(live[item.ptr])
         elif item.ptr in live:
             live.pop(item.ptr)["freed"] = t
@@ -155,9 +159,13 @@ def step_peak(events: list[Alloc], markers: list[Marker], *, start_ns: int, star
         b["nbytes"] for b in from_before if b["freed"] <= peak_t and b["ptr"] not in start_held)
     temporary: dict[str, int] = {}
     alive = []
+    by_op: dict[tuple[str, str], list[int]] = {}
     for b in blocks:
         if in_step(b["made"]) and b["made"] <= peak_t and (b["freed"] is None or b["freed"] > peak_t):
             alive.append((b["nbytes"], b["kind"] or "temporary", b["phase"]))
+            tally = by_op.setdefault((b["kind"] or "temporary", b.get("op") or "(no op)"), [0, 0])
+            tally[0] += b["nbytes"]
+            tally[1] += 1
             if b["kind"] is not None:
                 by_kind[b["kind"]] += b["nbytes"]
             else:
@@ -171,12 +179,26 @@ def step_peak(events: list[Alloc], markers: list[Marker], *, start_ns: int, star
     return StepPeak(peak_bytes=int(peak), phase=at, by_kind={k: int(v) for k, v in by_kind.items()},
                     temporary_by_phase=temporary, start_bytes=int(start_bytes), unmatched_free_bytes=int(unmatched),
                     largest=sorted(alive, reverse=True)[:LARGEST],
+                    by_op=sorted(((n, kind, op, k) for (kind, op), (n, k) in by_op.items()), reverse=True)[:LARGEST],
                     unseen_free_bytes=int(sum(b["nbytes"] for b in unseen if in_step(b["made"]))))
 
 
 # -- the trace: torch.profiler's allocation events, markers and sightings on a running step ------------
 
 _MARK = "ds_pipe_ext.mark."
+
+
+def allocating_op(event) -> str:
+    """The ops an allocation event was made under, outermost first, autograd's wrapper names shortened and
+    this module's markers left out; at most three (the outermost, then the two innermost)."""
+    names = []
+    node = event.parent
+    while node is not None:
+        if not node.name.startswith(_MARK):
+            names.append(node.name.replace("autograd::engine::evaluate_function: ", ""))
+        node = node.parent
+    names = names[::-1]
+    return " > ".join(names if len(names) <= 3 else [names[0], "..", *names[-2:]]) or "(no op)"
 
 
 def live_storages(device) -> dict[int, int]:
@@ -281,7 +303,8 @@ class StepTrace:
             tag, fields = e.typed
             if tag == _EventType.Allocation:
                 if fields.device.type == self.device.type:
-                    allocs.append(Alloc(e.start_time_ns, fields.ptr, fields.alloc_size))
+                    allocs.append(Alloc(e.start_time_ns, fields.ptr, fields.alloc_size,
+                                        allocating_op(e) if fields.alloc_size > 0 else ""))
                 continue
             if e.name.startswith(_MARK):
                 times[int(e.name[len(_MARK):])] = e.start_time_ns
