@@ -35,7 +35,8 @@ import torch  # noqa: E402
 from ds_pipe_ext.costs.calibrate import fit_device  # noqa: E402
 from ds_pipe_ext.models.costs import calibration_points, profile_three_layers  # noqa: E402
 from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers  # noqa: E402
-from ds_pipe_ext.costs.hardware import get_device, measure_cpu  # noqa: E402
+from ds_pipe_ext.costs.cpu_spec import measure_cpu  # noqa: E402
+from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
 from ds_pipe_ext.costs.profiler import ProfileSettings  # noqa: E402
 from ds_pipe_ext.models import family_of, load_model  # noqa: E402
 from ds_pipe_ext.parallel.probe import tp_activation_bytes  # noqa: E402

@@ -8,7 +8,7 @@ matmul, memory and vector peaks of one thread).
 
 Calibration, in two steps:
 1. Before any launch (the planner's pick is made here): micro-benchmarks (one thread's matmul,
-   memory-copy and vector peaks and page-fault rate, ``costs.hardware.measure_cpu``; gloo's
+   memory-copy and vector peaks and page-fault rate, ``costs.cpu_spec.measure_cpu``; gloo's
    all-reduce, all-gather, reduce-scatter and send between two one-thread ranks, and the share of a
    GEMM's and a copy's speed each rank keeps while both run one, ``costs.cpu_comm``) and a profile
    of the model's own embedding, one block and head (+ loss) in one process at micro-batch 1 and 2,

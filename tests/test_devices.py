@@ -23,7 +23,7 @@ FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", 
 # (module, enclosing function) -> why a factory call there is meant for the CPU
 CPU_BY_DESIGN = {
     ("costs/cpu_comm.py", "_worker"): "measures gloo between CPU ranks",
-    ("costs/hardware.py", "_measure_cpu_now"): "measures the CPU spec",
+    ("costs/cpu_spec.py", "_measure_cpu_now"): "measures the CPU spec",
     ("parallel/probe.py", "_worker"): "a CPU probe with its own gloo group",
     ("train/data.py", "__next__"): "token batches on the host; the engine moves each to its device",
     ("models/costs.py", "_tokens"): "a profile batch on the host; the profiler moves it to its device",

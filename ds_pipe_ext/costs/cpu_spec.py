@@ -1,0 +1,128 @@
+"""The ``cpu`` device spec: measured on the CPU this process runs on, as ``cuda`` is measured on the GPU
+(``costs.cuda_spec``).  Short fp32 micro-benchmarks, each the fastest of its timed runs, cached per thread
+count and mmap threshold; the processes that ask at once (a launch's ranks on a fresh machine) measure once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from .cache import measured_once
+from .hardware import DeviceSpec
+
+
+def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float = 0.5) -> DeviceSpec:
+    """A 'cpu' spec from short fp32 micro-benchmarks (cached per thread count and mmap threshold),
+    each the fastest of its timed runs.
+
+    matmul: 1024^3 GEMMs.  Memory bandwidth: a copy between two warm 64 MiB buffers (beyond the
+    caches).  Vector peak: an add on warm 128 KiB buffers (cache-resident, so it measures the
+    arithmetic, not the memory traffic the roofline charges separately).  First touches: filling a
+    fresh anonymous 64 MiB mapping (what glibc returns above its mmap threshold) against filling a
+    warm buffer; the difference is the page faults.  Zeroing a warm 256 MiB buffer (``fill_bandwidth``),
+    drawing a dropout mask of 2^20 elements (``random_rate``) and looking up rows of a table beyond the
+    caches at random (``row_op_s``), and a forward GEMM whose output width breaks 64-byte row alignment
+    (4,097 against 4,096 columns: ``misaligned_output_efficiency``).  Faults are charged above the threshold the
+    training processes run with (``training_mmap_threshold``: train.py fixes it at 1 GiB).
+    """
+    import torch
+
+    from ..compat.cpu_shims import steady_host_allocator, training_mmap_threshold
+
+    # measured under the allocator train.py's ranks run with (as the profiler is): else the fill below
+    # times page faults or not depending on what this process allocated before
+    steady_host_allocator()
+    threads = torch.get_num_threads()
+    mmap_min = training_mmap_threshold()  # what train.py's ranks map afresh (steady_host_allocator)
+    path = Path(cache_dir) / f"cpu-spec-v11-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
+    with measured_once(path):  # the ranks of a launch on a fresh machine: one measures, the others read
+        if path is not None and path.exists():
+            try:
+                return DeviceSpec(**json.loads(path.read_text()))
+            except (TypeError, ValueError):
+                pass  # corrupt: measure again
+        spec = _measure_cpu_now(mmap_min, seconds)
+        if path is not None:
+            path.write_text(json.dumps(asdict(spec)))
+        return spec
+
+
+def _measure_cpu_now(mmap_min: float, seconds: float) -> DeviceSpec:
+    """``measure_cpu``'s micro-benchmarks, run here and now; ``mmap_min``: the threshold faults are charged above."""
+    import mmap
+
+    import numpy as np
+    import torch
+
+    def seconds_per_call(fn, batch: int = 1):
+        """The fastest of many timed batches of calls: the machine's speed when neighbours leave it
+        alone (on a shared machine they only ever add time), as the fastest profiled pass is."""
+        fn()
+        best, t_end = float("inf"), time.perf_counter() + seconds / 4
+        while time.perf_counter() < t_end:
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / batch)
+        return best
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    mm = 2 * 1024**3 / seconds_per_call(lambda: a @ b)
+    x = torch.empty(16 * 2**20)  # 64 MiB: beyond the caches
+    y = torch.empty_like(x)
+    bw = 2 * x.nbytes / seconds_per_call(lambda: y.copy_(x))
+    small, small_out = torch.ones(32 * 2**10), torch.ones(32 * 2**10)  # 128 KiB each: cache-resident
+    vec = small.numel() / seconds_per_call(lambda: torch.add(small, small_out, out=small_out), batch=20)
+    # first touches of an anonymous mapping (what glibc hands out above its threshold), whatever this
+    # process's own malloc thresholds are
+    warm_pages = y.numpy()  # the copy's warm destination, filled the same way as the fresh mapping
+
+    def fresh_pages():
+        region = mmap.mmap(-1, x.nbytes)
+        pages = np.frombuffer(region, dtype=np.float32)
+        pages.fill(1.0)
+        del pages
+        region.close()
+
+    warm = seconds_per_call(lambda: warm_pages.fill(1.0))
+    fresh = seconds_per_call(fresh_pages)
+    faults = x.nbytes / max(fresh - warm, 1e-9)
+    # zeroing a dense gradient table: a warm 256 MiB buffer (8x this class of machine's last-level
+    # cache; on 64 MiB the tail of the previous pass was still cached and zeroing ran 20-30% faster
+    # than on the 100-150 MB tables it stands for).  Warm, as the training allocator hands it back; a
+    # fresh torch.zeros of this size came from mmap in some processes (the heap could not grow in
+    # place) and timed page faults at a tenth of the rate
+    table = torch.empty(64 * 2**20)
+    fill = table.nbytes / seconds_per_call(table.zero_)
+    del table
+    mask = torch.empty(2**20)
+    random = mask.numel() / seconds_per_call(lambda: mask.bernoulli_(0.9))  # a dropout mask's draws
+    # rows of a 128 MiB table looked up at random with the caches flushed first, as an embedding's are
+    # after a backward has zeroed its gradient table
+    words, width, tokens = 65536, 512, 4096
+    lookup_table, flush = torch.randn(words, width), torch.empty(16 * 2**20)
+    ids = torch.randint(0, words, (tokens,), generator=torch.Generator().manual_seed(0))
+
+    def cold_lookup():
+        flush.zero_()
+        t0 = time.perf_counter()
+        torch.nn.functional.embedding(ids, lookup_table)
+        return time.perf_counter() - t0
+
+    row_op = min(cold_lookup() for _ in range(12)) / tokens
+    del lookup_table, flush
+    # the same forward GEMM with its output one column wider: rows no longer 64-byte aligned
+    inputs, aligned, ragged = torch.randn(512, 1024), torch.randn(4096, 1024), torch.randn(4097, 1024)
+    misaligned = (seconds_per_call(lambda: torch.nn.functional.linear(inputs, aligned)) * 4097 / 4096
+                  / seconds_per_call(lambda: torch.nn.functional.linear(inputs, ragged)))
+    ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    spec = DeviceSpec("cpu", {"fp32": mm, "bf16": mm}, {"fp32": vec, "bf16": vec}, bw, bw, bw, ram, gpus_per_node=1,
+                      matrix_efficiency=1.0, attention_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0,
+                      comm_efficiency=1.0, fresh_page_bandwidth=faults, fresh_alloc_min_bytes=mmap_min,
+                      fill_bandwidth=fill, random_rate=random, row_op_s=row_op,
+                      misaligned_output_efficiency=min(misaligned, 1.0))
+    return spec
