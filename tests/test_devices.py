@@ -221,3 +221,14 @@ def test_a_pipeline_stage_is_built_on_the_ranks_gpu(monkeypatch):
     object.__setattr__(stage, "_ext_zero_stage", 1)
     stage._build()
     assert seen == [META] and torch.empty(0).device == torch.device("cpu")
+
+
+def test_the_profiler_builds_each_layer_on_the_device_it_measures_on():
+    from deepspeed.pipe import LayerSpec
+
+    from ds_pipe_ext.costs.layers import build_for_profiling
+
+    module, _ = build_for_profiling(LayerSpec(torch.nn.Linear, 4, 4), META)
+    assert {p.device for p in module.parameters()} == {META}
+    module, _ = build_for_profiling(LayerSpec(torch.nn.Linear, 4, 4))
+    assert {p.device for p in module.parameters()} == {torch.device("cpu")}

@@ -14,11 +14,13 @@ it needs no DeepSpeed import.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import nn
 
 
@@ -78,14 +80,16 @@ def measured_alone(layer) -> bool:
     return bool(getattr(cls, "profile_each", False))
 
 
-def build_for_profiling(layer) -> tuple[nn.Module, Callable]:
+def build_for_profiling(layer, device=None) -> tuple[nn.Module, Callable]:
     """(module holding the parameters, call(x)) for a private copy of ``layer``.
 
-    A spec is built afresh, an ``nn.Module`` instance is deep-copied (its weights and
-    ``requires_grad`` flags included), a callable runs as is on an empty module.
+    A spec is built afresh, on ``device`` where given (a GPU initialises its weights in place of the host,
+    then copying them), an ``nn.Module`` instance is deep-copied (its weights and ``requires_grad`` flags
+    included), a callable runs as is on an empty module.
     """
     if is_layer_spec(layer):
-        module = layer.build()
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            module = layer.build()
         forward_fn = getattr(layer, "forward_fn", None)
         if forward_fn is not None:
             return module, lambda x, m=module, f=forward_fn: f(m, x)

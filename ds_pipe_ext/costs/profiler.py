@@ -74,7 +74,7 @@ def measure_layer(
     ``timer``: time forward and forward + backward as loops of calls (``costs.gpu_timing``; what a GPU
     uses), else each call of the warm-up/repeat loop on its own.
     """
-    module, call = build_for_profiling(spec)
+    module, call = build_for_profiling(spec, device)
     module.to(device=device, dtype=dtype)
     if settings.compile:  # as train.compile runs it; the warm-up compiles
         module.compile()
