@@ -17,7 +17,7 @@ loop of GEMMs alone.  A rank that reaches the call first sleeps in it and is wok
 arrives; on this machine a small all-reduce costs 0.2-0.4 ms back to back after a barrier (the
 fastest of 20 calls) and 2.7-3.6 ms between GEMMs, which is what a step pays.  Latency and
 bandwidth solve the two-point line ``t = latency + ring_factor * bytes / busbw``
-(``hardware.ring_time``'s factor, so the figures drop straight into its formulas).
+(``device_spec.ring_time``'s factor, so the figures drop straight into its formulas).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .cache import measured_once
-from .hardware import DeviceSpec
+from .device_spec import DeviceSpec
 
 
 def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float = 0.5) -> DeviceSpec:

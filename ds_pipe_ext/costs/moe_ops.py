@@ -9,7 +9,7 @@
 * Work per rank does not depend on EP: a rank holds E / ep experts and EP's all-to-all hands each ep x C
   slots, E x C in all, as at ep 1.  Weights are E / ep experts.  Under EP, dispatch and combine are each
   an all-to-all of the rank's E x C x h slots over the EP group, forward and again backward
-  (``hardware.ring_time``; inside a node while tp x ep GPUs fit one).
+  (``device_spec.ring_time``; inside a node while tp x ep GPUs fit one).
 * Saved for backward (what ``saved_tensors_hooks`` count on the layer, tests/test_moe_training.py): the
   router's fp32 input (T h x 4 bytes) and its gates and masks (about 12 bytes per token and expert), the
   dispatched slots (E C h), each expert's gate_up output and SwiGLU output (E C 3 f), the gathered expert

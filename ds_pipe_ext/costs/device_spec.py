@@ -1,0 +1,157 @@
+"""A device spec as data, and the roofline that turns an ``OpCost`` into seconds on it (a GPU spec prices each
+op as its kernels run: ``costs.gpu_pricing``).  The named specs and their fitted efficiencies are in
+``costs.hardware``; the measured ``cpu`` and ``cuda`` specs in ``costs.cpu_spec`` and ``costs.cuda_spec``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .gpu_pricing import GpuKernels
+from .op_cost import DTYPE_BYTES, AnalyticError, OpCost
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    matrix_flops: dict  # dtype -> peak FLOP/s on matrix units
+    vector_flops: dict  # dtype -> peak FLOP/s elementwise
+    hbm_bandwidth: float  # bytes/s
+    intra_node_bandwidth: float  # bytes/s per direction (NVLink)
+    inter_node_bandwidth: float  # bytes/s per direction (one NIC)
+    memory_bytes: float
+    gpus_per_node: int = 8
+    matrix_efficiency: float = 0.7
+    attention_efficiency: float = 0.5  # per-head matmuls are small (head dim 64-128): a lower share of peak
+    vector_efficiency: float = 0.7
+    memory_efficiency: float = 0.8
+    comm_efficiency: float = 0.8
+    # GEMMs with a small dimension d (the tokens, or h/t under TP) fill the device less: matrix
+    # efficiency x d / (d + matrix_half_dim); 0 leaves it flat.  Fitted on published runs on GPUs
+    # (bench/calibrate_at_scale.py), on profiled layers on a CPU (``calibrate.fit_device``).
+    matrix_half_dim: float = 0.0
+    # A CPU's allocator (glibc) maps every block above its mmap threshold afresh and returns it on
+    # free, so each such buffer pays a page fault per page, every step; GPUs' caching allocators
+    # reuse memory (0: no such cost).  Measured by ``measure_cpu``.
+    fresh_page_bandwidth: float = 0.0  # bytes/s of first touches
+    fresh_alloc_min_bytes: float = 32 * 2**20  # glibc's largest dynamic mmap threshold (64-bit)
+    # bytes/s of zeroing a fresh buffer (a dense gradient table); 0: the memory bandwidth.  Measured by
+    # measure_cpu: on a CPU it runs at half to two thirds of what a copy moves
+    fill_bandwidth: float = 0.0
+    # random elements/s a dropout mask draws; 0: free beyond the op's memory traffic (GPUs draw them in
+    # the fused kernel).  A CPU draws them one thread at a time, ~7 ns each: more than the op's traffic
+    random_rate: float = 0.0
+    # seconds per row of a large table touched at random (an embedding's lookup forward, its gradient
+    # row backward): a CPU waits on memory for each, ~0.35 us, beyond the bytes' streaming time (bench-cpu
+    # at 1,024 tokens: 0.35 ms each way, 5% of the layer); 0: none (a GPU keeps thousands in flight)
+    row_op_s: float = 0.0
+    # A forward GEMM whose output rows are not 64-byte aligned (a width that is not a multiple of 16 fp32
+    # elements: GPT-2's 50,257-token vocabulary) runs at this fraction of an aligned one's speed on a CPU
+    # (0.67-0.75 measured here, at any size; its backward, whose outputs are the input and weight widths,
+    # does not).  Measured by ``measure_cpu``; 1: not measured (Megatron pads vocabularies to 128 on GPUs).
+    misaligned_output_efficiency: float = 1.0
+    # Measured collectives, {kind: [latency_s, bus bandwidth]} for "all-reduce", "all-gather",
+    # "reduce-scatter" and "p2p"; None: the ring formulas on the link bandwidth.  CPU ranks talk
+    # through gloo at a tenth of a memory copy's speed (``cpu_comm.measure_cpu_ranks``).
+    collectives: dict | None = None
+    # How this GPU runs each kernel class (``costs.gpu_pricing``): when set, an op's compute is priced per
+    # kernel (GEMM shapes, the attention backend, memory passes, launches) in place of the class roofline
+    gpu: GpuKernels | None = None
+
+    def fresh_alloc_time(self, sizes) -> float:
+        """Seconds of page faults for buffers of these sizes (bytes)."""
+        if not self.fresh_page_bandwidth:
+            return 0.0
+        return sum(b for b in sizes if b > self.fresh_alloc_min_bytes) / self.fresh_page_bandwidth
+
+    def op_time(self, op: OpCost, *, dtype: str, tp: int, backward: bool = False, ep: int = 1,
+                execution: str = "eager", attention_backend: str | None = None) -> dict:
+        """Roofline: max(compute, memory) plus the op's collective (ring formulas): over the TP group, or
+        an all-to-all over the expert-parallel group, whose tp x ep GPUs share a node while they fit one.
+        A GPU spec (``gpu`` set) prices the op's kernels instead (``costs.gpu_pricing``), as they run under
+        ``execution``, a fused attention core on ``attention_backend`` (``arch.attention_backend``)."""
+        flops = op.bwd_flops if backward else op.fwd_flops
+        moved = op.bwd_bytes if backward else op.fwd_bytes
+        peak = (self.vector_flops if op.kind == "vector" else self.matrix_flops).get(dtype)
+        if peak is None:
+            raise AnalyticError(f"device {self.name} has no {op.kind} peak for dtype {dtype!r}")
+        if self.gpu is not None:
+            compute, memory = self._gpu_kernels_s(op, dtype=dtype, backward=backward, execution=execution,
+                                                  attention_backend=attention_backend), 0.0
+        else:
+            compute = flops / (peak * self.efficiency(op.kind) * self.shape_factor(op, dtype=dtype, backward=backward))
+            filled = op.bwd_fill_bytes if backward else 0.0
+            memory = ((moved - filled) / self.hbm_bandwidth
+                      + filled / (self.fill_bandwidth or self.hbm_bandwidth)) / self.memory_efficiency
+        comm_bytes = op.comm_bwd_bytes if backward else op.comm_fwd_bytes
+        kinds = op.comm_type
+        if "+" in kinds:  # under SP: the forward's collectives, then the backward's
+            kinds = kinds.split("+")[1 if backward else 0]
+        kinds = kinds.split(",")
+        group, span = (ep, tp * ep) if kinds == ["all-to-all"] else (tp, tp)
+        bandwidth = self.link_bandwidth(span) * self.comm_efficiency
+        comm = sum(self.collective_time(comm_bytes / len(kinds), kind, group, bandwidth) for kind in kinds)
+        fresh = self.fresh_alloc_time(op.bwd_allocs if backward else op.fwd_allocs)
+        random = op.random_elems / self.random_rate if self.random_rate and not backward else 0.0
+        random += op.row_ops * self.row_op_s
+        return {"compute_s": compute, "memory_s": memory, "comm_s": comm, "fresh_s": fresh, "random_s": random,
+                "time_s": max(compute, memory) + random + fresh + comm,
+                "intensity": flops / moved if moved else float("inf")}
+
+    def _gpu_kernels_s(self, op: OpCost, *, dtype: str, backward: bool, execution: str,
+                       attention_backend: str | None) -> float:
+        from . import gpu_pricing as G
+
+        if execution not in G.EXECUTIONS:
+            raise AnalyticError(f"execution {execution!r}: use one of {', '.join(G.EXECUTIONS)}")
+        accumulate = G.grad_accumulate_s(op, dtype=dtype, spec=self, execution=execution) if backward else 0.0
+        if op.kind == "matrix" and op.gemm:
+            return G.gemm_s(op, dtype=dtype, backward=backward, spec=self, execution=execution) + accumulate
+        if op.kind == "attention" and op.attn_shape:
+            return G.attention_s(op, dtype=dtype, backward=backward, spec=self, backend=attention_backend or "flash")
+        if op.gemm:  # a written-out attention's batched products
+            return G.gemm_s(op, dtype=dtype, backward=backward, spec=self)
+        if not (op.fwd_flops or op.bwd_flops or op.fwd_bytes or op.bwd_bytes):
+            return 0.0  # a record of saved bytes only
+        return G.streaming_s(op, dtype=dtype, backward=backward, spec=self, execution=execution) + accumulate
+
+    def collective_time(self, payload_bytes: float, kind: str, n: int, bandwidth: float) -> float:
+        """One collective over ``n`` ranks: the measured latency and bus bandwidth where this device
+        has them, else the ring formula on ``bandwidth``.  "p2p" is one send of the payload."""
+        if n <= 1 or payload_bytes == 0:
+            return 0.0
+        if self.collectives and kind in self.collectives:
+            latency, busbw = self.collectives[kind]
+            return latency + (payload_bytes / busbw if kind == "p2p" else ring_time(payload_bytes, kind, n, busbw))
+        return payload_bytes / bandwidth if kind == "p2p" else ring_time(payload_bytes, kind, n, bandwidth)
+
+    def shape_factor(self, op: OpCost, *, dtype: str, backward: bool = False) -> float:
+        """The share of its class's efficiency an op's shape lets it reach: a GEMM with a small dimension
+        fills the device less (``matrix_half_dim``); a forward GEMM whose output rows are not 64-byte
+        aligned is slower on a CPU (``misaligned_output_efficiency``)."""
+        factor = 1.0
+        if op.kind == "matrix" and self.matrix_half_dim > 0 and op.gemm_dim > 0:
+            factor = op.gemm_dim / (op.gemm_dim + self.matrix_half_dim)
+        if not backward and op.gemm_out and op.gemm_out * DTYPE_BYTES.get(dtype, 4) % 64:
+            factor *= self.misaligned_output_efficiency
+        return factor
+
+    def efficiency(self, kind: str) -> float:
+        """The class's share of its peak (what an op's shape allows beside it: ``shape_factor``)."""
+        return {"matrix": self.matrix_efficiency, "attention": self.attention_efficiency,
+                "vector": self.vector_efficiency}[kind]
+
+    def link_bandwidth(self, group_size: int) -> float:
+        """TP groups inside a node use NVLink; larger ones cross the network."""
+        return self.intra_node_bandwidth if group_size <= self.gpus_per_node else self.inter_node_bandwidth
+
+
+def ring_time(payload_bytes: float, comm_type: str, n: int, bandwidth: float) -> float:
+    """Bandwidth term of ring collectives over n ranks (Thakur et al. 2005; NCCL's bus-bandwidth model):
+    all-reduce 2(n-1)/n * bytes, all-gather and reduce-scatter (n-1)/n * bytes each; an all-to-all sends
+    (n-1)/n of a rank's bytes to the others (each link busy once: NCCL's all-to-all bus bandwidth)."""
+    if n <= 1 or payload_bytes == 0:
+        return 0.0
+    steps = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0}
+    if comm_type not in steps:
+        raise AnalyticError(f"unknown collective {comm_type!r}")
+    return steps[comm_type] * (n - 1) / n * payload_bytes / bandwidth
