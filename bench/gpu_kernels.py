@@ -10,7 +10,8 @@ smaller (``make test`` runs it) and writes nothing into the package.
   TP 1, 2, 4, 8 and 1,024-16,384 tokens, and the odd widths beside their aligned twins (50,257 / 50,304;
   10,922 / 10,944);
 - attention: SDPA on each backend that runs (cuDNN, flash, memory-efficient; grouped-query on flash), causal,
-  head dims 64 and 128, sequences 512-16,384, forward and backward;
+  head dims 64 and 128, sequences 512-16,384, forward and backward; the GPT cores again with attention
+  dropout 0.1 (d 64 at 1,024 and 2,048, d 128 at 2,048 and 4,096);
 - streaming: add, LayerNorm and softmax from 1 MiB to 1 GiB;
 - an empty op: the launch floor on the device and the dispatch on the host.
 
@@ -43,6 +44,7 @@ TOKENS = (1024, 2048, 4096, 8192, 16384)
 ODD_PAIRS = [(1024, 50257), (1024, 50304), (2048, 50257), (2048, 50304), (4096, 10922), (4096, 10944)]
 SEQS = (512, 1024, 2048, 4096, 8192, 16384)
 STREAM_MIB = (1, 4, 16, 64, 256, 1024)
+DROPOUT = 0.1  # GPT-2's and Megatron's attention dropout
 
 
 def gemm_shapes(scale: int = 1) -> list[tuple[int, int, int]]:
@@ -117,6 +119,31 @@ def measure_attention(device, dtype, timer, scale: int) -> list[dict]:
                     rows.append({"backend": name, "dtype": "bf16" if dtype == torch.bfloat16 else "fp32", "s": s,
                                  "d": d, "gqa": gqa, "fwd_s": fwd, "bwd_s": max(both - fwd, 1e-9),
                                  "fwd_flops": 4.0 * b * heads * s * s * d / 2})  # causal: half the scores
+    return rows + measure_attention_dropout(backends, device, dtype, timer, scale)
+
+
+def measure_attention_dropout(backends: dict, device, dtype, timer, scale: int) -> list[dict]:
+    """The GPT families' cores with attention dropout (gpt2-medium: d 64, s 1,024; gpt3-1.3b: d 128, s 2,048;
+    p = 0.1) on each backend that takes it: the dropout's cost, and which backend trains a GPT fastest."""
+    from torch.nn.attention import sdpa_kernel
+
+    rows, tokens = [], max(16384 // scale, 64)
+    for name, backend in backends.items():
+        for d, s in ((64, max(1024 // scale, 16)), (64, max(2048 // scale, 16)), (128, max(2048 // scale, 16)),
+                     (128, max(4096 // scale, 16))):
+            b, heads = max(tokens // s, 1), max(2048 // d // scale, 2)
+            q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+            core = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=DROPOUT)  # noqa: E731
+            try:
+                with sdpa_kernel([backend]):
+                    grad = torch.randn_like(core())
+                    fwd = timer(core)
+                    both = timer(lambda: torch.autograd.grad(core(), (q, k, v), grad))
+            except RuntimeError:
+                continue  # this backend takes no dropout here
+            rows.append({"backend": name, "dtype": "bf16" if dtype == torch.bfloat16 else "fp32", "s": s, "d": d,
+                         "gqa": False, "dropout": DROPOUT, "fwd_s": fwd, "bwd_s": max(both - fwd, 1e-9),
+                         "fwd_flops": 4.0 * b * heads * s * s * d / 2})
     return rows
 
 

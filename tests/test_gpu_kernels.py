@@ -161,6 +161,31 @@ def test_a_kernel_table_interpolates_between_its_measured_shapes():
     assert table.attention_flops("cudnn", "bf16", s=2048, d=128, backward=False) is None
 
 
+def test_attention_with_dropout_prices_from_the_tables_dropout_rows_else_by_its_share():
+    """gpt2-medium's core (attention dropout 0.1): a table that measured the backend with dropout prices it from
+    those rows; one measured without prices the plain rate at the spec's dropout share."""
+    rows = _table()["attention"]
+    slower = [{**r, "dropout": 0.1, "fwd_s": 2 * r["fwd_s"], "bwd_s": 2 * r["bwd_s"]} for r in rows]
+    table = KernelTable.from_json(_table(attention=rows + slower))
+    plain = table.attention_flops("flash", "bf16", s=2048, d=128, backward=False)
+    assert table.attention_flops("flash", "bf16", s=2048, d=128, backward=False, dropout=True) == pytest.approx(plain / 2)
+    assert KernelTable.from_json(_table()).attention_flops("flash", "bf16", s=2048, d=128, backward=False,
+                                                           dropout=True) is None
+    h100 = get_device("h100")
+    cfg = load_model("gpt2-medium")
+    req = EstimateRequest(micro_batch=8, seq=1024, dtype="bf16")
+    core = next(op for op in layer_ops(cfg, shape_for(cfg, req, h100), device=h100.name)[1][2]
+                if op.name == "fused_attention")
+    assert core.attn_shape[-1]  # the model's dropout reaches the op
+    no_dropout = replace(core, attn_shape=(*core.attn_shape[:-1], 0))
+    measured = replace(h100, gpu=G.gpu_kernels("h100-sxm", table=table))
+    unmeasured = replace(h100, gpu=G.gpu_kernels("h100-sxm", table=KernelTable.from_json(_table())))
+    for backward in (False, True):
+        price = lambda op, spec: G.attention_s(op, dtype="bf16", backward=backward, spec=spec, backend="flash")  # noqa: E731
+        assert price(core, measured) == pytest.approx(2 * price(no_dropout, measured))
+        assert price(core, unmeasured) == pytest.approx(price(no_dropout, unmeasured) / h100.gpu.attention_dropout)
+
+
 def test_a_device_prices_from_its_table_where_there_is_one(tmp_path):
     """Without a table the rules price it, and estimate / plan say so; a table in the package's kernels/ is
     read for that device (its GEMM rates used as measured); a malformed one is an error naming the fix."""
@@ -189,6 +214,9 @@ def test_the_kernels_bench_dry_run_writes_a_table_the_cost_model_reads(tmp_path)
     assert bench.main(["--dry-run", "--out", str(out)]) == 0
     table = KernelTable.from_json(json.loads(out.read_text()))
     assert len(table.gemm) == len(bench.gemm_shapes(64)) and table.attention and table.launch_s > 0
+    # the GPT cores again with attention dropout, priced from their own rows
+    assert {(r["d"], r["dropout"]) for r in table.attention if r.get("dropout")} == {(64, 0.1), (128, 0.1)}
+    assert table.attention_flops("math", "fp32", s=32, d=64, backward=True, dropout=True) > 0
     with pytest.raises(SystemExit, match="--out"):
         bench.main(["--dry-run"])
 

@@ -119,12 +119,16 @@ def attention_s(op: OpCost, *, dtype: str, backward: bool, spec, backend: str) -
     """A fused attention core on ``backend``: the kernel's work (causal: half the scores) at the backend's
     share of the dense peak for the head dim, interpolated between 64 and 128."""
     kern: GpuKernels = spec.gpu
-    b, heads, _kv, s, keys, d, masked, dropout = op.attn_shape
+    b, heads, kv, s, keys, d, masked, dropout = op.attn_shape
     flops = op.bwd_flops if backward else op.fwd_flops
     if not masked and keys >= s:  # causal: the kernel skips the tiles above the diagonal
         flops *= 0.5
     if kern.table is not None:
-        rate = kern.table.attention_flops(backend, dtype, s=s, d=d, backward=backward)
+        query = dict(s=s, d=d, backward=backward, gqa=kv < heads)
+        rate = kern.table.attention_flops(backend, dtype, **query, dropout=bool(dropout))
+        if rate is None and dropout:  # a table measured without dropout: the dropout share applies
+            rate = kern.table.attention_flops(backend, dtype, **query)
+            rate = rate * kern.attention_dropout if rate is not None else None
         if rate is not None:
             return max(flops / rate, kern.launch_s)
     # fp32 cores: the memory-efficient kernel's fp32 path multiplies on tensor cores in three TF32 passes

@@ -31,7 +31,8 @@ class KernelTable:
     device: str
     source: str
     gemm: list = field(default_factory=list)  # {"dtype", "m", "k", "n", "seconds"}
-    attention: list = field(default_factory=list)  # {"backend", "dtype", "s", "d", "fwd_s", "bwd_s", "fwd_flops"}
+    # {"backend", "dtype", "s", "d", "gqa", "dropout", "fwd_s", "bwd_s", "fwd_flops"}
+    attention: list = field(default_factory=list)
     launch_s: float | None = None
     host_kernel_s: float | None = None
     bandwidth_fraction: float | None = None
@@ -80,11 +81,16 @@ class KernelTable:
         weights = [1.0 / d ** 2 for d, _ in near]
         return math.exp(sum(w * math.log(r) for w, (_, r) in zip(weights, near)) / sum(weights)), exact
 
-    def attention_flops(self, backend: str, dtype: str, *, s: int, d: int, backward: bool) -> float | None:
+    def attention_flops(self, backend: str, dtype: str, *, s: int, d: int, backward: bool, gqa: bool = False,
+                        dropout: bool = False) -> float | None:
         """FLOP/s of ``backend``'s kernel at sequence ``s`` and head dim ``d`` (the nearest measured head dim,
-        interpolated over log2 s); None where the table has no row for the backend and dtype."""
+        interpolated over log2 s), from the rows of the query's dropout and grouped-query flags (a row without
+        the field: off; a grouped-query query takes the backend's other rows where none has it); None where the
+        table has no row for the backend, dtype and dropout (a table measured without dropout: the caller
+        applies its dropout share)."""
         rows = [r for r in self.attention if r["backend"] == backend and r["dtype"] == dtype
-                and (not backward or r.get("bwd_s"))]
+                and (not backward or r.get("bwd_s")) and bool(r.get("dropout")) == dropout]
+        rows = [r for r in rows if bool(r.get("gqa")) == gqa] or rows
         if not rows:
             return None
         dim = min({r["d"] for r in rows}, key=lambda x: abs(math.log2(x / d)))
