@@ -38,7 +38,7 @@ def select_rank_device() -> torch.device:
 def build_device(zero_stage: int = 0, dtype: str = "fp32") -> torch.device:
     """Where a rank builds (and initialises) its layers: on ``rank_device()`` where training holds at least the
     fp32 weights' bytes there anyway (ZeRO-0/1: 16-bit weights and gradients whole; fp32 ZeRO-2: fp32 weights
-    whole), so no weight is initialised on the host, one element at a time, and copied over.
+    whole), so no weight is drawn on the host (one thread: ~5 ns an element) and copied over.
     ZeRO-3 and 16-bit ZeRO-2 hold less than the fp32 model on a GPU: built on the host, as DeepSpeed's engine
     expects, since the model may fit the GPU only partitioned.  Use as a context: ``with build_device(...):``."""
     if zero_stage <= 1 or (zero_stage == 2 and dtype == "fp32"):
