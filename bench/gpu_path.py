@@ -509,7 +509,8 @@ def speed_record(run: Run, *, model: str, overrides: dict, micro_batch: int, mic
     return {"run": run.name, "status": run.status, "model": load_model(model).name,
             "overrides": recorded_overrides(model, overrides),
             "micro_batch": micro_batch, "micro_batches": micro_batches, "compiled": compiled, "pipeline": pipeline,
-            "zero": zero, "instrumented": False, "step_ms": 1e3 * metrics["step_s_median"] if "step_s_median" in metrics else None,
+            "zero": zero, "instrumented": False,
+            "step_ms": 1e3 * metrics["step_s_median"] if "step_s_median" in metrics else None,
             "step_ms_each": [1e3 * x for x in metrics.get("step_s_each", [])],
             "samples_per_s": metrics.get("samples_per_s"), "mfu": metrics.get("mfu"),
             "optimizer_ms": optimizer, "profile": profile, "torch": torch.__version__, "device_spec": device_spec()}
