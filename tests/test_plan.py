@@ -234,11 +234,22 @@ def test_deepspeed_passes_over_the_gradients_are_counted_even_with_one_dp_rank()
     gpu_like = with_device(model, hbm_bandwidth=1e9, memory_efficiency=1.0)
     cpu_like = with_device(gpu_like, fresh_page_bandwidth=1e9, fresh_alloc_min_bytes=2**20)
     assert gpu_like.e == 2
-    pipe = _layout(2, 1, 1, 0, 1, 4, "none", False, "1f1b")
+    alone = _layout(1, 1, 1, 0, 1, 4, "none", False, "none")
     # ZeRO-0: flatten (r + w), copy back (r + w), the trainer's norm (r): 5 x 2 MB = 10 ms; the 2 MB
     # flat buffer is new every step: 2 ms more on the CPU
-    assert gpu_like.engine_passes_s(pipe, 1e6) == pytest.approx(0.010)
-    assert cpu_like.engine_passes_s(pipe, 1e6) == pytest.approx(0.012)
+    assert gpu_like.engine_passes_s(alone, 1e6) == pytest.approx(0.010)
+    assert cpu_like.engine_passes_s(alone, 1e6) == pytest.approx(0.012)
+    # a bf16 pipeline without ZeRO runs BF16_Optimizer, accumulating in bf16 (0.19's default): each of the 4
+    # micro-batches zeroes the gradients (2) and adds them into the buffers (2 + 2 + 2), 32 MB; the step reads
+    # the buffers for the norm (2), casts them to fp32 (2 + 4), copies fp32 into bf16 (4 + 2) and zeroes the
+    # buffers (2), 16 MB: 48 ms; the fp32 cast (4 MB) is new every step: 4 ms more on the CPU
+    pipe = _layout(2, 1, 1, 0, 1, 4, "none", False, "1f1b")
+    assert gpu_like.engine_passes_s(pipe, 1e6) == pytest.approx(0.048)
+    assert cpu_like.engine_passes_s(pipe, 1e6) == pytest.approx(0.052)
+    # accumulating in fp32: the add goes through a cast's temporary (2 + 4 + 4 + 4 + 4) and no cast at the step
+    fp32_accum = with_device(model, hbm_bandwidth=1e9, memory_efficiency=1.0)
+    fp32_accum.grad_accum_dtype = "fp32"  # ds.json's data_types.grad_accum_dtype (BLOOM's)
+    assert fp32_accum.engine_passes_s(pipe, 1e6) == pytest.approx((4 * (2 + 18) + 4 + 6 + 4) * 1e-3)
     dp2 = _layout(1, 1, 2, 0, 1, 2, "none", False, "none")  # and the scaling by 1/dp (r + w): 7 x 2 MB
     assert gpu_like.engine_passes_s(dp2, 1e6) == pytest.approx(0.014)
     # ZeRO-1 over 2 ranks, 5e5 gradients owned: the bf16 overflow check (amax, amin: 2 x 2 bytes each), the

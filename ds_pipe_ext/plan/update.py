@@ -166,13 +166,35 @@ class RankUpdate:
           ``check_grad_overflow``; always for fp16: ``amax`` and ``amin`` read it, five scalar kernels and
           the count's add follow).
 
+        - ``BF16_Optimizer`` (a bf16 pipeline without ZeRO, ``bf16_optimizer``) in place of ZeRO-0's passes: each
+          micro-batch zeroes the 16-bit gradients before its backward (``clear_lp_grads``: write e) and adds
+          them into the accumulation buffers after it (``update_hp_grads``: read e, read and write a, the
+          ``grad_accum_dtype``'s bytes; through a cast's temporary where a != e: write and read a more), a
+          tensor at a time; the step reads the buffers for the norm (a), casts the owned partition to fp32
+          where a != 4 (read a, write 4: a fresh tensor), copies the updated fp32 partition into the 16-bit
+          one (read 4, write e) and zeroes the buffers (write a).
+
         ZeRO-1/2 loop over the gradients a tensor at a time (the check, the norm's cast and reduction, the
-        reduction bucket's copy).  On a GPU each such tensor takes at least its kernels' host dispatch
-        (``GpuKernels.host_kernel_s`` a kernel), the host waiting on no work: ``tensors`` (the rank's
-        parameter tensors' element counts) prices each tensor at the larger of its dispatch and its bytes.
+        reduction bucket's copy), and so does ``BF16_Optimizer`` each micro-batch.  On a GPU each such tensor
+        takes at least its kernels' host dispatch (``GpuKernels.host_kernel_s`` a kernel), the host waiting on
+        no work: ``tensors`` (the rank's parameter tensors' element counts) prices each tensor at the larger
+        of its dispatch and its bytes.
         """
         e, dp, m = self.e, lay.dp, lay.micro_batches
         bandwidth = self.device.hbm_bandwidth * self.device.memory_efficiency
+        kern = self.device.gpu
+        if self.bf16_optimizer(lay):
+            a = DTYPE_BYTES[self.grad_accum_dtype]
+            cast = a != e
+            micro_bytes = e + e + 2 * a + (2 * a if cast else 0)  # zero; add (through the cast's temporary)
+            step_bytes = a * params + ((a + 4) if a != 4 else 0) * params / dp + (4 + e) * params / dp + a * params
+            fresh = [4.0 * params / dp] if a != 4 else []
+            if kern is None or not tensors:
+                micro = m * micro_bytes * params / bandwidth
+            else:
+                micro = m * sum(max(micro_bytes * n / bandwidth, (2 if cast else 1) * kern.host_kernel_s)
+                                for n in tensors)
+            return micro + step_bytes / bandwidth + self.device.fresh_alloc_time(fresh)
         if lay.zero == 0:
             traffic = (4 + (2 if dp > 1 else 0) + 1) * e * params
             bucket = 5e8
@@ -184,7 +206,6 @@ class RankUpdate:
         reductions = {1: 1, 2: m}.get(lay.zero, 0)
         fresh = [8.0 * p / dp for p in layer_params if 8.0 * p / dp > self.device.fresh_alloc_min_bytes]
         fresh.append(4.0 * params / dp)
-        kern = self.device.gpu
         if kern is None or not tensors:
             traffic = owned_bytes * params / dp + reductions * 2 * e * params
             return traffic / bandwidth + self.device.fresh_alloc_time(fresh)
