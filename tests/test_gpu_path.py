@@ -4,6 +4,7 @@ cannot rot between the sessions that have a GPU: every launch ok, the memory row
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +63,15 @@ def test_the_gpu_check_runs_its_whole_plan_on_cpu_ranks(tmp_path):
     (row,) = build_report(tmp_path / "train" / "tiny-tied-bf16-pp1-z1" / "run")["stages"]
     assert row["pred_param_bytes"] == row["meas_param_bytes"]
     assert "throughput: predicted" in proc.stdout and "MFU against the measured cpu spec's GEMM peak" in proc.stdout
+
+
+def test_a_lent_sessions_call_skips_the_parts_that_would_run_past_its_deadline(tmp_path):
+    """launch_scripts/gpu_session.sh: a part expected to end after DEADLINE_S is skipped with a line naming it,
+    never started and cut off; the call still ends cleanly, so what ran comes back."""
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "OUT": str(tmp_path), "DEADLINE_S": "0"}
+    proc = subprocess.run(["bash", str(ROOT / "launch_scripts" / "gpu_session.sh"), "two"], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    skipped = [line.split("skipped ", 1)[1].split(":")[0] for line in proc.stdout.splitlines() if "skipped " in line]
+    assert skipped == ["backends", "pipe", "compare"] and "before the 0 s deadline" in proc.stdout
+    assert not (tmp_path / "pipe.log").exists()
