@@ -20,8 +20,9 @@ Ends: RESULT block_head_median_err_pct=... block_head_max_err_pct=... embedding_
       embedding_max_abs_err_ms=... step_median_err_pct=... step_max_err_pct=... memory_peak_max_err_pct=...
       fitted_records=N predicted_records=M
 
-The `speed` part's steps (instrumented: a sync around each phase) are priced by `plan --only` of their layout,
-eager or compiled as they ran; none of them fitted anything.
+The `speed` part's steps (the logs' instrumented: a sync around each phase; the records' not) and the `pipe`
+part's (one-stage pipelines, ZeRO-0 or 1) are priced by `plan --only` of their layout, eager or compiled as
+they ran; none of them fitted anything.
 """
 
 from __future__ import annotations
@@ -160,12 +161,14 @@ def read_steps(runs: Path) -> list[dict]:
     """The `speed` part's rows: step and optimizer ms as measured; the logs' rows ran instrumented (a sync around
     each phase), the records' (``speed-records.json``) uninstrumented, their optimizer from the profiled step."""
     steps = []
-    for path in sorted(runs.rglob("speed-records.json")):  # bench/gpu_path.py's since the step profile
+    # bench/gpu_path.py's since the step profile: speed's data-parallel rows and pipe's one-stage pipelines
+    for path in sorted([*runs.rglob("speed-records.json"), *runs.rglob("pipe-records.json")]):
         for r in json.loads(path.read_text())["steps"]:
-            if r.get("status") == "ok" and r.get("step_ms") and not r.get("pipeline"):
+            if r.get("status") == "ok" and r.get("step_ms"):
                 steps.append({"run": r["run"], "model": r["model"], "overrides": r["overrides"],
                               "micro_batch": r["micro_batch"], "micro_batches": r["micro_batches"],
                               "compiled": r["compiled"], "step_ms": r["step_ms"],
+                              "pipeline": bool(r.get("pipeline")), "zero": r.get("zero", 1),
                               "optimizer_ms": r.get("optimizer_ms") or float("nan"),
                               "device": r.get("device_spec") or "h200",
                               "check_grad_overflow": r.get("check_grad_overflow", True),
@@ -185,7 +188,8 @@ def read_steps(runs: Path) -> list[dict]:
 
 
 def predict_step_ms(run: dict, device: str = "h200") -> tuple[float, float]:
-    """`plan --only` of the run's layout (pp=1, tp=1, dp=1, ZeRO-1, bf16) priced as it ran: (step ms, MFU)."""
+    """`plan --only` of the run's layout (pp=1, tp=1, dp=1, its ZeRO stage (1 before records said), bf16; a
+    `pipe` row through the pipeline engine with one stage) priced as it ran: (step ms, MFU)."""
     from ds_pipe_ext.plan.model import PlanModel
     from ds_pipe_ext.plan.space import parse_only
 
@@ -195,7 +199,10 @@ def predict_step_ms(run: dict, device: str = "h200") -> tuple[float, float]:
     model = PlanModel.on_its_cluster(cfg, get_device(device), seq=cfg.seq_len, global_batch=batch,
                                      execution="compiled" if run["compiled"] else "eager",
                                      check_grad_overflow=run.get("check_grad_overflow", True))
-    cost = model.evaluate(parse_only(f"pp=1,tp=1,dp=1,mb={run['micro_batch']},zero=1", gpus=1, global_batch=batch))
+    only = f"pp=1,tp=1,dp=1,mb={run['micro_batch']},zero={run.get('zero', 1)}"
+    if run.get("pipeline"):
+        only += ",schedule=1f1b"
+    cost = model.evaluate(parse_only(only, gpus=1, global_batch=batch))
     return 1e3 * cost.step_s, cost.mfu
 
 
@@ -271,7 +278,7 @@ def main(argv=None) -> int:
     steps = read_steps(Path(args.runs))
     step_errs = []
     if steps:
-        print(f"\n`plan --only` of each `speed` run's layout (predicted; no step record fitted anything)\n"
+        print(f"\n`plan --only` of each `speed` and `pipe` run's layout (predicted; no step record fitted anything)\n"
               f"{'run':38s} {'measured ms':>11s} {'optimizer ms':>12s} {'predicted ms':>12s} {'err %':>6s} "
               f"{'predicted MFU':>13s}")
         for run in steps:

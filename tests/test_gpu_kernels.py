@@ -280,6 +280,14 @@ def test_the_fidelity_bench_reads_new_records_with_their_config_in_place_of_thei
     assert rec.dtype == "fp32" and rec.tf32 and rec.spread == (6.0, 8.0) and rec.median_ms == 7.0
     # TF32 on: fp32 GEMMs priced on tensor cores, far faster than the CUDA cores of the old records
     assert bench.predict_ms(rec) < 0.5 * bench.predict_ms(replace(rec, tf32=False))
+    # the pipe part's one-stage pipelines are priced as pipelines, under their own ZeRO stage
+    step = {"run": "gpt3-1.3b-pp1-z0-mb4x4", "status": "ok", "model": "gpt3-1.3b", "overrides": {}, "micro_batch": 4,
+            "micro_batches": 4, "compiled": False, "step_ms": 700.0, "pipeline": True, "zero": 0}
+    (tmp_path / "gpu-path" / "pipe-records.json").write_text(json.dumps({"steps": [step]}))
+    (pipe,) = bench.read_steps(tmp_path)
+    assert pipe["pipeline"] and pipe["zero"] == 0
+    data_parallel = {**pipe, "pipeline": False, "zero": 1}
+    assert bench.predict_step_ms(pipe)[0] != pytest.approx(bench.predict_step_ms(data_parallel)[0], rel=1e-3)
 
 
 def test_the_fidelity_bench_on_the_committed_gpu_records_fits_at_most_half(capsys):
