@@ -121,13 +121,14 @@ import sys, time
 from pathlib import Path
 from ds_pipe_ext.costs.cache import measured_once
 path, log = Path(sys.argv[1]), Path(sys.argv[2])
-with measured_once(path):
-    if not path.exists():
-        with log.open("a") as f:
-            f.write("measured\\n")
-        time.sleep(0.5)  # a measurement others would run beside, without the lock
-        path.write_text("42")
-    print(path.read_text())
+
+def measure():
+    with log.open("a") as f:
+        f.write("measured\\n")
+    time.sleep(0.5)  # a measurement others would run beside, without the lock
+    return 42
+
+print(measured_once(path, measure, parse=int, dump=int))
 """
 
 

@@ -8,14 +8,16 @@ import json
 import logging
 import os
 import platform
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from filelock import FileLock
 
 from .types import LayerCost
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FORMAT = "ds_pipe_ext.profile/1"
 
@@ -36,17 +38,24 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
-@contextmanager
-def measured_once(path: Path | None):
-    """Hold PATH.lock while the measurement cached at PATH is read or made: processes that ask at once (the
-    ranks of a launch, test workers) measure it once and read it after, and no measurement runs beside another
-    one that would slow it.  Nothing is held for an uncached (None) measurement."""
+def measured_once(path: Path | None, measure: Callable[[], T], *, parse: Callable[[object], T],
+                  dump: Callable[[T], object]) -> T:
+    """The measurement cached at PATH as JSON (``parse`` of it; a file ``parse`` rejects with ValueError,
+    KeyError or TypeError is measured again), else ``measure()``, written there as ``dump`` of it.  Under
+    PATH.lock: processes that ask at once (the ranks of a launch, test workers) measure it once and read it
+    after, and no measurement runs beside another one that would slow it.  ``path`` None: measured, uncached."""
     if path is None:
-        yield
-        return
+        return measure()
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{path}.lock"):
-        yield
+        if path.is_file():
+            try:
+                return parse(json.loads(path.read_text()))
+            except (ValueError, KeyError, TypeError):
+                pass  # corrupt: measure again
+        value = measure()
+        path.write_text(json.dumps(dump(value)))
+        return value
 
 
 def cache_key(fields: dict) -> str:

@@ -125,18 +125,15 @@ def measure_cpu_ranks(world: int = 2, cache_dir: str | None = ".ds_pipe_ext_cach
     (memory-copy) speed while every rank runs one, over its speed alone: ranks share the cores'
     memory bandwidth and caches, and the single-process micro-benchmarks see neither."""
     path = Path(cache_dir) / f"cpu-ranks-v3-{world}ranks.json" if cache_dir else None
-    with measured_once(path):  # several commands or test workers at once: one measures, the others read
-        if path is not None and path.is_file():
-            try:
-                got = json.loads(path.read_text())
-                if set(got["collectives"]) == set(KINDS) and set(got["shared"]) == {"matrix", "memory"}:
-                    return got
-            except (ValueError, KeyError, TypeError):
-                pass  # corrupt: measure again
-        got = _measure_now(world)
-        if path is not None:
-            path.write_text(json.dumps(got))
-        return got
+    # several commands or test workers at once: one measures, the others read
+    return measured_once(path, lambda: _measure_now(world), parse=_complete, dump=lambda got: got)
+
+
+def _complete(got: dict) -> dict:
+    """A cached measurement with every collective and both shared figures, else ValueError (measured again)."""
+    if set(got["collectives"]) != set(KINDS) or set(got["shared"]) != {"matrix", "memory"}:
+        raise ValueError("an incomplete measurement")
+    return got
 
 
 def _measure_now(world: int) -> dict:

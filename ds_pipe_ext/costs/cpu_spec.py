@@ -5,7 +5,6 @@ count and mmap threshold; the processes that ask at once (a launch's ranks on a 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict
@@ -39,16 +38,9 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     threads = torch.get_num_threads()
     mmap_min = training_mmap_threshold()  # what train.py's ranks map afresh (steady_host_allocator)
     path = Path(cache_dir) / f"cpu-spec-v11-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
-    with measured_once(path):  # the ranks of a launch on a fresh machine: one measures, the others read
-        if path is not None and path.exists():
-            try:
-                return DeviceSpec(**json.loads(path.read_text()))
-            except (TypeError, ValueError):
-                pass  # corrupt: measure again
-        spec = _measure_cpu_now(mmap_min, seconds)
-        if path is not None:
-            path.write_text(json.dumps(asdict(spec)))
-        return spec
+    # the ranks of a launch on a fresh machine: one measures, the others read
+    return measured_once(path, lambda: _measure_cpu_now(mmap_min, seconds), parse=lambda d: DeviceSpec(**d),
+                         dump=asdict)
 
 
 def _measure_cpu_now(mmap_min: float, seconds: float) -> DeviceSpec:
