@@ -92,7 +92,7 @@ def measure_gemms(device, dtype, timer, scale: int) -> list[dict]:
 
 def measure_attention(device, dtype, timer, scale: int) -> list[dict]:
     """SDPA on each backend that accepts the case; a backend that refuses one is skipped."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION} if device.type == "cuda" else {"math": SDPBackend.MATH}
@@ -102,49 +102,47 @@ def measure_attention(device, dtype, timer, scale: int) -> list[dict]:
             for s in (max(s // scale, 16) for s in SEQS):
                 b, heads = max(tokens // s, 1), max(2048 // d // scale, 2)
                 for gqa in ((False, True) if name == "flash" else (False,)):
-                    kv = heads // 4 if gqa else heads
-                    q = torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True)
-                    k = torch.randn(b, kv, s, d, device=device, dtype=dtype, requires_grad=True)
-                    v = torch.randn(b, kv, s, d, device=device, dtype=dtype, requires_grad=True)
-                    try:
-                        with sdpa_kernel([backend]):
-                            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-                            grad = torch.randn_like(out)
-                            fwd = timer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa))
-                            both = timer(lambda: torch.autograd.grad(
-                                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa), (q, k, v),
-                                grad))
-                    except RuntimeError:
-                        continue  # this backend does not run this case here
-                    rows.append({"backend": name, "dtype": "bf16" if dtype == torch.bfloat16 else "fp32", "s": s,
-                                 "d": d, "gqa": gqa, "fwd_s": fwd, "bwd_s": max(both - fwd, 1e-9),
-                                 "fwd_flops": 4.0 * b * heads * s * s * d / 2})  # causal: half the scores
-    return rows + measure_attention_dropout(backends, device, dtype, timer, scale)
+                    rows.append(attention_row(name, backend, device, dtype, timer, b=b, heads=heads,
+                                              kv=heads // 4 if gqa else heads, s=s, d=d))
+    return [r for r in rows if r] + measure_attention_dropout(backends, device, dtype, timer, scale)
 
 
 def measure_attention_dropout(backends: dict, device, dtype, timer, scale: int) -> list[dict]:
     """The GPT families' cores with attention dropout (gpt2-medium: d 64, s 1,024; gpt3-1.3b: d 128, s 2,048;
     p = 0.1) on each backend that takes it: the dropout's cost, and which backend trains a GPT fastest."""
-    from torch.nn.attention import sdpa_kernel
-
     rows, tokens = [], max(16384 // scale, 64)
     for name, backend in backends.items():
         for d, s in ((64, max(1024 // scale, 16)), (64, max(2048 // scale, 16)), (128, max(2048 // scale, 16)),
                      (128, max(4096 // scale, 16))):
             b, heads = max(tokens // s, 1), max(2048 // d // scale, 2)
-            q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-            core = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=DROPOUT)  # noqa: E731
-            try:
-                with sdpa_kernel([backend]):
-                    grad = torch.randn_like(core())
-                    fwd = timer(core)
-                    both = timer(lambda: torch.autograd.grad(core(), (q, k, v), grad))
-            except RuntimeError:
-                continue  # this backend takes no dropout here
-            rows.append({"backend": name, "dtype": "bf16" if dtype == torch.bfloat16 else "fp32", "s": s, "d": d,
-                         "gqa": False, "dropout": DROPOUT, "fwd_s": fwd, "bwd_s": max(both - fwd, 1e-9),
-                         "fwd_flops": 4.0 * b * heads * s * s * d / 2})
-    return rows
+            rows.append(attention_row(name, backend, device, dtype, timer, b=b, heads=heads, kv=heads, s=s, d=d,
+                                      dropout=DROPOUT))
+    return [r for r in rows if r]
+
+
+def attention_row(name: str, backend, device, dtype, timer, *, b: int, heads: int, kv: int, s: int, d: int,
+                  dropout: float = 0.0) -> dict | None:
+    """One causal SDPA case forced onto ``backend``, forward and backward timed; None where the backend does
+    not run it here."""
+    from torch.nn.attention import sdpa_kernel
+
+    gqa = kv != heads
+    q = torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, kv, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+
+    def core():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, dropout_p=dropout)
+
+    try:
+        with sdpa_kernel([backend]):
+            grad = torch.randn_like(core())
+            fwd = timer(core)
+            both = timer(lambda: torch.autograd.grad(core(), (q, k, v), grad))
+    except RuntimeError:
+        return None
+    return {"backend": name, "dtype": "bf16" if dtype == torch.bfloat16 else "fp32", "s": s, "d": d, "gqa": gqa,
+            "dropout": dropout, "fwd_s": fwd, "bwd_s": max(both - fwd, 1e-9),
+            "fwd_flops": 4.0 * b * heads * s * s * d / 2}  # causal: half the scores
 
 
 def measure_streaming(device, dtype, timer, scale: int) -> list[dict]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from .gpu_pricing import GpuKernels
 from .op_cost import DTYPE_BYTES, AnalyticError, OpCost
 
+
 @dataclass(frozen=True)
 class DeviceSpec:
     name: str
