@@ -585,13 +585,13 @@ def speed_part(t: Target, out: Path) -> list[Run]:
     return runs
 
 
-def pipe_part(t: Target, out: Path) -> list[Run]:
+def pipe_part(t: Target, out: Path, speed_records: Path | None = None) -> list[Run]:
     """The speed part's models, eager, through DeepSpeed's pipeline engine with one stage (ZeRO-1, the first
     also ZeRO-0: BF16_Optimizer in bf16 on a GPU): its samples/s against the speed part's data-parallel ZeRO-1
-    row where that ran in the same OUT."""
+    row, read from ``speed_records`` (default: where the speed part wrote them in the same OUT)."""
     runs, records = speed_runs("pipe", t, out, pipeline=True)
     _speed_table(records, "train.py, DeepSpeed's pipeline engine with one stage, uninstrumented")
-    dp_path = out / "speed-records.json"
+    dp_path = speed_records or out / "speed-records.json"
     if dp_path.is_file():
         dp = {(r["model"], r["micro_batch"], r["micro_batches"]): r for r in json.loads(dp_path.read_text())["steps"]
               if not r["compiled"] and r.get("samples_per_s")}
@@ -829,6 +829,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     ap.add_argument("--out", default="runs/gpu-path")
     ap.add_argument("--cpu-dry-run", action="store_true", help="the same plan on CPU ranks with tiny-tied")
+    ap.add_argument("--speed-records", type=Path, default=None,
+                    help="pipe: the speed part's records to compare with (default OUT/speed-records.json)")
     args = ap.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
@@ -846,7 +848,7 @@ def main(argv=None) -> int:
     print(f"device: {device}, torch {torch.__version__}, parts: {', '.join(parts)}", flush=True)
     runs, result = [], {}
     handlers = {"train": train_part, "compare": compare_part, "offload": offload_part, "hf": hf_part, "oom": oom_part,
-                "speed": speed_part, "pipe": pipe_part}
+                "speed": speed_part, "pipe": lambda t, out: pipe_part(t, out, args.speed_records)}
     for part in parts:
         t0 = time.perf_counter()
         if part == "layers":

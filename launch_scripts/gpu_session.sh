@@ -54,16 +54,19 @@ from ds_pipe_ext.costs.kernel_table import load_kernel_table; \
 key = datasheet_name(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory); \
 sys.exit(0 if key and load_kernel_table(key) else 1)" 2>/dev/null
 }
-# pipe reads speed's rows from its OUT; each call's OUT starts empty, so speed's records are also kept in
-# runs/gpu-keep/ (ignored by git: kept on a warm machine, or carried: run's carry ["runs/gpu-keep"])
+# pipe compares with speed's rows; each call's OUT starts empty, so speed's records are also kept in
+# runs/gpu-keep/ (ignored by git: kept on a warm machine, or carried: run's carry ["runs/gpu-keep"]) and pipe
+# reads them there when its OUT has none (not copied into OUT: the records come back once)
 KEEP=runs/gpu-keep
 part() {
   fits "$1" || return 0
   [ "$1" = kernels ] && { kernels; return; }
+  local extra=()
   [ "$1" = pipe ] && [ ! -f "$OUT/gpu-path/speed-records.json" ] && [ -f "$KEEP/speed-records.json" ] \
-    && cp "$KEEP/speed-records.json" "$OUT/gpu-path/"
+    && extra=(--speed-records "$KEEP/speed-records.json")
   elapsed "start $1 (limit ${LIMIT[$1]} s)"
-  timeout -k 10 "${LIMIT[$1]}" python3 bench/gpu_path.py --parts "$1" --out "$OUT/gpu-path" > "$OUT/$1.log" 2>&1
+  timeout -k 10 "${LIMIT[$1]}" python3 bench/gpu_path.py --parts "$1" --out "$OUT/gpu-path" ${extra[@]+"${extra[@]}"} \
+    > "$OUT/$1.log" 2>&1
   elapsed "end $1 rc=$?"
   [ "$1" = speed ] && mkdir -p "$KEEP" && cp "$OUT/gpu-path/speed-records.json" "$KEEP/" 2>/dev/null
   grep -E '^\s+\[|RESULT|^[a-z]+: [0-9]+ s' "$OUT/$1.log" | cut -c1-300
