@@ -76,6 +76,9 @@ SOURCES = {
     "a100": dict(
         file="megatron_2021_table1.csv", device="a100-80gb", vocab=51200, seq=2048, dropout=0.1, dtype="fp16",
         attention="eager",  # 2021: Megatron's fused scale-mask-softmax over the written-out s x s scores
+        # Megatron-LM of August 2021 (sc21's scripts): each weight gradient added into main_grad by its hook (local
+        # DDP) or by autograd (torch DDP), gradient_accumulation_fusion came in February 2022
+        execution="megatron-2021",
         cluster=Cluster(8, 300e9, 25e9),
         layout=lambda r: dict(micro_batch=int(r["micro_batch"]), interleave=int(r["interleave_chunks"]),
                               recompute="full", sp=False, overlap_comm=False, zero=0),
@@ -84,10 +87,13 @@ SOURCES = {
                      "full activation recompute on every row (the paper's setting); fp16 with fp32 master weights",
                      "dropout 0.1 (Megatron's default), fused (1-byte masks); vocabulary 51200, sequence 2048",
                      "gradient all-reduce in fp16, not overlapped with backward (Megatron-LM 2021)",
+                     "each micro-batch's weight gradients added into the accumulated ones in fp16 by a pass of their "
+                     "own (Megatron-LM 2021: no fused accumulation; --accumulate-allreduce-grads-in-fp32 not set)",
                      "8 x A100-80GB per node on NVLink (300 GB/s a direction), one 200 Gb/s HDR NIC per GPU"]),
     "h100": dict(
         file="megatron_core_h100.csv", device="h100-sxm", vocab=131072, seq=4096, dropout=0.0, dtype="bf16",
         attention="sdpa",  # Megatron-core: Transformer Engine's fused attention
+        execution="megatron",  # weight gradients accumulated inside the GEMMs (gradient_accumulation_fusion)
         cluster=Cluster(8, 450e9, 50e9),
         layout=lambda r: dict(micro_batch=1, interleave=1, recompute="selective", sp=int(r["tp"]) > 1,
                               overlap_comm=True, zero=1),  # ZeRO-1: Megatron's distributed optimizer
@@ -147,6 +153,13 @@ def megatron_parts(layers: int, chunks: int) -> list[int]:
     return [0, *(1 + per * k for k in range(1, chunks)), layers + 2]
 
 
+def accumulating(execution: str, lay: Layout) -> str:
+    """``execution`` where a step accumulates micro-batches; one micro-batch accumulates nothing: torch DDP's
+    and DeepSpeed's gradient is then autograd's own tensor (Megatron's local DDP adds it into ``main_grad``
+    even then, but its rows here all accumulate)."""
+    return "megatron" if lay.micro_batches == 1 else execution
+
+
 def predict(rows: list[dict], name: str, x: np.ndarray, fitted: dict) -> np.ndarray:
     """Each row's step through the planner's own model (runtime megatron) on the device with ``x``, the
     values of ``fitted``'s parameters in its order."""
@@ -156,7 +169,7 @@ def predict(rows: list[dict], name: str, x: np.ndarray, fitted: dict) -> np.ndar
     for r in rows:
         cfg, lay = r["cfg"], r["layout"]
         model = PlanModel(cfg, device, src["cluster"], seq=cfg.seq_len, global_batch=lay.global_batch,
-                          dtype=src["dtype"], execution="megatron")
+                          dtype=src["dtype"], execution=accumulating(src["execution"], lay))
         step = model.evaluate(lay, megatron_parts(cfg.layers, lay.num_chunks), check_memory=False).step_s
         out.append(r["flops"] / (step * lay.world_size) / 1e12)
     return np.array(out)
@@ -247,7 +260,7 @@ def predict_row(r: dict, params: dict, *, runtime_terms: bool = True) -> float:
                            inter_node_bandwidth=cluster.inter_node_bandwidth)
     model = PlanModel(cfg, device, cluster, seq=cfg.seq_len, global_batch=lay.global_batch, dtype=row["dtype"],
                       zero_settings=DEEPSPEED_ZERO_DEFAULTS, runtime_terms=runtime_terms,
-                      grad_accum_dtype=row["grad_accum_dtype"] or None, execution="megatron")
+                      grad_accum_dtype=row["grad_accum_dtype"] or None, execution=accumulating(row["execution"], lay))
     return model.evaluate(lay, row_parts(r), check_memory=False).step_s
 
 

@@ -305,7 +305,8 @@ def test_the_fidelity_bench_on_the_committed_gpu_records_fits_at_most_half(capsy
 
 def test_a_backward_adds_its_weight_gradients_into_the_last_ones_except_under_megatron():
     """AccumulateGrad's pass (both gradients read, one written) is in an eager or compiled backward, and
-    not in Megatron's, whose GEMMs accumulate into main_grad themselves."""
+    not in Megatron's, whose GEMMs accumulate into main_grad themselves; Megatron-LM of 2021, before that
+    fusion, ran the same pass beside its fused kernels."""
     h200 = get_device("h200")
     op = A.linear("x", 8, 4096, 4096, A.Shape(b=1, s=8, h=4096, a=1, f=4, V=4096), bias=False)
     passes = 3 * 4096 * 4096 * 2 / (h200.hbm_bandwidth * h200.gpu.bandwidth_fraction)
@@ -314,6 +315,10 @@ def test_a_backward_adds_its_weight_gradients_into_the_last_ones_except_under_me
     eager = h200.op_time(op, dtype="bf16", tp=1, backward=True)["time_s"]
     megatron = h200.op_time(op, dtype="bf16", tp=1, backward=True, execution="megatron")["time_s"]
     assert eager - megatron == pytest.approx(passes)
+    unfused = h200.op_time(op, dtype="bf16", tp=1, backward=True, execution="megatron-2021")["time_s"]
+    assert unfused - megatron == pytest.approx(passes)
+    assert h200.op_time(op, dtype="bf16", tp=1, execution="megatron-2021") == h200.op_time(
+        op, dtype="bf16", tp=1, execution="megatron")  # the forward is Megatron's either way
 
 
 def test_an_embedding_backward_on_a_gpu_moves_its_table_in_its_own_dtype():

@@ -98,6 +98,7 @@ def test_every_predicted_row_names_its_source_cluster_and_flop_convention():
         assert r["source"] and r["cluster"] and float(r["inter_gbs_per_gpu"]) > 0, r["name"]
         assert r["convention"] in ("iter_s", "tflops96", "tflops72"), r["name"]
         assert r["group"] in ("deepspeed-engine", "deep-pipeline", "zero3", "megatron"), r["name"]
+        assert r["execution"] in ("megatron", "megatron-2021"), r["name"]  # the kernels, and accumulation, of its era
         assert int(r["tp"]) * int(r["pp"]) * int(r["dp"]) % int(r["gpus_per_node"]) == 0, r["name"]
         for field in filter(None, r["assumed"].split(";")):  # an assumed field names a column or a setting
             assert field in r or field in ("schedule", "micro_batch", "dtype", "interleave", "zero3_buckets", "intra_gbs", "convention"), field

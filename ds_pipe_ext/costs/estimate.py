@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from ..arch import as_description, attention_backend, attention_kernel
 from . import analytic as A
 from .op_cost import DTYPE_BYTES
+from .gpu_pricing import MEGATRON
 from .hardware import DeviceSpec
 from .moe_ops import expert_weight_bytes, moe_block
 from .peak import RankStep, ZeroSettings, layer_peak_bytes, walks_schedule
@@ -50,7 +51,8 @@ class EstimateRequest:
     expert_imbalance: float = 1.0
     ep: int = 1  # expert-parallel degree: E / ep experts a rank, two all-to-alls each way per MoE block
     # how the layers run on a GPU (``costs.gpu_pricing``): "eager" (train.py), "compiled" (train.compile) or
-    # "megatron" (Megatron-LM's fused kernels); a CPU spec prices every one alike
+    # "megatron" (Megatron-LM's fused kernels; "megatron-2021": before its fused gradient accumulation); a CPU
+    # spec prices every one alike
     execution: str = "eager"
 
 
@@ -112,7 +114,7 @@ def op_backend(op: A.OpCost, req: EstimateRequest, device: str | None) -> str | 
     if not op.attn_shape:
         return None
     _b, heads, kv, _s, _keys, d, masked, _dropout = op.attn_shape
-    if req.execution == "megatron" and device not in (None, "cpu"):
+    if req.execution in MEGATRON and device not in (None, "cpu"):
         return "cudnn"  # Megatron-core's fused attention: Transformer Engine's, on cuDNN's kernels
     return attention_backend("fused", device, dtype=req.dtype, head_dim=d, gqa=kv != heads, masked=bool(masked))
 

@@ -16,7 +16,10 @@ carries ``GpuKernels`` and ``op_time`` hands its ops here:
 passes of fp32 casts), "compiled" (``train.compile``: inductor fuses elementwise chains into one pass of
 the op's own traffic and leaves the host far fewer launches) or "megatron" (Megatron-LM's fused kernels,
 one pass an op, no host floor; its 2021-2022 runs' attention is the written-out core, its fused softmax
-over the s x s scores).  Every figure's source is in docs/CALIBRATION.md.
+over the s x s scores).  "megatron-2021" is Megatron-LM's kernels before ``gradient_accumulation_fusion``
+(February 2022): each weight gradient is added into the accumulated one by a pass of its own, as Megatron's
+``main_grad`` hook and DeepSpeed's engine (autograd's ``AccumulateGrad``) then did.  Every figure's source is
+in docs/CALIBRATION.md.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from dataclasses import dataclass, field
 
 from .op_cost import DTYPE_BYTES, OpCost
 
-EXECUTIONS = ("eager", "compiled", "megatron")
+EXECUTIONS = ("eager", "compiled", "megatron", "megatron-2021")
+MEGATRON = ("megatron", "megatron-2021")  # Megatron-LM's fused kernels, with and without the fused accumulation
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,10 @@ def grad_accumulate_s(op: OpCost, *, dtype: str, spec, execution: str) -> float:
     """Autograd adding an op's weight gradients into those the micro-batch before left (``AccumulateGrad``:
     both read, one written, a kernel a tensor), as m - 1 of a step's m micro-batches and the profiler's
     timing loops run it.  Megatron's GEMMs accumulate into ``main_grad`` themselves
-    (``gradient_accumulation_fusion``): no pass."""
+    (``gradient_accumulation_fusion``): no pass.  Before that fusion ("megatron-2021") the same pass ran:
+    Megatron-LM's local DDP hook added each gradient into ``main_grad`` (``main_grad.add_(grad)``, 16-bit
+    without ``accumulate_allreduce_grads_in_fp32``), torch DDP and DeepSpeed's fp16 ZeRO-1 left it to
+    ``AccumulateGrad`` (DeepSpeed 0.5's ZeRO-1 registers no gradient hooks without ``overlap_comm``)."""
     if not op.weights or execution == "megatron":
         return 0.0
     kern: GpuKernels = spec.gpu
