@@ -52,3 +52,30 @@ def test_recompute_costs_time_and_overlap_hides_the_gradient_reduction():
     assert model.update_s(lay.replace(overlap_comm=True), 1e9) < hidden
     assert model.update_s(lay.replace(zero=1, overlap_comm=True), 1e9) == pytest.approx(
         model.update_s(lay.replace(overlap_comm=True), 1e9) / 64)
+
+
+def test_both_engines_send_a_tp_ranks_share_of_each_boundary_tensor():
+    """Megatron's scatter/gather and DeepSpeed's pipe_partitioned / grad_partitioned: each TP rank sends 1/t of
+    a boundary tensor; under SP (DeepSpeed's turned off there) the activation is already the rank's shard."""
+    from dataclasses import replace
+    import ds_pipe_ext.plan.model as M
+
+    for runtime in ("megatron", "deepspeed"):
+        lay = Layout(pp=2, tp=4, dp=1, micro_batch=1, micro_batches=4, runtime=runtime)
+        assert M.boundary_split(lay) == 4
+        assert M.boundary_split(replace(lay, sp=True)) == M.boundary_split(replace(lay, tp=1)) == 1
+    # on a slow link between the stages, the split shows in DeepSpeed's step as it does in Megatron's
+    cfg = GPTConfig(name="b", vocab_size=128, hidden=2048, layers=4, heads=16, seq_len=2048)
+    slow = Cluster(4, 300e9, 1e9)  # tp 4 fills a node: the stages talk over 1 GB/s
+    lay = Layout(pp=2, tp=4, dp=1, micro_batch=1, micro_batches=4, runtime="deepspeed")
+    model = PlanModel(cfg, A100, slow, seq=cfg.seq_len, global_batch=lay.global_batch, dtype="bf16")
+    split = model.evaluate(lay, _even(cfg.layers, 2), check_memory=False).step_s
+    original = M.boundary_split
+    M.boundary_split = lambda _lay: 1
+    try:
+        model = PlanModel(cfg, A100, slow, seq=cfg.seq_len, global_batch=lay.global_batch, dtype="bf16")
+        whole = model.evaluate(lay, _even(cfg.layers, 2), check_memory=False).step_s
+    finally:
+        M.boundary_split = original
+    boundary = 2 * 2048 * 2048 / 1e9  # one micro-batch's bf16 activation over 1 GB/s
+    assert whole - split > boundary  # at least one crossing each way, 3/4 of it saved each

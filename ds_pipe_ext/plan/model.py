@@ -99,6 +99,14 @@ class OutOfMemory(Exception):
         self.needed_bytes = needed_bytes  # what the heaviest rank needs (None: not computed; least_memory)
 
 
+def boundary_split(lay: Layout) -> int:
+    """How many pieces a boundary tensor crosses between stages in: each TP rank sends 1/t of it and the next
+    stage all-gathers it over TP, in both engines (Megatron's scatter/gather optimisation; DeepSpeed's
+    ``pipe_partitioned`` and ``grad_partitioned``, on wherever TP is).  Under SP the activation is already the
+    rank's shard (``train.config`` turns DeepSpeed's off there): one piece."""
+    return lay.tp if lay.tp > 1 and not lay.sp else 1
+
+
 class PlanModel(RankUpdate):
     """Costs of layouts of one model on one device and cluster, with per-layer costs cached."""
 
@@ -353,10 +361,8 @@ class PlanModel(RankUpdate):
             rank_time[r][1] += st.backward_s
         rank_layer_params = [[c.param_bytes / self.e for c in layers] for layers in rank_layers]
         rank_tensors = [[n for c in layers for n in c.param_numels] for layers in rank_layers]
-        if lay.runtime == "megatron" and lay.tp > 1 and not lay.sp:
-            # Megatron sends 1/t of a boundary activation between stages and all-gathers it over TP (its
-            # scatter/gather optimisation; under SP the activation is already the rank's shard)
-            stages = [replace(st, boundary_out_bytes=st.boundary_out_bytes / lay.tp) for st in stages]
+        if boundary_split(lay) > 1:
+            stages = [replace(st, boundary_out_bytes=st.boundary_out_bytes / boundary_split(lay)) for st in stages]
         exposed = self.zero3_exposed_s(lay) if self.zero3_prefetched(lay) and update else None
         tied = [0.0] * lay.pp  # DeepSpeed's tied embedding: its gradient all-reduced between first and last rank
         first, last = chunk_rank[0], chunk_rank[len(parts) - 2]
