@@ -3,6 +3,7 @@
 import pytest
 
 from ds_pipe_ext.costs import analytic as A
+from ds_pipe_ext.costs import edge_ops as E
 from ds_pipe_ext.costs.hardware import DEVICES
 
 # GPT-3 175B shapes (Korthikanti et al. 2022, Table 3): a=96, h=12288, s=2048, 16-bit
@@ -30,7 +31,7 @@ def test_model_flops_match_narayanan():
     B, s, L, h, V = 4, 2048, 96, 12288, 51200
     shp = A.Shape(b=B, s=s, h=h, a=96, f=4 * h, V=V)
     matrix = lambda ops: sum(o.fwd_flops + o.bwd_flops for o in ops if o.kind != "vector")  # noqa: E731
-    got = L * matrix(A.transformer_block(shp)) + matrix(A.lm_head(shp))
+    got = L * matrix(A.transformer_block(shp)) + matrix(E.lm_head(shp))
     assert got == pytest.approx(A.matmul_flops_per_iteration(B=B, s=s, L=L, h=h, V=V), rel=1e-12)
 
 
@@ -105,12 +106,12 @@ def test_fresh_allocations_cost_page_faults_only_above_the_mmap_threshold():
     gpu = get_device("a100")
     cpu = replace(gpu, fresh_page_bandwidth=1e9, fresh_alloc_min_bytes=32 * 2**20)
     table = 50257 * 512 * 4
-    emb = A.embedding(shp)[0]
+    emb = E.embedding(shp)[0]
     assert emb.bwd_allocs == (table,)
     t = lambda dev, op, bwd: dev.op_time(op, dtype="fp32", tp=1, backward=bwd)["time_s"]  # noqa: E731
     assert t(cpu, emb, True) - t(gpu, emb, True) == pytest.approx(table / 1e9)
     # cross-entropy: log-probabilities forward; two vocabulary-wide gradients backward (fp32)
-    xent = A.lm_head(shp)[-1]
+    xent = E.lm_head(shp)[-1]
     assert t(cpu, xent, True) - t(gpu, xent, True) == pytest.approx(2 * 1024 * 50257 * 4 / 1e9)
     # nothing a block allocates at this shape is above 32 MiB: no page faults
     assert all(t(cpu, op, bwd) == t(gpu, op, bwd) for op in A.transformer_block(shp) for bwd in (False, True))
@@ -128,7 +129,7 @@ def test_the_embedding_gradient_is_one_write_only_pass_at_the_fill_rate():
     from ds_pipe_ext.costs.hardware import get_device
 
     shp = A.Shape(b=1, s=128, h=512, a=8, f=2048, V=50257, e=4, m=4, dropout=False)
-    emb = A.embedding(shp, positions=False)[0]
+    emb = E.embedding(shp, positions=False)[0]
     assert emb.bwd_bytes == 2 * 128 * 512 * 4 + 102_926_336 and emb.bwd_fill_bytes == 102_926_336
     dev = replace(get_device("a100"), hbm_bandwidth=20e9, fill_bandwidth=10e9, memory_efficiency=1.0, gpu=None)
     assert dev.op_time(emb, dtype="fp32", tp=1, backward=True)["memory_s"] == pytest.approx(
@@ -258,7 +259,7 @@ def test_calibration_recovers_the_factors_that_made_the_times():
     layers = []
     for b, s in ((1, 64), (3, 192), (6, 96)):
         shp = A.Shape(b=b, s=s, h=512, a=8, f=2048, V=50257, e=4, m=4, dropout=False)
-        for ops in (A.embedding(shp), A.transformer_block(shp), A.lm_head(shp)):
+        for ops in (E.embedding(shp), A.transformer_block(shp), E.lm_head(shp)):
             f, bw = (sum(truth.op_time(op, dtype="fp32", tp=1, backward=k)["time_s"] for op in ops) for k in (0, 1))
             layers.append((ops, f, bw))
     fitted = calibrate(spec, layers, dtype="fp32", fit=("matrix", "vector", "memory"), attention_as_matrix=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from ..arch import as_description, attention_backend, attention_kernel
 from . import analytic as A
+from . import edge_ops as E
 from .op_cost import DTYPE_BYTES
 from .gpu_pricing import MEGATRON
 from .hardware import DeviceSpec
@@ -88,7 +89,7 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
     blocks share one op list), the head.  ``expert_imbalance``: ``EstimateRequest``'s; ``device``: the spec
     costed, which picks an "auto" attention's kernel (``arch.attention_kernel``)."""
     desc = as_description(model)
-    layers = [("EmbeddingPipe", "embedding", A.embedding(shp, positions=desc.positions == "learned"))]
+    layers = [("EmbeddingPipe", "embedding", E.embedding(shp, positions=desc.positions == "learned"))]
     built: dict = {}
     for block in desc.blocks:
         if block not in built:
@@ -103,9 +104,9 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
                 built[block] = moe_block(built[block], shaped, block.experts, ep=shp.ep, imbalance=expert_imbalance)
         layers.append(("Block", "block", built[block]))
     if chunked_head(desc, shp):
-        layers.append(("HeadPipe", "head", A.chunked_lm_head(shp, norm=desc.norm, chunk_tokens=desc.loss_chunk_tokens)))
+        layers.append(("HeadPipe", "head", E.chunked_lm_head(shp, norm=desc.norm, chunk_tokens=desc.loss_chunk_tokens)))
     else:
-        layers.append(("HeadPipe", "head", A.lm_head(shp, norm=desc.norm)))
+        layers.append(("HeadPipe", "head", E.lm_head(shp, norm=desc.norm)))
     return layers
 
 
