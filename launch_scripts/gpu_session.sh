@@ -7,9 +7,9 @@
 #                                              last step profiled), costs and layers: ~8 min on an H200
 #   bash launch_scripts/gpu_session.sh two     install; backends (which attention kernel each family runs, the
 #                                              chunked loss's bf16 parity; no launch), pipe (the speed models
-#                                              through DeepSpeed's pipeline engine, one stage, against speed's rows
-#                                              in the same OUT), then compare (ZeRO-0..3 bytes, the heaviest row's
-#                                              memory trace): ~7 min
+#                                              through DeepSpeed's pipeline engine, one stage, against speed's rows:
+#                                              OUT's, else runs/gpu-keep's), then compare (ZeRO-0..3 bytes, the
+#                                              heaviest row's memory trace): ~7 min
 #   bash launch_scripts/gpu_session.sh rest    install; train, oom, hf: what a new kind of GPU checks once
 #   bash launch_scripts/gpu_session.sh kernels install; bench/gpu_kernels.py (~2 minutes): the GPU's kernel table
 #                                              into ds_pipe_ext/costs/kernels/ and OUT/kernels/

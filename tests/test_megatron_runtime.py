@@ -54,7 +54,7 @@ def test_recompute_costs_time_and_overlap_hides_the_gradient_reduction():
         model.update_s(lay.replace(overlap_comm=True), 1e9) / 64)
 
 
-def test_both_engines_send_a_tp_ranks_share_of_each_boundary_tensor():
+def test_both_engines_send_a_tp_ranks_share_of_each_boundary_tensor(monkeypatch):
     """Megatron's scatter/gather and DeepSpeed's pipe_partitioned / grad_partitioned: each TP rank sends 1/t of
     a boundary tensor; under SP (DeepSpeed's turned off there) the activation is already the rank's shard."""
     from dataclasses import replace
@@ -68,14 +68,13 @@ def test_both_engines_send_a_tp_ranks_share_of_each_boundary_tensor():
     cfg = GPTConfig(name="b", vocab_size=128, hidden=2048, layers=4, heads=16, seq_len=2048)
     slow = Cluster(4, 300e9, 1e9)  # tp 4 fills a node: the stages talk over 1 GB/s
     lay = Layout(pp=2, tp=4, dp=1, micro_batch=1, micro_batches=4, runtime="deepspeed")
-    model = PlanModel(cfg, A100, slow, seq=cfg.seq_len, global_batch=lay.global_batch, dtype="bf16")
-    split = model.evaluate(lay, _even(cfg.layers, 2), check_memory=False).step_s
-    original = M.boundary_split
-    M.boundary_split = lambda _lay: 1
-    try:
+
+    def step_s() -> float:
         model = PlanModel(cfg, A100, slow, seq=cfg.seq_len, global_batch=lay.global_batch, dtype="bf16")
-        whole = model.evaluate(lay, _even(cfg.layers, 2), check_memory=False).step_s
-    finally:
-        M.boundary_split = original
+        return model.evaluate(lay, _even(cfg.layers, 2), check_memory=False).step_s
+
+    split = step_s()
+    monkeypatch.setattr(M, "boundary_split", lambda _lay: 1)
+    whole = step_s()
     boundary = 2 * 2048 * 2048 / 1e9  # one micro-batch's bf16 activation over 1 GB/s
     assert whole - split > boundary  # at least one crossing each way, 3/4 of it saved each

@@ -94,6 +94,9 @@ def _rms_norm_kernels(n: float, e: int) -> dict:
                                               (4 * cast + 80) * n)}
 
 
+NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm}  # a description's ``norm`` -> its op
+
+
 def qk_norm(shp: Shape, kv_heads: int | None = None) -> OpCost:
     """An RMSNorm over each query and key head (Qwen3; Megatron's qk_layernorm): d weights each for
     queries and keys, replicated over TP (their gradients summed over it: 2d elements, not costed);
@@ -278,7 +281,7 @@ def transformer_block(shp: Shape, *, kv_heads: int | None = None, mlp: str = "ge
     rotary ``positions`` applied to queries and keys, linears without ``bias`` (q/k/v's as ``qkv_bias``
     says), the attention core as one fused ``kernel`` (with a sliding ``window``) or written out,
     ``head_norm``: each query and key head RMS-normalised (Qwen3)."""
-    norm_op = {"layernorm": layer_norm, "rmsnorm": rms_norm}[norm]
+    norm_op = NORMS[norm]
     if mlp == "gelu":
         mlp_ops = [mlp_fc1(shp, bias=bias), gelu(shp), mlp_fc2(shp, bias=bias)]
     else:

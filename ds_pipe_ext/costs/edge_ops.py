@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .analytic import dropout, layer_norm, linear, rms_norm, tp_entry_comm
+from .analytic import NORMS, dropout, linear, tp_entry_comm
 from .op_cost import OpCost, Shape
 
 
@@ -72,7 +72,7 @@ def chunked_lm_head(shp: Shape, *, norm: str = "layernorm", chunk_tokens: int) -
                   # alive at a chunk's peak: its fp32 logits, log-sum-exp's temporary of their size, and the two
                   # gradients being summed (traced on CPU: gpt2-small's head at 2,048 tokens, 956.6 MiB)
                   fwd_allocs=(chunk * shp.V * 4, chunk * shp.V * 4, grads), kernels=(10 * chunks, 2))
-    return [{"layernorm": layer_norm, "rmsnorm": rms_norm}[norm]("ln_f", shp), head, xent]
+    return [NORMS[norm]("ln_f", shp), head, xent]
 
 
 def lm_head(shp: Shape, *, norm: str = "layernorm") -> list[OpCost]:
@@ -97,4 +97,4 @@ def lm_head(shp: Shape, *, norm: str = "layernorm") -> list[OpCost]:
                   kernels=(3 + bool(cast), 3 + bool(cast)), gpu_bytes=((16 + cast) * logits, (20 + cast) * logits),
                   comm_fwd_bytes=3 * shp.tokens * 4 if shp.t > 1 else 0.0,
                   comm_type="all-reduce" if shp.t > 1 else "")
-    return [{"layernorm": layer_norm, "rmsnorm": rms_norm}[norm]("ln_f", shp), head, xent]
+    return [NORMS[norm]("ln_f", shp), head, xent]

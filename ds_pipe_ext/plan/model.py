@@ -361,8 +361,9 @@ class PlanModel(RankUpdate):
             rank_time[r][1] += st.backward_s
         rank_layer_params = [[c.param_bytes / self.e for c in layers] for layers in rank_layers]
         rank_tensors = [[n for c in layers for n in c.param_numels] for layers in rank_layers]
-        if boundary_split(lay) > 1:
-            stages = [replace(st, boundary_out_bytes=st.boundary_out_bytes / boundary_split(lay)) for st in stages]
+        split = boundary_split(lay)
+        if split > 1:
+            stages = [replace(st, boundary_out_bytes=st.boundary_out_bytes / split) for st in stages]
         exposed = self.zero3_exposed_s(lay) if self.zero3_prefetched(lay) and update else None
         tied = [0.0] * lay.pp  # DeepSpeed's tied embedding: its gradient all-reduced between first and last rank
         first, last = chunk_rank[0], chunk_rank[len(parts) - 2]
