@@ -226,6 +226,9 @@ def load_predicted() -> list[dict]:
                          micro_batches=i["global_batch"] // (i["micro_batch"] * i["dp"]), zero=i["zero"],
                          recompute=r["recompute"], overlap_comm=bool(i["overlap_comm"]), runtime=r["runtime"],
                          schedule=f"interleaved:{i['interleave']}" if i["interleave"] > 1 else None)
+            if r["lp_grads"] not in ("", "none", "zero"):
+                raise ValueError(f"{PREDICTED.name}: {r['name']}: lp_grads {r['lp_grads']!r} (none: BF16_Optimizer set "
+                                 f"the 16-bit gradients to None before each backward, zero: zeroed them, as 0.19 does)")
             published = float(r["published"])
             if r["convention"] in ("tflops96", "tflops72"):
                 count = model_flops if r["convention"] == "tflops72" else flops_with_recompute
@@ -260,7 +263,8 @@ def predict_row(r: dict, params: dict, *, runtime_terms: bool = True) -> float:
                            inter_node_bandwidth=cluster.inter_node_bandwidth)
     model = PlanModel(cfg, device, cluster, seq=cfg.seq_len, global_batch=lay.global_batch, dtype=row["dtype"],
                       zero_settings=DEEPSPEED_ZERO_DEFAULTS, runtime_terms=runtime_terms,
-                      grad_accum_dtype=row["grad_accum_dtype"] or None, execution=accumulating(row["execution"], lay))
+                      grad_accum_dtype=row["grad_accum_dtype"] or None, execution=accumulating(row["execution"], lay),
+                      lp_grads_to_none=row["lp_grads"] == "none")
     return model.evaluate(lay, row_parts(r), check_memory=False).step_s
 
 

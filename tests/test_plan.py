@@ -250,6 +250,9 @@ def test_deepspeed_passes_over_the_gradients_are_counted_even_with_one_dp_rank()
     fp32_accum = with_device(model, hbm_bandwidth=1e9, memory_efficiency=1.0)
     fp32_accum.grad_accum_dtype = "fp32"  # ds.json's data_types.grad_accum_dtype (BLOOM's)
     assert fp32_accum.engine_passes_s(pipe, 1e6) == pytest.approx((4 * (2 + 18) + 4 + 6 + 4) * 1e-3)
+    # BLOOM's 2022 optimizer set the 16-bit gradients to None before each backward: no zeroing, 4 x 2 MB less
+    fp32_accum.lp_grads_to_none = True
+    assert fp32_accum.engine_passes_s(pipe, 1e6) == pytest.approx((4 * 18 + 4 + 6 + 4) * 1e-3)
     dp2 = _layout(1, 1, 2, 0, 1, 2, "none", False, "none")  # and the scaling by 1/dp (r + w): 7 x 2 MB
     assert gpu_like.engine_passes_s(dp2, 1e6) == pytest.approx(0.014)
     # ZeRO-1 over 2 ranks, 5e5 gradients owned: the bf16 overflow check (amax, amin: 2 x 2 bytes each), the

@@ -114,7 +114,7 @@ class PlanModel(RankUpdate):
                  dtype: str = "bf16", memory_fraction: float = USABLE_MEMORY, step_model: StepModel | None = None,
                  network: Network | None = None, expert_imbalance: float = 1.0, zero_settings: dict | None = None,
                  runtime_terms: bool = True, grad_accum_dtype: str | None = None, execution: str = "eager",
-                 check_grad_overflow: bool = False):
+                 check_grad_overflow: bool = False, lp_grads_to_none: bool = False):
         self.cfg, self.device, self.cluster = as_description(cfg), device, cluster  # what the model computes
         # the run's ZeRO buckets and thresholds (ours: what the emitted ds.json sets; a published run's: its own)
         self.zero_settings = {**zero_settings_for(self.cfg.hidden, device.name,
@@ -131,6 +131,9 @@ class PlanModel(RankUpdate):
         # (its default; a host-bound loop of kernels a tensor on a GPU).  The ds.json plan emits and the GPU
         # configs here set it off, as Megatron runs bf16 (no step is skipped for a non-finite gradient)
         self.check_grad_overflow = check_grad_overflow
+        # how BF16_Optimizer's pipeline clears the 16-bit gradients before each backward: DeepSpeed 0.19 zeroes
+        # them (``clear_lp_grads``: a pass); the 2022 code BLOOM ran (PR #1801) set them to None (no pass)
+        self.lp_grads_to_none = lp_grads_to_none
         self.expert_imbalance = expert_imbalance  # dropless routing: the busiest expert's load over the mean
         # how the layers run on a GPU: "eager" (train.py), "compiled" (train.compile) ("costs.gpu_pricing")
         self.execution = execution

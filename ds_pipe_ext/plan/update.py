@@ -167,7 +167,8 @@ class RankUpdate:
           the count's add follow).
 
         - ``BF16_Optimizer`` (a bf16 pipeline without ZeRO, ``bf16_optimizer``) in place of ZeRO-0's passes: each
-          micro-batch zeroes the 16-bit gradients before its backward (``clear_lp_grads``: write e) and adds
+          micro-batch zeroes the 16-bit gradients before its backward (``clear_lp_grads``: write e; none where
+          ``lp_grads_to_none``: the 2022 optimizer BLOOM ran set them to None, PR #1801) and adds
           them into the accumulation buffers after it (``update_hp_grads``: read e, read and write a, the
           ``grad_accum_dtype``'s bytes; through a cast's temporary where a != e: write and read a more), a
           tensor at a time; the step reads the buffers for the norm (a), casts the owned partition to fp32
@@ -186,7 +187,8 @@ class RankUpdate:
         if self.bf16_optimizer(lay):
             a = DTYPE_BYTES[self.grad_accum_dtype]
             cast = a != e
-            micro_bytes = e + e + 2 * a + (2 * a if cast else 0)  # zero; add (through the cast's temporary)
+            zero = 0 if getattr(self, "lp_grads_to_none", False) else e  # 0.19 zeroes; 2022's set them to None
+            micro_bytes = zero + e + 2 * a + (2 * a if cast else 0)  # the add (through the cast's temporary)
             step_bytes = a * params + ((a + 4) if a != 4 else 0) * params / dp + (4 + e) * params / dp + a * params
             fresh = [4.0 * params / dp] if a != 4 else []
             if kern is None or not tensors:
