@@ -345,3 +345,19 @@ def test_a_biased_linear_backward_on_a_gpu_holds_a_buffer_of_its_output_gradient
     assert fc1.bwd_allocs == (8192 * 1024 * 2, (1024 * 4096 + 4096) * 2, 8192 * 4096 * 2)
     assert A.linear("fc1", 8192, 1024, 4096, cpu).bwd_allocs == fc1.bwd_allocs[:2]
     assert len(A.linear("fc1", 8192, 1024, 4096, gpu, bias=False).bwd_allocs) == 2
+
+
+def test_the_gemm_rule_checks_against_xlas_whole_h100_grid(capsys):
+    """bench/gemm_rule_vs_xla.py: XLA's measured H100 bf16 products (fitted nothing) hold the whole 256-4,096 grid,
+    one row a shape, and the bench prices each by the rule: in the rule's one wave (8 x 8 tiles of 128 x 256 fill
+    64 of 132 SMs) a GEMM costs the same at every output size below it, as the rule says."""
+    bench = _bench("gemm_rule_vs_xla")
+    shapes = bench.load_shapes()
+    sides = (256, 512, 1024, 2048, 4096)
+    assert sorted((r["m"], r["n"], r["k"]) for r in shapes) == [(m, n, k) for m in sides for n in sides for k in sides]
+    assert all(1e12 < r["flops"] < 989e12 for r in shapes)  # under the H100's dense bf16 peak
+    rows = {(r["m"], r["n"], r["k"]): r for r in bench.compare("h100-sxm")}
+    assert rows[(1024, 2048, 4096)]["rule_us"] == pytest.approx(rows[(256, 256, 4096)]["rule_us"])
+    assert rows[(1024, 2048, 4096)]["waves"] == pytest.approx(64 / 132)
+    bench.main([])
+    assert capsys.readouterr().out.splitlines()[-1].startswith("RESULT shapes=125 ")
