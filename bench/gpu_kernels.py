@@ -8,7 +8,11 @@ smaller (``make test`` runs it) and writes nothing into the package.
 
 - GEMMs: the products the model families make (gpt2-medium, gpt3-1.3b, llama3-8b: q/k/v, out, MLP, head) at
   TP 1, 2, 4, 8 and 1,024-16,384 tokens, and the odd widths beside their aligned twins (50,257 / 50,304;
-  10,922 / 10,944);
+  10,922 / 10,944); each forward product with its two backward ones as autograd runs them, the input's
+  gradient (tokens x N)(N x K) and the weight's (N x tokens)(tokens x K), recorded as the cost model asks for
+  them (``gpu_pricing.gemm_s``: M x N x K and K x M x N).  The weight's gradient sums over the tokens into an
+  output as small as the layer's weight, whatever the batch: fewer tiles than SMs at small widths and high
+  TP, where cuBLAS splits K;
 - attention: SDPA on each backend that runs (cuDNN, flash, memory-efficient; grouped-query on flash), causal,
   head dims 64 and 128, sequences 512-16,384, forward and backward; the GPT cores again with attention
   dropout 0.1 (d 64 at 1,024 and 2,048, d 128 at 2,048 and 4,096);
@@ -80,13 +84,19 @@ def make_timer(device: torch.device):
 
 
 def measure_gemms(device, dtype, timer, scale: int) -> list[dict]:
-    rows = []
+    """Per forward product (M tokens, K in, N out): the forward, the input's gradient and the weight's, each a
+    row keyed as the cost model prices it (M x K x N of the product it computes)."""
+    rows, kind = [], "bf16" if dtype == torch.bfloat16 else "fp32"
     for m, k, n in gemm_shapes(scale):
-        a = torch.randn(m, k, device=device, dtype=dtype)
+        x = torch.randn(m, k, device=device, dtype=dtype)
         w = torch.randn(n, k, device=device, dtype=dtype)
-        rows.append({"dtype": "bf16" if dtype == torch.bfloat16 else "fp32", "m": m, "k": k, "n": n,
-                     "seconds": timer(lambda: F.linear(a, w))})
-        del a, w
+        g = torch.randn(m, n, device=device, dtype=dtype)
+        for pass_, shape, fn in (("forward", (m, k, n), lambda: F.linear(x, w)),
+                                 ("input-grad", (m, n, k), lambda: torch.mm(g, w)),
+                                 ("weight-grad", (k, m, n), lambda: torch.mm(g.t(), x))):
+            rows.append({"dtype": kind, "pass": pass_, "m": shape[0], "k": shape[1], "n": shape[2],
+                         "seconds": timer(fn)})
+        del x, w, g
     return rows
 
 

@@ -34,7 +34,7 @@ mkdir -p "$OUT/gpu-path"
 declare -A LIMIT=([train]=200 [compare]=200 [oom]=200 [costs]=200 [speed]=420 [layers]=150 [hf]=120 [offload]=300
                   [kernels]=180 [pipe]=300 [backends]=120)
 declare -A EXPECT=([train]=135 [compare]=185 [oom]=50 [costs]=80 [speed]=260 [layers]=40 [hf]=45 [offload]=240
-                   [kernels]=120 [pipe]=170 [backends]=60)
+                   [kernels]=135 [pipe]=170 [backends]=60)
 fits() {  # whether part $1 is expected to end before the deadline
   local left=$(( DEADLINE_S - ($(date +%s) - start) ))
   [ "${EXPECT[$1]}" -le "$left" ] && return 0

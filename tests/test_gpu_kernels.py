@@ -213,7 +213,12 @@ def test_the_kernels_bench_dry_run_writes_a_table_the_cost_model_reads(tmp_path)
     out = tmp_path / "dry.json"
     assert bench.main(["--dry-run", "--out", str(out)]) == 0
     table = KernelTable.from_json(json.loads(out.read_text()))
-    assert len(table.gemm) == len(bench.gemm_shapes(64)) and table.attention and table.launch_s > 0
+    assert len(table.gemm) == 3 * len(bench.gemm_shapes(64)) and table.attention and table.launch_s > 0
+    # each forward product with its two backward ones, keyed as gemm_s asks for them: the weight's gradient
+    # (K x M x N) sums over the tokens
+    m, k, n = bench.gemm_shapes(64)[-1]
+    assert {(r["pass"], r["m"], r["k"], r["n"]) for r in table.gemm} >= {
+        ("forward", m, k, n), ("input-grad", m, n, k), ("weight-grad", k, m, n)}
     # the GPT cores again with attention dropout, priced from their own rows
     assert {(r["d"], r["dropout"]) for r in table.attention if r.get("dropout")} == {(64, 0.1), (128, 0.1)}
     assert table.attention_flops("math", "fp32", s=32, d=64, backward=True, dropout=True) > 0
