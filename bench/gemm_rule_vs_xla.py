@@ -8,12 +8,17 @@ SMs, the fill K / (K + k_half)
 (``xla/service/gpu/model/matmul_interpolator_data.h``, key ``sm_90``): one bf16 product (b 1) at every
 M, N, K in 256-4,096 (powers of two), 125 shapes, in ``bench/data/xla_sm90_matmul_bf16.csv``.  No parameter
 of the rule was fitted to them.  This prints the rule's time against each, by how many waves of tiles the
-output makes, and ends
+output makes.
+
+The same grid then checks a measured table's interpolation (``costs.kernel_table``): each shape left out in
+turn and priced from a table of the other 124, as ``product_s`` prices a device with a table (the measured
+rates over the rule's, interpolated, times the rule's), and with the rates interpolated alone.  It ends
 
     RESULT shapes=125 median_err_pct=... mean_abs_err_pct=... multiwave_shapes=N
            multiwave_median_err_pct=... multiwave_mean_abs_err_pct=... cube4096_err_pct=...
+           table_loo_median_abs_err_pct=... table_loo_p90_abs_err_pct=... table_loo_rates_alone_median_abs_err_pct=...
 
-An error is the rule's time over XLA's, minus one: positive where the rule is slower than the H100 ran.
+An error is the predicted time over XLA's, minus one: positive where the prediction is slower than the H100 ran.
 
 Usage: python bench/gemm_rule_vs_xla.py [--device h100-sxm]
 """
@@ -30,8 +35,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ds_pipe_ext.costs.gpu_pricing import product_s  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+from ds_pipe_ext.costs.gpu_pricing import gpu_kernels, product_s  # noqa: E402
 from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
+from ds_pipe_ext.costs.kernel_table import KernelTable  # noqa: E402
 
 DATA = ROOT / "bench" / "data" / "xla_sm90_matmul_bf16.csv"
 
@@ -62,6 +70,25 @@ def compare(device: str = "h100-sxm") -> list[dict]:
     return out
 
 
+def leave_one_out(device: str = "h100-sxm") -> list[dict]:
+    """Each shape priced from a table of the others: through ``product_s`` (the rule as the prior) and from
+    the rates alone (``KernelTable.gemm_flops`` without a prior); errors in % of XLA's time."""
+    spec = get_device(device, cache_dir=None)
+    rows = load_shapes()
+    gemm = [{"dtype": "bf16", "m": r["m"], "k": r["k"], "n": r["n"], "seconds": 2.0 * r["m"] * r["n"] * r["k"] / r["flops"]}
+            for r in rows]
+    out = []
+    for i, r in enumerate(rows):
+        table = KernelTable(device=device, source="XLA's sm_90 rows but one", gemm=gemm[:i] + gemm[i + 1:])
+        with_table = replace(spec, gpu=gpu_kernels(spec.name, table=table))
+        m, n, k, measured_s = r["m"], r["n"], r["k"], gemm[i]["seconds"]
+        prior_s = product_s(m, k, n, dtype="bf16", align=16, backward=False, spec=with_table)
+        alone_s = 2.0 * m * n * k / table.gemm_flops(m, k, n, "bf16", 16)[0]
+        out.append({"m": m, "n": n, "k": k, "err_pct": 100.0 * (prior_s / measured_s - 1.0),
+                    "rates_alone_err_pct": 100.0 * (alone_s / measured_s - 1.0)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="h100-sxm", help="the spec whose rule is checked (XLA's rows are an H100's)")
@@ -80,10 +107,19 @@ def main(argv: list[str] | None = None) -> None:
     errs = [r["err_pct"] for r in rows]
     multi = [r["err_pct"] for r in rows if r["waves"] >= 1]
     cube = next(r["err_pct"] for r in rows if r["m"] == r["n"] == r["k"] == 4096)
+    loo = leave_one_out(args.device)
+    with_prior = sorted(abs(r["err_pct"]) for r in loo)
+    alone = sorted(abs(r["rates_alone_err_pct"]) for r in loo)
+    print("\na table of the other 124 shapes, each shape left out (|error| %: median, 90th percentile, max):")
+    for label, a in (("rates over the rule's (product_s)", with_prior), ("rates alone", alone)):
+        print(f"  {label:34s} {statistics.median(a):5.1f} {a[int(0.9 * len(a))]:6.1f} {a[-1]:6.1f}")
     print(f"\nRESULT shapes={len(rows)} median_err_pct={statistics.median(errs):.1f} "
           f"mean_abs_err_pct={statistics.fmean(abs(e) for e in errs):.1f} multiwave_shapes={len(multi)} "
           f"multiwave_median_err_pct={statistics.median(multi):.1f} "
-          f"multiwave_mean_abs_err_pct={statistics.fmean(abs(e) for e in multi):.1f} cube4096_err_pct={cube:.1f}")
+          f"multiwave_mean_abs_err_pct={statistics.fmean(abs(e) for e in multi):.1f} cube4096_err_pct={cube:.1f} "
+          f"table_loo_median_abs_err_pct={statistics.median(with_prior):.1f} "
+          f"table_loo_p90_abs_err_pct={with_prior[int(0.9 * len(with_prior))]:.1f} "
+          f"table_loo_rates_alone_median_abs_err_pct={statistics.median(alone):.1f}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -156,6 +157,13 @@ def test_a_kernel_table_interpolates_between_its_measured_shapes():
     # no measured row of this alignment: the aligned rows', for the rule's factor to apply
     assert table.gemm_flops(1024, 1024, 1023, "bf16", 2)[1] is False
     assert table.gemm_flops(1024, 1024, 1024, "fp32", 16) is None
+    # with the rule as a prior, the measured rates' ratio to it is what is interpolated: rows at half the prior's
+    # rate price every shape between them at half the prior's rate there
+    half = {"dtype": "bf16", "align": 16}
+    prior = lambda m, k, n: 1e12 * (m * k * n) ** (1 / 3)  # noqa: E731
+    rows = [{"dtype": "bf16", "m": s, "k": s, "n": s, "seconds": 2.0 * s ** 3 / (0.5 * prior(s, s, s))} for s in (512, 4096)]
+    guided = KernelTable(device="h100-sxm", source="test", gemm=rows)
+    assert guided.gemm_flops(1024, 2048, 1536, **half, prior=prior)[0] == pytest.approx(0.5 * prior(1024, 2048, 1536))
     # attention over the sequence (log-linear between 1,024 and 4,096)
     assert table.attention_flops("flash", "bf16", s=2048, d=128, backward=False) == pytest.approx((2e14 * 4e14) ** 0.5)
     assert table.attention_flops("cudnn", "bf16", s=2048, d=128, backward=False) is None
@@ -366,3 +374,8 @@ def test_the_gemm_rule_checks_against_xlas_whole_h100_grid(capsys):
     assert rows[(1024, 2048, 4096)]["waves"] == pytest.approx(64 / 132)
     bench.main([])
     assert capsys.readouterr().out.splitlines()[-1].startswith("RESULT shapes=125 ")
+    # a table of the other 124 shapes prices each left-out one closer through the rule's prior than alone
+    loo = bench.leave_one_out("h100-sxm")
+    assert len(loo) == 125
+    assert (statistics.median(abs(r["err_pct"]) for r in loo)
+            < statistics.median(abs(r["rates_alone_err_pct"]) for r in loo))

@@ -90,19 +90,32 @@ def product_s(m: float, k: float, n: float, *, dtype: str, align: int, backward:
     no faster than its operands' traffic or a launch."""
     kern: GpuKernels = spec.gpu
     e = DTYPE_BYTES.get(dtype, 4)
-    flops = 2.0 * m * k * n
     cuda_cores = dtype == "fp32" and not kern.tf32
     alignment = 1.0 if cuda_cores else (kern.alignment_bwd if backward else kern.alignment_fwd).get(align, 1.0)
-    looked_up = kern.table.gemm_flops(m, k, n, dtype, align) if kern.table is not None and not cuda_cores else None
+
+    def floors_s(m, k, n, rate):  # no faster than the operands' traffic or a launch
+        memory = (m * k + k * n + m * n) * e / (spec.hbm_bandwidth * kern.bandwidth_fraction)
+        return max(2.0 * m * k * n / rate, memory, kern.launch_s)
+
+    def rule_flops(m, k, n):  # the rule's aligned rate with its floors: a table's prior between its shapes
+        return 2.0 * m * k * n / floors_s(m, k, n, _rule_rate(m, k, n, dtype=dtype, spec=spec))
+
+    looked_up = (kern.table.gemm_flops(m, k, n, dtype, align, prior=rule_flops)
+                 if kern.table is not None and not cuda_cores else None)
     if looked_up is not None:
         rate, exact = looked_up
-        rate *= 1.0 if exact else alignment
-    else:
-        peak = spec.vector_flops["fp32"] if cuda_cores else spec.matrix_flops[dtype]
-        fill = 1.0 if cuda_cores else k / (k + kern.k_half)  # CUDA cores' main loop is long beside its ends
-        rate = peak * kern.gemm_efficiency * wave_efficiency(m, n, kern) * fill * alignment
-    memory = (m * k + k * n + m * n) * e / (spec.hbm_bandwidth * kern.bandwidth_fraction)
-    return max(flops / rate, memory, kern.launch_s)
+        return 2.0 * m * k * n / (rate * (1.0 if exact else alignment))
+    return floors_s(m, k, n, _rule_rate(m, k, n, dtype=dtype, spec=spec) * alignment)
+
+
+def _rule_rate(m: float, k: float, n: float, *, dtype: str, spec) -> float:
+    """An aligned (m x k)(k x n) product's FLOP/s by rule: the GEMM ceiling, its waves of tiles and its fill
+    (fp32 without TF32: the CUDA cores' peak, whose main loop is long beside its ends)."""
+    kern: GpuKernels = spec.gpu
+    if dtype == "fp32" and not kern.tf32:
+        return spec.vector_flops["fp32"] * kern.gemm_efficiency * wave_efficiency(m, n, kern)
+    fill = k / (k + kern.k_half)
+    return spec.matrix_flops[dtype] * kern.gemm_efficiency * wave_efficiency(m, n, kern) * fill
 
 
 def gemm_s(op: OpCost, *, dtype: str, backward: bool, spec, execution: str = "eager") -> float:
