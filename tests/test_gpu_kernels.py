@@ -379,3 +379,20 @@ def test_the_gemm_rule_checks_against_xlas_whole_h100_grid(capsys):
     assert len(loo) == 125
     assert (statistics.median(abs(r["err_pct"]) for r in loo)
             < statistics.median(abs(r["rates_alone_err_pct"]) for r in loo))
+
+
+def test_the_collectives_check_reads_xlas_whole_h100_table(capsys):
+    """bench/collectives_vs_xla.py: XLA's measured 8-GPU collectives (fitted nothing), each kind at every size from
+    1 KiB to 2 GiB; the model's ring formula over the spec's NVLink gives a time that doubles with the size (no
+    start-up cost), and NCCL's bus bandwidth reads back each row's time."""
+    bench = _bench("collectives_vs_xla")
+    rows = bench.load_rows()
+    for kind in bench.KINDS:
+        assert sorted(r["bytes"] for r in rows if r["kind"] == kind) == [2**k for k in range(10, 32)]
+    out = {(r["kind"], r["bytes"]): r for r in bench.compare("h100-sxm")}
+    big, small = out[("all-reduce", 2**31)], out[("all-reduce", 2**30)]
+    assert big["model_s"] == pytest.approx(2 * small["model_s"])
+    assert big["model_s"] == pytest.approx(2 * 7 / 8 * 2**31 / 450e9)
+    assert bench.bus_bandwidth("all-reduce", 2**31, big["seconds"]) == pytest.approx(big["busbw"])
+    bench.main([])
+    assert capsys.readouterr().out.splitlines()[-1].startswith("RESULT rows=66 ")
