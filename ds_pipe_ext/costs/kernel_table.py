@@ -7,9 +7,8 @@ shape's rate over the rule's there, and the query gets the rule's rate times tha
 waves and fill between the measured points, the table its level.  On XLA's measured H100 grid (125 shapes, each
 left out in turn) that takes the median error of an interpolated shape from 17% to 5%
 (``bench/gemm_rule_vs_xla.py``).  Attention throughput is interpolated by backend, dtype and head dim over the
-sequence.  A table may carry
-``launch_s`` and ``host_kernel_s`` too.  A device without a table is priced by ``gpu_pricing``'s rules, and
-``estimate`` / ``plan`` say so (``table_note``).
+sequence.  A table may carry ``launch_s`` and ``host_kernel_s`` too.  A device without a table is priced by
+``gpu_pricing``'s rules, and ``estimate`` / ``plan`` say so (``table_note``).
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ class RankUpdate:
         if self.bf16_optimizer(lay):
             a = DTYPE_BYTES[self.grad_accum_dtype]
             cast = a != e
-            zero = 0 if getattr(self, "lp_grads_to_none", False) else e  # 0.19 zeroes; 2022's set them to None
+            zero = 0 if self.lp_grads_to_none else e  # 0.19 zeroes them; 2022's set them to None
             micro_bytes = zero + e + 2 * a + (2 * a if cast else 0)  # the add (through the cast's temporary)
             step_bytes = a * params + ((a + 4) if a != 4 else 0) * params / dp + (4 + e) * params / dp + a * params
             fresh = [4.0 * params / dp] if a != 4 else []
