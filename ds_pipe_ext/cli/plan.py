@@ -197,9 +197,12 @@ def _plan(args, checker) -> int:
         text, why = megatron_layout(cost, cfg.layers, checker)
         _emit(f"{label}: {cost.layout.name}, parts {cost.parts}")
         if label == "pick":
+            from ..costs.device_spec import tp_collectives_note
             from ..plan.shares import render_shares
 
             _emit(render_shares(model, cost))
+            if note := tp_collectives_note(d, cost.layout.tp):
+                _emit(note)
         if cost.stage_recompute is not None:
             sr = cost.stage_recompute
             _emit(f"  with per-stage recompute: parts {sr.parts}, step {sr.step_s:.3f} s against "

@@ -146,6 +146,17 @@ class DeviceSpec:
         return self.intra_node_bandwidth if group_size <= self.gpus_per_node else self.inter_node_bandwidth
 
 
+def tp_collectives_note(spec: "DeviceSpec", tp: int) -> str:
+    """What prices a TP group's collectives inside a node on a GPU without measured ones, for plan to print
+    beside a TP layout: the link's datasheet bandwidth, no start-up cost, which XLA's measured H100 collectives
+    take ~2.5x longer than at TP's sizes (``bench/collectives_vs_xla.py``)."""
+    if spec.gpu is None or spec.collectives is not None or tp <= 1:
+        return ""
+    return (f"  TP {tp}'s collectives are priced at the link's {spec.link_bandwidth(tp) / 1e9:g} GB/s with no start-up "
+            f"cost; XLA's measured H100 collectives take ~2.5x as long at 4-64 MiB (bench/collectives_vs_xla.py), so "
+            f"this layout's in-layer communication reads optimistic")
+
+
 def ring_time(payload_bytes: float, comm_type: str, n: int, bandwidth: float) -> float:
     """Bandwidth term of ring collectives over n ranks (Thakur et al. 2005; NCCL's bus-bandwidth model):
     all-reduce 2(n-1)/n * bytes, all-gather and reduce-scatter (n-1)/n * bytes each; an all-to-all sends
