@@ -15,10 +15,15 @@ Which records fitted what (the rest are predicted; at most half may fit), each i
   only odd-width GEMMs on record.
 The GEMM fill (``k_half``) is read off XLA's public measured B200 table, not fitted here.
 
+Memory fits no figure.  Two rules were found on these records (docs/CALIBRATION.md, "memory on a GPU"):
+the copy of the attention output autograd's linear keeps beside the memory-efficient kernel's (the fp32
+`layers` blocks, `compare`'s ZeRO-0/1/2 rows) and ZeRO-3 gathering nothing on one rank (`compare`'s ZeRO-3 row).
+Both are read from torch's and DeepSpeed's code; the records' bytes are then checked, not fitted.
+
 Usage: python bench/gpu_fidelity.py [--runs docs/gpu-runs] [--json out.json]
 Ends: RESULT block_head_median_err_pct=... block_head_max_err_pct=... embedding_max_err_pct=...
       embedding_max_abs_err_ms=... step_median_err_pct=... step_max_err_pct=... memory_peak_max_err_pct=...
-      fitted_records=N predicted_records=M
+      saved_bytes_max_err_pct=... fitted_records=N predicted_records=M  (fitted/predicted: the timing records)
 
 The `speed` part's steps (the logs' instrumented: a sync around each phase; the records' not) and the `pipe`
 part's (one-stage pipelines, ZeRO-0 or 1) are priced by `plan --only` of their layout, eager or compiled as
@@ -130,6 +135,39 @@ def read_records(runs: Path) -> dict[tuple, LayerRecord]:
                 add(case, r["layer"], float(ms), str(path.relative_to(runs)), tf32=r.get("tf32", False),
                     compiled=r.get("compiled", False), overrides={**AS_RECORDED_BEFORE, **r.get("overrides", {})})
     return found
+
+
+def read_saved(runs: Path) -> list[dict]:
+    """Every layer's saved-for-backward bytes a `costs` or `layers` part measured (autograd's hooks: unique
+    storages), with the config it ran, one row per record."""
+    rows = []
+    for log in sorted(runs.rglob("*.log")):
+        if any(log.parent.rglob(f"{log.stem}-records.json")):
+            continue
+        for row in _table_rows(log.read_text()):
+            mib = row.get("saved MiB") or row.get("saved MiB (hooks)")
+            if mib is not None:
+                m = CASE.match(row["case"])
+                rows.append({"model": m["model"], "b": int(m["b"]), "s": int(m["s"]), "dtype": m["dtype"],
+                             "layer": row["layer"], "saved_mib": float(mib), "where": str(log.relative_to(runs)),
+                             "overrides": AS_RECORDED_BEFORE})
+    for path in sorted(runs.rglob("*-records.json")):
+        for r in json.loads(path.read_text()).get("layers", []):
+            if "saved_bytes" in r:
+                rows.append({"model": r["model"], "b": r["b"], "s": r["s"], "dtype": r["dtype"], "layer": r["layer"],
+                             "saved_mib": r["saved_bytes"] / 2**20, "where": str(path.relative_to(runs)),
+                             "overrides": {**AS_RECORDED_BEFORE, **r.get("overrides", {})}})
+    return rows
+
+
+def predict_saved_mib(row: dict) -> float:
+    """The layer's saved bytes as the analytic model counts them today, run eagerly on a GPU."""
+    from ds_pipe_ext.costs.estimate import analytic_layer_costs
+
+    cfg = load_model(row["model"], **row["overrides"])
+    costs = analytic_layer_costs(cfg, EstimateRequest(micro_batch=row["b"], seq=row["s"], dtype=row["dtype"]),
+                                 get_device("h200"), runs_on="cuda")
+    return costs[LAYERS[row["layer"]]].activation_bytes / 2**20
 
 
 def predict_ms(rec: LayerRecord, spec=None) -> float:
@@ -291,7 +329,8 @@ def main(argv=None) -> int:
     memory_errs = []
     compare_rows = read_compare(Path(args.runs))
     if compare_rows:
-        print("\n`compare`'s allocator peaks on one GPU against today's prediction (predicted; none fitted anything)\n"
+        print("\n`compare`'s allocator peaks on one GPU against today's prediction (no figure fitted; the attention "
+              "output's copy and ZeRO-3's one-rank gather were found on these rows)\n"
               f"{'record':44s} {'config':6s} {'measured MiB':>12s} {'predicted MiB':>13s} {'err %':>6s}")
         for row in compare_rows:
             pred = predict_compare_mib(row)
@@ -299,6 +338,20 @@ def main(argv=None) -> int:
             memory_errs.append(abs(err))
             out.append({**row, "predicted_peak_mib": pred, "error_pct": err})
             print(f"{row['where']:44s} {row['config']:6s} {row['peak_mib']:12.0f} {pred:13.0f} {err:+6.1f}")
+    saved_errs = []
+    saved_rows = read_saved(Path(args.runs))
+    if saved_rows:
+        print("\nSaved-for-backward bytes of each layer record (autograd's hooks) against the analytic count "
+              "(no figure fitted; the fp32 blocks showed the attention output's copy)\n"
+              f"{'record':44s} {'case':28s} {'layer':10s} {'measured MiB':>12s} {'analytic MiB':>12s} {'err %':>6s}")
+        for row in saved_rows:
+            pred = predict_saved_mib(row)
+            err = 100.0 * (pred / row["saved_mib"] - 1.0) if row["saved_mib"] else 0.0
+            saved_errs.append(abs(err))
+            out.append({**row, "predicted_saved_mib": pred, "error_pct": err})
+            case = f"{row['model']} b{row['b']} s{row['s']} {row['dtype']}"
+            print(f"{row['where']:44s} {case:28s} {row['layer']:10s} {row['saved_mib']:12.1f} {pred:12.1f} "
+                  f"{err:+6.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     print(f"RESULT block_head_median_err_pct={statistics.median(big) if big else 0:.1f} "
@@ -308,6 +361,7 @@ def main(argv=None) -> int:
           f"step_median_err_pct={statistics.median(step_errs) if step_errs else 0:.1f} "
           f"step_max_err_pct={max(step_errs) if step_errs else 0:.1f} "
           f"memory_peak_max_err_pct={max(memory_errs) if memory_errs else 0:.1f} "
+          f"saved_bytes_max_err_pct={max(saved_errs) if saved_errs else 0:.1f} "
           f"fitted_records={n_fit} predicted_records={n_pred}")
     return 0
 

@@ -446,7 +446,8 @@ def layers_part(t: Target, out: Path) -> dict:
                          f"{m.peak_bytes / MiB:.1f}"])
             acts.append(abs(act_err))
             records.append(layer_record(name, b, seq, dtype, label, [1e3 * total], overrides={"tie_embeddings": False},
-                                        fwd_ms=1e3 * m.forward_s, bwd_ms=1e3 * m.backward_s))
+                                        fwd_ms=1e3 * m.forward_s, bwd_ms=1e3 * m.backward_s,
+                                        saved_bytes=int(m.activation_bytes)))
             if label == "block":
                 block_dat.append(abs(err_d))
                 block_plan.append(abs(err_p))
@@ -743,7 +744,8 @@ def costs_part(t: Target, out: Path) -> dict:
             for k, v in errs.items():
                 worst[k] = max(worst[k], abs(v))
             records.append(layer_record(name, b, seq, dtype, label, [1e3 * total, 1e3 * bench,
-                                                                     1e3 * (again.forward_s + again.backward_s)]))
+                                                                     1e3 * (again.forward_s + again.backward_s)],
+                                        saved_bytes=int(m.activation_bytes)))
             rows.append([f"{name} b{b} s{seq} {dtype}", label, f"{1e3 * total:.3f}", f"{1e3 * bench:.3f}",
                          f"{errs['bench']:+.1f}", f"{errs['repeat']:+.1f}", f"{1e3 * (an.forward_s + an.backward_s):.3f}",
                          f"{errs['analytic']:+.1f}", f"{m.activation_bytes / MiB:.1f}", f"{an.activation_bytes / MiB:.1f}",

@@ -238,3 +238,77 @@ def test_a_stage_holding_both_tied_ends_holds_their_weights_once():
     (whole,) = stage_costs(analytic, [0, len(analytic)], micro_batches=2)
     table = cfg.vocab_size * cfg.hidden * 4
     assert whole.param_bytes == sum(c.param_bytes for c in analytic) - table
+
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+class _KernelAsOnAGpu(torch.autograd.Function):
+    """torch's attention kernels as a GPU runs them, on a CPU: each keeps q, k, v, its output and the
+    log-sum-exp; the memory-efficient kernel allocates its output (b, s, heads, d) in memory, flash's and
+    cuDNN's follow the query's order (``empty_like``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, efficient):
+        b, heads, s, d = q.shape
+        out = (torch.empty(b, s, heads, d, dtype=q.dtype).transpose(1, 2) if efficient
+               else torch.empty_like(q.transpose(1, 2)).transpose(1, 2))
+        out.copy_(_SDPA(q, k, v, is_causal=True))
+        ctx.save_for_backward(q, k, v, out, torch.empty(b, heads, s))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None, None
+
+
+@pytest.mark.parametrize("efficient", [True, False])
+def test_a_memory_efficient_attention_output_costs_autograds_linear_a_copy(monkeypatch, efficient):
+    """The GPT block's out projection is handed the attention output as an (s, b, h) view.  From the
+    memory-efficient kernel's (b, s, heads, d) storage that view cannot be flattened: autograd's linear
+    (torch.matmul) keeps a flattened copy beside the kernel's output, DeepSpeed ZeRO-3's linear keeps the view.
+    The analytic count says the same on a GPU (fp32 selects the memory-efficient kernel, bf16 cuDNN)."""
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    from ds_pipe_ext.costs.layers import build_for_profiling
+    from ds_pipe_ext.instrument.memory import SavedActivationMeter
+    from ds_pipe_ext.models import family_of, load_model
+
+    cfg = load_model("tiny")
+    b, s, dtype = 2, cfg.seq_len, "fp32" if efficient else "bf16"
+    module, call = build_for_profiling(family_of(cfg).layer_specs(cfg)[1])
+    module.to(torch.float32)
+    module.attn.sdpa = True  # a CPU writes GPT attention out; a GPU runs SDPA
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: _KernelAsOnAGpu.apply(q, k, v, efficient))
+    saved = {}
+    for linear in ("autograd", "zero3"):
+        if linear == "zero3":
+            monkeypatch.setattr(F, "linear", zero3_linear_wrap)
+        for selective in (False, True):  # selective recompute: the kernel keeps nothing, its output is the copy
+            module.attn.selective_recompute = selective
+            meter = SavedActivationMeter(module)
+            with meter.forward(0):
+                call(torch.randn(s, b, cfg.hidden, requires_grad=True))
+            saved[linear, selective] = meter.peak
+    copy = b * s * cfg.hidden * 4
+    assert saved["autograd", False] - saved["zero3", False] == (copy if efficient else 0)
+    assert saved["autograd", True] == saved["zero3", True]
+
+    def analytic(**kw) -> float:
+        req = EstimateRequest(micro_batch=b, seq=s, dtype=dtype, **kw)
+        return analytic_layer_costs(cfg, req, get_device("h200"))[1].activation_bytes
+
+    e = 4 if efficient else 2
+    assert analytic() - analytic(zero3_linear=True) == (b * s * cfg.hidden * e if efficient else 0)
+    # none where the linear keeps what it is handed (megatron-core's under TP, Megatron's kernels) or is traced
+    # (compiled), and none on a CPU, whose attention writes its output in the query's order
+    from ds_pipe_ext.costs.estimate import shape_for
+
+    req = EstimateRequest(micro_batch=b, seq=s, dtype=dtype)
+    assert shape_for(cfg, req, get_device("h200")).autograd_linear
+    for other in ({"execution": "megatron"}, {"execution": "compiled"}, {"tp": 2}, {"zero3_linear": True},
+                  {"selective_recompute": True}):
+        assert not shape_for(cfg, replace(req, **other), get_device("h200")).autograd_linear
+    assert not shape_for(cfg, req, get_device("h200"), runs_on="cpu").autograd_linear

@@ -151,6 +151,17 @@ def test_zero3_releases_a_module_whose_reuse_is_farther_than_the_max_reuse_dista
     assert (near.by_kind["gathered_bytes"], far.by_kind["gathered_bytes"]) == (40, 80)
 
 
+def test_zero3_on_one_rank_gathers_nothing():
+    # a partition group of one rank: the partition is the whole parameter and DeepSpeed's gather makes the
+    # parameter a view of it (``_no_gather_coalesced``).  The rank holds all 10 elements: params 40, gradient
+    # partitions 40, optimizer 12 x 10 = 120, bucket 100; nothing gathered.  Over 2 ranks the layer is (40 B)
+    z = ZeroSettings(stage=3, reduce_bucket_size=25, persistence_threshold=0)
+    one = step_peak(RankStep([[LINEAR], [LOSS]], DP_ORDER, 4, z, dp=1))
+    assert kinds(one) == {"param_bytes": 40, "grad_bytes": 40, "optimizer_bytes": 120, "buffer_bytes": 100,
+                          "activation_bytes": 300, "temporary_bytes": 600}
+    assert step_peak(RankStep([[LINEAR], [LOSS]], DP_ORDER, 4, z, dp=2)).by_kind["gathered_bytes"] == 40
+
+
 def test_a_recompute_mode_per_layer_walks_like_the_global_setting():
     """The peak rule with a mode per layer: every layer alike is exactly the layout's one setting; a mix
     lies between none and full on every stage."""

@@ -202,8 +202,11 @@ def attend(shp: Shape) -> list[OpCost]:
 
 def out_proj(shp: Shape, *, bias: bool = True) -> OpCost:
     """Row-parallel a d/t -> h (a d = h unless the heads are wider), then an all-reduce (TP) or
-    reduce-scatter (SP) of b*s*h."""
-    op = linear("out_proj", shp.tokens, shp.attn_width // shp.t, shp.h, shp, bias=bias)
+    reduce-scatter (SP) of b*s*h.  Saves its input, the attention's output (which the attention kernel keeps
+    too: one tensor), or beside it a flattened copy where ``shp.attn_out_copy`` says so."""
+    width = shp.attn_width // shp.t
+    op = linear("out_proj", shp.tokens, width, shp.h, shp, bias=bias,
+                saved_input_elems=shp.tokens * width * (2 if shp.attn_out_copy else 1))
     return tp_exit_comm(op, shp)
 
 

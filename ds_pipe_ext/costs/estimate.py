@@ -55,6 +55,9 @@ class EstimateRequest:
     # "megatron" (Megatron-LM's fused kernels; "megatron-2021": before its fused gradient accumulation); a CPU
     # spec prices every one alike
     execution: str = "eager"
+    # DeepSpeed's ZeRO-3 runs every linear through its own autograd function (``memory_efficient_linear``, on
+    # by default), which keeps the input it is handed as it is
+    zero3_linear: bool = False
 
 
 def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None, *, runs_on: str | None = None) -> A.Shape:
@@ -73,7 +76,10 @@ def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None, *, 
                    e=e, m=m, t=req.tp, sp=req.sp, dropout=desc.dropout, ep=req.ep,
                    d=desc.blocks[0].attention.head_dim or 0,
                    table_grad_accum=table_grad_accum_bytes(runs_on, req.dtype), bias_grad_buffer=runs_on != "cpu",
-                   dense_window_mask=runs_on == "cpu")
+                   dense_window_mask=runs_on == "cpu",
+                   # (under selective recompute the kernel keeps nothing: its output is the linear's only copy)
+                   autograd_linear=(runs_on != "cpu" and req.execution == "eager" and req.tp == 1
+                                    and not req.zero3_linear and not req.selective_recompute))
 
 
 def assumed_attention(model, device: str) -> str:
@@ -95,6 +101,7 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
         if block not in built:
             att, mlp = block.attention, block.mlp
             shaped = replace(shp, a=att.heads, f=mlp.ffn, d=att.head_dim or 0)
+            shaped = replace(shaped, attn_out_copy=shp.autograd_linear and _efficient_sdpa(shaped, att, device))
             built[block] = A.transformer_block(shaped, kv_heads=att.kv_heads, mlp=mlp.kind, norm=desc.norm,
                                                positions=desc.positions, bias=desc.linear_bias,
                                                qkv_bias=att.qkv_bias, kernel=attention_kernel(att.kernel, device),
@@ -108,6 +115,16 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
     else:
         layers.append(("HeadPipe", "head", E.lm_head(shp, norm=desc.norm)))
     return layers
+
+
+def _efficient_sdpa(shp: A.Shape, att, device: str | None) -> bool:
+    """Whether a block's attention core runs torch's memory-efficient SDPA kernel on ``device``."""
+    kind = attention_kernel(att.kernel, device)
+    if kind != "fused":
+        return False
+    masked = bool(att.window and att.window < shp.s)
+    return attention_backend(kind, device, dtype="fp32" if shp.e == 4 else "bf16", head_dim=shp.head_dim,
+                             gqa=att.kv_heads not in (None, shp.a), masked=masked) == "efficient"
 
 
 def op_backend(op: A.OpCost, req: EstimateRequest, device: str | None) -> str | None:
@@ -274,7 +291,8 @@ def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = 
     if mask_bytes is None and device is not None:
         mask_bytes = dropout_mask_bytes(device, dtype)
     req = EstimateRequest(micro_batch=lay.micro_batch, seq=seq or desc.seq_len, tp=lay.tp, sp=lay.sp, dtype=dtype,
-                          mask_bytes=mask_bytes, selective_recompute=lay.recompute == "selective", ep=lay.ep)
+                          mask_bytes=mask_bytes, selective_recompute=lay.recompute == "selective", ep=lay.ep,
+                          zero3_linear=lay.zero == 3 and lay.runtime == "deepspeed")
     shp = shape_for(desc, req, runs_on=device)
     layers = layer_ops(desc, shp, device=device)
     modes = list(modes) if modes is not None else [lay.recompute] * len(layers)

@@ -40,6 +40,15 @@ class Shape:
     # a sliding window goes to the attention kernel as a dense s x s mask (a CPU's SDPA), not flex_attention's
     # block mask (a GPU's: a few bytes a block)
     dense_window_mask: bool = True
+    # the out projection is torch's own linear, run eagerly on a GPU (TP 1; not DeepSpeed ZeRO-3's linear, not
+    # Megatron's, not compiled; the attention kept, not recomputed): handed a view it cannot flatten, it saves a
+    # flattened copy (``attn_out_copy``)
+    autograd_linear: bool = False
+    # this block's out projection saves its own copy of the attention output: torch's memory-efficient SDPA
+    # kernel returns it (b, s, heads, d) in memory, whose (s, b, h) view autograd's linear flattens into a copy
+    # and keeps beside the kernel's own (H200 fp32 records: +1 b s h e a block; DeepSpeed's ZeRO-3 linear and
+    # megatron-core's keep the view they are handed, cuDNN's and flash's outputs follow the query's order)
+    attn_out_copy: bool = False
 
     def __post_init__(self) -> None:
         for name in ("b", "s", "h", "a", "f", "V", "e", "t", "ep"):

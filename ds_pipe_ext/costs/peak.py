@@ -19,7 +19,8 @@ keeps, at every moment, the bytes alive by kind as DeepSpeed 0.19 allocates them
 - **gathered** (ZeRO-3): a module's parameters whole for its forward and its backward, and in between
   too when the parameters fetched between the two uses (every later module's, forward and back) stay
   within ``stage3_max_reuse_distance`` elements (DeepSpeed's default 1e9: a small model stays gathered
-  from its forward to its backward); parameters at or below the persistence threshold are whole always.
+  from its forward to its backward); parameters at or below the persistence threshold are whole always,
+  and a group of one rank gathers nothing (its partition is the parameter: the gather is a view of it).
   Prefetching and ``stage3_max_live_parameters`` are not modelled.
 - **activations**: what each op saves for its backward (the analytic ``OpCost.activation_bytes``),
   from its forward until its own backward, for every micro-batch the schedule holds.
@@ -273,7 +274,9 @@ def step_peak(rank: RankStep) -> PeakMemory:
                                    persistence_threshold=z.persistence_threshold)
     ranks = range(dp) if rank.dp_rank is None else (rank.dp_rank,)
     bucket = float(e * z.reduce_bucket_size) if z.contiguous_gradients and z.stage else 0.0
-    persistent = {i for i, n in enumerate(numels) if z.stage == 3 and n <= z.persistence_threshold}
+    # gathered: none at or below the persistence threshold, and none on a group of one rank, whose partition is
+    # the whole parameter (DeepSpeed's ``_no_gather_coalesced`` makes the parameter a view of it)
+    persistent = {i for i, n in enumerate(numels) if z.stage == 3 and (dp == 1 or n <= z.persistence_threshold)}
     prof = _profile(rank.layers, numels, e, z, persistent, bucket, rank.checkpoint_bytes)
     flat = float(bf16_accumulation_bytes(numels, dp=dp, accum_bytes=z.bf16_accum_bytes) if z.bf16_optimizer
                  else rank.flat_grad_bytes * sum(numels))

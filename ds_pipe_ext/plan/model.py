@@ -99,6 +99,11 @@ class OutOfMemory(Exception):
         self.needed_bytes = needed_bytes  # what the heaviest rank needs (None: not computed; least_memory)
 
 
+def zero3_linear(lay: Layout) -> bool:
+    """Whether DeepSpeed's ZeRO-3 linear runs the layout's layers (it keeps a view it is handed; torch's copies)."""
+    return lay.zero == 3 and lay.runtime == "deepspeed"
+
+
 def boundary_split(lay: Layout) -> int:
     """How many pieces a boundary tensor crosses between stages in: each TP rank sends 1/t of it and the next
     stage all-gathers it over TP, in both engines (Megatron's scatter/gather optimisation; DeepSpeed's
@@ -173,22 +178,24 @@ class PlanModel(RankUpdate):
         return model_flops_per_sample(self.cfg, self.seq)
 
     @lru_cache(maxsize=None)
-    def layer_costs(self, tp: int, sp: bool, micro_batch: int, recompute: str, ep: int = 1) -> tuple:
-        """Per-layer ``LayerCost`` of one micro-batch on one TP (and EP) rank; alike blocks computed once."""
+    def layer_costs(self, tp: int, sp: bool, micro_batch: int, recompute: str, ep: int = 1,
+                    zero3: bool = False) -> tuple:
+        """Per-layer ``LayerCost`` of one micro-batch on one TP (and EP) rank; alike blocks computed once.
+        ``zero3``: DeepSpeed's ZeRO-3 runs the linears (``EstimateRequest.zero3_linear``)."""
         req = EstimateRequest(micro_batch=micro_batch, seq=self.seq, tp=tp, sp=sp, dtype=self.dtype,
                               selective_recompute=recompute == "selective", ep=ep,
-                              expert_imbalance=self.expert_imbalance, execution=self.execution)
+                              expert_imbalance=self.expert_imbalance, execution=self.execution, zero3_linear=zero3)
         return tuple(analytic_layer_costs(self.cfg, req, self.device))
 
     def costs_of(self, lay: Layout) -> tuple:
-        return self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute, lay.ep)
+        return self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute, lay.ep, zero3_linear(lay))
 
     @lru_cache(maxsize=None)
     def totals(self, tp: int, sp: bool, micro_batch: int, recompute: str,
-               ep: int = 1) -> tuple[float, float, float, float]:
+               ep: int = 1, zero3: bool = False) -> tuple[float, float, float, float]:
         """(time of all layers for one micro-batch, parameters, largest layer's parameters, largest
         layer's static + held activation bytes at 1 byte/param) for the bounds."""
-        costs = self.layer_costs(tp, sp, micro_batch, recompute, ep)
+        costs = self.layer_costs(tp, sp, micro_batch, recompute, ep, zero3)
         full = recompute == "full"
         params = [c.param_bytes / self.e for c in costs]
         return (sum(c.time_s(recompute=full) for c in costs), sum(params), max(params),
