@@ -163,6 +163,12 @@ class Layout:
         return self.micro_batch * self.micro_batches * self.dp
 
     @property
+    def deepspeed_zero3(self) -> bool:
+        """Whether DeepSpeed's ZeRO-3 runs it: its gathers and prefetch, and its own linear (which keeps the
+        input it is handed, where torch's may keep a copy: ``costs.estimate.EstimateRequest.zero3_linear``)."""
+        return self.zero == 3 and self.runtime == "deepspeed"
+
+    @property
     def pipelined(self) -> bool:
         """Whether a pipeline engine runs it (a one-stage pipeline included)."""
         return self.schedule != NO_PIPELINE

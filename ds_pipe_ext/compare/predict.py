@@ -89,7 +89,7 @@ def layer_activation_bytes(model_cfg, cfg: CompareConfig, *, dtype: str = "fp32"
     """Activation bytes each layer holds for one micro-batch (the analytic cost model's), on ``device``
     ("cpu" or "cuda": the dropout masks' element, ``dropout_mask_bytes``)."""
     req = EstimateRequest(micro_batch=cfg.layout.micro_batch, seq=model_cfg.seq_len, tp=cfg.layout.tp, dtype=dtype,
-                          mask_bytes=dropout_mask_bytes(device, dtype), zero3_linear=cfg.layout.zero == 3)
+                          mask_bytes=dropout_mask_bytes(device, dtype), zero3_linear=cfg.layout.deepspeed_zero3)
     return [c.activation_bytes for c in analytic_layer_costs(model_cfg, req, get_device("a100"), runs_on=device)]
 
 

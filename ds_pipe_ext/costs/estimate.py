@@ -117,6 +117,14 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
     return layers
 
 
+def runs_efficient_sdpa(model, req: EstimateRequest, device: str | None) -> bool:
+    """Whether any block of ``model`` runs torch's memory-efficient SDPA kernel on ``device`` (the spec's name)
+    under ``req``: the only case ``req.zero3_linear`` changes a layer's costs (``Shape.attn_out_copy``)."""
+    shp = shape_for(model, req, runs_on=device)
+    return any(_efficient_sdpa(replace(shp, a=b.attention.heads, d=b.attention.head_dim or 0), b.attention, device)
+               for b in as_description(model).blocks)
+
+
 def _efficient_sdpa(shp: A.Shape, att, device: str | None) -> bool:
     """Whether a block's attention core runs torch's memory-efficient SDPA kernel on ``device``."""
     kind = attention_kernel(att.kernel, device)
@@ -292,7 +300,7 @@ def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = 
         mask_bytes = dropout_mask_bytes(device, dtype)
     req = EstimateRequest(micro_batch=lay.micro_batch, seq=seq or desc.seq_len, tp=lay.tp, sp=lay.sp, dtype=dtype,
                           mask_bytes=mask_bytes, selective_recompute=lay.recompute == "selective", ep=lay.ep,
-                          zero3_linear=lay.zero == 3 and lay.runtime == "deepspeed")
+                          zero3_linear=lay.deepspeed_zero3)
     shp = shape_for(desc, req, runs_on=device)
     layers = layer_ops(desc, shp, device=device)
     modes = list(modes) if modes is not None else [lay.recompute] * len(layers)

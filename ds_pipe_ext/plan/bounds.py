@@ -11,7 +11,7 @@ from ..costs.stage import stage_costs
 from ..costs.zero import state_bytes_per_param
 from ..layout import Layout
 from ..simulate.step_model import FixedStages, step_lower_bound
-from .model import PlanModel, zero3_linear
+from .model import PlanModel
 
 
 def layout_step_bound(model: PlanModel, lay: Layout) -> float:
@@ -31,7 +31,8 @@ def layout_step_bound(model: PlanModel, lay: Layout) -> float:
 
 def memory_lower_bound(model: PlanModel, lay: Layout) -> float:
     """No split needs less on its heaviest rank: the model states spread evenly, or the largest layer."""
-    _, params, largest, act = model.totals(lay.tp, lay.sp, lay.micro_batch, lay.recompute, lay.ep, zero3_linear(lay))
+    _, params, largest, act = model.totals(lay.tp, lay.sp, lay.micro_batch, lay.recompute, lay.ep,
+                                           model.zero3_linear(lay))
     per_param = state_bytes_per_param(lay.zero, lay.dp, model.e)
     return max(params * per_param / lay.pp, largest * per_param + act)
 

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..arch import as_description
-from ..costs.estimate import DTYPE_BYTES, EstimateRequest, analytic_layer_costs, layer_ops, rank_steps, shape_for
+from ..costs.estimate import (DTYPE_BYTES, EstimateRequest, analytic_layer_costs, layer_ops, rank_steps,
+                              runs_efficient_sdpa, shape_for)
 from ..costs.hardware import DeviceSpec
 from ..costs.stage import held_activation_bytes, stage_costs, with_layer_recompute
 from ..costs.peak import ZeroSettings, step_peak, walks_schedule
@@ -99,11 +100,6 @@ class OutOfMemory(Exception):
         self.needed_bytes = needed_bytes  # what the heaviest rank needs (None: not computed; least_memory)
 
 
-def zero3_linear(lay: Layout) -> bool:
-    """Whether DeepSpeed's ZeRO-3 linear runs the layout's layers (it keeps a view it is handed; torch's copies)."""
-    return lay.zero == 3 and lay.runtime == "deepspeed"
-
-
 def boundary_split(lay: Layout) -> int:
     """How many pieces a boundary tensor crosses between stages in: each TP rank sends 1/t of it and the next
     stage all-gathers it over TP, in both engines (Megatron's scatter/gather optimisation; DeepSpeed's
@@ -142,6 +138,10 @@ class PlanModel(RankUpdate):
         self.expert_imbalance = expert_imbalance  # dropless routing: the busiest expert's load over the mean
         # how the layers run on a GPU: "eager" (train.py), "compiled" (train.compile) ("costs.gpu_pricing")
         self.execution = execution
+        # whether ZeRO-3's own linear changes a layer's costs here (it keeps the memory-efficient attention's
+        # output as handed, where torch's linear keeps a copy): else ZeRO-3 layouts share the others' layer costs
+        self._zero3_linear_matters = execution == "eager" and runs_efficient_sdpa(
+            self.cfg, EstimateRequest(micro_batch=1, seq=seq, dtype=dtype), device.name)
         self.network = network  # the links between pipeline ranks where given (simulate's flags), else the cluster's
         # the engine's own terms per instruction and layer (fitted on instrumented runs of this device;
         # zero until measured on it), through which every step is predicted
@@ -187,8 +187,12 @@ class PlanModel(RankUpdate):
                               expert_imbalance=self.expert_imbalance, execution=self.execution, zero3_linear=zero3)
         return tuple(analytic_layer_costs(self.cfg, req, self.device))
 
+    def zero3_linear(self, lay: Layout) -> bool:
+        """``layer_costs``' ``zero3`` for ``lay``: DeepSpeed's ZeRO-3 runs it, where that changes a cost."""
+        return lay.deepspeed_zero3 and self._zero3_linear_matters
+
     def costs_of(self, lay: Layout) -> tuple:
-        return self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute, lay.ep, zero3_linear(lay))
+        return self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute, lay.ep, self.zero3_linear(lay))
 
     @lru_cache(maxsize=None)
     def totals(self, tp: int, sp: bool, micro_batch: int, recompute: str,

@@ -110,7 +110,7 @@ class RankUpdate:
         pipeline on a GPU, whose NCCL kernels run beside the compute.  A CPU's gloo collectives run on the
         cores that compute (ranks share two of them here, and were measured so): the serial formula.
         ``runtime_terms=False``: the serial formula everywhere."""
-        return (self.runtime_terms and lay.zero == 3 and lay.runtime == "deepspeed" and not lay.pipelined
+        return (self.runtime_terms and lay.deepspeed_zero3 and not lay.pipelined
                 and lay.ep == 1 and self.device.name != "cpu")
 
     def zero3_exposed_s(self, lay: Layout) -> float:
