@@ -123,6 +123,7 @@ def launch_train(part: str, name: str, ds: dict, out: Path, t: Target, *, instru
     try:
         proc, ranks = launch(1, config, *args, out_dir=work, cwd=work, timeout=t.timeout, user_command=user_command)
         rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
+        (work / "launch.log").write_text(proc.stdout + proc.stderr)  # the whole of a failure, not its tail
     except subprocess.TimeoutExpired:
         rc, ranks, tail = 124, {}, f"timed out after {t.timeout} s"
     seconds = time.perf_counter() - t0

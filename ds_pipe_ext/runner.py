@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -31,9 +32,31 @@ def write_config(path: Path, base: str = "ds_pipeline.json", **overrides) -> Pat
     return path
 
 
+def _ephemeral_ports() -> range:
+    """The range the kernel hands out for bind(0) and outgoing connections (Linux's ip_local_port_range)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    """A free TCP port on loopback: launches never share DeepSpeed's default 29500 with another job."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A free TCP port on loopback, below the ephemeral range.  A port from bind(0) is ephemeral: between this
+    check and the rendezvous store's bind (seconds of imports later) any gloo pair or outgoing connection of a
+    concurrent launch may be handed it, and the launch fails with EADDRINUSE.  Below the range only another
+    explicit bind can take it.  Never DeepSpeed's default 29500, which another job may hold."""
+    ephemeral = _ephemeral_ports()
+    candidates = [p for p in range(20000, min(ephemeral.start, 30000)) if p != 29500]
+    rng = random.SystemRandom()
+    for port in rng.sample(candidates, min(64, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a machine whose range starts low
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

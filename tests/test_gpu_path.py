@@ -16,6 +16,13 @@ def gpu_path(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           cwd=ROOT, timeout=timeout)
 
 
+def failed_runs(out: Path) -> str:
+    """Each launch that did not end ok, with the end of its output: what a failure in CI needs to be read."""
+    runs = json.loads((out / "runs.json").read_text()) if (out / "runs.json").exists() else []
+    return "".join(f"{r['part']} {r['name']}: {r['status']}{r['note']}\n"
+                   for r in runs if r["status"] not in ("ok", "oom"))
+
+
 def test_unknown_parts_and_a_missing_gpu_are_refused_by_name():
     proc = gpu_path("--parts", "train,warp", "--cpu-dry-run")
     assert proc.returncode != 0 and "unknown part(s) ['warp']; choose from train, compare" in proc.stderr
@@ -26,7 +33,7 @@ def test_unknown_parts_and_a_missing_gpu_are_refused_by_name():
 @pytest.mark.multiprocess
 def test_the_gpu_check_runs_its_whole_plan_on_cpu_ranks(tmp_path):
     proc = gpu_path("--cpu-dry-run", "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failed_runs(tmp_path) + proc.stdout[-4000:] + proc.stderr[-3000:]
     result = dict(kv.split("=", 1) for kv in proc.stdout.strip().splitlines()[-1].removeprefix("RESULT ").split())
     runs = json.loads((tmp_path / "runs.json").read_text())
     assert [(r["part"], r["name"]) for r in runs] == [
