@@ -79,7 +79,8 @@ SOURCES = {
         # Megatron-LM of August 2021 (sc21's scripts): each weight gradient added into main_grad by its hook (local
         # DDP) or by autograd (torch DDP), gradient_accumulation_fusion came in February 2022
         execution="megatron-2021",
-        cluster=Cluster(8, 300e9, 25e9),
+        # Selene: DGX A100 (AMD hosts), 8 x 200 Gb/s HDR rails; NCCL 2.8 (v2.8.4, February 2021: the paper's runs)
+        cluster=Cluster(8, 300e9, 25e9, compute_capability=80, name="DGX A100", nccl_version="2.8"),
         layout=lambda r: dict(micro_batch=int(r["micro_batch"]), interleave=int(r["interleave_chunks"]),
                               recompute="full", sp=False, overlap_comm=False, zero=0),
         flops=flops_with_recompute,  # the paper counts the recomputed forward
@@ -94,7 +95,7 @@ SOURCES = {
         file="megatron_core_h100.csv", device="h100-sxm", vocab=131072, seq=4096, dropout=0.0, dtype="bf16",
         attention="sdpa",  # Megatron-core: Transformer Engine's fused attention
         execution="megatron",  # weight gradients accumulated inside the GEMMs (gradient_accumulation_fusion)
-        cluster=Cluster(8, 450e9, 50e9),
+        cluster=Cluster(8, 450e9, 50e9, name="DGX H100"),
         layout=lambda r: dict(micro_batch=1, interleave=1, recompute="selective", sp=int(r["tp"]) > 1,
                               overlap_comm=True, zero=1),  # ZeRO-1: Megatron's distributed optimizer
         # model FLOPs without recompute (Megatron-LM's num_floating_point_operations; MFU = this / 989 TFLOP/s)
@@ -237,7 +238,15 @@ def load_predicted() -> list[dict]:
             elif r["convention"] != "iter_s":
                 raise ValueError(f"{PREDICTED.name}: {r['name']}: convention {r['convention']!r} "
                                  f"(iter_s | tflops96 | tflops72)")
-            cluster = Cluster(i["gpus_per_node"], float(r["intra_gbs"]) * 1e9, float(r["inter_gbs_per_gpu"]) * 1e9)
+            if r["zero3_gather"] not in ("", "synchronized"):
+                raise ValueError(f"{PREDICTED.name}: {r['name']}: zero3_gather {r['zero3_gather']!r} (synchronized: "
+                                 f"DeepSpeed 0.3.12-0.4.x, a gather a parameter after torch.cuda.synchronize())")
+            # every predicted row ran on A100 nodes of 8 on NVLink, its cluster's NICs, its era's NCCL
+            nics = int(r["nics_per_node"])  # the node's NICs, inter_gbs_per_gpu being each GPU's share of them
+            cluster = Cluster(i["gpus_per_node"], float(r["intra_gbs"]) * 1e9,
+                              float(r["inter_gbs_per_gpu"]) * i["gpus_per_node"] / nics * 1e9, nics_per_node=nics,
+                              compute_capability=80, name="DGX A100" if r["cluster"] == "selene" else r["cluster"],
+                              nccl_version=r["nccl"] or "2.30")
             rows.append({"row": r, "cfg": cfg, "layout": lay, "cluster": cluster, "published_s": published,
                          "assumed": [a for a in r["assumed"].split(";") if a]})
     return rows
@@ -257,14 +266,13 @@ def predict_row(r: dict, params: dict, *, runtime_terms: bool = True) -> float:
     """A predicted-set row's iteration time with the A100 fit's ``params`` (without the runtime terms where
     ``runtime_terms`` is off)."""
     row, lay, cfg, cluster = r["row"], r["layout"], r["cfg"], r["cluster"]
-    # the row's own links for every collective, TP's inside the layers too
-    device = kernel_device(row["device"], params, gpus_per_node=cluster.gpus_per_node,
-                           intra_node_bandwidth=cluster.intra_node_bandwidth,
-                           inter_node_bandwidth=cluster.inter_node_bandwidth)
+    # the row's cluster prices every collective, TP's inside the layers too (PlanModel hands it to the device)
+    device = kernel_device(row["device"], params)
     model = PlanModel(cfg, device, cluster, seq=cfg.seq_len, global_batch=lay.global_batch, dtype=row["dtype"],
                       zero_settings=DEEPSPEED_ZERO_DEFAULTS, runtime_terms=runtime_terms,
                       grad_accum_dtype=row["grad_accum_dtype"] or None, execution=accumulating(row["execution"], lay),
-                      lp_grads_to_none=row["lp_grads"] == "none")
+                      lp_grads_to_none=row["lp_grads"] == "none",
+                      zero3_synchronized=runtime_terms and row["zero3_gather"] == "synchronized")
     return model.evaluate(lay, row_parts(r), check_memory=False).step_s
 
 

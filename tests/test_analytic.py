@@ -51,8 +51,10 @@ def test_tp_divides_matrix_work_and_adds_the_megatron_collectives():
     dev = DEVICES["a100-80gb"]
     qkv = next(o for o in A.transformer_block(A.Shape(**{**G3, "t": 2, "sp": True})) if o.comm_type.count(",") == 1)
     payload = shp.sbh * shp.e
-    expected = sum(dev.collective_time(payload, k, 2, dev.intra_node_bandwidth * dev.comm_efficiency)
-                   for k in ("all-gather", "reduce-scatter"))
+    # each priced by NCCL's model on the device's DGX, the TP pair placed inside a node
+    pair = dev.cluster.tp_placement(2)
+    assert (pair.size, pair.nodes) == (2, 1)
+    expected = sum(dev.group_time(k, payload, pair) for k in ("all-gather", "reduce-scatter"))
     assert dev.op_time(qkv, dtype="bf16", tp=2, backward=True)["comm_s"] == pytest.approx(expected)
 
 

@@ -98,8 +98,9 @@ def test_estimate_compare_agrees_with_plan_on_each_layout(model, world, capfd):
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("pp,schedule", [(4, "1f1b"), (8, "1f1b"), (4, "gpipe"), (8, "interleaved:2"), (4, "zb-h1")])
 def test_simulate_agrees_with_plan(model, pp, schedule, capfd):
-    gbs = 50  # the link between stages, GB/s: plan's inside a node, simulate's flag
-    plan = plan_only(capfd, model, pp=pp, tp=1, dp=1, zero=0, schedule=schedule, extra=("--intra-node-gbs", str(gbs)))
+    gbs = 50  # the link between stages, GB/s: plan's inside a node (PCIe: the link's own figure), simulate's flag
+    plan = plan_only(capfd, model, pp=pp, tp=1, dp=1, zero=0, schedule=schedule,
+                     extra=("--intra-node-gbs", str(gbs), "--fabric", "pcie"))
     sim = run_json(capfd, ["simulate", "--model", model, "--stages", str(pp), "--micro-batches", str(MICRO_BATCHES),
                            "--schedule", schedule, "--device", "a100", "--dtype", "bf16", "--bandwidth-gbs", str(gbs),
                            "--json"])
@@ -122,11 +123,18 @@ def test_the_pipeline_modules_decision_is_plans_split(model, pp, zero, schedule,
 
     gbs, dp, tp = 50, 2, MODELS[model]["tp"]
     plan = plan_only(capfd, model, pp=pp, tp=tp, dp=dp, zero=zero, schedule=schedule,
-                     extra=("--intra-node-gbs", str(gbs)))
+                     extra=("--intra-node-gbs", str(gbs), "--fabric", "pcie"))
     cfg = load_model(model)
     family = family_of(cfg)
     tokens = torch.zeros(1, cfg.seq_len, dtype=torch.long)  # the profile batch: one micro-batch
-    costs = family.cost_model(cfg, None).layer_costs(tokens, tp=tp, device=get_device("a100"), dtype="bf16")
+    # priced on the plan's network: its options reach TP's collectives inside the layers
+    from dataclasses import replace
+
+    from ds_pipe_ext.plan.machine import plan_cluster
+
+    a100 = get_device("a100")
+    device = replace(a100, network=plan_cluster(a100, intra_node_gbs=gbs, fabric="pcie"))
+    costs = family.cost_model(cfg, None).layer_costs(tokens, tp=tp, device=device, dtype="bf16")
     costs = layer_states_by_rule(costs, stage=zero, dp=dp, element_bytes=2)
     chunks = pp * parse_schedule(schedule).chunks_per_rank
     cap_gib = 0.9 * get_device("a100").memory_bytes / 2**30 / parse_schedule(schedule).chunks_per_rank

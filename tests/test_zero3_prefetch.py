@@ -10,7 +10,7 @@ import pytest
 from ds_pipe_ext.costs.nccl import NET_HOP_S, NVLINK_HOP_S, RING_BASE_S, ring_latency_s
 from ds_pipe_ext.layout import Layout
 from ds_pipe_ext.models import load_model_config
-from ds_pipe_ext.plan.machine import plan_device
+from ds_pipe_ext.plan.machine import Cluster, plan_device
 from ds_pipe_ext.plan.model import PlanModel
 from ds_pipe_ext.plan.zero3 import ModuleTraffic, chain_s, microbatch_s
 
@@ -63,8 +63,10 @@ def test_a_module_used_again_within_the_reuse_distance_is_not_gathered_again():
 
 def _zero3_step(device: str, *, overlap: bool, buckets: dict | None = None) -> float:
     cfg = load_model_config("gpt3-175b")
-    model = PlanModel.on_its_cluster(cfg, plan_device(device), seq=2048, global_batch=1536, runtime_terms=overlap,
-                                     zero_settings=buckets)
+    # one 200 Gb/s NIC a node: the traffic is the step's larger part, as the prefetch's point needs
+    slow = Cluster(8, 300e9, 25e9, nics_per_node=1, compute_capability=80, name="one NIC a node")
+    model = PlanModel(cfg, plan_device(device), slow, seq=2048, global_batch=1536, runtime_terms=overlap,
+                      zero_settings=buckets)
     lay = Layout(pp=1, tp=1, dp=384, zero=3, micro_batch=4, micro_batches=1, recompute="full")
     return model.evaluate(lay, check_memory=False).step_s
 
@@ -117,22 +119,26 @@ def test_bf16_optimizer_reduces_fp32_gradients_and_partitions_its_states():
     lay = Layout(pp=2, tp=1, dp=8, zero=0, micro_batch=1, micro_batches=8)
     params = 6.5e8
     assert model.bf16_optimizer(lay) and not before.bf16_optimizer(lay)
-    bw, dev = model._dp_bandwidth(lay), model.device
+    group, dev = model.placements(lay)["dp"], model.device
     from ds_pipe_ext.costs.hardware import adam_step_s
-    expected = (dev.collective_time(params * 4, "all-reduce", 8, bw) + dev.collective_time(params * 2, "all-gather", 8, bw)
+
+    def coll(nbytes, kind):
+        return dev.group_time(kind, nbytes, group)
+
+    expected = (coll(params * 4, "all-reduce") + coll(params * 2, "all-gather")
                 + model.engine_passes_s(lay, params)
                 + adam_step_s(params / 8, dev, bytes_per_param=model.adam_bytes_per_param))
     assert model.update_s(lay, params) == pytest.approx(expected)
     # without the term: ZeRO-0's rule, the bf16 gradients all-reduced and Adam over every parameter
     assert before.update_s(lay, params) == pytest.approx(
-        dev.collective_time(params * 2, "all-reduce", 8, bw) + before.engine_passes_s(lay, params)
+        coll(params * 2, "all-reduce") + before.engine_passes_s(lay, params)
         + adam_step_s(params, dev, bytes_per_param=before.adam_bytes_per_param))
     # DeepSpeed 0.19's default accumulates in the training dtype: bf16 gradients reduced, and its passes over
     # bf16 buffers (plan.update.engine_passes_s: no cast's temporary each micro-batch)
     default = _a100_model("gpt3-1.3b")
     assert default.engine_passes_s(lay, params) < model.engine_passes_s(lay, params)
     assert default.update_s(lay, params) == pytest.approx(
-        expected - dev.collective_time(params * 4, "all-reduce", 8, bw) + dev.collective_time(params * 2, "all-reduce", 8, bw)
+        expected - coll(params * 4, "all-reduce") + coll(params * 2, "all-reduce")
         - model.engine_passes_s(lay, params) + default.engine_passes_s(lay, params))
     # with ZeRO-1 DeepSpeed's ZeRO optimizer runs instead: its rule is unchanged
     z1 = Layout(pp=2, tp=1, dp=8, zero=1, micro_batch=1, micro_batches=8)
@@ -143,7 +149,9 @@ def test_tied_embedding_gradients_are_all_reduced_between_first_and_last_stage()
     model = _a100_model("gpt2-small")  # ties its head to the embedding
     lay = Layout(pp=4, tp=1, dp=2, zero=1, micro_batch=1, micro_batches=8)
     tied = model.costs_of(lay)[0].param_bytes / model.e
-    extra = model.device.collective_time(tied * model.e, "all-reduce", 2, model._tied_bandwidth(lay))
+    pair = model.placements(lay)["tied"]
+    assert pair.size == 2  # the first and the last stage's rank of one data index, 3 x 2 ranks apart: one node
+    extra = model.device.group_time("all-reduce", tied * model.e, pair)
     assert extra > 0
     assert model.update_s(lay, 1e8, tied_params=tied) - model.update_s(lay, 1e8) == pytest.approx(extra)
     # on the step: two stages, both holding the tied weight (with four, a middle stage's longer update hides it)

@@ -29,15 +29,26 @@ def add_model_argument(parser) -> None:
     parser.add_argument("--model", required=True, help=MODEL_HELP)
 
 
-def add_compile_argument(parser) -> None:
-    """``--compile`` of the commands that price layers on a GPU spec (plan, estimate, simulate)."""
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="GPU specs: price the layers as train.compile runs them (default: eager)")
+EXECUTION_HELP = ("GPU specs: how the layers run: eager (train.py's default), compiled (train.compile), megatron "
+                  "(Megatron-LM's fused kernels, the weight gradients accumulated inside the GEMMs), megatron-2021 "
+                  "(the same kernels, accumulated by a pass of their own). Default: eager; megatron under "
+                  "--runtime megatron")
 
 
-def execution_of(args) -> str:
-    """How the layers run on a GPU (``EstimateRequest.execution``): as --compile says, eager by default."""
-    return "compiled" if getattr(args, "compile", None) else "eager"
+def add_execution_argument(parser) -> None:
+    """``--execution`` of the commands that price layers on a GPU spec (plan, estimate, simulate)."""
+    from ..costs.gpu_pricing import EXECUTIONS
+
+    parser.add_argument("--execution", default=None, choices=EXECUTIONS, help=EXECUTION_HELP)
+
+
+def execution_of(args, runtime: str | None = None) -> str:
+    """How the layers run on a GPU (``EstimateRequest.execution``): as --execution says; else Megatron's kernels
+    under Megatron's runtime, eager under DeepSpeed's."""
+    given = getattr(args, "execution", None)
+    if given:
+        return given
+    return "megatron" if (runtime or getattr(args, "runtime", None)) == "megatron" else "eager"
 
 
 _stdout = sys.stdout

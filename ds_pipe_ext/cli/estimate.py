@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
-from .common import add_compile_argument, add_model_argument, check_shape, emit, execution_of, expert_imbalance
+from .common import add_execution_argument, add_model_argument, check_shape, emit, execution_of, expert_imbalance
 
 
 def cmd_estimate(args) -> int:
@@ -23,7 +23,7 @@ def cmd_estimate(args) -> int:
     from ..costs.estimate import EstimateRequest, assumed_attention, estimate_layers, layer_ops, op_rows, shape_for
     from ..models import family_of, load_model
     from ..partition.report import render_table
-    from ..plan.machine import plan_device
+    from ..plan.machine import cluster_from_args, plan_device
 
     check_shape(args)
     cfg = load_model(args.model)
@@ -32,6 +32,7 @@ def cmd_estimate(args) -> int:
                           expert_imbalance=args.expert_imbalance, execution=execution_of(args))
     try:
         device = plan_device(args.device)
+        device = replace(device, network=cluster_from_args(device, args))  # TP's collectives on the cluster given
         if args.calibrate:
 
             device = family_of(cfg).calibrate(cfg, req, device)
@@ -243,6 +244,9 @@ def add_parser(sub) -> None:
     e.add_argument("--expert-imbalance", type=expert_imbalance, default=1.0, metavar="X|RUN_DIR",
                    help="Mixture-of-Experts, dropless: the busiest expert's load over the mean (>= 1), or an "
                         "instrumented run directory to read it from (default 1: balanced)")
-    add_compile_argument(e)
+    add_execution_argument(e)
+    from ..plan.machine import add_cluster_arguments
+
+    add_cluster_arguments(e)
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_estimate)

@@ -19,9 +19,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..layout import LayoutError
-from ..plan.space import PlanError, enumerate_layouts, parse_only
+from ..plan.space import PlanError, enumerate_layouts, only_settings, parse_only
 from ..plan.recompute import apply_stage_recompute, describe
-from .common import add_compile_argument, add_model_argument, execution_of, expert_imbalance
+from .common import add_execution_argument, add_model_argument, execution_of, expert_imbalance
 
 
 def _emit(text: str) -> None:
@@ -56,9 +56,9 @@ def profiled_cpu(cfg, device, seq: int):
     return replace(fitted, name="cpu")
 
 
-def build_model(args):
+def build_model(args, runtime: str | None = None):
     from ..models import load_model
-    from ..plan.machine import Cluster, plan_device
+    from ..plan.machine import cluster_from_args, plan_device
     from ..plan.model import USABLE_MEMORY, PlanModel
 
     cfg = load_model(args.model)
@@ -70,10 +70,7 @@ def build_model(args):
         device = profiled_cpu(cfg, device, args.seq or cfg.seq_len)
     if device.name == "cpu" and device.collectives is None and not (args.intra_node_gbs or args.inter_node_gbs):
         device = as_cpu_ranks(device, max(2, min(args.gpus, 8)))
-    per_node = args.gpus_per_node or (args.gpus if device.name == "cpu" else device.gpus_per_node)
-    cluster = Cluster(per_node,
-                      args.intra_node_gbs * 1e9 if args.intra_node_gbs else device.intra_node_bandwidth,
-                      args.inter_node_gbs * 1e9 if args.inter_node_gbs else device.inter_node_bandwidth)
+    cluster = cluster_from_args(device, args)
     seq = args.seq or cfg.seq_len
     if seq > cfg.seq_len:
         raise PlanError(f"--seq {seq} exceeds {cfg.name}'s seq_len {cfg.seq_len}")
@@ -84,7 +81,7 @@ def build_model(args):
         raise PlanError(f"--memory-fraction {fraction}: the share of the device's memory a rank may use, in (0, 1]")
     return cfg, PlanModel(cfg, device, cluster, seq=seq, global_batch=global_batch, dtype=dtype,
                           memory_fraction=fraction, expert_imbalance=getattr(args, "expert_imbalance", 1.0),
-                          execution=execution_of(args))
+                          execution=execution_of(args, runtime))
 
 
 def cmd_plan(args) -> int:
@@ -137,17 +134,27 @@ def _plan(args, checker) -> int:
                         "(or both), not megatron")
     cfg, model = build_model(args)
     if args.only:  # the layout the user named is evaluated whatever its memory, and marked if over the cap
-        lay = parse_only(args.only, gpus=args.gpus, global_batch=model.global_batch)
+        runtime = "megatron" if args.runtime == "megatron" else "deepspeed"
+        lay = parse_only(args.only, gpus=args.gpus, global_batch=model.global_batch, runtime=runtime)
         try:
             lay.check(cfg)
         except LayoutError as e:
             raise PlanError(f"--only: {e}") from None
-        res = PlanResult(top=[model.evaluate_named(lay)], candidates=1, simulated=1, partitioned=1)
+        settings = only_settings(args.only)
+        if lay.runtime != runtime and args.execution is None:  # runtime=megatron named in --only: its kernels
+            cfg, model = build_model(args, runtime=lay.runtime)
+        model.lp_grads_to_none = settings.get("lp_grads") == "none"
+        if "grad_accum" in settings:
+            model.grad_accum_dtype = settings["grad_accum"]
+        res = PlanResult(top=[model.evaluate_named(lay, even_split=settings.get("split") == "even")],
+                         candidates=1, simulated=1, partitioned=1)
     else:
         res = _search(args, cfg, model, "megatron" if args.runtime == "megatron" else "deepspeed")
     other = None
     if args.runtime == "both" and not args.only:
-        other = _search(args, cfg, model, "megatron")
+        # Megatron's runtime with its own kernels, unless --execution names one for both
+        other_model = model if args.execution else build_model(args, runtime="megatron")[1]
+        other = _search(args, cfg, other_model, "megatron")
     apply_stage_recompute(model, res.top)  # the split and each layer's recompute together, where faster
     seconds = time.perf_counter() - t0
     best = res.best_runnable() if args.runtime != "megatron" else None  # what DeepSpeed runs, if it runs it
@@ -178,11 +185,14 @@ def _plan(args, checker) -> int:
         links = "gloo measured: " + ", ".join(f"{kind} {bw / 1e9:.2f} GB/s + {lat * 1e3:.2f} ms"
                                               for kind, (lat, bw) in d.collectives.items())
     else:
-        links = (f"links {model.cluster.intra_node_bandwidth / 1e9:g} / {model.cluster.inter_node_bandwidth / 1e9:g} "
-                 f"GB/s inside / between nodes")
-    _emit(f"{cfg.name} on {args.gpus} x {d.name} ({model.cluster.gpus_per_node} a node; {links}), global batch "
+        from ..costs.network import describe as describe_network
+
+        links = f"{describe_network(model.cluster)}, NCCL {model.cluster.nccl_version}'s model"
+    _emit(f"{cfg.name} on {args.gpus} x {d.name} ({links}), global batch "
           f"{model.global_batch}, seq {model.seq}, {model.dtype}; analytic costs "
-          + (f"(GPU kernels as they run {model.execution}; attention {assumed_attention(cfg, d.name)}), "
+          + (f"(GPU kernels as they run {model.execution}"
+             + (" under DeepSpeed's runtime" if args.runtime == "both" else "")
+             + f"; attention {assumed_attention(cfg, d.name)}), "
              if d.gpu is not None else
              f"(roofline, matrix efficiency {d.matrix_efficiency:.3f}, attention {assumed_attention(cfg, d.name)}), ")
           + "step from the event simulator")
@@ -214,6 +224,11 @@ def _plan(args, checker) -> int:
     if args.only:
         from ..plan.published import beside, matching
 
+        _emit(f"  collectives ({model.device.cluster.name}, NCCL {model.device.cluster.nccl_version}'s model), "
+              f"each at a representative size:")
+        for what, _axis, place, one in model.collectives_of(res.top[0].layout):
+            _emit(f"    {what:36s} {place.describe():36s} {one.describe()}, {one.time_s * 1e3:.3f} ms")
+
         lay = res.top[0].layout
         for run in matching(cfg.name, d.name, args.gpus, lay, model.seq, model.global_batch):
             _emit("\n".join(beside(run, res.top[0], d.matrix_flops[model.dtype])))
@@ -226,7 +241,7 @@ def _plan(args, checker) -> int:
     if other is not None and other.top:
         mine, theirs = res.top[0], other.top[0]
         _emit("\nthe same cluster under Megatron-LM's runtime (its 1F1B and interleaving, DP reduction overlapped, "
-              "distributed optimizer):")
+              f"distributed optimizer; kernels as they run {other_model.execution}):")
         _emit(render_table(other, memory_cap=model.memory_cap))
         _emit(f"pick under megatron: {theirs.layout.name}, step {theirs.step_s:.3f} s; under deepspeed: "
               f"{mine.layout.name}, step {mine.step_s:.3f} s ({mine.step_s / theirs.step_s:.2f}x Megatron's)")
@@ -238,16 +253,16 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="the fastest PP x TP x DP x ZeRO x micro-batch x recompute layout (no launch)")
     add_model_argument(p)
     p.add_argument("--gpus", type=int, required=True, help="GPUs (or CPU ranks) in the cluster")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="default: the device's (8; cpu: all ranks)")
     p.add_argument("--device", default="a100", help="a100 | a100-40gb | h100 | h200 | cpu | SPEC.toml")
     p.add_argument("--profile-layers", action="store_true",
                    help="cpu only: fit the spec's GEMM efficiency to this model's layers profiled here (cached)")
-    p.add_argument("--intra-node-gbs", type=float, default=None, help="GB/s per GPU inside a node (default: the device's)")
-    p.add_argument("--inter-node-gbs", type=float, default=None, help="GB/s per GPU between nodes (default: the device's)")
+    from ..plan.machine import add_cluster_arguments
+
+    add_cluster_arguments(p)
     p.add_argument("--global-batch", type=int, default=None, help="samples per step (default: --gpus)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="default bf16 (cpu: fp32)")
-    add_compile_argument(p)
+    add_execution_argument(p)
     p.add_argument("--top", type=int, default=10, help="layouts to show")
     p.add_argument("--only", default=None, help='evaluate one layout: "pp=8,tp=8,dp=16,mb=1,recompute=full,sp=on,'
                                                  'zero=1,schedule=1f1b" (interleaved:3, zb-h1: simulated only)')

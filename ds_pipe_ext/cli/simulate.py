@@ -27,7 +27,7 @@ from ..simulate.events import Link, Network, StepSimulation
 from ..simulate.render import text_timeline, write_gantt
 from ..simulate.schedules import SCHEDULES, SIMULATED_ONLY, parse_schedule
 from ..simulate.step_model import StepModel
-from .common import add_compile_argument, add_model_argument, execution_of
+from .common import add_execution_argument, add_model_argument, execution_of
 
 # seed 004's four settings (delay, Gb/s) in GB/s: default ~0.1 ms / 10 Gb/s, 1 ms / 5, 5 ms / 2, 10 ms / 1
 SEED_NETWORKS = ((0.1, 1.25), (1.0, 0.625), (5.0, 0.25), (10.0, 0.125))
@@ -136,7 +136,12 @@ class LayerSource:
                          runtime=args.runtime)
         except LayoutError as e:
             raise ValueError(str(e)) from None
+        from dataclasses import replace as _replace
+
+        from ..plan.machine import cluster_from_args
+
         device = get_device(args.device, cache_dir=args.cache_dir)
+        device = _replace(device, network=cluster_from_args(device, args))
         model = PlanModel.on_its_cluster(self.cfg, device, seq=self.cfg.seq_len, global_batch=lay.global_batch,
                                          dtype=args.dtype, network=network,
                                          execution=execution_of(args))
@@ -281,6 +286,9 @@ def add_parser(sub) -> None:
     s.add_argument("--micro-batch-sizes", default="1,2,4", help="--grid: micro-batch sizes")
     s.add_argument("--networks", default=None, help="--grid: LAT_MS:GBS pairs (default: seed 004's four, in GB/s)")
     s.add_argument("--png", default=None, metavar="FILE", help="a Gantt chart of the step")
-    add_compile_argument(s)
+    add_execution_argument(s)
+    from ..plan.machine import add_cluster_arguments
+
+    add_cluster_arguments(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_simulate)

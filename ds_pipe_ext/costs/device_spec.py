@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .gpu_pricing import GpuKernels
+from .network import ClusterNetwork, Placement, system_for
 from .op_cost import DTYPE_BYTES, AnalyticError, OpCost
 
 
@@ -57,6 +58,36 @@ class DeviceSpec:
     # How this GPU runs each kernel class (``costs.gpu_pricing``): when set, an op's compute is priced per
     # kernel (GEMM shapes, the attention backend, memory passes, launches) in place of the class roofline
     gpu: GpuKernels | None = None
+    # The cluster every collective is priced on (``costs.network``): None, the system the device implies
+    # (``system_for``: a DGX for the named GPUs); a plan sets its own, options applied, so TP's and EP's
+    # collectives inside the layers see the same network as the data-parallel ones
+    network: ClusterNetwork | None = None
+
+    @property
+    def cluster(self) -> ClusterNetwork:
+        return self.network or system_for(self)
+
+    def group_collective(self, kind: str, payload_bytes: float, placement: Placement):
+        """One collective over a group placed so (``costs.nccl.Collective``): where this device has measured
+        collectives (CPU ranks over gloo), their latency and bus bandwidth; else NCCL's model on ``cluster``."""
+        from .nccl import Collective, collective
+
+        n = placement.size
+        if self.collectives and kind in self.collectives and n > 1 and payload_bytes:
+            latency, busbw = self.collectives[kind]
+            seconds = latency + (payload_bytes / busbw if kind == "p2p" else ring_time(payload_bytes, kind, n, busbw))
+            return Collective(kind, "measured", "gloo", latency, busbw, seconds)
+        out = collective(kind, payload_bytes, placement, self.cluster)
+        if self.comm_efficiency != 1.0 and out.time_s:  # a spec's own factor on the bandwidth term (GPUs: 1)
+            from dataclasses import replace
+
+            moving = out.time_s - out.latency_s
+            out = replace(out, bus_bandwidth=out.bus_bandwidth * self.comm_efficiency,
+                          time_s=out.latency_s + moving / self.comm_efficiency)
+        return out
+
+    def group_time(self, kind: str, payload_bytes: float, placement: Placement) -> float:
+        return self.group_collective(kind, payload_bytes, placement).time_s
 
     def fresh_alloc_time(self, sizes) -> float:
         """Seconds of page faults for buffers of these sizes (bytes)."""
@@ -66,8 +97,8 @@ class DeviceSpec:
 
     def op_time(self, op: OpCost, *, dtype: str, tp: int, backward: bool = False, ep: int = 1,
                 execution: str = "eager", attention_backend: str | None = None) -> dict:
-        """Roofline: max(compute, memory) plus the op's collective (ring formulas): over the TP group, or
-        an all-to-all over the expert-parallel group, whose tp x ep GPUs share a node while they fit one.
+        """Roofline: max(compute, memory) plus the op's collective over the TP group, or an all-to-all over
+        the expert-parallel group, each placed on ``cluster`` as the ranks are ordered (``group_collective``).
         A GPU spec (``gpu`` set) prices the op's kernels instead (``costs.gpu_pricing``), as they run under
         ``execution``, a fused attention core on ``attention_backend`` (``arch.attention_backend``)."""
         flops = op.bwd_flops if backward else op.fwd_flops
@@ -88,9 +119,11 @@ class DeviceSpec:
         if "+" in kinds:  # under SP: the forward's collectives, then the backward's
             kinds = kinds.split("+")[1 if backward else 0]
         kinds = kinds.split(",")
-        group, span = (ep, tp * ep) if kinds == ["all-to-all"] else (tp, tp)
-        bandwidth = self.link_bandwidth(span) * self.comm_efficiency
-        comm = sum(self.collective_time(comm_bytes / len(kinds), kind, group, bandwidth) for kind in kinds)
+        comm = 0.0
+        if comm_bytes and kinds != [""]:
+            net = self.cluster
+            group = net.ep_placement(tp, ep) if kinds == ["all-to-all"] else net.tp_placement(tp)
+            comm = sum(self.group_time(kind, comm_bytes / len(kinds), group) for kind in kinds)
         fresh = self.fresh_alloc_time(op.bwd_allocs if backward else op.fwd_allocs)
         random = op.random_elems / self.random_rate if self.random_rate and not backward else 0.0
         random += op.row_ops * self.row_op_s
@@ -141,20 +174,18 @@ class DeviceSpec:
         return {"matrix": self.matrix_efficiency, "attention": self.attention_efficiency,
                 "vector": self.vector_efficiency}[kind]
 
-    def link_bandwidth(self, group_size: int) -> float:
-        """TP groups inside a node use NVLink; larger ones cross the network."""
-        return self.intra_node_bandwidth if group_size <= self.gpus_per_node else self.inter_node_bandwidth
 
 
 def tp_collectives_note(spec: "DeviceSpec", tp: int) -> str:
-    """What prices a TP group's collectives inside a node on a GPU without measured ones, for plan to print
-    beside a TP layout: the link's datasheet bandwidth, no start-up cost, which XLA's measured H100 collectives
-    take ~2.5x longer than at TP's sizes (``bench/collectives_vs_xla.py``)."""
+    """What prices a TP group's collectives on a GPU without measured ones, for plan to print beside a TP
+    layout: NCCL's model on the cluster (a 16 MiB all-reduce's algorithm, bus bandwidth and latency), and how it
+    compares with XLA's measured H100 collectives at TP's sizes (``bench/collectives_vs_xla.py``)."""
     if spec.gpu is None or spec.collectives is not None or tp <= 1:
         return ""
-    return (f"  TP {tp}'s collectives are priced at the link's {spec.link_bandwidth(tp) / 1e9:g} GB/s with no start-up "
-            f"cost; XLA's measured H100 collectives take ~2.5x as long at 4-64 MiB (bench/collectives_vs_xla.py), so "
-            f"this layout's in-layer communication reads optimistic")
+    one = spec.group_collective("all-reduce", 16 * 2**20, spec.cluster.tp_placement(tp))
+    return (f"  TP {tp}'s collectives are priced by NCCL's model on {spec.cluster.name} (a 16 MiB all-reduce: "
+            f"{one.describe()}); XLA's measured 8-H100 collectives take longer at 4-64 MiB "
+            f"(bench/collectives_vs_xla.py), so this layout's in-layer communication may read optimistic")
 
 
 def ring_time(payload_bytes: float, comm_type: str, n: int, bandwidth: float) -> float:

@@ -69,15 +69,15 @@ CEILINGS = {
 # with every op priced as its kernels run (Megatron's fused kernels of each row's era), at most cuBLAS's measured
 # best; the class efficiencies beside it price a GPU spec only where its kernel figures are switched off.
 CALIBRATED = {
-    "a100-80gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0, "gemm_efficiency": 0.849},
-    "a100-40gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0, "gemm_efficiency": 0.849},
+    "a100-80gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0, "gemm_efficiency": 0.861},
+    "a100-40gb": {"matrix_efficiency": 0.671, "comm_efficiency": 1.0, "gemm_efficiency": 0.861},
     "h100-sxm": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0,
-                 "gemm_efficiency": 0.791},
-    "h200": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0, "gemm_efficiency": 0.791},
+                 "gemm_efficiency": 0.779},
+    "h200": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0, "gemm_efficiency": 0.779},
     "h100-pcie": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0,
-                  "gemm_efficiency": 0.791},
+                  "gemm_efficiency": 0.779},
     "h100-nvl": {"matrix_efficiency": 0.80, "attention_efficiency": 0.75, "comm_efficiency": 1.0,
-                 "gemm_efficiency": 0.791},
+                 "gemm_efficiency": 0.779},
 }
 
 

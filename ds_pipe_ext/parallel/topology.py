@@ -18,6 +18,30 @@ class TopologyError(LayoutError):
     """DeepSpeed's and megatron's process groups disagree, or the launch is not the layout's size."""
 
 
+def rank_groups(pp: int, tp: int, dp: int, ep: int = 1) -> dict[str, list[list[int]]]:
+    """Every process group of a PP x TP x DP (x EP) layout, without DeepSpeed or a process group: ranks ordered
+    (pipe, data, model), TP fastest, as ``PipeModelDataParallelTopology`` orders them; the expert groups as
+    DeepSpeed's ``groups._get_expert_parallel_ranks`` builds them by default (expert parallel before data,
+    ``use_data_before_expert_parallel_=False``): an EP group is ``ep`` consecutive members of a DP group, an
+    expert-data-parallel group the members ``ep`` apart.  ``tied``: the first and last stage's ranks at the
+    same data and model index (DeepSpeed's tied-weight groups); ``pp``: the pipeline's ranks of one data and
+    model index, neighbours ``tp x dp`` apart."""
+    def rank(p: int, d: int, t: int) -> int:
+        return (p * dp + d) * tp + t
+
+    dp_groups = [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
+    groups = {"tp": [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
+              "dp": dp_groups,
+              "pp": [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+              "tied": [[rank(0, d, t), rank(pp - 1, d, t)] for d in range(dp) for t in range(tp)] if pp > 1 else []}
+    if ep > 1:
+        if dp % ep:
+            raise TopologyError(f"ep {ep} must divide dp {dp}")
+        groups["ep"] = [g[i:i + ep] for g in dp_groups for i in range(0, dp, ep)]
+        groups["expert_dp"] = [g[i::ep] for g in dp_groups for i in range(ep)]
+    return groups
+
+
 def topology_for_deepspeed(dims: Layout):
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 

@@ -25,6 +25,13 @@ def parts_from_blocks(blocks: list[int]) -> list[int]:
     return parts + [sum(blocks) + 2]
 
 
+def even_blocks(layers: int, chunks: int) -> list[int]:
+    """Megatron-LM's default split: the blocks evenly over the model chunks (L // chunks each, the rest on the
+    last), the embedding with the first, the head and loss with the last."""
+    per = layers // chunks
+    return [0, *(1 + per * k for k in range(1, chunks)), layers + 2]
+
+
 def megatron_accounting(layers: int, stages: int) -> list[int]:
     """Embedding and loss counted as a block each, L + 2 divided evenly (Megatron's and Llama 3's rule)."""
     if stages < 2:

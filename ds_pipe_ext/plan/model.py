@@ -43,7 +43,6 @@ from ..partition.algorithms import InfeasibleMemoryCap, partition_min_max_lists,
 from ..partition.methods import decide_offline
 from ..simulate.events import Link, Network
 from ..simulate.step_model import StepModel
-from .machine import Cluster
 from .update import RankUpdate
 
 # Adam's memory traffic per parameter: fused (apex, Megatron) reads param, grad, m, v and writes
@@ -108,6 +107,20 @@ def boundary_split(lay: Layout) -> int:
     return lay.tp if lay.tp > 1 and not lay.sp else 1
 
 
+@lru_cache(maxsize=512)
+def _placements(cluster, pp: int, tp: int, dp: int, ep: int) -> dict:
+    from ..parallel.topology import rank_groups
+
+    groups = rank_groups(pp, tp, dp, ep if ep > 1 and dp % ep == 0 else 1)
+    pairs = [(g[i], g[i + 1]) for g in groups["pp"] for i in range(len(g) - 1)]
+    out = {axis: cluster.worst(groups[axis]) if groups.get(axis) else cluster.worst([[0]])
+           for axis in ("tp", "dp", "tied", "ep", "expert_dp")}
+    out["pp_pair"] = cluster.worst(pairs) if pairs else cluster.worst([[0]])
+    if ep <= 1:
+        out["ep"], out["expert_dp"] = cluster.worst([[0]]), out["dp"]
+    return out
+
+
 class PlanModel(RankUpdate):
     """Costs of layouts of one model on one device and cluster, with per-layer costs cached."""
 
@@ -115,8 +128,10 @@ class PlanModel(RankUpdate):
                  dtype: str = "bf16", memory_fraction: float = USABLE_MEMORY, step_model: StepModel | None = None,
                  network: Network | None = None, expert_imbalance: float = 1.0, zero_settings: dict | None = None,
                  runtime_terms: bool = True, grad_accum_dtype: str | None = None, execution: str = "eager",
-                 check_grad_overflow: bool = False, lp_grads_to_none: bool = False):
-        self.cfg, self.device, self.cluster = as_description(cfg), device, cluster  # what the model computes
+                 check_grad_overflow: bool = False, lp_grads_to_none: bool = False, zero3_synchronized: bool = False):
+        # every collective, TP's and EP's inside the layers too, on this cluster's network
+        self.cfg, self.device, self.cluster = as_description(cfg), replace(device, network=cluster), cluster
+        device = self.device
         # the run's ZeRO buckets and thresholds (ours: what the emitted ds.json sets; a published run's: its own)
         self.zero_settings = {**zero_settings_for(self.cfg.hidden, device.name,
                                                   largest_module=self._largest_module(seq, dtype)),
@@ -135,6 +150,9 @@ class PlanModel(RankUpdate):
         # how BF16_Optimizer's pipeline clears the 16-bit gradients before each backward: DeepSpeed 0.19 zeroes
         # them (``clear_lp_grads``: a pass); the 2022 code BLOOM ran (PR #1801) set them to None (no pass)
         self.lp_grads_to_none = lp_grads_to_none
+        # DeepSpeed 0.3.12-0.4.x's ZeRO-3 (2021): a NCCL call a parameter, each gather after
+        # torch.cuda.synchronize(), so the reduce-scatter never hides under the backward (``plan.zero3``)
+        self.zero3_synchronized = zero3_synchronized
         self.expert_imbalance = expert_imbalance  # dropless routing: the busiest expert's load over the mean
         # how the layers run on a GPU: "eager" (train.py), "compiled" (train.compile) ("costs.gpu_pricing")
         self.execution = execution
@@ -159,8 +177,7 @@ class PlanModel(RankUpdate):
     def on_its_cluster(cls, cfg, device: DeviceSpec, **kwargs) -> "PlanModel":
         """A model of ``device`` on its own default cluster (its GPUs a node, its link bandwidths): what
         `estimate` and `simulate` evaluate a layout on when no cluster is named."""
-        cluster = Cluster(device.gpus_per_node, device.intra_node_bandwidth, device.inter_node_bandwidth)
-        return cls(cfg, device, cluster, **kwargs)
+        return cls(cfg, device, device.cluster, **kwargs)
 
     def on_device(self, device: DeviceSpec) -> "PlanModel":
         """The same plan on another device (a fresh model: layer costs are cached per model)."""
@@ -168,7 +185,8 @@ class PlanModel(RankUpdate):
                          memory_fraction=self.memory_fraction, step_model=self.step_model, network=self.network,
                          expert_imbalance=self.expert_imbalance, zero_settings=self.zero_settings,
                          runtime_terms=self.runtime_terms, grad_accum_dtype=self.grad_accum_dtype,
-                         execution=self.execution, check_grad_overflow=self.check_grad_overflow)
+                         execution=self.execution, check_grad_overflow=self.check_grad_overflow,
+                         lp_grads_to_none=self.lp_grads_to_none, zero3_synchronized=self.zero3_synchronized)
 
     def _model_flops_per_sample(self) -> float:
         """Matrix and attention FLOPs of forward + backward of one sample (no recompute): MFU's numerator,
@@ -212,13 +230,38 @@ class PlanModel(RankUpdate):
         return stage_costs(costs, [0, len(costs)], micro_batches=1, recompute=recompute == "full")[0]
 
     # -- collectives and the optimizer, per rank ------------------------------------------------
-    def _dp_bandwidth(self, lay: Layout) -> float:
-        # Megatron's rank order (tp innermost, then dp): a DP group spans tp x dp consecutive GPUs
-        return self.cluster.bandwidth(lay.tp * lay.dp) * self.device.comm_efficiency
+    def placements(self, lay: Layout) -> dict:
+        """Where each of ``lay``'s groups sits on the cluster (``costs.network.Placement``), the slowest-placed
+        group of each kind: "tp", "dp", "ep" and "expert_dp" (DeepSpeed's expert groups), "tied" (first and last
+        stage), "pp_pair" (neighbouring stages), from the ranks as DeepSpeed orders them
+        (``parallel.topology.rank_groups``; Megatron's default order gives the same groups)."""
+        return _placements(self.cluster, lay.pp, lay.tp, lay.dp, lay.ep)
 
-    def _p2p_bandwidth(self, lay: Layout) -> float:
-        # neighbouring stages are tp x dp ranks apart: the same node only if both fit in it
-        return self.cluster.bandwidth(2 * lay.tp * lay.dp) * self.device.comm_efficiency
+    def collectives_of(self, lay: Layout, params: float | None = None) -> list[tuple[str, str, object, object]]:
+        """For ``plan --only``: each collective kind the layout runs, as (what, group, ``Placement``,
+        ``costs.nccl.Collective`` for a representative size: a layer's gradients, a boundary's activations)."""
+        place = self.placements(lay)
+        costs = self.costs_of(lay)
+        grads = max(c.param_bytes for c in costs)
+        out = []
+        if lay.tp > 1:
+            act = max(c.output_bytes for c in costs)
+            out.append(("TP all-reduce (a block's output)", "tp", place["tp"],
+                        self.device.group_collective("all-reduce", act, place["tp"])))
+        if lay.dp > 1:
+            kind = "reduce-scatter" if lay.zero >= 2 or lay.runtime == "megatron" and lay.zero else "all-reduce"
+            out.append((f"DP {kind} (a layer's gradients)", "dp", place["dp"],
+                        self.device.group_collective(kind, grads, place["dp"])))
+            if lay.zero >= 1 or lay.runtime == "megatron":
+                out.append(("DP all-gather (a layer's weights)", "dp", place["dp"],
+                            self.device.group_collective("all-gather", grads, place["dp"])))
+        if lay.ep > 1:
+            out.append(("EP all-to-all (a block's tokens)", "ep", place["ep"],
+                        self.device.group_collective("all-to-all", max(c.output_bytes for c in costs), place["ep"])))
+        if lay.pp > 1:
+            out.append(("PP send (a boundary)", "pp_pair", place["pp_pair"],
+                        self.device.group_collective("p2p", max(c.output_bytes for c in costs), place["pp_pair"])))
+        return out
 
     def _stage_network(self, lay: Layout) -> Network:
         return self.network or Network(self._p2p_link(lay))
@@ -234,7 +277,9 @@ class PlanModel(RankUpdate):
         measured = (self.device.collectives or {}).get("p2p")
         if measured:  # CPU ranks: gloo's measured send, not the memory copy
             return Link(measured[0], measured[1])
-        return Link(0.0, self._p2p_bandwidth(lay))
+        # neighbouring stages are tp x dp ranks apart: NVLink inside a node, a rail's NIC between nodes
+        send = self.device.group_collective("p2p", 1.0, self.placements(lay)["pp_pair"])
+        return Link(0.0, send.bus_bandwidth if send.time_s else None)
 
     def _largest_module(self, seq: int, dtype: str) -> int:
         """Elements of the model's largest module (one op's weights, what ZeRO-3 gathers at once), unsharded."""
@@ -338,10 +383,14 @@ class PlanModel(RankUpdate):
         return [{**RankMemory.from_peak(step_peak(step)).to_dict(), "held_activation_bytes": held[r]}
                 for r, step in enumerate(steps)]
 
-    def evaluate_named(self, lay: Layout) -> LayoutCost:
+    def evaluate_named(self, lay: Layout, *, even_split: bool = False) -> LayoutCost:
         """A layout the user named, evaluated whatever its memory, on the split an ``analytic`` run
-        chooses; a peak over the cap is noted ("over the cap by X GiB"), not refused."""
-        cost = self.evaluate(lay, self.run_split(lay), check_memory=False)
+        chooses (``even_split``: Megatron's, the blocks evenly: ``partition.hand_rules.even_blocks``); a peak
+        over the cap is noted ("over the cap by X GiB"), not refused."""
+        from ..partition.hand_rules import even_blocks
+
+        parts = even_blocks(self.cfg.layers, lay.num_chunks) if even_split and lay.num_chunks > 1 else self.run_split(lay)
+        cost = self.evaluate(lay, parts, check_memory=False)
         over = cost.peak_memory_bytes - self.memory_cap
         if over > 0:
             cost.notes.append(f"over the cap by {over / 2**30:.2f} GiB")

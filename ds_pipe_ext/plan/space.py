@@ -93,17 +93,41 @@ def enumerate_layouts(cfg, gpus: int, *, gpus_per_node: int, global_batch: int,
     return out, dropped
 
 
-def parse_only(text: str, *, gpus: int, global_batch: int) -> Layout:
-    """``--only "pp=8,tp=8,dp=16,mb=1,recompute=full,sp=on,zero=1,schedule=1f1b,ep=1"``: one given layout.
-    Left out: dp from --gpus, mb 1, recompute none, sp off, zero 0 (1 without a pipeline), 1f1b
-    (no pipeline at pp 1), ep 1.  ``Layout`` checks the rest (schedules, ZeRO under a pipeline, EP)."""
-    keys = {"pp", "tp", "dp", "mb", "recompute", "sp", "zero", "schedule", "ep"}
+# --only's keys beyond the layout: how a published run was set up (``only_settings``)
+ONLY_SETTINGS = {"split": ("analytic", "even"), "lp_grads": ("zero", "none"), "grad_accum": ("fp32", "bf16", "fp16")}
+
+
+def _only_items(text: str) -> dict[str, str]:
+    keys = {"pp", "tp", "dp", "mb", "recompute", "sp", "zero", "schedule", "ep", "runtime", "overlap", *ONLY_SETTINGS}
     spec: dict[str, str] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         k, sep, v = item.partition("=")
         if not sep or k.strip() not in keys:
             raise PlanError(f"--only {text!r}: {item!r} is not KEY=VALUE with KEY one of {sorted(keys)}")
         spec[k.strip()] = v.strip()
+    return spec
+
+
+def only_settings(text: str) -> dict[str, str]:
+    """``--only``'s run settings: ``split`` (analytic: the split an ``analytic`` run chooses; even: Megatron's, the
+    blocks evenly), ``lp_grads`` (BF16_Optimizer's 16-bit gradients zeroed before each backward, as DeepSpeed 0.19
+    does, or set to None, as its 2022 code did) and ``grad_accum`` (ds.json's ``data_types.grad_accum_dtype``)."""
+    spec = _only_items(text)
+    out = {}
+    for key, allowed in ONLY_SETTINGS.items():
+        if key in spec:
+            if spec[key] not in allowed:
+                raise PlanError(f"--only {text!r}: {key}={spec[key]!r}; use one of {', '.join(allowed)}")
+            out[key] = spec[key]
+    return out
+
+
+def parse_only(text: str, *, gpus: int, global_batch: int, runtime: str = "deepspeed") -> Layout:
+    """``--only "pp=8,tp=8,dp=16,mb=1,recompute=full,sp=on,zero=1,schedule=1f1b,ep=1"``: one given layout.
+    Left out: dp from --gpus, mb 1, recompute none, sp off, zero 0 (1 without a pipeline), 1f1b
+    (no pipeline at pp 1), ep 1, the runtime ``runtime`` (--runtime's), overlap off.  ``Layout`` checks the
+    rest (schedules, ZeRO under a pipeline, EP).  ``only_settings`` reads the run's other keys."""
+    spec = _only_items(text)
     try:
         pp, tp = int(spec.get("pp", 1)), int(spec.get("tp", 1))
         dp = int(spec["dp"]) if "dp" in spec else gpus // max(pp * tp, 1)
@@ -120,9 +144,12 @@ def parse_only(text: str, *, gpus: int, global_batch: int) -> Layout:
     if sp not in ("on", "off"):
         raise PlanError(f"--only {text!r}: sp={sp!r}; use on or off")
     schedule = NO_PIPELINE if pp == 1 else spec.get("schedule", "1f1b")
+    overlap = spec.get("overlap", "off")
+    if overlap not in ("on", "off"):
+        raise PlanError(f"--only {text!r}: overlap={overlap!r}; use on or off")
     try:
         return Layout(pp=pp, tp=tp, dp=dp, sp=sp == "on", zero=zero, micro_batch=mb,
                       micro_batches=global_batch // (mb * dp), recompute=spec.get("recompute", "none"),
-                      schedule=schedule, ep=ep)
+                      schedule=schedule, ep=ep, runtime=spec.get("runtime", runtime), overlap_comm=overlap == "on")
     except LayoutError as e:
         raise PlanError(f"--only {text!r}: {e}") from None

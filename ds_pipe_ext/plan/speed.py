@@ -51,8 +51,11 @@ def at_speed(device: DeviceSpec, factor: float, *, links: bool = False) -> Devic
                                        host_kernel_bwd_s=kern.host_kernel_bwd_s / factor,
                                        layer_call_s=kern.layer_call_s / factor))
     if links:
+        net = device.network
         out = replace(out, intra_node_bandwidth=device.intra_node_bandwidth * factor,
                       inter_node_bandwidth=device.inter_node_bandwidth * factor,
+                      network=net and replace(net, link_bandwidth=net.link_bandwidth * factor,
+                                              nic_bandwidth=net.nic_bandwidth * factor),
                       collectives={k: [lat / factor, bw * factor] for k, (lat, bw) in (device.collectives or {}).items()}
                       or device.collectives)
     return out

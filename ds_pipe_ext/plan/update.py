@@ -20,7 +20,6 @@ import math
 
 from ..costs.estimate import DTYPE_BYTES, EstimateRequest, layer_ops, shape_for
 from ..costs.hardware import adam_step_s
-from ..costs.nccl import ring_latency_s
 from ..costs.zero import runs_bf16_optimizer
 from ..layout import Layout
 from .zero3 import exposed_s
@@ -61,8 +60,8 @@ class RankUpdate:
         else:
             comm = self._dp_comm_s(lay, dense, lay.dp) + self._dp_comm_s(lay, experts, lay.dp // lay.ep)
         if tied_params:
-            comm += self.device.collective_time(tied_params * self.grad_reduce_bytes(lay), "all-reduce", 2,
-                                                self._tied_bandwidth(lay))
+            comm += self.device.group_time("all-reduce", tied_params * self.grad_reduce_bytes(lay),
+                                           self.placements(lay)["tied"])
         return comm + self.engine_passes_s(lay, params, layer_params, tensors) + adam_step_s(
             owned, self.device, bytes_per_param=self.adam_bytes_per_param,
             fresh_sizes=self.adam_fresh_bytes(lay, layer_params))
@@ -70,13 +69,16 @@ class RankUpdate:
     def _dp_comm_s(self, lay: Layout, params: float, n: int) -> float:
         """DeepSpeed's data-parallel collectives of ``params`` parameters' gradients over ``n`` ranks (the
         dp group; a rank's experts: their expert-data-parallel group of dp / ep)."""
-        m, grads, bw = lay.micro_batches, params * self.e, self._dp_bandwidth(lay)
+        m, grads = lay.micro_batches, params * self.e
+        if n <= 1 or not params:
+            return 0.0
+        group = self.placements(lay)["dp" if n == lay.dp else "expert_dp"]
 
         def coll(kind: str) -> float:
-            return self.device.collective_time(grads, kind, n, bw)
+            return self.device.group_time(kind, grads, group)
 
         if self.bf16_optimizer(lay):  # its gradient buffers all-reduced, then the updated bf16 partitions gathered
-            return (self.device.collective_time(params * self.grad_reduce_bytes(lay), "all-reduce", n, bw)
+            return (self.device.group_time("all-reduce", params * self.grad_reduce_bytes(lay), group)
                     + coll("all-gather"))
         if lay.zero == 0:
             return coll("all-reduce")
@@ -101,10 +103,6 @@ class RankUpdate:
         (the tied weights' ``_hp_grad`` too), else the training dtype."""
         return DTYPE_BYTES[self.grad_accum_dtype] if self.bf16_optimizer(lay) else self.e
 
-    def _tied_bandwidth(self, lay: Layout) -> float:
-        # the first and last stage are (pp - 1) tp x dp ranks apart: the same node only if they fit in it
-        return self.cluster.bandwidth((lay.pp - 1) * lay.tp * lay.dp + 1) * self.device.comm_efficiency
-
     def zero3_prefetched(self, lay: Layout) -> bool:
         """Whether ZeRO-3's traffic is priced by the prefetch chain (``plan.zero3``): DeepSpeed without a
         pipeline on a GPU, whose NCCL kernels run beside the compute.  A CPU's gloo collectives run on the
@@ -115,31 +113,50 @@ class RankUpdate:
 
     def zero3_exposed_s(self, lay: Layout) -> float:
         """ZeRO-3's traffic one micro-batch leaves exposed beside its compute (``plan.zero3.exposed_s``): per
-        module, the all-gather of its parameters and the reduce-scatter of its gradients over the DP group,
-        ring bandwidth plus NCCL's latency (``costs.nccl``), under the run's buckets (``zero_of``)."""
-        n, bw, per_node = lay.dp, self._dp_bandwidth(lay), self.cluster.gpus_per_node
+        module, the all-gather of its parameters and the reduce-scatter of its gradients over the DP group as
+        NCCL runs them on the cluster (``costs.nccl``: its algorithm, bus bandwidth and latency), under the run's
+        buckets (``zero_of``): a reduce-scatter's start-up is paid once a bucket."""
+        group = self.placements(lay)["dp"]
         zero = self.zero_of(lay)
         bucket = float(zero.reduce_bucket_size)  # gradients reduce-scatter a bucket at a time
+        per_tensor = self.zero3_synchronized  # DeepSpeed 0.3.12-0.4.x: a NCCL call a tensor
 
-        def gather(elements: float) -> float:
-            return (self.device.collective_time(elements * self.e, "all-gather", n, bw)
-                    + ring_latency_s("all-gather", n, per_node)) if elements else 0.0
+        def gather(tensors: list) -> float:
+            if per_tensor:
+                return sum(self.device.group_time("all-gather", n * self.e, group) for n in tensors)
+            return self.device.group_time("all-gather", sum(tensors) * self.e, group) if sum(tensors) else 0.0
 
-        def reduce(elements: float) -> float:
-            return (self.device.collective_time(elements * self.e, "reduce-scatter", n, bw)
-                    + ring_latency_s("reduce-scatter", n, per_node) * elements / bucket)
+        def reduce(tensors: list) -> float:
+            if per_tensor:
+                return sum(self.device.group_time("reduce-scatter", n * self.e, group) for n in tensors)
+            elements = sum(tensors)
+            if not elements:
+                return 0.0
+            one = self.device.group_collective("reduce-scatter", elements * self.e, group)
+            return one.time_s - one.latency_s + one.latency_s * elements / bucket
+
+        # torch 1.8-1.10's ProcessGroupNCCL ran a list all-gather / reduce-scatter (DeepSpeed 0.3's call) through a
+        # flat buffer, copying each rank's chunk out (or in) with a copy_ a rank on the NCCL stream, dispatched by
+        # the host one at a time: dp kernels a tensor, the host held meanwhile (after DeepSpeed's synchronize)
+        kern = self.device.gpu
+        chunk_s = lay.dp * kern.host_kernel_s if (per_tensor and kern is not None) else 0.0
+
+        def host(tensors: list) -> float:
+            return chunk_s * len(tensors)
 
         shp = shape_for(self.cfg, EstimateRequest(micro_batch=lay.micro_batch, seq=self.seq, tp=lay.tp, sp=lay.sp,
                                                   dtype=self.dtype), self.device)
         return exposed_s(self.costs_of(lay), [ops for _, _, ops in layer_ops(self.cfg, shp)], gather=gather,
                          reduce=reduce, persistent=float(zero.persistence_threshold),
-                         recompute=lay.recompute == "full", overlap_reduce=lay.overlap_comm,
-                         max_reuse=float(zero.max_reuse_distance))
+                         recompute=lay.recompute == "full",
+                         overlap_reduce=lay.overlap_comm and not self.zero3_synchronized,
+                         max_reuse=float(zero.max_reuse_distance),
+                         host_gather=host if chunk_s else None, host_reduce=host if chunk_s else None)
 
     def _megatron_update_s(self, lay: Layout, params: float, hide_under: tuple[float, float] | None) -> float:
-        grads, bw = params * self.e, self._dp_bandwidth(lay)
+        grads, group = params * self.e, self.placements(lay)["dp"]
         kinds = ("reduce-scatter", "all-gather") if lay.zero >= 1 else ("all-reduce",)
-        comm = sum(self.device.collective_time(grads, kind, lay.dp, bw) for kind in kinds)
+        comm = sum(self.device.group_time(kind, grads, group) for kind in kinds)
         if lay.overlap_comm:
             fwd, bwd = hide_under if hide_under is not None else (math.inf, math.inf)
             comm = max(0.0, comm / 2 - bwd) + max(0.0, comm / 2 - fwd)

@@ -15,6 +15,13 @@ gathers; without it the reduction waits.
 So a pass is a chain of (compute, traffic) events: the first event's gather is exposed, then each event
 takes the longer of its compute and the traffic the link carries meanwhile (the next event's gather and,
 overlapped, the previous event's reduce-scatter).  Pure: plain lists in, seconds out.
+
+DeepSpeed 0.3.12 to 0.4.x (the ZeRO-3 of 2021: ``partition_parameters._allgather_param``, read at v0.3.13 and
+v0.4.0) gathered each parameter with a NCCL call of its own and called ``torch.cuda.synchronize()`` before
+each, which waits for every stream, the reduction stream too: a module's reduce-scatter (one call a
+parameter, ``_reduce_scatter_gradient``) finished before the next prefetch was issued, whatever
+``overlap_comm`` said.  ``exposed_s`` takes each module's tensors, so its callers price a call a tensor or one
+a module.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ class ModuleTraffic:
     gather_s: float  # all-gather of its parameters
     reduce_s: float  # reduce-scatter of its gradients
     elements: float = 0.0  # its parameters' elements (what DeepSpeed's reuse distance counts)
+    host_gather_s: float = 0.0  # host time a gather blocks the queue for (nothing else is issued meanwhile)
+    host_reduce_s: float = 0.0  # likewise, its reduce-scatter
 
 
 def chain_s(events: Sequence[tuple[float, float, float]], *, overlap_reduce: bool) -> float:
@@ -80,22 +89,25 @@ def microbatch_s(layers: Sequence[Sequence[ModuleTraffic]], *, recompute: bool, 
         prev = last.get(key)
         kept = prev is not None and before[k] - before[prev + 1] < max_reuse
         last[key] = k
-        events.append((m.backward_s if kind == "B" else m.forward_s, 0.0 if kept else m.gather_s,
+        host = (0.0 if kept else m.host_gather_s) + (m.host_reduce_s if kind == "B" else 0.0)
+        events.append(((m.backward_s if kind == "B" else m.forward_s) + host, 0.0 if kept else m.gather_s,
                        m.reduce_s if kind == "B" else 0.0))
     forward = sum(len(layer) for layer in layers)
     return chain_s(events[:forward], overlap_reduce=False) + chain_s(events[forward:], overlap_reduce=overlap_reduce)
 
 
-def exposed_s(costs: Sequence, layer_op_lists: Sequence[Sequence], *, gather: Callable[[float], float],
-              reduce: Callable[[float], float], persistent: float, recompute: bool, overlap_reduce: bool,
-              max_reuse: float = 0.0) -> float:
+def exposed_s(costs: Sequence, layer_op_lists: Sequence[Sequence], *, gather: Callable[[list], float],
+              reduce: Callable[[list], float], persistent: float, recompute: bool, overlap_reduce: bool,
+              max_reuse: float = 0.0, host_gather: Callable[[list], float] | None = None,
+              host_reduce: Callable[[list], float] | None = None) -> float:
     """The traffic one micro-batch leaves exposed beside its compute: ``microbatch_s`` minus the compute.
     ``costs``: each layer's ``LayerCost``; ``layer_op_lists``: each layer's ops (``costs.estimate.layer_ops``),
     an op with weights being one module, its share of the layer's time its share of the forward FLOPs
     (equal shares where they have none; a layer without weights is one module with no traffic);
-    ``gather`` / ``reduce``: seconds of an all-gather / reduce-scatter of that many elements; tensors of
-    at most ``persistent`` elements stay whole on every rank and are never gathered; ``max_reuse``:
-    ``stage3_max_reuse_distance``."""
+    ``gather`` / ``reduce``: seconds of the all-gather / reduce-scatter of a module's tensors (their element
+    counts, a list); tensors of at most ``persistent`` elements stay whole on every rank and are never
+    gathered; ``max_reuse``: ``stage3_max_reuse_distance``; ``host_gather`` / ``host_reduce``: host time a
+    module's gather / reduce-scatter holds the queue for, serial with the compute (None: none)."""
     layers = []
     for cost, ops in zip(costs, layer_op_lists):
         owners = [op for op in ops if op.weights]
@@ -103,8 +115,10 @@ def exposed_s(costs: Sequence, layer_op_lists: Sequence[Sequence], *, gather: Ca
         # every second of the layer lands on some module, so the chain's compute is the layers' own
         shares = [op.fwd_flops / flops for op in owners] if flops else [1 / len(owners)] * len(owners)
         layers.append([ModuleTraffic(cost.forward_s * share, cost.backward_s * share,
-                                     gather(sum(w for w in op.weights if w > persistent)), reduce(sum(op.weights)),
-                                     float(sum(op.weights)))
+                                     gather([w for w in op.weights if w > persistent]), reduce(list(op.weights)),
+                                     float(sum(op.weights)),
+                                     host_gather([w for w in op.weights if w > persistent]) if host_gather else 0.0,
+                                     host_reduce(list(op.weights)) if host_reduce else 0.0)
                        for op, share in zip(owners, shares)] or [ModuleTraffic(cost.forward_s, cost.backward_s, 0, 0)])
     compute = sum(c.time_s(recompute=recompute) for c in costs)
     return max(0.0, microbatch_s(layers, recompute=recompute, overlap_reduce=overlap_reduce, max_reuse=max_reuse)
