@@ -58,7 +58,7 @@ PREDICTED = ROOT / "bench" / "data" / "published_at_scale.csv"
 FIXED = {"matrix_half_dim": 0.0, "comm_efficiency": 1.0}  # not pinned down by the data: fixed, not fitted
 # DeepSpeed's defaults (a published ZeRO-3 row states none of them): reduce bucket, prefetch, persistence
 DEEPSPEED_ZERO_DEFAULTS = {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
-                           "stage3_param_persistence_threshold": 1e5}
+                           "stage3_param_persistence_threshold": 1e5, "stage3_max_live_parameters": 1e9}
 
 def flops_with_recompute(B: int, s: int, L: int, h: int, V: int) -> float:
     """Narayanan et al.'s count, the recomputed forward included (Megatron-DeepSpeed's and GPT-NeoX's logs
@@ -80,7 +80,7 @@ SOURCES = {
         # DDP) or by autograd (torch DDP), gradient_accumulation_fusion came in February 2022
         execution="megatron-2021",
         # Selene: DGX A100 (AMD hosts), 8 x 200 Gb/s HDR rails; NCCL 2.8 (v2.8.4, February 2021: the paper's runs)
-        cluster=Cluster(8, 300e9, 25e9, compute_capability=80, name="DGX A100", nccl_version="2.8"),
+        cluster=Cluster(8, 300e9, 25e9, compute_capability=80, name="DGX A100", nccl_version="2.8", host_cpu="amd"),
         layout=lambda r: dict(micro_batch=int(r["micro_batch"]), interleave=int(r["interleave_chunks"]),
                               recompute="full", sp=False, overlap_comm=False, zero=0),
         flops=flops_with_recompute,  # the paper counts the recomputed forward
@@ -246,7 +246,7 @@ def load_predicted() -> list[dict]:
             cluster = Cluster(i["gpus_per_node"], float(r["intra_gbs"]) * 1e9,
                               float(r["inter_gbs_per_gpu"]) * i["gpus_per_node"] / nics * 1e9, nics_per_node=nics,
                               compute_capability=80, name="DGX A100" if r["cluster"] == "selene" else r["cluster"],
-                              nccl_version=r["nccl"] or "2.30")
+                              nccl_version=r["nccl"] or "2.30", host_cpu="amd")  # A100 nodes: AMD EPYC hosts
             rows.append({"row": r, "cfg": cfg, "layout": lay, "cluster": cluster, "published_s": published,
                          "assumed": [a for a in r["assumed"].split(";") if a]})
     return rows

@@ -9,7 +9,16 @@ bus bandwidth (or latency) over the published one, minus one.
 
     python bench/collectives_multinode.py
 
-Ends ``RESULT rows=N busbw_median_abs_err_pct=... busbw_max_abs_err_pct=... latency_err_pct=...``.
+Then the steps of published sharded data-parallel runs at several node counts (``SCALING``), each layout priced
+by `plan --only` (the CLI's own route) at every node count, as the ratio step(N nodes) / step(fewest): the
+target is each predicted ratio within 10% of the measured one.  Both runs are FSDP (torchtitan's FSDP2:
+a block's parameters gathered at once, the next block prefetched, gradients reduce-scattered a block at a
+time); the model prices DeepSpeed's ZeRO-3 (a module at a time, one module ahead) on the same layout, and
+bf16 where the Trainy run gathered Float8 weights.  Beside each, the one-NIC rule the model replaced
+(``--nics-per-node 1``: the group's ring on one NIC).
+
+Ends ``RESULT rows=N busbw_median_abs_err_pct=... busbw_max_abs_err_pct=... latency_err_pct=...
+scaling_ratio_err_pct=A/B one_nic_ratio_err_pct=C/D``.
 """
 
 from __future__ import annotations
@@ -27,6 +36,42 @@ from ds_pipe_ext.costs.nccl import collective  # noqa: E402
 from ds_pipe_ext.costs.network import Placement, system_for, with_overrides  # noqa: E402
 
 DATA = ROOT / "bench" / "data" / "published_nccl_tests.csv"
+
+# (name, source, device, [(gpus, measured tokens/s a GPU)], plan arguments, --only)
+SCALING = [
+    ("torchtitan-llama3.1-8b-fsdp", "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 "
+     "(Grand Teton: 8 H100 a host, 400 Gb/s a GPU; FSDP, local batch 2, selective AC, no compile)", "h100",
+     [(8, 5762.0), (128, 5605.0)], "--execution eager", "pp=1,tp=1,mb=2,recompute=selective,zero=3,overlap=on"),
+    ("trainy-llama3.1-8b-fsdp-h200", "pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md "
+     "(8 H200 a host, 400 Gb/s a GPU; FSDP, local batch 2, torch.compile, Float8 linears and all-gathers)", "h200",
+     [(32, 10938.0), (64, 10753.0)], "--execution compiled", "pp=1,tp=1,mb=2,recompute=none,zero=3,overlap=on"),
+]
+
+
+def plan_step(device: str, gpus: int, extra: str, only: str, *cluster: str) -> float:
+    """`ds-pipe-ext plan --only` of the layout on ``gpus`` GPUs, local batch 2, sequence 8192: its step."""
+    from ds_pipe_ext.cli import build_parser
+    from ds_pipe_ext.cli.plan import build_model
+    from ds_pipe_ext.plan.space import parse_only
+
+    args = build_parser().parse_args(["plan", "--model", "llama3-8b", "--gpus", str(gpus), "--device", device,
+                                      "--global-batch", str(2 * gpus), "--seq", "8192", *extra.split(), *cluster,
+                                      "--only", f"{only},dp={gpus}"])
+    _, model = build_model(args)
+    return model.evaluate_named(parse_only(args.only, gpus=gpus, global_batch=2 * gpus)).step_s
+
+
+def scaling_rows() -> list[dict]:
+    out = []
+    for name, source, device, runs, extra, only in SCALING:
+        (g0, tps0), (g1, tps1) = runs
+        measured = tps0 / tps1  # tokens a GPU fixed: the step grows as the throughput falls
+        new = plan_step(device, g1, extra, only) / plan_step(device, g0, extra, only)
+        one = (plan_step(device, g1, extra, only, "--nics-per-node", "1")
+               / plan_step(device, g0, extra, only, "--nics-per-node", "1"))
+        out.append({"name": name, "source": source, "gpus": f"{g0} -> {g1}", "measured": measured, "model": new,
+                    "one_nic": one, "err_pct": 100 * (new / measured - 1), "one_nic_err_pct": 100 * (one / measured - 1)})
+    return out
 
 
 def load_rows(path: Path = DATA) -> list[dict]:
@@ -70,8 +115,19 @@ def main() -> None:
         print(f"  {r['name']}: {r['source']}")
     bw = [abs(m["busbw_err_pct"]) for m in results if "busbw_err_pct" in m]
     lat = [m["latency_err_pct"] for m in results if "latency_err_pct" in m]
+    scaling = scaling_rows()
+    print("\nsharded data parallel, step(more nodes) / step(fewer), tokens a GPU fixed (predicted: plan --only):")
+    print(f"{'run':30s} {'GPUs':>10s} {'measured':>9s} {'model':>7s} {'err %':>7s} {'one NIC':>8s} {'err %':>7s}")
+    for r in scaling:
+        print(f"{r['name']:30s} {r['gpus']:>10s} {r['measured']:9.3f} {r['model']:7.3f} {r['err_pct']:+7.1f} "
+              f"{r['one_nic']:8.3f} {r['one_nic_err_pct']:+7.1f}")
+    for r in scaling:
+        print(f"  {r['name']}: {r['source']}")
+    ratio_err = "/".join(f"{r['err_pct']:+.1f}" for r in scaling)
+    one_nic_err = "/".join(f"{r['one_nic_err_pct']:+.1f}" for r in scaling)
     print(f"\nRESULT rows={len(results)} busbw_median_abs_err_pct={statistics.median(bw):.1f} "
-          f"busbw_max_abs_err_pct={max(bw):.1f} latency_err_pct={'/'.join(f'{x:+.0f}' for x in lat)}")
+          f"busbw_max_abs_err_pct={max(bw):.1f} latency_err_pct={'/'.join(f'{x:+.0f}' for x in lat)} "
+          f"scaling_ratio_err_pct={ratio_err} one_nic_ratio_err_pct={one_nic_err}")
 
 
 if __name__ == "__main__":

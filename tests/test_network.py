@@ -288,3 +288,21 @@ def test_the_plan_across_nodes_picks_data_parallel_for_llama3_8b_on_64_h100(capf
     rows = _plan_json(capfd, "--model", "llama3-8b", "--gpus", "64", "--device", "h100", "--global-batch", "256",
                       "--top", "3")
     assert rows[0]["pp"] == 1 and rows[0]["schedule"] == "none"  # a layout DeepSpeed runs, because it prices fastest
+
+
+def test_the_multinode_check_runs_its_published_rows_and_scaling_runs(capsys):
+    """bench/collectives_multinode.py: every published row priced on its system as built, each sharded run's layout
+    through plan --only at both node counts (deterministic: the model's own figures)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "collectives_multinode.py"
+    spec = importlib.util.spec_from_file_location("collectives_multinode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = {r["name"]: r for r in map(bench.model_row, bench.load_rows())}
+    assert rows["h100-node-allreduce"]["algorithm"] == "nvls/Simple"
+    assert rows["a100-hdr-rings"]["model_busbw"] == pytest.approx(192.0)
+    assert rows["h20-2-nodes-nvlstree"]["model_latency_us"] == pytest.approx(25 + 2 * 20.9)
+    bench.main()
+    assert capsys.readouterr().out.splitlines()[-1].startswith("RESULT rows=5 ")

@@ -146,6 +146,7 @@ def _plan(args, checker) -> int:
         model.lp_grads_to_none = settings.get("lp_grads") == "none"
         if "grad_accum" in settings:
             model.grad_accum_dtype = settings["grad_accum"]
+        model.zero3_synchronized = settings.get("zero3_gather") == "synchronized"
         res = PlanResult(top=[model.evaluate_named(lay, even_split=settings.get("split") == "even")],
                          candidates=1, simulated=1, partitioned=1)
     else:

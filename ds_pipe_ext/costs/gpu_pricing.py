@@ -193,7 +193,7 @@ def grad_accumulate_s(op: OpCost, *, dtype: str, spec, execution: str) -> float:
 
 # Hopper (H100 SXM / NVL / PCIe, H200: one compute die; the H200 has more memory and bandwidth).  Each figure's
 # source is in docs/CALIBRATION.md, "GPU kernels": the GEMM ceiling is stas00/ml-engineering's maximum achievable
-# bf16 matmul (794.5 of 989 TFLOP/s; the planner's fitted 0.791 replaces it, hardware.CALIBRATED); the fill is
+# bf16 matmul (794.5 of 989 TFLOP/s; the planner's fitted 0.779 replaces it, hardware.CALIBRATED); the fill is
 # read off XLA's measured B200 table; the 4-byte alignment is ml-engineering's SwiGLU pair (273 against 398
 # TFLOP/s), 8 bytes taken halfway; cuDNN's d64 forward is the H200 `cuda` spec's causal SDPA, d128 scaled by
 # FlashAttention-3's d128 / d64 ratio, backward at 0.75 of the forward (Shah et al. 2024); flash is

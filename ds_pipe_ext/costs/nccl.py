@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .network import ClusterNetwork, Placement
+from .network import ClusterNetwork, Placement, search_speeds
 
 SIMPLE, LL128, LL = "Simple", "LL128", "LL"
 PROTOCOLS = (LL, LL128, SIMPLE)
@@ -91,8 +91,6 @@ _TREE_CORRECTION = (
     (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9, .9, .9, 1.0, 1.0, 1.0),
     (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9, .9),
 )
-_INTRA_SM90 = (60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 15.0, 12.0, 11.0, 6.0, 3.0)
-_INTRA = (40.0, 30.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0)
 _GB = 1e9
 
 
@@ -127,7 +125,7 @@ def _intra_channels(net: ClusterNetwork, ranks: int) -> tuple[int, float]:
     total = net.intra_bus_bandwidth() / _GB
     if not net.nccl or net.fabric not in ("nvswitch", "nvlink-pairs"):
         return 1, total
-    speeds = _INTRA_SM90 if net.compute_capability >= 90 else _INTRA
+    speeds = search_speeds(net, inter=False)
     speed = next((s for s in speeds if s <= total), speeds[-1])
     channels = max(1, int(total // speed))
     if speed >= 25 and not (net.compute_capability > 80 and speed < 50 and channels > 4):
@@ -140,10 +138,8 @@ def _inter_channels(net: ClusterNetwork, per_node: int) -> tuple[int, float]:
     the search's inter speeds that the NIC carries and that the GPUs' NVLinks carry that many channels of (a
     ring enters and leaves each GPU once a channel); the most bus bandwidth of those speeds, as the search keeps
     (on a DGX H100: 8 x 45 GB/s, since 8 x 48 exceeds an H100's 371 GB/s of NVLink; a DGX A100: 8 x 24)."""
-    from .network import _INTER, _INTER_SM90
-
     rails = net.rails(per_node)
-    speeds = _INTER_SM90 if net.compute_capability >= 90 else _INTER
+    speeds = search_speeds(net, inter=True)
     nic = net.nic_bandwidth / _GB if not net.nccl else net.nic_channel_speed() / _GB
     intra = net.intra_bus_bandwidth() / _GB
     best = (1, min(speeds[-1], nic))
@@ -204,7 +200,7 @@ def _candidates(kind: str, nbytes: float, pl: Placement, net: ClusterNetwork, v:
     channels, speed = _intra_channels(net, n) if nodes == 1 else _inter_channels(net, pl.min_per_node)
     if net.fabric == "nvlink-pairs" and pl.max_per_node > 2:  # beyond a pair the ring crosses PCIe Gen5
         channels, speed = 1, min(speed * channels, 64.0) if nodes == 1 else speed
-    host_amd = net.name == "DGX A100"  # DGX A100's hosts are AMD EPYC; DGX H100's Intel Xeon
+    host_amd = net.host_cpu == "amd"
     ll_max = v.ll_max[cc if nodes == 1 else (1 if host_amd else 0)][index2]
     net_overhead = 2.0 if host_amd else 1.0
 
@@ -297,7 +293,8 @@ def _nvls_intra_speed(net: ClusterNetwork, heads: int) -> float:
     """The speed NVLS's search settles on inside a node: every GPU a head (``minChannels = maxChannels``), the
     fastest intra speed that many channels fit in the GPU's NVLink (40 GB/s on an H100 with 8 heads)."""
     total = net.intra_bus_bandwidth() / _GB
-    return next((s for s in _INTRA_SM90 if s * heads <= total), _INTRA_SM90[-1])
+    speeds = search_speeds(net, inter=False)
+    return next((s for s in speeds if s * heads <= total), speeds[-1])
 
 
 def _all_to_all(nbytes: float, pl: Placement, net: ClusterNetwork, v: NcclVersion) -> Collective:

@@ -38,6 +38,7 @@ class ClusterNetwork:
     compute_capability: int = 90  # NCCL's constants by GPU generation (80 Ampere, 90 Hopper); 0: not NCCL (gloo)
     name: str = "custom"
     nccl_version: str = "2.30"  # whose tuning model prices the collectives (``costs.nccl.VERSIONS``)
+    host_cpu: str = "intel"  # NCCL's network overhead and LL ceilings across nodes follow the host's CPU vendor
 
     def __post_init__(self):
         for f, what in (("gpus_per_node", "GPUs a node"), ("nics_per_node", "NICs a node")):
@@ -50,6 +51,8 @@ class ClusterNetwork:
                 raise NetworkError(f"{f} = {value!r}: a bandwidth is a positive number of bytes/s")
         if self.fabric not in FABRICS:
             raise NetworkError(f"fabric {self.fabric!r}: use one of {', '.join(FABRICS)}")
+        if self.host_cpu not in ("intel", "amd"):
+            raise NetworkError(f"host_cpu {self.host_cpu!r}: intel or amd")
         if self.nccl_version not in ("2.30", "2.8"):
             raise NetworkError(f"nccl_version {self.nccl_version!r}: use 2.30 (today's) or 2.8 (2021's)")
 
@@ -104,12 +107,23 @@ class ClusterNetwork:
         return worst_placement(tuple(tuple(range(s, s + tp * ep, tp)) for s in sorted(starts)), self.gpus_per_node)
 
 
-_INTER = (48.0, 30.0, 28.0, 24.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.4, 1.2, 0.24, 0.12)
-_INTER_SM90 = (48.0, 45.0, 42.0, 40.0, 30.0, 24.0, 22.0, 20.0, 17.5, 15.0, 12.0, 6.0, 3.0, 2.4, 1.2, 0.24, 0.12)
+# NCCL 2.30.7's search speeds, GB/s a channel (src/graph/search.cc): the speeds it tries, fastest first, for
+# a channel inside a node and across nodes; Hopper's own arrays (``sm90SpeedArrayIntra/Inter``)
+INTRA_SPEEDS = {"ampere": (40.0, 30.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0),
+                "hopper": (60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 15.0, 12.0, 11.0, 6.0, 3.0)}
+INTER_SPEEDS = {"ampere": (48.0, 30.0, 28.0, 24.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.4,
+                           1.2, 0.24, 0.12),
+                "hopper": (48.0, 45.0, 42.0, 40.0, 30.0, 24.0, 22.0, 20.0, 17.5, 15.0, 12.0, 6.0, 3.0, 2.4, 1.2,
+                           0.24, 0.12)}
+
+
+def search_speeds(net: "ClusterNetwork", *, inter: bool) -> tuple:
+    generation = "hopper" if net.compute_capability >= 90 else "ampere"
+    return (INTER_SPEEDS if inter else INTRA_SPEEDS)[generation]
 
 
 def _search_speed(nic_gbs: float, hopper: bool) -> float:
-    speeds = _INTER_SM90 if hopper else _INTER
+    speeds = INTER_SPEEDS["hopper" if hopper else "ampere"]
     return next((s for s in speeds if s <= nic_gbs), speeds[-1])
 
 
@@ -163,7 +177,7 @@ def worst_placement(groups: tuple, per_node: int) -> Placement:
 # -- the datasheet systems --------------------------------------------------------------------------
 def system_for(device) -> ClusterNetwork:
     """The system a device spec implies, from its datasheets: NVIDIA's DGX A100 (8 GPUs on NVSwitch, NVLink 3
-    at 300 GB/s a direction, 8 x 200 Gb/s HDR NICs), DGX H100 / H200 (NVLink 4 at 450 GB/s, 8 x 400 Gb/s NDR),
+    at 300 GB/s a direction, 8 x 200 Gb/s HDR NICs, AMD hosts), DGX H100 / H200 (Intel hosts) (NVLink 4 at 450 GB/s, 8 x 400 Gb/s NDR),
     H100 PCIe servers (8 GPUs on PCIe Gen5 x16, 64 GB/s) and H100 NVL pairs (NVLink bridges, 300 GB/s, inside
     each pair), both with a 400 Gb/s NIC a GPU as the device spec says; a CPU: its ranks share one memory."""
     name = getattr(device, "name", str(device))
@@ -172,7 +186,8 @@ def system_for(device) -> ClusterNetwork:
     if name == "cpu":
         return ClusterNetwork(per_node, link, 1, nic, fabric="memory", compute_capability=0, name="cpu ranks")
     if name.startswith("a100"):
-        return ClusterNetwork(per_node, link, per_node, nic, fabric="nvswitch", compute_capability=80, name="DGX A100")
+        return ClusterNetwork(per_node, link, per_node, nic, fabric="nvswitch", compute_capability=80, name="DGX A100",
+                              host_cpu="amd")  # DGX A100: AMD EPYC hosts
     if name == "h100-pcie":
         return ClusterNetwork(per_node, link, per_node, nic, fabric="pcie", name="H100 PCIe server")
     if name == "h100-nvl":
@@ -221,5 +236,5 @@ def describe(network: ClusterNetwork) -> str:
             f"{network.nic_bandwidth / _GB:g} GB/s NICs a node")
 
 
-__all__ = ["ClusterNetwork", "FABRICS", "NetworkError", "OPTIONS", "Placement", "describe", "system_for",
-           "with_overrides"]
+__all__ = ["ClusterNetwork", "FABRICS", "INTER_SPEEDS", "INTRA_SPEEDS", "NetworkError", "OPTIONS", "Placement",
+           "describe", "search_speeds", "system_for", "with_overrides"]

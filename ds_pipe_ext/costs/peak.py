@@ -55,7 +55,8 @@ PEAK_KINDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "g
 
 # DeepSpeed 0.19's defaults for the settings the peak depends on (``runtime/zero/config.py``)
 DEEPSPEED_ZERO_DEFAULTS = {"reduce_bucket_size": 5e8, "stage3_param_persistence_threshold": 1e5,
-                           "stage3_max_reuse_distance": 1e9, "contiguous_gradients": True}
+                           "stage3_max_reuse_distance": 1e9, "stage3_max_live_parameters": 1e9,
+                           "contiguous_gradients": True}
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ class ZeroSettings:
     reduce_bucket_size: int = int(DEEPSPEED_ZERO_DEFAULTS["reduce_bucket_size"])
     persistence_threshold: int = int(DEEPSPEED_ZERO_DEFAULTS["stage3_param_persistence_threshold"])
     max_reuse_distance: int = int(DEEPSPEED_ZERO_DEFAULTS["stage3_max_reuse_distance"])
+    # ZeRO-3 prefetches nothing while the parameters gathered reach this many elements (``plan.zero3``)
+    max_live_parameters: int = int(DEEPSPEED_ZERO_DEFAULTS["stage3_max_live_parameters"])
     contiguous_gradients: bool = True
     # DeepSpeed runs its BF16_Optimizer in place of ZeRO's (bf16 ZeRO-0 under its pipeline): the element bytes
     # of its gradient-accumulation buffer (``data_types.grad_accum_dtype``); 0: another optimizer
@@ -83,6 +86,7 @@ class ZeroSettings:
         return cls(stage=stage, reduce_bucket_size=int(get("reduce_bucket_size")),
                    persistence_threshold=int(get("stage3_param_persistence_threshold")),
                    max_reuse_distance=int(get("stage3_max_reuse_distance")),
+                   max_live_parameters=int(get("stage3_max_live_parameters")),
                    contiguous_gradients=bool(get("contiguous_gradients")))
 
     @classmethod

@@ -151,7 +151,8 @@ class RankUpdate:
                          recompute=lay.recompute == "full",
                          overlap_reduce=lay.overlap_comm and not self.zero3_synchronized,
                          max_reuse=float(zero.max_reuse_distance),
-                         host_gather=host if chunk_s else None, host_reduce=host if chunk_s else None)
+                         host_gather=host if chunk_s else None, host_reduce=host if chunk_s else None,
+                         max_live=float(zero.max_live_parameters))
 
     def _megatron_update_s(self, lay: Layout, params: float, hide_under: tuple[float, float] | None) -> float:
         grads, group = params * self.e, self.placements(lay)["dp"]

@@ -22,6 +22,12 @@ each, which waits for every stream, the reduction stream too: a module's reduce-
 parameter, ``_reduce_scatter_gradient``) finished before the next prefetch was issued, whatever
 ``overlap_comm`` said.  ``exposed_s`` takes each module's tensors, so its callers price a call a tensor or one
 a module.
+
+Both releases prefetch only while the parameters gathered are under ``stage3_max_live_parameters``
+(``prefetch_next_sub_modules`` at v0.3.13: ``total_available_parameter_numel < max_available_parameters_in_numel``,
+counted after the current module's fetch; 0.19's ``fetch_sub_module`` bounds what it prefetches by what is left
+under the same limit): after a module of more elements than that (DeepSpeed's default 1e9: Megatron-530B's QKV
+and MLP matrices), the next module's gather waits, exposed.
 """
 
 from __future__ import annotations
@@ -42,14 +48,19 @@ class ModuleTraffic:
     host_reduce_s: float = 0.0  # likewise, its reduce-scatter
 
 
-def chain_s(events: Sequence[tuple[float, float, float]], *, overlap_reduce: bool) -> float:
-    """Seconds of a sequence of (compute, gather, reduce) events, the next gather prefetched during the
-    current compute and, where ``overlap_reduce``, the previous reduction beside it on the link."""
+def chain_s(events: Sequence[tuple], *, overlap_reduce: bool) -> float:
+    """Seconds of a sequence of (compute, gather, reduce[, prefetched]) events, the next gather prefetched during
+    the current compute (unless the next event says ``prefetched`` False: then it waits, exposed, after the
+    compute) and, where ``overlap_reduce``, the previous reduction beside it on the link."""
     if not events:
         return 0.0
     total = events[0][1]
-    for k, (compute, _gather, reduce) in enumerate(events):
-        link = events[k + 1][1] if k + 1 < len(events) else 0.0
+    for k, (compute, _gather, reduce, *_rest) in enumerate(events):
+        nxt = events[k + 1] if k + 1 < len(events) else None
+        prefetched = nxt is not None and (len(nxt) < 4 or nxt[3])
+        link = nxt[1] if prefetched else 0.0
+        if nxt is not None and not prefetched:
+            total += nxt[1]
         if overlap_reduce:
             link += events[k - 1][2] if k else 0.0
             total += max(compute, link)
@@ -73,12 +84,13 @@ def _visits(layers: Sequence[Sequence[ModuleTraffic]], recompute: bool) -> list[
 
 
 def microbatch_s(layers: Sequence[Sequence[ModuleTraffic]], *, recompute: bool, overlap_reduce: bool,
-                 max_reuse: float = 0.0) -> float:
+                 max_reuse: float = 0.0, max_live: float = float("inf")) -> float:
     """One micro-batch's forward and backward through ``layers`` (each a list of modules in forward order)
     with ZeRO-3's traffic: the forward pass, then per layer from the last the replayed forward (under
     full recompute) and the backward in reverse module order.  A visit gathers its module unless the
     module stayed gathered since its previous visit: fewer than ``max_reuse`` elements visited in between
-    (0: every visit gathers)."""
+    (0: every visit gathers).  A visit's gather is prefetched under the previous visit's compute only if the
+    previous module holds fewer than ``max_live`` elements (``stage3_max_live_parameters``)."""
     visits = _visits(layers, recompute)
     before = [0.0]  # elements visited before each visit
     for _, m, _ in visits:
@@ -90,8 +102,9 @@ def microbatch_s(layers: Sequence[Sequence[ModuleTraffic]], *, recompute: bool, 
         kept = prev is not None and before[k] - before[prev + 1] < max_reuse
         last[key] = k
         host = (0.0 if kept else m.host_gather_s) + (m.host_reduce_s if kind == "B" else 0.0)
+        live = visits[k - 1][1].elements if k else 0.0  # the module gathered when this one would be prefetched
         events.append(((m.backward_s if kind == "B" else m.forward_s) + host, 0.0 if kept else m.gather_s,
-                       m.reduce_s if kind == "B" else 0.0))
+                       m.reduce_s if kind == "B" else 0.0, live < max_live))
     forward = sum(len(layer) for layer in layers)
     return chain_s(events[:forward], overlap_reduce=False) + chain_s(events[forward:], overlap_reduce=overlap_reduce)
 
@@ -99,7 +112,7 @@ def microbatch_s(layers: Sequence[Sequence[ModuleTraffic]], *, recompute: bool, 
 def exposed_s(costs: Sequence, layer_op_lists: Sequence[Sequence], *, gather: Callable[[list], float],
               reduce: Callable[[list], float], persistent: float, recompute: bool, overlap_reduce: bool,
               max_reuse: float = 0.0, host_gather: Callable[[list], float] | None = None,
-              host_reduce: Callable[[list], float] | None = None) -> float:
+              host_reduce: Callable[[list], float] | None = None, max_live: float = float("inf")) -> float:
     """The traffic one micro-batch leaves exposed beside its compute: ``microbatch_s`` minus the compute.
     ``costs``: each layer's ``LayerCost``; ``layer_op_lists``: each layer's ops (``costs.estimate.layer_ops``),
     an op with weights being one module, its share of the layer's time its share of the forward FLOPs
@@ -121,8 +134,8 @@ def exposed_s(costs: Sequence, layer_op_lists: Sequence[Sequence], *, gather: Ca
                                      host_reduce(list(op.weights)) if host_reduce else 0.0)
                        for op, share in zip(owners, shares)] or [ModuleTraffic(cost.forward_s, cost.backward_s, 0, 0)])
     compute = sum(c.time_s(recompute=recompute) for c in costs)
-    return max(0.0, microbatch_s(layers, recompute=recompute, overlap_reduce=overlap_reduce, max_reuse=max_reuse)
-               - compute)
+    return max(0.0, microbatch_s(layers, recompute=recompute, overlap_reduce=overlap_reduce, max_reuse=max_reuse,
+                                 max_live=max_live) - compute)
 
 
 __all__ = ["ModuleTraffic", "chain_s", "exposed_s", "microbatch_s"]
