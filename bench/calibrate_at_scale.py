@@ -47,8 +47,9 @@ from ds_pipe_ext.costs.gpu_pricing import gpu_kernels  # noqa: E402
 from ds_pipe_ext.costs.hardware import DEVICES  # noqa: E402
 from ds_pipe_ext.plan.machine import Cluster  # noqa: E402
 from ds_pipe_ext.plan.model import PlanModel  # noqa: E402
-from ds_pipe_ext.layout import Layout  # noqa: E402
+from ds_pipe_ext.layout import DEEPSPEED_ZERO3_DEFAULTS, Layout  # noqa: E402
 from ds_pipe_ext.models.gpt_config import GPTConfig  # noqa: E402
+from ds_pipe_ext.partition.hand_rules import even_blocks, uniform_layers  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
 from ds_pipe_ext.pipe import schedules as _deepspeed_order  # noqa: E402,F401  (registers DeepSpeed's engine order)
 
@@ -57,8 +58,7 @@ DATA = ROOT.parent / "shared" / "calibration"
 PREDICTED = ROOT / "bench" / "data" / "published_at_scale.csv"
 FIXED = {"matrix_half_dim": 0.0, "comm_efficiency": 1.0}  # not pinned down by the data: fixed, not fitted
 # DeepSpeed's defaults (a published ZeRO-3 row states none of them): reduce bucket, prefetch, persistence
-DEEPSPEED_ZERO_DEFAULTS = {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
-                           "stage3_param_persistence_threshold": 1e5, "stage3_max_live_parameters": 1e9}
+DEEPSPEED_ZERO_DEFAULTS = DEEPSPEED_ZERO3_DEFAULTS  # `plan --only ...,buckets=deepspeed`
 
 def flops_with_recompute(B: int, s: int, L: int, h: int, V: int) -> float:
     """Narayanan et al.'s count, the recomputed forward included (Megatron-DeepSpeed's and GPT-NeoX's logs
@@ -149,9 +149,8 @@ def load_rows(name: str) -> list[dict]:
 
 def megatron_parts(layers: int, chunks: int) -> list[int]:
     """Megatron-LM's split: the blocks evenly over the model chunks, the embedding with the first, the
-    head and loss with the last (pipeline layers: embedding, blocks, head)."""
-    per = layers // chunks
-    return [0, *(1 + per * k for k in range(1, chunks)), layers + 2]
+    head and loss with the last (pipeline layers: embedding, blocks, head): `plan --only ...,split=even`."""
+    return even_blocks(layers, chunks)
 
 
 def accumulating(execution: str, lay: Layout) -> str:
@@ -256,10 +255,9 @@ def row_parts(r: dict) -> list[int]:
     """The split the run used: Megatron's (and Megatron-DeepSpeed's ``type:transformer``) blocks evenly with
     the embedding first and the head last; ``uniform-N``: DeepSpeed's uniform split of N weighted layers."""
     lay, layers = r["layout"], r["cfg"].layers
-    if r["row"]["split"].startswith("uniform"):
-        n = layers + 2
-        return [round(k * n / lay.num_chunks) for k in range(lay.num_chunks + 1)]
-    return megatron_parts(layers, lay.num_chunks)
+    if r["row"]["split"].startswith("uniform"):  # `plan --only ...,split=uniform`
+        return uniform_layers(layers + 2, lay.num_chunks)
+    return megatron_parts(layers, lay.num_chunks)  # `split=even`
 
 
 def predict_row(r: dict, params: dict, *, runtime_terms: bool = True) -> float:

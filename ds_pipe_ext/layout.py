@@ -48,6 +48,12 @@ ZERO_SETTINGS = {
 }
 
 
+# DeepSpeed's own defaults for what a plan's ds.json sizes (``zero_optimization``'s reduce bucket, ZeRO-3's prefetch
+# bucket, persistence threshold and live parameters): what a run that set none of them ran
+DEEPSPEED_ZERO3_DEFAULTS = {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
+                            "stage3_param_persistence_threshold": 1e5, "stage3_max_live_parameters": 1e9}
+
+
 def zero_settings_for(hidden: int, device: str, *, largest_module: int = 0) -> dict:
     """The ZeRO settings a plan for ``device`` writes: ``ZERO_SETTINGS`` on a CPU; on a GPU, buckets sized to
     the model as transformers' DeepSpeed integration fills its "auto" values (reduce bucket h^2, ZeRO-3's

@@ -306,3 +306,59 @@ def test_the_multinode_check_runs_its_published_rows_and_scaling_runs(capsys):
     assert rows["h20-2-nodes-nvlstree"]["model_latency_us"] == pytest.approx(25 + 2 * 20.9)
     bench.main()
     assert capsys.readouterr().out.splitlines()[-1].startswith("RESULT rows=5 ")
+
+
+def _calibration_bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "calibrate_at_scale.py"
+    spec = importlib.util.spec_from_file_location("calibrate_at_scale", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def _predicted_names() -> list[str]:
+    import csv
+    from pathlib import Path
+
+    with open(Path(__file__).resolve().parents[1] / "bench" / "data" / "published_at_scale.csv") as f:
+        return [r["name"] for r in csv.DictReader(f)]
+
+
+@pytest.mark.parametrize("name", _predicted_names())
+def test_a_published_row_is_priced_by_plan_only_as_the_bench_prices_it(name, tmp_path, capfd):
+    """No row of bench/calibrate_at_scale.py is priced by a route a user cannot take: its model as a TOML, its
+    layout and run settings in --only, its cluster and kernels as options give the bench's step."""
+    import json
+
+    from ds_pipe_ext.cli import main
+    from ds_pipe_ext.costs.hardware import CALIBRATED
+
+    bench = _calibration_bench()
+    r = {row["row"]["name"]: row for row in bench.load_predicted()}[name]
+    row, lay, cfg = r["row"], r["layout"], r["cfg"]
+    toml = tmp_path / f"{name}.toml"
+    toml.write_text("\n".join([f'name = "{name}"', f"vocab_size = {cfg.vocab_size}", f"hidden = {cfg.hidden}",
+                               f"layers = {cfg.layers}", f"heads = {cfg.heads}", f"seq_len = {cfg.seq_len}",
+                               f"dropout = {cfg.dropout}", f"tie_embeddings = {str(cfg.tie_embeddings).lower()}",
+                               'attention = "eager"']) + "\n")
+    only = (f"pp={lay.pp},tp={lay.tp},dp={lay.dp},mb={lay.micro_batch},recompute={lay.recompute},"
+            f"sp={'on' if lay.sp else 'off'},zero={lay.zero},runtime={lay.runtime},"
+            f"overlap={'on' if lay.overlap_comm else 'off'},buckets=deepspeed,"
+            f"split={'uniform' if row['split'].startswith('uniform') else 'even'}"
+            + (f",lp_grads={row['lp_grads']}" if row["lp_grads"] else "")
+            + (f",grad_accum={row['grad_accum_dtype']}" if row["grad_accum_dtype"] else "")
+            + (f",schedule={lay.schedule}" if lay.pipelined else "")
+            + (",zero3_gather=synchronized" if row["zero3_gather"] else ""))
+    assert main(["plan", "--model", str(toml), "--gpus", str(lay.world_size), "--device", row["device"],
+                 "--global-batch", str(lay.global_batch), "--dtype", row["dtype"],
+                 "--execution", bench.accumulating(row["execution"], lay), "--nccl", row["nccl"] or "2.30",
+                 "--seq", str(cfg.seq_len), "--intra-node-gbs", row["intra_gbs"],
+                 "--nics-per-node", row["nics_per_node"],
+                 "--inter-node-gbs", str(float(row["inter_gbs_per_gpu"]) * 8 / int(row["nics_per_node"])),
+                 "--only", only, "--json"]) == 0
+    step = json.loads(capfd.readouterr().out)[0]["step_s"]
+    gemm = CALIBRATED[row["device"]]["gemm_efficiency"]
+    assert step == pytest.approx(bench.predict_row(r, {"gemm_efficiency": gemm}), rel=1e-9)

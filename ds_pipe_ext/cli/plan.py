@@ -147,7 +147,11 @@ def _plan(args, checker) -> int:
         if "grad_accum" in settings:
             model.grad_accum_dtype = settings["grad_accum"]
         model.zero3_synchronized = settings.get("zero3_gather") == "synchronized"
-        res = PlanResult(top=[model.evaluate_named(lay, even_split=settings.get("split") == "even")],
+        if settings.get("buckets") == "deepspeed":  # a run that set no buckets ran DeepSpeed's defaults
+            from ..layout import DEEPSPEED_ZERO3_DEFAULTS
+
+            model.zero_settings = {**model.zero_settings, **DEEPSPEED_ZERO3_DEFAULTS}
+        res = PlanResult(top=[model.evaluate_named(lay, split=settings.get("split", "analytic"))],
                          candidates=1, simulated=1, partitioned=1)
     else:
         res = _search(args, cfg, model, "megatron" if args.runtime == "megatron" else "deepspeed")

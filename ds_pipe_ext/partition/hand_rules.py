@@ -32,6 +32,12 @@ def even_blocks(layers: int, chunks: int) -> list[int]:
     return [0, *(1 + per * k for k in range(1, chunks)), layers + 2]
 
 
+def uniform_layers(pipeline_layers: int, chunks: int) -> list[int]:
+    """DeepSpeed's ``partition_method="uniform"``: the pipeline's layers (embedding, blocks, head) evenly by
+    count over the chunks, as ``ds_utils.partition_uniform`` rounds them."""
+    return [round(k * pipeline_layers / chunks) for k in range(chunks + 1)]
+
+
 def megatron_accounting(layers: int, stages: int) -> list[int]:
     """Embedding and loss counted as a block each, L + 2 divided evenly (Megatron's and Llama 3's rule)."""
     if stages < 2:

@@ -383,13 +383,20 @@ class PlanModel(RankUpdate):
         return [{**RankMemory.from_peak(step_peak(step)).to_dict(), "held_activation_bytes": held[r]}
                 for r, step in enumerate(steps)]
 
-    def evaluate_named(self, lay: Layout, *, even_split: bool = False) -> LayoutCost:
-        """A layout the user named, evaluated whatever its memory, on the split an ``analytic`` run
-        chooses (``even_split``: Megatron's, the blocks evenly: ``partition.hand_rules.even_blocks``); a peak
-        over the cap is noted ("over the cap by X GiB"), not refused."""
-        from ..partition.hand_rules import even_blocks
+    def evaluate_named(self, lay: Layout, *, split: str = "analytic") -> LayoutCost:
+        """A layout the user named, evaluated whatever its memory, on the split an ``analytic`` run chooses
+        (``split`` "even": Megatron's, the blocks evenly, ``partition.hand_rules.even_blocks``; "uniform":
+        DeepSpeed's, the layers evenly by count); a peak over the cap is noted ("over the cap by X GiB"), not
+        refused."""
+        from ..partition.hand_rules import even_blocks, uniform_layers
 
-        parts = even_blocks(self.cfg.layers, lay.num_chunks) if even_split and lay.num_chunks > 1 else self.run_split(lay)
+        chunks = lay.num_chunks
+        if chunks > 1 and split == "even":
+            parts = even_blocks(self.cfg.layers, chunks)
+        elif chunks > 1 and split == "uniform":
+            parts = uniform_layers(self.cfg.layers + 2, chunks)
+        else:
+            parts = self.run_split(lay)
         cost = self.evaluate(lay, parts, check_memory=False)
         over = cost.peak_memory_bytes - self.memory_cap
         if over > 0:
