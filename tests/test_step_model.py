@@ -303,3 +303,19 @@ def test_the_step_search_stops_on_its_bound_budget(monkeypatch):
     n = len(costs)
     assert len(calls) <= step_search.BOUNDS_PER_LEAF * 4 + 4 * n  # the budget, one node's children past it
     assert found.step_s <= found.min_max_step_s and found.gap >= 0.0 and found.leaves <= 4
+
+
+def test_deepspeeds_engine_order_registers_itself_where_a_step_asks_for_it():
+    """A bench or a Python caller that never imported ``pipe.schedules`` (conftest does, for the suite) still gets
+    DeepSpeed's order of 1F1B: the step model imports the runtime's adapter the first time it needs it."""
+    import subprocess
+    import sys
+
+    code = ("from ds_pipe_ext.simulate import step_model as S\n"
+            "assert 'deepspeed' not in S.ENGINE_ORDERS\n"
+            "s = S._schedule('1f1b', 2, 4, 'deepspeed')\n"
+            "assert 'deepspeed' in S.ENGINE_ORDERS and s is not None\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "ok"

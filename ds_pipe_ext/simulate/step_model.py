@@ -56,9 +56,11 @@ class StepModelError(ValueError):
 
 
 # runtime -> (schedule name, chunks, micro-batches) -> the Schedule its engine runs, for the schedules
-# it runs itself; registered by the runtime's adapter (DeepSpeed's: ``pipe.schedules``)
+# it runs itself; registered by the runtime's adapter (DeepSpeed's: ``pipe.schedules``), which is imported
+# the first time a step asks for that runtime's order (this module never imports DeepSpeed itself)
 ENGINE_ORDERS: dict = {}
 ENGINE_SCHEDULES = {"deepspeed": ("1f1b", "gpipe")}
+ENGINE_ADAPTERS = {"deepspeed": "ds_pipe_ext.pipe.schedules"}
 
 
 def register_engine_order(runtime: str, order) -> None:
@@ -292,10 +294,26 @@ def _schedule(name: str, num_chunks: int, micro_batches: int, runtime: str) -> S
     stage: one stage has no transfers to place), else the schedule's, with eager transfers."""
     if name in ENGINE_SCHEDULES.get(runtime, ()) and num_chunks > 1:
         if runtime not in ENGINE_ORDERS:
-            raise StepModelError(f"the {runtime} runtime runs its engine's order of {name}, which its adapter "
-                                 f"registers: import ds_pipe_ext.pipe.schedules (needs DeepSpeed) first")
+            _load_adapter(runtime, name)
         return ENGINE_ORDERS[runtime](name, num_chunks, micro_batches)
     return parse_schedule(name).for_chunks(num_chunks, micro_batches)
+
+
+def _load_adapter(runtime: str, name: str) -> None:
+    """Import ``runtime``'s adapter, which registers its engine's order (``ENGINE_ADAPTERS``)."""
+    import contextlib
+    import importlib
+    import sys
+
+    module = ENGINE_ADAPTERS[runtime]
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger writes to stdout when imported
+            importlib.import_module(module)
+    except ImportError as e:
+        raise StepModelError(f"the {runtime} runtime runs its engine's order of {name}, which {module} registers, "
+                             f"and it cannot be imported ({e}): install DeepSpeed") from None
+    if runtime not in ENGINE_ORDERS:
+        raise StepModelError(f"{module} registered no engine order for the {runtime} runtime")
 
 
 def processor_sharing(start_s: Sequence[float], work_s: Sequence[float]) -> list[float]:
