@@ -15,9 +15,20 @@ pytestmark = pytest.mark.multiprocess
 
 def test_user_command_on_4_ranks_every_rank_builds_the_same_stages(tmp_path):
     # the README's command, from the repo root, with the root ds.json (4 stages, "profiled")
-    proc, ranks = launch(4, ROOT / "ds.json", "--steps", "2", out_dir=tmp_path, user_command=True)
+    run_dir = tmp_path / "run"  # the README's demo command with --instrument, as a user runs it
+    proc, ranks = launch(4, ROOT / "ds.json", "--steps", "2", "--instrument", str(run_dir), out_dir=tmp_path,
+                         user_command=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(ranks) == [0, 1, 2, 3]
+    # the report says in one line why its step cannot hold where the 4 ranks shared fewer cores (CI: 2)
+    import os
+
+    from ds_pipe_ext.instrument.report import build_report, render_report_table
+
+    rep = build_report(run_dir)
+    cores = len(os.sched_getaffinity(0))
+    assert rep["summary"]["host"] == {"device_type": "cpu", "ranks_on_host": 4, "cores": cores}
+    assert ("4 CPU ranks shared" in render_report_table(rep)) == (cores < 4)
     parts = ranks[0]["parts"]
     assert len(parts) == 5 and parts[0] == 0 and parts[-1] == 6
     assert all(r["parts"] == parts for r in ranks.values())

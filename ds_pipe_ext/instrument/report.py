@@ -18,6 +18,7 @@ from ..partition.report import render_table
 from ..simulate.events import Link, Network
 from ..simulate.step_model import StepModel
 from .refine import load_run
+from .rundir import shared_cores_note
 
 MIB = 2**20
 
@@ -122,6 +123,7 @@ def build_report(run_dir: str | Path) -> dict:
         "bottleneck_stage_time": max(range(p), key=lambda s: rows[s]["meas_time_ms"]),
         "bottleneck_stage_memory": max(range(p), key=lambda s: rows[s]["meas_memory_bytes"]),
         "predicted_bubble_fraction": step.simulation.bubble_fraction,
+        "host": pred.host, "shared_cores_note": shared_cores_note(pred.host),
     }
     if pred.throughput:  # samples/s and MFU of both steps, by the planner's FLOP count (``mfu``)
         from ..mfu import Throughput
@@ -215,6 +217,8 @@ def render_report_table(rep: dict) -> str:
         f"step (1F1B, bubble {100 * s['predicted_bubble_fraction']:.0f}%): predicted {s['predicted_step_ms']:.1f} ms, "
         f"measured {s['measured_step_ms']:.1f} ms, error {s['step_error_pct']:+.1f}%",
     ]
+    if s.get("shared_cores_note"):
+        lines.append("  " + s["shared_cores_note"])
     if "measured_samples_per_s" in s:
         pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
         lines.append(f"throughput: predicted {s['predicted_samples_per_s']:.2f} samples/s (MFU "

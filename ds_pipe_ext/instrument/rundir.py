@@ -38,6 +38,9 @@ class Predicted:
     # what turns a step into samples/s and MFU: samples_per_step, world_size, model_flops_per_sample,
     # peak_flops (None: unknown) and what that peak is (``mfu``); None in older run directories
     throughput: dict | None = None
+    # where the ranks ran: device type, ranks on this host, CPU cores they could use (``host_record``); the
+    # layer costs were profiled by one process alone, so ranks sharing cores run slower than their profile
+    host: dict | None = None
 
     @property
     def schedule(self) -> str:
@@ -53,6 +56,28 @@ class Predicted:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{**{k: v for k, v in d.items() if k in known},
                       "layer_costs": [LayerCost.from_dict(c) for c in d["layer_costs"]]})
+
+
+def host_record(device_type: str) -> dict:
+    """This host as the run saw it: the device type, the ranks the launcher started on it (DeepSpeed's
+    ``LOCAL_SIZE``, torch's ``LOCAL_WORLD_SIZE``) and the CPU cores the process may run on."""
+    import os
+
+    ranks = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return {"device_type": device_type, "ranks_on_host": int(ranks), "cores": int(cores)}
+
+
+def shared_cores_note(host: dict | None) -> str:
+    """One line where the step's prediction cannot hold because CPU ranks shared cores; "" otherwise."""
+    if not host or host.get("device_type") != "cpu" or host["ranks_on_host"] <= host["cores"]:
+        return ""
+    return (f"the prediction cannot hold here: {host['ranks_on_host']} CPU ranks shared {host['cores']} cores, while "
+            f"the layers were profiled by one process alone (run one rank a core, or plan --device cpu, which "
+            f"measures ranks sharing the cores)")
 
 
 @dataclass(frozen=True)

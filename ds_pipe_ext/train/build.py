@@ -271,7 +271,7 @@ def prediction_costs(built: Built) -> list:
 def start_instrumentation(built: Built, overheads: dict | None):
     """Rank 0 writes what the partition predicts; every rank records its stage."""
     from ..instrument.hooks import instrument_engine
-    from ..instrument.rundir import Predicted, RunDir
+    from ..instrument.rundir import Predicted, RunDir, host_record
     from ..instrument.sink import RunSink
 
     settings, model = built.cfg.pipeline, built.model
@@ -282,7 +282,8 @@ def start_instrumentation(built: Built, overheads: dict | None):
             layer_costs=costs, recompute=settings.activation_checkpoint_interval > 0,
             layer_recompute=model.layer_recompute, memory_cap_gib=settings.memory_cap_gib,
             link_bandwidth=settings.link_bandwidth, refined_from=settings.refine_from, overheads=overheads,
-            layout=built.layout.to_dict(), throughput=asdict(built.throughput)))
+            layout=built.layout.to_dict(), throughput=asdict(built.throughput),
+            host=host_record(built.device.type)))
     sink = RunSink(settings.instrument.run_dir, built.rank, every=settings.instrument.every,
                    monitor=getattr(built.engine, "monitor", None))
     instrument_engine(built.engine, sink.emit, peak_step=settings.instrument.peak_step,
