@@ -64,7 +64,7 @@ def compare(device: str = "h100-sxm") -> list[dict]:
     node = Placement(RANKS, 1, RANKS, RANKS)  # XLA's 8 GPUs: one node
     out = []
     for r in load_rows():
-        model = spec.collective_time(r["bytes"], r["kind"], RANKS, spec.intra_node_bandwidth * spec.comm_efficiency)
+        model = spec.collective_time(r["bytes"], r["kind"], RANKS, spec.cluster.link_bandwidth * spec.comm_efficiency)
         latency = ring_latency_s(r["kind"], RANKS, spec.gpus_per_node)
         nccl = spec.group_collective(r["kind"], r["bytes"], node)
         out.append({**r, "model_s": model, "with_latency_s": model + latency, "nccl_s": nccl.time_s,
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{statistics.median(r['with_latency_err_pct'] for r in tp):+.1f}%; NCCL 2.30's model (what every command "
           f"prices with) {statistics.median(r['nccl_err_pct'] for r in tp):+.1f}%")
     print("largest bus bandwidth reached (GB/s): " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in large.items())
-          + f"; the spec's link: {get_device(args.device, cache_dir=None).intra_node_bandwidth / 1e9:.0f}")
+          + f"; the spec's link: {get_device(args.device, cache_dir=None).cluster.link_bandwidth / 1e9:.0f}")
     print("\nRESULT rows=%d tp_sizes_median_err_pct=%.1f tp_sizes_with_latency_median_err_pct=%.1f "
           "tp_sizes_nccl_median_err_pct=%.1f all_rows_nccl_median_abs_err_pct=%.1f "
           "large_busbw_gbs=%s small_latency_us=%s" % (

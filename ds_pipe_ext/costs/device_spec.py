@@ -5,7 +5,7 @@ op as its kernels run: ``costs.gpu_pricing``).  The named specs and their fitted
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .gpu_pricing import GpuKernels
 from .network import ClusterNetwork, Placement, system_for
@@ -79,8 +79,6 @@ class DeviceSpec:
             return Collective(kind, "measured", "gloo", latency, busbw, seconds)
         out = collective(kind, payload_bytes, placement, self.cluster)
         if self.comm_efficiency != 1.0 and out.time_s:  # a spec's own factor on the bandwidth term (GPUs: 1)
-            from dataclasses import replace
-
             moving = out.time_s - out.latency_s
             out = replace(out, bus_bandwidth=out.bus_bandwidth * self.comm_efficiency,
                           time_s=out.latency_s + moving / self.comm_efficiency)
@@ -173,7 +171,6 @@ class DeviceSpec:
         """The class's share of its peak (what an op's shape allows beside it: ``shape_factor``)."""
         return {"matrix": self.matrix_efficiency, "attention": self.attention_efficiency,
                 "vector": self.vector_efficiency}[kind]
-
 
 
 def tp_collectives_note(spec: "DeviceSpec", tp: int) -> str:

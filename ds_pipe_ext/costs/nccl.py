@@ -48,6 +48,21 @@ class NcclVersion:
     nvls_tree_per_ch: tuple  # [cc index][N1, N2, N4]
     nvls_efficiency: tuple  # [cc index]
     algorithms: tuple  # what this release has
+    # where the releases' model differs beyond its tables
+    ring_ll_factor: float = 0.5  # a ring's LL bus bandwidth: this share of Simple's (2.8: a quarter)
+    ampere_ring_cap: float = math.inf  # GB/s: 2.8 capped every A100 bus bandwidth at 235
+    one_a_node_tree_latency: bool = True  # with one rank a node every hop pays the tree's network latency (2.30)
+    net_overhead: bool = True  # a ring step inside a node across nodes costs at least the host's post overhead
+    ll_multinode_intra_factor: float = 1.0  # 2.8: an LL step inside a node costs 1.8x once the ring leaves it
+    plateau_by_ranks: bool = False  # 2.8: the ring's plateau from ranks / 16 x 64 KiB on, at 1.9x
+
+    def ring_plateau(self, nbytes: float, ranks: int, channels: int, compute_capability: int) -> float:
+        """The factor on a multi-node Simple ring all-reduce's latency for its plateau (``ncclTopoGetAlgoTime``)."""
+        if self.plateau_by_ranks:
+            return 1.9 if nbytes >= ranks / 16.0 * 65536 else 1.0
+        if nbytes / (channels * ranks) >= 64:
+            return 1.4 if compute_capability >= 80 else 1.9
+        return 1.0
 
 
 NCCL_2_30 = NcclVersion(
@@ -82,6 +97,8 @@ NCCL_2_8 = NcclVersion(
     nvls_tree_per_ch=((0.0,) * 3,) * 3,
     nvls_efficiency=(0.0, 0.0, 0.0),
     algorithms=("ring", "tree"),
+    ring_ll_factor=0.25, ampere_ring_cap=235.0, one_a_node_tree_latency=False, net_overhead=False,
+    ll_multinode_intra_factor=1.8, plateau_by_ranks=True,
 )
 VERSIONS = {"2.30": NCCL_2_30, "2.8": NCCL_2_8}
 
@@ -191,7 +208,7 @@ def _candidates(kind: str, nbytes: float, pl: Placement, net: ClusterNetwork, v:
     n, nodes = pl.size, pl.nodes
     cc = _cc_index(net)
     index2 = min(nodes, 3) - 1
-    ppn = n / nodes
+    ppn = pl.ranks_per_node
     all_reduce = kind == "all-reduce"
     nsteps = 2 * (n - 1) if all_reduce else n - 1
     intra_hw = v.nvlink if net.fabric in ("nvswitch", "nvlink-pairs") and not (
@@ -207,12 +224,12 @@ def _candidates(kind: str, nbytes: float, pl: Placement, net: ClusterNetwork, v:
     def latency(algorithm: str, p: int) -> float:
         base = v.base[algorithm][p]
         intra = intra_hw[algorithm][p]
-        inter = (v.net["tree"][p] if ppn == 1 and v is NCCL_2_30 else v.net[algorithm][p])
+        inter = v.net["tree"][p] if ppn == 1 and v.one_a_node_tree_latency else v.net[algorithm][p]
         if algorithm == "ring":
-            if nodes > 1 and v is NCCL_2_30:
+            if nodes > 1 and v.net_overhead:
                 intra = max(intra, net_overhead * (3 if p == 2 else 1))
-            if nodes > 1 and v is NCCL_2_8 and p == 0:
-                intra *= 1.8
+            if nodes > 1 and p == 0:
+                intra *= v.ll_multinode_intra_factor
             inter_steps = (2 if all_reduce else 1) * (nodes - 1)
             return base + (nsteps - inter_steps) * intra + inter_steps * inter
         if algorithm == "tree":
@@ -252,10 +269,10 @@ def _candidates(kind: str, nbytes: float, pl: Placement, net: ClusterNetwork, v:
                 bw = min(intra_bw, inter_bw if nodes > 1 else math.inf,
                          v.nvls_tree_per_ch[cc][index2] if algorithm == "nvls_tree" else math.inf)
             bus = nch * bw
-            if v is NCCL_2_8 and cc == 1:
-                bus = min(bus, 235.0)
+            if cc == 1:
+                bus = min(bus, v.ampere_ring_cap)
             if algorithm == "ring" and proto == LL:
-                bus = min(ll_max, bus * (0.5 if v is NCCL_2_30 else 0.25))
+                bus = min(ll_max, bus * v.ring_ll_factor)
             if algorithm == "ring" and proto == LL128:
                 bus = min(bus * 0.92, nch * v.ring_ll128_per_ch[cc])
             if algorithm == "tree":
@@ -278,11 +295,8 @@ def _candidates(kind: str, nbytes: float, pl: Placement, net: ClusterNetwork, v:
             if algorithm == "tree" and 0 <= log_size < 23:
                 alg *= _TREE_CORRECTION[p][log_size]
             lat = latency(algorithm, p)
-            if algorithm == "ring" and proto == SIMPLE and nodes > 1 and all_reduce:  # the ring's plateau
-                if v is NCCL_2_8 and nbytes >= n / 16.0 * 65536:
-                    lat *= 1.9
-                elif v is not NCCL_2_8 and nbytes / (channels * n) >= 64:
-                    lat *= 1.4 if net.compute_capability >= 80 else 1.9
+            if algorithm == "ring" and proto == SIMPLE and nodes > 1 and all_reduce:
+                lat *= v.ring_plateau(nbytes, n, channels, net.compute_capability)
             seconds = lat * 1e-6 + nbytes / (alg * _GB)
             # report the bus bandwidth in the ring convention, the one every formula here uses
             ring_bus = (2.0 if all_reduce else 1.0) * (n - 1) / n * nbytes / max(seconds - lat * 1e-6, 1e-30)
@@ -324,6 +338,11 @@ def _p2p(nbytes: float, pl: Placement, net: ClusterNetwork) -> Collective:
     return Collective("p2p", "p2p", SIMPLE, 0.0, bw, nbytes / bw)
 
 
+# NCCL 2.8's ring / Simple latency constants, in seconds
+RING_BASE_S, NVLINK_HOP_S, NET_HOP_S = (NCCL_2_8.base["ring"][2] * 1e-6, NCCL_2_8.nvlink["ring"][2] * 1e-6,
+                                        NCCL_2_8.net["ring"][2] * 1e-6)
+
+
 def ring_latency_s(kind: str, ranks: int, ranks_per_node: int) -> float:
     """NCCL 2.8's ring/Simple latency of ``kind`` over ``ranks`` ranks, ``ranks_per_node`` a node (the constants
     the ZeRO-3 rows' prefetch chain was first priced with; ``collective`` now prices every call)."""
@@ -332,10 +351,7 @@ def ring_latency_s(kind: str, ranks: int, ranks_per_node: int) -> float:
     nodes = math.ceil(ranks / max(1, min(ranks_per_node, ranks)))
     passes = 2 if kind == "all-reduce" else 1
     steps, inter = passes * (ranks - 1), passes * (nodes - 1)
-    return (RING_BASE_S + (steps - inter) * NVLINK_HOP_S + inter * NET_HOP_S)
-
-
-RING_BASE_S, NVLINK_HOP_S, NET_HOP_S = 8.4e-6, 3.4e-6, 9.6e-6  # NCCL 2.8's ring / Simple
+    return RING_BASE_S + (steps - inter) * NVLINK_HOP_S + inter * NET_HOP_S
 
 __all__ = ["Collective", "NCCL_2_30", "NCCL_2_8", "NcclVersion", "VERSIONS", "collective", "ring_latency_s",
            "RING_BASE_S", "NVLINK_HOP_S", "NET_HOP_S"]

@@ -86,10 +86,8 @@ class ClusterNetwork:
         carries (``speedArrayInter``, ``sm90SpeedArrayInter``: 48 GB/s on a 400 Gb/s NIC, 24 on a 200 Gb/s one)."""
         if not self.nccl:
             return self.nic_bandwidth
-        return _search_speed(self.nic_bandwidth / _GB, self.compute_capability >= 90) * _GB
-
-    def placement(self, ranks) -> "Placement":
-        return Placement.of(ranks, self.gpus_per_node)
+        speeds = search_speeds(self, inter=True)
+        return next((s for s in speeds if s <= self.nic_bandwidth / _GB), speeds[-1]) * _GB
 
     def worst(self, groups) -> "Placement":
         """The slowest-placed of a layout's groups of one kind (the most nodes, then the fewest ranks on a
@@ -98,13 +96,11 @@ class ClusterNetwork:
 
     def tp_placement(self, tp: int) -> "Placement":
         """A TP group: ``tp`` consecutive ranks from a multiple of ``tp`` (TP is the fastest axis)."""
-        return worst_placement(tuple(tuple(range(s, s + tp)) for s in range(0, tp * self.gpus_per_node, tp)),
-                               self.gpus_per_node)
+        return _tp_placement(tp, self.gpus_per_node)
 
     def ep_placement(self, tp: int, ep: int) -> "Placement":
         """An expert-parallel group: ``ep`` members of a DP group (ranks ``tp`` apart), DeepSpeed's order."""
-        starts = {(i + j * ep * tp) % (self.gpus_per_node * tp * ep) for i in range(tp) for j in range(self.gpus_per_node)}
-        return worst_placement(tuple(tuple(range(s, s + tp * ep, tp)) for s in sorted(starts)), self.gpus_per_node)
+        return _ep_placement(tp, ep, self.gpus_per_node)
 
 
 # NCCL 2.30.7's search speeds, GB/s a channel (src/graph/search.cc): the speeds it tries, fastest first, for
@@ -122,9 +118,15 @@ def search_speeds(net: "ClusterNetwork", *, inter: bool) -> tuple:
     return (INTER_SPEEDS if inter else INTRA_SPEEDS)[generation]
 
 
-def _search_speed(nic_gbs: float, hopper: bool) -> float:
-    speeds = INTER_SPEEDS["hopper" if hopper else "ampere"]
-    return next((s for s in speeds if s <= nic_gbs), speeds[-1])
+@lru_cache(maxsize=256)
+def _tp_placement(tp: int, per_node: int) -> "Placement":
+    return worst_placement(tuple(tuple(range(s, s + tp)) for s in range(0, tp * per_node, tp)), per_node)
+
+
+@lru_cache(maxsize=256)
+def _ep_placement(tp: int, ep: int, per_node: int) -> "Placement":
+    starts = {(i + j * ep * tp) % (per_node * tp * ep) for i in range(tp) for j in range(per_node)}
+    return worst_placement(tuple(tuple(range(s, s + tp * ep, tp)) for s in sorted(starts)), per_node)
 
 
 @dataclass(frozen=True)
@@ -180,9 +182,12 @@ def system_for(device) -> ClusterNetwork:
     at 300 GB/s a direction, 8 x 200 Gb/s HDR NICs, AMD hosts), DGX H100 / H200 (Intel hosts) (NVLink 4 at 450 GB/s, 8 x 400 Gb/s NDR),
     H100 PCIe servers (8 GPUs on PCIe Gen5 x16, 64 GB/s) and H100 NVL pairs (NVLink bridges, 300 GB/s, inside
     each pair), both with a 400 Gb/s NIC a GPU as the device spec says; a CPU: its ranks share one memory."""
-    name = getattr(device, "name", str(device))
-    per_node = int(getattr(device, "gpus_per_node", 8) or 1)
-    link, nic = float(device.intra_node_bandwidth), float(device.inter_node_bandwidth)
+    return _system(getattr(device, "name", str(device)), int(getattr(device, "gpus_per_node", 8) or 1),
+                   float(device.intra_node_bandwidth), float(device.inter_node_bandwidth))
+
+
+@lru_cache(maxsize=64)
+def _system(name: str, per_node: int, link: float, nic: float) -> ClusterNetwork:
     if name == "cpu":
         return ClusterNetwork(per_node, link, 1, nic, fabric="memory", compute_capability=0, name="cpu ranks")
     if name.startswith("a100"):

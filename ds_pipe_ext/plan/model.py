@@ -180,8 +180,9 @@ class PlanModel(RankUpdate):
         return cls(cfg, device, device.cluster, **kwargs)
 
     def on_device(self, device: DeviceSpec) -> "PlanModel":
-        """The same plan on another device (a fresh model: layer costs are cached per model)."""
-        return PlanModel(self.cfg, device, self.cluster, seq=self.seq, global_batch=self.global_batch, dtype=self.dtype,
+        """The same plan on another device (a fresh model: layer costs are cached per model), on the device's
+        network where it has one (``plan.speed.at_speed`` scales it), else this plan's cluster."""
+        return PlanModel(self.cfg, device, device.network or self.cluster, seq=self.seq, global_batch=self.global_batch, dtype=self.dtype,
                          memory_fraction=self.memory_fraction, step_model=self.step_model, network=self.network,
                          expert_imbalance=self.expert_imbalance, zero_settings=self.zero_settings,
                          runtime_terms=self.runtime_terms, grad_accum_dtype=self.grad_accum_dtype,
@@ -237,19 +238,21 @@ class PlanModel(RankUpdate):
         (``parallel.topology.rank_groups``; Megatron's default order gives the same groups)."""
         return _placements(self.cluster, lay.pp, lay.tp, lay.dp, lay.ep)
 
-    def collectives_of(self, lay: Layout, params: float | None = None) -> list[tuple[str, str, object, object]]:
+    def collectives_of(self, lay: Layout) -> list[tuple[str, str, object, object]]:
         """For ``plan --only``: each collective kind the layout runs, as (what, group, ``Placement``,
         ``costs.nccl.Collective`` for a representative size: a layer's gradients, a boundary's activations)."""
         place = self.placements(lay)
         costs = self.costs_of(lay)
-        grads = max(c.param_bytes for c in costs)
+        grads, act = max(c.param_bytes for c in costs), max(c.output_bytes for c in costs)
         out = []
         if lay.tp > 1:
-            act = max(c.output_bytes for c in costs)
             out.append(("TP all-reduce (a block's output)", "tp", place["tp"],
                         self.device.group_collective("all-reduce", act, place["tp"])))
         if lay.dp > 1:
-            kind = "reduce-scatter" if lay.zero >= 2 or lay.runtime == "megatron" and lay.zero else "all-reduce"
+            # as ``RankUpdate`` prices them: DeepSpeed reduce-scatters under ZeRO-3 only (ZeRO-1/2 all-reduce
+            # their buckets), Megatron with its distributed optimizer
+            scatters = lay.zero == 3 or (lay.runtime == "megatron" and lay.zero >= 1)
+            kind = "reduce-scatter" if scatters else "all-reduce"
             out.append((f"DP {kind} (a layer's gradients)", "dp", place["dp"],
                         self.device.group_collective(kind, grads, place["dp"])))
             if lay.zero >= 1 or lay.runtime == "megatron":
@@ -257,10 +260,10 @@ class PlanModel(RankUpdate):
                             self.device.group_collective("all-gather", grads, place["dp"])))
         if lay.ep > 1:
             out.append(("EP all-to-all (a block's tokens)", "ep", place["ep"],
-                        self.device.group_collective("all-to-all", max(c.output_bytes for c in costs), place["ep"])))
+                        self.device.group_collective("all-to-all", act, place["ep"])))
         if lay.pp > 1:
             out.append(("PP send (a boundary)", "pp_pair", place["pp_pair"],
-                        self.device.group_collective("p2p", max(c.output_bytes for c in costs), place["pp_pair"])))
+                        self.device.group_collective("p2p", act, place["pp_pair"])))
         return out
 
     def _stage_network(self, lay: Layout) -> Network:

@@ -39,7 +39,7 @@ def links_are_cpu_work(device: DeviceSpec) -> bool:
 def at_speed(device: DeviceSpec, factor: float, *, links: bool = False) -> DeviceSpec:
     """``device`` with its compute and memory rates times ``factor`` (a GPU's launch and dispatch times
     divided by it); with ``links`` its measured
-    collectives' bandwidths too (latencies divided by it) and its link bandwidths."""
+    collectives' bandwidths too (latencies divided by it) and its cluster's links."""
     out = replace(device, matrix_flops={k: v * factor for k, v in device.matrix_flops.items()},
                   vector_flops={k: v * factor for k, v in device.vector_flops.items()},
                   hbm_bandwidth=device.hbm_bandwidth * factor, fill_bandwidth=device.fill_bandwidth * factor,
@@ -51,11 +51,9 @@ def at_speed(device: DeviceSpec, factor: float, *, links: bool = False) -> Devic
                                        host_kernel_bwd_s=kern.host_kernel_bwd_s / factor,
                                        layer_call_s=kern.layer_call_s / factor))
     if links:
-        net = device.network
-        out = replace(out, intra_node_bandwidth=device.intra_node_bandwidth * factor,
-                      inter_node_bandwidth=device.inter_node_bandwidth * factor,
-                      network=net and replace(net, link_bandwidth=net.link_bandwidth * factor,
-                                              nic_bandwidth=net.nic_bandwidth * factor),
+        net = device.cluster
+        out = replace(out, network=replace(net, link_bandwidth=net.link_bandwidth * factor,
+                                           nic_bandwidth=net.nic_bandwidth * factor),
                       collectives={k: [lat / factor, bw * factor] for k, (lat, bw) in (device.collectives or {}).items()}
                       or device.collectives)
     return out

@@ -124,7 +124,7 @@ class RankUpdate:
         def gather(tensors: list) -> float:
             if per_tensor:
                 return sum(self.device.group_time("all-gather", n * self.e, group) for n in tensors)
-            return self.device.group_time("all-gather", sum(tensors) * self.e, group) if sum(tensors) else 0.0
+            return self.device.group_time("all-gather", sum(tensors) * self.e, group)
 
         def reduce(tensors: list) -> float:
             if per_tensor:
