@@ -61,9 +61,9 @@ def test_fewer_gpus_than_a_node_holds_is_normal_and_nics_follow_the_gpus_a_node(
 
 # -- each group placed -----------------------------------------------------------------------------------------
 def _placed(pp, tp, dp, ep=1, cluster=H100):
-    from ds_pipe_ext.plan.model import _placements
+    from ds_pipe_ext.plan.groups import placements
 
-    return _placements(cluster, pp, tp, dp, ep)
+    return placements(cluster, pp, tp, dp, ep)
 
 
 def test_tp8_dp4_over_four_nodes():

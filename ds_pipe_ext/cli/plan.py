@@ -227,11 +227,12 @@ def _plan(args, checker) -> int:
         _emit(f"  Megatron pipeline_model_parallel_layout: {text!r} ({why})" if text else
               f"  Megatron pipeline_model_parallel_layout: none ({why})")
     if args.only:
+        from ..plan.groups import collectives_of
         from ..plan.published import beside, matching
 
         _emit(f"  collectives ({model.device.cluster.name}, NCCL {model.device.cluster.nccl_version}'s model), "
               f"each at a representative size:")
-        for what, _axis, place, one in model.collectives_of(res.top[0].layout):
+        for what, _axis, place, one in collectives_of(model, res.top[0].layout):
             _emit(f"    {what:36s} {place.describe():36s} {one.describe()}, {one.time_s * 1e3:.3f} ms")
 
         lay = res.top[0].layout

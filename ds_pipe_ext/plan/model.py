@@ -43,6 +43,7 @@ from ..partition.algorithms import InfeasibleMemoryCap, partition_min_max_lists,
 from ..partition.methods import decide_offline
 from ..simulate.events import Link, Network
 from ..simulate.step_model import StepModel
+from .groups import placements
 from .update import RankUpdate
 
 # Adam's memory traffic per parameter: fused (apex, Megatron) reads param, grad, m, v and writes
@@ -105,20 +106,6 @@ def boundary_split(lay: Layout) -> int:
     ``pipe_partitioned`` and ``grad_partitioned``, on wherever TP is).  Under SP the activation is already the
     rank's shard (``train.config`` turns DeepSpeed's off there): one piece."""
     return lay.tp if lay.tp > 1 and not lay.sp else 1
-
-
-@lru_cache(maxsize=512)
-def _placements(cluster, pp: int, tp: int, dp: int, ep: int) -> dict:
-    from ..parallel.topology import rank_groups
-
-    groups = rank_groups(pp, tp, dp, ep if ep > 1 and dp % ep == 0 else 1)
-    pairs = [(g[i], g[i + 1]) for g in groups["pp"] for i in range(len(g) - 1)]
-    out = {axis: cluster.worst(groups[axis]) if groups.get(axis) else cluster.worst([[0]])
-           for axis in ("tp", "dp", "tied", "ep", "expert_dp")}
-    out["pp_pair"] = cluster.worst(pairs) if pairs else cluster.worst([[0]])
-    if ep <= 1:
-        out["ep"], out["expert_dp"] = cluster.worst([[0]]), out["dp"]
-    return out
 
 
 class PlanModel(RankUpdate):
@@ -236,35 +223,7 @@ class PlanModel(RankUpdate):
         group of each kind: "tp", "dp", "ep" and "expert_dp" (DeepSpeed's expert groups), "tied" (first and last
         stage), "pp_pair" (neighbouring stages), from the ranks as DeepSpeed orders them
         (``parallel.topology.rank_groups``; Megatron's default order gives the same groups)."""
-        return _placements(self.cluster, lay.pp, lay.tp, lay.dp, lay.ep)
-
-    def collectives_of(self, lay: Layout) -> list[tuple[str, str, object, object]]:
-        """For ``plan --only``: each collective kind the layout runs, as (what, group, ``Placement``,
-        ``costs.nccl.Collective`` for a representative size: a layer's gradients, a boundary's activations)."""
-        place = self.placements(lay)
-        costs = self.costs_of(lay)
-        grads, act = max(c.param_bytes for c in costs), max(c.output_bytes for c in costs)
-        out = []
-        if lay.tp > 1:
-            out.append(("TP all-reduce (a block's output)", "tp", place["tp"],
-                        self.device.group_collective("all-reduce", act, place["tp"])))
-        if lay.dp > 1:
-            # as ``RankUpdate`` prices them: DeepSpeed reduce-scatters under ZeRO-3 only (ZeRO-1/2 all-reduce
-            # their buckets), Megatron with its distributed optimizer
-            scatters = lay.zero == 3 or (lay.runtime == "megatron" and lay.zero >= 1)
-            kind = "reduce-scatter" if scatters else "all-reduce"
-            out.append((f"DP {kind} (a layer's gradients)", "dp", place["dp"],
-                        self.device.group_collective(kind, grads, place["dp"])))
-            if lay.zero >= 1 or lay.runtime == "megatron":
-                out.append(("DP all-gather (a layer's weights)", "dp", place["dp"],
-                            self.device.group_collective("all-gather", grads, place["dp"])))
-        if lay.ep > 1:
-            out.append(("EP all-to-all (a block's tokens)", "ep", place["ep"],
-                        self.device.group_collective("all-to-all", act, place["ep"])))
-        if lay.pp > 1:
-            out.append(("PP send (a boundary)", "pp_pair", place["pp_pair"],
-                        self.device.group_collective("p2p", act, place["pp_pair"])))
-        return out
+        return placements(self.cluster, lay.pp, lay.tp, lay.dp, lay.ep)
 
     def _stage_network(self, lay: Layout) -> Network:
         return self.network or Network(self._p2p_link(lay))
