@@ -13,6 +13,7 @@
 
     python bench/analytic_vs_profiled.py     [--times-only | --launches-only: one part alone]
     python bench/analytic_vs_profiled.py --family llama
+    python bench/analytic_vs_profiled.py --smoke     (every part on tiny shapes, one pass, one round: a check it runs)
 
 Last line: RESULT activation_bytes_worst_error_pct=X analytic_vs_profiled_throughput=Y layer_time_worst_error_pct=Z
 (targets: Y >= 0.95, Z <= 15).  ``--family llama``: parts 1 and 2 for two Llama shapes (bench-cpu-llama and
@@ -41,7 +42,7 @@ from ds_pipe_ext.costs.profiler import ProfileSettings  # noqa: E402
 from ds_pipe_ext.models import family_of, load_model  # noqa: E402
 from ds_pipe_ext.parallel.probe import tp_activation_bytes  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
-from ds_pipe_ext.runner import ROOT, launch  # noqa: E402
+from ds_pipe_ext.runner import ROOT, launch, write_config  # noqa: E402
 
 CACHE = str(ROOT / ".ds_pipe_ext_cache")
 
@@ -72,6 +73,9 @@ def bench_model(name: str):
         return LlamaConfig.from_dict({k: v for k, v in LLAMA_H768.items() if k != "family"}, name=name)
     return load_model(name)
 PASSES = 6
+# --smoke: tiny (GPT) and llama-tiny at two small shapes each, one pass, one round of launches on tiny
+SMOKE_FIT = [("tiny", 2, 32), ("tiny", 1, 16), ("tiny", 3, 24)]
+SMOKE_GRID = [("tiny", 1, 32), ("llama-tiny", 2, 32)]
 
 
 def fastest_spec(specs):
@@ -87,7 +91,7 @@ def fastest_spec(specs):
                    fresh_page_bandwidth=best("fresh_page_bandwidth"))
 
 
-def layer_times(grid=GRID) -> float:
+def layer_times(grid=GRID, fit=FIT, passes=PASSES) -> float:
     """Per-layer fwd+bwd: analytic on the cpu spec calibrated at FIT, against profiled on GRID.
 
     A shared machine's speed drifts by more than the target, within minutes (one morning: the same
@@ -96,14 +100,14 @@ def layer_times(grid=GRID) -> float:
     FIT + GRID in turn, each with the machine's micro-benchmarks, and the fastest of each is kept:
     the machine's own speed, for the model and the profiles alike.
     """
-    passes: dict[tuple, list] = {}
+    n_passes, passes = passes, {}
     specs = []
-    for k in range(PASSES):
+    for k in range(n_passes):
         specs.append(measure_cpu(None))
-        for name, b, seq in FIT + grid:
+        for name, b, seq in fit + grid:
             cfg, measured = three_layers(bench_model(name), b, seq, repeats=1, cache_dir=None)
             passes.setdefault((name, b, seq), []).append((cfg, [(m.forward_s, m.backward_s) for m in measured]))
-        print(f"  pass {k + 1}/{PASSES} over {len(FIT + grid)} shapes (matmul "
+        print(f"  pass {k + 1}/{n_passes} over {len(fit + grid)} shapes (matmul "
               f"{specs[-1].matrix_flops['fp32'] / 1e9:.0f} GFLOP/s)", flush=True)
     cpu = fastest_spec(specs)
 
@@ -113,7 +117,7 @@ def layer_times(grid=GRID) -> float:
         return cfg, [(min(f for f, _ in ts), min(b for _, b in ts)) for ts in per_layer]
 
     points = []
-    for key in FIT:
+    for key in fit:
         cfg, times = fastest(key)
         points += calibration_points(cfg, EstimateRequest(key[1], key[2], dtype="fp32"), cpu, times)
     calibrated = fit_device(cpu, points, dtype="fp32")
@@ -121,8 +125,8 @@ def layer_times(grid=GRID) -> float:
           f"{cpu.vector_flops['fp32'] / 1e9:.2f} G/s, copy {cpu.hbm_bandwidth / 1e9:.1f} GB/s, fill "
           f"{cpu.fill_bandwidth / 1e9:.1f} GB/s, a row op {cpu.row_op_s * 1e6:.2f} us, dropout draws {cpu.random_rate / 1e6:.0f} M/s, first touch "
           f"{cpu.fresh_page_bandwidth / 1e9:.2f} GB/s above {cpu.fresh_alloc_min_bytes / 2**20:.0f} MiB "
-          f"(the fastest of {PASSES} passes)")
-    print(f"calibrated on {FIT}: GEMM efficiency {calibrated.matrix_efficiency:.3f} x the measured peak, halved at "
+          f"(the fastest of {n_passes} passes)")
+    print(f"calibrated on {fit}: GEMM efficiency {calibrated.matrix_efficiency:.3f} x the measured peak, halved at "
           f"a GEMM dimension of {calibrated.matrix_half_dim:.0f}; a gradient table zeroed at "
           f"{calibrated.fill_bandwidth / 1e9:.1f} GB/s", flush=True)
     rows, worst = [], 0.0
@@ -135,19 +139,22 @@ def layer_times(grid=GRID) -> float:
             worst = max(worst, abs(err))
             rows.append([name, f"b={b} s={seq}", e["name"], f"{1e3 * mf:.1f}", f"{1e3 * e['fwd_s']:.1f}",
                          f"{1e3 * mb:.1f}", f"{1e3 * e['bwd_s']:.1f}", f"{pt:.1f}", f"{at:.1f}", f"{err:+.1f}"])
-    print(f"\nms per layer: analytic (calibrated on FIT, not on this grid) vs profiled (fastest of {PASSES} "
+    print(f"\nms per layer: analytic (calibrated on FIT, not on this grid) vs profiled (fastest of {n_passes} "
           f"interleaved passes)")
     print("\n".join(render_table(["model", "shape", "layer", "fwd prof", "fwd ana", "bwd prof", "bwd ana",
                                   "fwd+bwd prof", "fwd+bwd ana", "err %"], rows)))
     return worst
 
 
-def launch_rounds(rounds: int = 3) -> float:
+def launch_rounds(rounds: int = 3, model: str | None = None) -> float:
     """Samples/s of the analytic split over the profiled one: ``rounds`` pairs of 2-rank launches of
     bench-cpu, alternating which goes first (P A, A P, P A); the median ratio."""
     work = Path(tempfile.mkdtemp(prefix="ds_pipe_ext_analytic_"))
     configs = {"profiled": ROOT / "launch_scripts" / "bench_cpu_pipeline.json",
                "analytic": ROOT / "launch_scripts" / "bench_cpu_analytic.json"}
+    if model is not None:  # the same configurations on another model
+        configs = {k: write_config(work / f"{k}.json", base=v.name, train={"model": model})
+                   for k, v in configs.items()}
     ratios = []
     for k in range(rounds):
         speed = {}
@@ -167,7 +174,7 @@ def launch_rounds(rounds: int = 3) -> float:
     return ratio
 
 
-def activation_bytes(names: tuple[str, ...], cpu) -> float:
+def activation_bytes(names: tuple[str, ...], cpu, batches=(1, 2, 3, 4)) -> float:
     """Saved-activation bytes, analytic vs the profiler's hooks, for the embedding, a block and the head of
     each model at seq 256, micro-batch 1-4: TP 1 here, TP 2 with SP off and on on TP rank 0 of a 2-process
     group (vocabulary padded to a multiple of 128 as Megatron does).  Prints the table; the worst |error| %."""
@@ -175,7 +182,7 @@ def activation_bytes(names: tuple[str, ...], cpu) -> float:
 
     rows, worst = [], 0.0
     for name in names:
-        for b in (1, 2, 3, 4):
+        for b in batches:
             cfg, measured = three_layers(bench_model(name), b, 256)
             est = estimate_layers(cfg, EstimateRequest(b, 256, dtype="fp32"), cpu)
             for m, e in zip(measured, (est[0], est[1], est[-1])):
@@ -188,7 +195,7 @@ def activation_bytes(names: tuple[str, ...], cpu) -> float:
     for name in names:
         cfg = replace(bench_model(name), seq_len=256, tie_embeddings=False, vocab_pad_to=128)
         for sp in (False, True):
-            for b in (1, 2, 3, 4):
+            for b in batches:
                 cases.append({"model": cfg.to_dict(), "family": family_of(cfg).name, "b": b, "sp": sp})
                 shapes.append((cfg, b, sp))
     for (cfg, b, sp), measured in zip(shapes, tp_activation_bytes(cases, tp=2)):
@@ -212,6 +219,13 @@ def main() -> None:
         time_worst = layer_times(LLAMA_GRID)
         print(f"calibrated: {FIT} (GPT shapes; the Llama family is not refitted); predicted: {LLAMA_GRID}")
         print(f"RESULT llama_activation_bytes_worst_error_pct={worst:.2f} llama_layer_time_worst_error_pct={time_worst:.1f}")
+        return
+    if "--smoke" in sys.argv:
+        worst = activation_bytes(("tiny", "llama-tiny"), cpu, batches=(1, 2))
+        time_worst = layer_times(SMOKE_GRID, SMOKE_FIT, passes=1)
+        ratio = launch_rounds(1, model="tiny")
+        print(f"RESULT activation_bytes_worst_error_pct={worst:.2f} analytic_vs_profiled_throughput={ratio:.3f} "
+              f"layer_time_worst_error_pct={time_worst:.1f}")
         return
     if "--times-only" in sys.argv:  # iterate on the time model without the activation and launch parts
         print(f"RESULT layer_time_worst_error_pct={layer_times():.1f}")

@@ -52,10 +52,12 @@ from ds_pipe_ext.models.gpt_config import GPTConfig  # noqa: E402
 from ds_pipe_ext.partition.hand_rules import even_blocks, uniform_layers  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
 from ds_pipe_ext.pipe import schedules as _deepspeed_order  # noqa: E402,F401  (registers DeepSpeed's engine order)
+from ds_pipe_ext.runner import SMOKE_HELP  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "calibration"
 PREDICTED = ROOT / "bench" / "data" / "published_at_scale.csv"
+SMOKE = False  # --smoke: three rows a fitted table, one a predicted group
 FIXED = {"matrix_half_dim": 0.0, "comm_efficiency": 1.0}  # not pinned down by the data: fixed, not fitted
 # DeepSpeed's defaults (a published ZeRO-3 row states none of them): reduce bucket, prefetch, persistence
 DEEPSPEED_ZERO_DEFAULTS = DEEPSPEED_ZERO3_DEFAULTS  # `plan --only ...,buckets=deepspeed`
@@ -144,7 +146,7 @@ def load_rows(name: str) -> list[dict]:
                                      **src["layout"](r))
             flops = src["flops"](layout.global_batch, cfg.seq_len, cfg.layers, cfg.hidden, cfg.vocab_size)
             rows.append({"cfg": cfg, "layout": layout, "flops": flops, "published": float(r["tflops_per_gpu"])})
-    return rows
+    return rows[:3] if SMOKE else rows
 
 
 def megatron_parts(layers: int, chunks: int) -> list[int]:
@@ -248,6 +250,9 @@ def load_predicted() -> list[dict]:
                               nccl_version=r["nccl"] or "2.30", host_cpu="amd")  # A100 nodes: AMD EPYC hosts
             rows.append({"row": r, "cfg": cfg, "layout": lay, "cluster": cluster, "published_s": published,
                          "assumed": [a for a in r["assumed"].split(";") if a]})
+    if SMOKE:  # a row of each group, a complete one (no assumed field) where the group has one
+        return [min((r for r in rows if r["row"]["group"] == g), key=lambda r: len(r["assumed"]))
+                for g in dict.fromkeys(r["row"]["group"] for r in rows)]
     return rows
 
 
@@ -409,7 +414,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "runs" / "calibration" / "CALIBRATION.md"),
                     help="where the report goes (docs/CALIBRATION.md is the committed copy, with its notes)")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
+    global SMOKE
+    SMOKE = args.smoke
+    if SMOKE:  # never over a real run's report
+        import tempfile
+
+        args.out = str(Path(tempfile.mkdtemp(prefix="ds_pipe_ext_calibration_")) / "CALIBRATION.md")
     results = [calibrate("a100"), calibrate("h100")]
     before = {name: calibrate(name, BEFORE) for name in SOURCES}
     predicted = predicted_table(results[0])

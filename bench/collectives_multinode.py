@@ -7,7 +7,7 @@ posted with their systems, and figures NCCL's maintainers stated for DGX nodes),
 Nothing here fitted anything: no constant of the model was set from these rows.  An error is the model's
 bus bandwidth (or latency) over the published one, minus one.
 
-    python bench/collectives_multinode.py
+    python bench/collectives_multinode.py [--smoke]
 
 Then the steps of published sharded data-parallel runs at several node counts (``SCALING``), each layout priced
 by `plan --only` (the CLI's own route) at every node count, as the ratio step(N nodes) / step(fewest): the
@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from ds_pipe_ext.costs.hardware import DEVICES  # noqa: E402
 from ds_pipe_ext.costs.nccl import collective  # noqa: E402
 from ds_pipe_ext.costs.network import Placement, system_for, with_overrides  # noqa: E402
+from ds_pipe_ext.runner import SMOKE_HELP  # noqa: E402
 
 DATA = ROOT / "bench" / "data" / "published_nccl_tests.csv"
 
@@ -97,6 +98,11 @@ def model_row(r: dict) -> dict:
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (the whole table: it launches nothing)")
+    ap.parse_args()
     rows = load_rows()
     print(f"{'row':22s} {'system':10s} {'nodes':>5s} {'kind':14s} {'bytes':>11s} {'model algorithm':16s} "
           f"{'published':>10s} {'model':>8s} {'err %':>7s}")

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
 from ds_pipe_ext.costs.nccl import ring_latency_s  # noqa: E402
 from ds_pipe_ext.costs.network import Placement  # noqa: E402
+from ds_pipe_ext.runner import SMOKE_HELP  # noqa: E402
 
 DATA = ROOT / "bench" / "data" / "xla_sm90_collectives.csv"
 RANKS = 8
@@ -79,6 +80,7 @@ def compare(device: str = "h100-sxm") -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="h100-sxm", help="the spec checked (XLA's rows are an H100 SXM node's)")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (the whole table: it launches nothing)")
     args = ap.parse_args(argv)
     rows = compare(args.device)
     print(f"{'collective':15s} {'bytes':>12s} {'XLA us':>9s} {'busbw GB/s':>10s} {'ring us':>9s} {'err %':>7s} "

@@ -1,6 +1,7 @@
 """Pipeline (profiled, uniform) against ZeRO-3 for bench-cpu: throughput on 2 ranks, memory on 4.
 
     python bench/compare_zero.py [--model bench-cpu] [--rounds 2] [--micro-batch 4] [--out runs/bench-compare]
+    python bench/compare_zero.py --smoke     (tiny, one round in one `compare`, memory on 2 ranks: a check it runs)
 
 Throughput: 2 ranks (one core each, so no rank time-slices another's core), the three
 configurations launched in alternating order (A B C, then B C A, ...) for ``--rounds`` rounds,
@@ -27,6 +28,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ds_pipe_ext.runner import SMOKE_HELP  # noqa: E402
 THROUGHPUT = ["pipe-profiled-pp2-dp1-z0", "pipe-uniform-pp2-dp1-z0", "zero3"]
 MEMORY = ["pipe-*-z0", "zero1", "zero2", "zero3"]
 
@@ -50,7 +54,14 @@ def main() -> None:
     ap.add_argument("--memory-micro-batch", type=int, default=1, help="memory runs")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="runs/bench-compare")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
+    memory_world, memory = 4, MEMORY
+    if args.smoke:
+        import tempfile
+
+        args.model, args.rounds, args.steps, args.micro_batch = "tiny", 1, 2, 2
+        args.out, memory_world, memory = tempfile.mkdtemp(prefix="ds_pipe_ext_compare_"), 2, ["zero1"]
     from ds_pipe_ext.compare.render import render_rows
     from ds_pipe_ext.compare.run import model_state_error_pct
 
@@ -59,9 +70,10 @@ def main() -> None:
     for k in range(args.rounds):
         order = THROUGHPUT[k % 3:] + THROUGHPUT[:k % 3]  # alternate who goes first
         tput = {}
-        for name in order:  # one launch per compare call, so the order is really the launch order
-            (row,) = compare(args.model, 2, [name], out / f"throughput-round{k}", args.micro_batch, args.steps)
-            tput[name] = row["samples_per_s"]
+        # one launch per compare call, so that the order is really the launch order (--smoke: one call)
+        for names in [order] if args.smoke else [[name] for name in order]:
+            rows = compare(args.model, 2, names, out / f"throughput-round{k}", args.micro_batch, args.steps)
+            tput |= {name: row["samples_per_s"] for name, row in zip(names, rows)}
         per_round.append(tput)
         print(f"round {k} ({' '.join(order)}): " + "  ".join(f"{n} {v:.3f} samples/s" for n, v in tput.items()),
               flush=True)
@@ -72,8 +84,9 @@ def main() -> None:
     print(f"profiled / uniform per round: {[round(x, 3) for x in vs_uniform]} "
           f"(median {statistics.median(vs_uniform):.3f}, spread {min(vs_uniform):.3f}-{max(vs_uniform):.3f})")
 
-    memory_rows = compare(args.model, 4, MEMORY, out / "memory-w4", args.memory_micro_batch, 2, "--compact-malloc")
-    print("\nmemory on 4 ranks (predicted, never calibrated):")
+    memory_rows = compare(args.model, memory_world, memory, out / f"memory-w{memory_world}", args.memory_micro_batch, 2,
+                          "--compact-malloc")
+    print(f"\nmemory on {memory_world} ranks (predicted, never calibrated):")
     print(render_rows(memory_rows))
     throughput_rows = [json.loads((out / f"throughput-round{k}" / "rows" / f"{n}.json").read_text())
                        for k in range(args.rounds) for n in THROUGHPUT]

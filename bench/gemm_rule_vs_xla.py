@@ -40,6 +40,7 @@ from dataclasses import replace  # noqa: E402
 from ds_pipe_ext.costs.gpu_pricing import gpu_kernels, product_s  # noqa: E402
 from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
 from ds_pipe_ext.costs.kernel_table import KernelTable  # noqa: E402
+from ds_pipe_ext.runner import SMOKE_HELP  # noqa: E402
 
 DATA = ROOT / "bench" / "data" / "xla_sm90_matmul_bf16.csv"
 
@@ -92,6 +93,7 @@ def leave_one_out(device: str = "h100-sxm") -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="h100-sxm", help="the spec whose rule is checked (XLA's rows are an H100's)")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (the whole table: it launches nothing)")
     args = ap.parse_args(argv)
     rows = compare(args.device)
     print(f"{'m':>5} {'n':>5} {'k':>5} {'waves':>6} {'XLA TFLOP/s':>11} {'XLA us':>8} {'rule us':>8} {'err %':>7}")

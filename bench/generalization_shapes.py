@@ -39,7 +39,10 @@ SHAPES = [
           why="GPT-2 vocabulary at hidden 320, MLPs widening 2 h -> 8 h towards the head, 2 micro-batches"),
 ]
 
-BY_NAME = {s.name: s for s in SHAPES}
+# bench/profiled_generalization.py --smoke: the whole path (a script's optimizer, train.py's build) on tiny; no score
+SMOKE_SHAPE = Shape("smoke", "tiny", 2, 2, "script", via_train_py=True, why="tiny: a check that the bench runs")
+
+BY_NAME = {s.name: s for s in (*SHAPES, SMOKE_SHAPE)}
 
 # per build: 2 steps untimed, the median of the other 3 (bench/profiled_generalization.py says why); the worker's
 # defaults and the bench's

@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers  # noqa: E402
 from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
 from ds_pipe_ext.models.registry import load_model  # noqa: E402
+from ds_pipe_ext.runner import SMOKE_HELP  # noqa: E402
 
 LAYERS = {"embedding": 0, "block": 1, "head+loss": -1}
 CASE = re.compile(r"^(?P<model>[\w.\-]+) b(?P<b>\d+) s(?P<s>\d+) (?P<dtype>bf16|fp16|fp32)$")
@@ -283,6 +284,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", default=str(ROOT / "docs" / "gpu-runs"))
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (the whole table: it launches nothing)")
     args = ap.parse_args(argv)
     records = read_records(Path(args.runs))
     if not records:

@@ -40,6 +40,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from ds_pipe_ext.costs.hardware import DEVICES, datasheet_name  # noqa: E402
 from ds_pipe_ext.costs.kernel_table import TABLE_DIR, KernelTable  # noqa: E402
+from ds_pipe_ext.runner import SMOKE_HELP  # noqa: E402
 
 # (hidden, ffn, vocab, heads, kv heads, gated) of the families measured
 FAMILIES = {"gpt2-medium": (1024, 4096, 50257, 16, 16, False), "gpt3-1.3b": (2048, 8192, 50257, 16, 16, False),
@@ -198,7 +199,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="on the CPU at 64x smaller shapes; nothing in the package")
     ap.add_argument("--out", default=None, help="the table's path (default: ds_pipe_ext/costs/kernels/<device>.json)")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (as --dry-run: the kernels it times are a GPU's)")
     args = ap.parse_args(argv)
+    args.dry_run = args.dry_run or args.smoke
     cuda = torch.cuda.is_available() and not args.dry_run
     if not cuda and not args.dry_run:
         raise SystemExit("bench/gpu_kernels.py measures a CUDA GPU and this machine has none: --dry-run runs it on "
@@ -211,6 +214,10 @@ def main(argv=None) -> int:
     if cuda and key is None:
         raise SystemExit(f"{name}: no datasheet spec here to attach a table to (known: {sorted(DEVICES)})")
     out = Path(args.out) if args.out else (TABLE_DIR / f"{key}.json" if cuda else None)
+    if out is None and args.smoke:
+        import tempfile
+
+        out = Path(tempfile.mkdtemp(prefix="ds_pipe_ext_kernels_")) / "dry-run.json"
     if out is None:
         raise SystemExit("--dry-run writes nowhere in the package: pass --out")
     t0 = time.time()

@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from ds_pipe_ext.compare.configs import CompareConfig  # noqa: E402
+from ds_pipe_ext.runner import SMOKE_HELP  # noqa: E402
 from ds_pipe_ext.compare.run import (Comparison, DeepSpeedLauncher, LaunchResult, launch_status,  # noqa: E402
                                      model_state_error_pct, run_comparison)
 from ds_pipe_ext.layout import Layout  # noqa: E402
@@ -832,9 +833,12 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     ap.add_argument("--out", default="runs/gpu-path")
     ap.add_argument("--cpu-dry-run", action="store_true", help="the same plan on CPU ranks with tiny-tied")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (as --cpu-dry-run: the GPU's part of the plan "
+                    "cannot run on CPU; tests/test_gpu_path.py runs it so)")
     ap.add_argument("--speed-records", type=Path, default=None,
                     help="pipe: the speed part's records to compare with (default OUT/speed-records.json)")
     args = ap.parse_args(argv)
+    args.cpu_dry_run = args.cpu_dry_run or args.smoke
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:

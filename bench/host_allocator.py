@@ -14,6 +14,7 @@ builds from `parts:` builds of the same split by 3-12% in bench/partition_speedu
 Nothing here calibrates or predicts anything.
 
     python bench/host_allocator.py [--pairs 2] [--out runs/host-allocator]
+    python bench/host_allocator.py --smoke     (tiny, one pair of 2-step launches: a check it runs)
 
 Last line: RESULT fixed_vs_glibc=X glibc_build_spread=Y fixed_build_spread=Z
 """
@@ -28,15 +29,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
-from ds_pipe_ext.runner import ROOT, measure_in_one_launch  # noqa: E402
+from ds_pipe_ext.runner import ROOT, SMOKE_HELP, measure_in_one_launch  # noqa: E402
 
 METHODS = ["profiled", "parts:0,11,14", "parts:0,11,14", "parts:0,11,14"]
+SMOKE_METHODS = ["profiled", "parts:0,3,6"]  # --smoke: tiny's 6 layers
 SETTINGS = {"glibc": {"DS_PIPE_EXT_GLIBC_MALLOC": "default"}, "fixed": {}}
 STEP_MODEL = ROOT / "launch_scripts" / "step_model_cpu.json"
 
 
 def one_launch(setting: str, out: Path, args) -> list[dict]:
-    return measure_in_one_launch(out, METHODS, train={"model": "bench-cpu", "steps": args.steps, "seed": 1234},
+    model, methods = ("tiny", SMOKE_METHODS) if args.smoke else ("bench-cpu", METHODS)
+    return measure_in_one_launch(out, methods, train={"model": model, "steps": args.steps, "seed": 1234},
                                  micro_batch=1, micro_batches=8, step_model=STEP_MODEL, env=SETTINGS[setting])
 
 
@@ -45,7 +48,12 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=2, help="launch pairs (glibc, fixed), alternating")
     ap.add_argument("--steps", type=int, default=3, help="steps per build (the first is warm-up)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "host-allocator")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
+    if args.smoke:
+        import tempfile
+
+        args.pairs, args.steps, args.out = 1, 2, Path(tempfile.mkdtemp(prefix="ds_pipe_ext_malloc_"))
     args.out = args.out.resolve()  # the launches run inside their own directories
 
     launches: dict[str, list[list[dict]]] = {s: [] for s in SETTINGS}

@@ -6,7 +6,7 @@ so this bench compares inside one 2-rank launch of tiny: blocks of steps that
 alternate never-instrumented (baseline), instrumented (on), and after removing the
 instrumentation again (off), and compares the median step times of each kind.
 
-    python bench/instrument_overhead.py
+    python bench/instrument_overhead.py [--smoke]
 
 Last line: RESULT off_overhead_pct=X on_overhead_pct=Y   (target: |X| < 1)
 """
@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCK, ROUNDS = 20, 5
+SMOKE = "--smoke" in sys.argv or os.environ.get("OVERHEAD_SMOKE") == "1"  # one step a block, one round
+BLOCK, ROUNDS = (1, 1) if SMOKE else (20, 5)
 
 
 def worker() -> None:
@@ -37,7 +38,7 @@ def worker() -> None:
 
     def ab(engine, data):
         times = {"baseline": [], "on": [], "off": []}
-        for _ in range(3):  # warm-up
+        for _ in range(1 if SMOKE else 3):  # warm-up
             engine.train_batch(data_iter=data)
         for _ in range(ROUNDS):
             for kind in ("baseline", "on", "off"):
@@ -64,7 +65,7 @@ def main() -> None:
     from ds_pipe_ext.runner import launch
 
     proc, _ = launch(2, None, "--worker", cwd=work, timeout=900, script="bench/instrument_overhead.py",
-                     env={"OVERHEAD_OUT": str(work / "times.json")})
+                     env={"OVERHEAD_OUT": str(work / "times.json"), "OVERHEAD_SMOKE": "1" if SMOKE else "0"})
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
     times = json.loads((work / "times.json").read_text())

@@ -33,12 +33,14 @@ from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
 from ds_pipe_ext.costs.layers import build_for_profiling  # noqa: E402
 from ds_pipe_ext.costs.probes import allocation_events, detach_input, tensors_of  # noqa: E402
 from ds_pipe_ext.costs.profiler import TORCH_DTYPES  # noqa: E402
+from ds_pipe_ext.runner import SMOKE_HELP  # noqa: E402
 from ds_pipe_ext.instrument.peak import allocating_op  # noqa: E402
 from ds_pipe_ext.models import family_of, load_model  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
 
 MiB = 2**20
 GPU_CASES = ["gpt2-medium:block:8:1024:bf16", "llama3-8b:block:1:4096:bf16", "gpt2-medium:head:8:1024:bf16"]
+SMOKE_CASES = "tiny:embedding:2:32:fp32,tiny:block:2:32:fp32,tiny:head:2:32:fp32"
 
 
 def peak_breakdown(run, device: torch.device) -> tuple[int, int, dict[str, int]]:
@@ -111,7 +113,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=None, help="comma-separated MODEL:LAYER:BATCH:SEQ:DTYPE (default: the GPU cases)")
     ap.add_argument("--top", type=int, default=12, help="ops listed per case")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP + f" (cases {SMOKE_CASES}, on any device)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.cases = SMOKE_CASES
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.cases is None and device.type != "cuda":
         sys.exit("no GPU here: name CPU-sized cases with --cases, e.g. tiny:block:2:64:fp32")

@@ -5,7 +5,7 @@ the pick, its step, MFU and where the step goes (``plan.shares``), and the best 
 Simulated only (analytic costs on the named GPU's spec; nothing here was measured), so it calibrates
 nothing and checks nothing: it records what the planner answers, before and after a change to its network.
 
-    python bench/network_picks.py [--json OUT.json] [--quick]
+    python bench/network_picks.py [--json OUT.json] [--quick] [--smoke]
 
 The last line: ``RESULT key=value ...`` with each question's pick and step.
 """
@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds_pipe_ext.runner import SMOKE_HELP  # noqa: E402
 
 # (key, plan arguments): issue 76's list
 QUESTIONS = [
@@ -60,7 +62,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write every row here")
     ap.add_argument("--quick", action="store_true", help="the first question and one node count only")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (as --quick)")
     opts = ap.parse_args()
+    opts.quick = opts.quick or opts.smoke
     with contextlib.redirect_stdout(sys.stderr):
         from ds_pipe_ext.pipe import schedules  # noqa: F401 - DeepSpeed's engine order for the deepspeed runtime
     questions = QUESTIONS[:1] if opts.quick else QUESTIONS

@@ -41,6 +41,8 @@ DeepSpeed's `uniform` and `parameters` by the splits their own functions choose.
     python bench/partition_speedup.py --model bench-cpu-moe      (Mixture-of-Experts at ep 1: first records
         the step model's prediction from layers profiled here, prediction.json, before any launch)
     python bench/partition_speedup.py --model bench-cpu-moe --predict-only
+    python bench/partition_speedup.py --smoke     (tiny and tiny-tied, one round, one playoff cycle a launch: a check
+        that it runs; --smoke --model moe-tiny / llama-tiny for the one-model paths)
 
 At few micro-batches per step a 2-stage pipeline's fill and drain are a large share of the step
 whatever the split, and a step's fixed costs (engine, optimizer, p2p) weigh more at small micro-
@@ -69,9 +71,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ds_pipe_ext.models import family_of, load_model  # noqa: E402
 from ds_pipe_ext.partition.hand_rules import fewer_at_the_ends, megatron_accounting  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
-from ds_pipe_ext.runner import ROOT, measure_in_one_launch  # noqa: E402
+from ds_pipe_ext.runner import ROOT, SMOKE_HELP, measure_in_one_launch  # noqa: E402
 
 MODELS = ["bench-cpu", "bench-cpu-pruned"]
+SMOKE_MODELS = ["tiny", "tiny-tied"]
 STEP_MODEL = ROOT / "launch_scripts" / "step_model_cpu.json"
 SCREEN_STEPS = 2  # per build: step 1 is warm-up, step 2 is timed
 SCREEN_TOP = 3  # the screen's best splits that go on to the playoff
@@ -276,22 +279,29 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="default runs/partition-speedup-v9 (runs/partition-speedup-MODEL)")
     ap.add_argument("--model", default=None, help="one model (bench-cpu-llama, bench-cpu-moe) instead of the GPT pair")
     ap.add_argument("--predict-only", action="store_true", help="print the step model's prediction and stop")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
-    models = [args.model] if args.model else MODELS
+    if args.smoke:
+        import tempfile
+
+        args.rounds, args.cycles, args.playoff_steps, args.playoff_launch = 1, 1, 2, "cycle"
+        args.micro_batches, args.out = 4, args.out or tempfile.mkdtemp(prefix="ds_pipe_ext_speedup_")
+    models = [args.model] if args.model else SMOKE_MODELS if args.smoke else MODELS
     out = Path(args.out or ("runs/partition-speedup-" + args.model if args.model else "runs/partition-speedup-v9")).resolve()
     prediction = None
     if args.model and family_of(load_model(args.model)).name == "moe":
         prediction = recorded_prediction(args.model, args.micro_batches, out)
         if args.predict_only:
             return
-    n = len(layer_specs(models[0]))
-    methods = ["profiled"] + [f"parts:0,{k},{n}" for k in range(1, n)]
-    print(f"{len(models)} models: screen of {len(methods)} methods x {args.rounds} rounds, then a playoff of "
+    methods = {model: ["profiled"] + [f"parts:0,{k},{n}" for k in range(1, n)]
+               for model, n in ((model, len(layer_specs(model))) for model in models)}
+    print(f"{len(models)} models: screen of {'/'.join(str(len(m)) for m in methods.values())} methods x {args.rounds} "
+          f"rounds, then a playoff of "
           f"{args.cycles} cycles; micro-batch {args.micro_batch} x {args.micro_batches}; in {out}", flush=True)
     screened: dict[str, dict[str, list[dict]]] = {model: {} for model in models}
     for rnd in range(args.rounds):  # rounds outermost, the models interleaved, so drift hits both alike
-        order = methods if rnd % 2 == 0 else methods[::-1]
         for model in (models if rnd % 2 == 0 else models[::-1]):
+            order = methods[model] if rnd % 2 == 0 else methods[model][::-1]
             print(f"screen round {rnd}: {model}", flush=True)
             for r in run_launch(model, order, out / f"round{rnd}" / model, args, SCREEN_STEPS):
                 screened[model].setdefault(r["method"], []).append(r)
@@ -300,12 +310,12 @@ def main() -> None:
         builtin = builtin_parts(model)
         contenders = playoff_contenders(screened[model], builtin)
         cycles = playoff(model, contenders, args, out)
-        results[model] = score(model, {m: screened[model][m] for m in methods}, cycles, builtin, args.rounds)
+        results[model] = score(model, {m: screened[model][m] for m in methods[model]}, cycles, builtin, args.rounds)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"screen": screened, "scores": results}, indent=1))
     if args.model:
         return report_one(args.model, results[args.model], builtin_parts(args.model), prediction)
-    a, b = results[MODELS[0]], results[MODELS[1]]
+    a, b = results[models[0]], results[models[1]]
     print(f"\nsecond model: profiled / best built-in {b['vs_builtin']:.3f}")
     print(f"RESULT profiled_vs_builtin={a['vs_builtin']:.3f} profiled_vs_best_split={a['vs_best']:.3f} "
           f"second_model_profiled_vs_best_split={b['vs_best']:.3f}")

@@ -1,6 +1,6 @@
 """The live-tensor peak of a training step on 2 CPU ranks, by kind, against the memory rule.
 
-    python bench/peak_memory.py [--dtypes fp32,bf16] [--model compare-cpu]
+    python bench/peak_memory.py [--dtypes fp32,bf16] [--model compare-cpu] [--smoke]
 
 One 2-rank launch per precision builds each engine in turn with train.py's own builder, on the same
 layers: a 2-stage pipeline under ZeRO-0 and ZeRO-1 (pp 2, dp 1: DeepSpeed's ZeRO-1 over one replica)
@@ -29,9 +29,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ds_pipe_ext.runner import SMOKE_HELP  # noqa: E402
+
 # data parallel first: a pipeline engine leaves its grid as DeepSpeed's global model-parallel unit, which
 # a data-parallel engine built after it in the same process then asks for its ranks
 CELLS = [("dp-z0", 1, 0), ("dp-z1", 1, 1), ("dp-z2", 1, 2), ("dp-z3", 1, 3), ("pipe-z0", 2, 0), ("pipe-z1", 2, 1)]
+SMOKE_CELLS = ("dp-z3", "pipe-z1")
 PEAK_STEP = 3
 HELD = ("param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes")  # what DeepSpeed itself holds
 
@@ -52,7 +55,8 @@ def cell_only(peak: dict, before: int) -> dict:
 
 
 def worker(args) -> None:
-    """Every cell in turn on this rank; one RESULT-RANK line per cell."""
+    """Every cell in turn on this rank, each in every precision of ``args.dtype`` (comma-separated: the data-parallel
+    cells come first, whatever the precision); one RESULT-RANK line per cell and precision."""
     import gc
 
     import torch
@@ -63,10 +67,11 @@ def worker(args) -> None:
     from ds_pipe_ext.train.trainer import Trainer
 
     work = Path(args.work)
-    for name, pp, zero in CELLS:
+    cells = [c for c in CELLS if c[0] in args.cells.split(",")]
+    for (name, pp, zero), dtype in ((cell, dtype) for cell in cells for dtype in args.dtype.split(",")):
         lay = cell_layout(pp, zero, args.world, args.micro_batch, args.micro_batches)
-        run_dir = work / args.dtype / name
-        precision = {"bf16": {"bf16": {"enabled": True}}}.get(args.dtype, {})
+        run_dir = work / dtype / name
+        precision = {"bf16": {"bf16": {"enabled": True}}}.get(dtype, {})
         instrument = {"enabled": True, "run_dir": str(run_dir), "peak_step": PEAK_STEP}
         ds = lay.ds_config(train={"model": args.model, "steps": PEAK_STEP, "seed": 1234, "log": "json"},
                            pipeline={"partition_method": "parameters", "instrument": instrument} if pp > 1 else None,
@@ -78,7 +83,7 @@ def worker(args) -> None:
         rank = built.rank
         records = [json.loads(line) for line in (run_dir / f"rank{rank}.jsonl").read_text().splitlines()]
         peak = next(r for r in records if "peak" in r)
-        sys.stdout.write("RESULT-RANK " + json.dumps({"cell": name, "dtype": args.dtype, "rank": rank,
+        sys.stdout.write("RESULT-RANK " + json.dumps({"cell": name, "dtype": dtype, "rank": rank,
                                                      "stage": peak["stage"], "peak": cell_only(peak["peak"], before),
                                                      "at_step": {k: peak[k] for k in ("param_bytes", "grad_bytes",
                                                                                        "optimizer_bytes")},
@@ -119,6 +124,9 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--json", default=None, help="also write every rank's record (with its largest blocks) here")
+    ap.add_argument("--smoke", action="store_true",
+                    help=SMOKE_HELP + f" (tiny, cells {','.join(SMOKE_CELLS)}, both precisions in one launch)")
+    ap.add_argument("--cells", default=",".join(c[0] for c in CELLS), help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="fp32", help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
@@ -131,13 +139,17 @@ def main() -> None:
     from ds_pipe_ext.runner import launch
 
     work = Path(tempfile.mkdtemp(prefix="ds_pipe_ext_peak_"))
+    if args.smoke:
+        args.model, args.cells = "tiny", ",".join(SMOKE_CELLS)
     results = []
-    for dtype in args.dtypes.split(","):
-        proc, _ = launch(args.world, None, "--worker", "--dtype", dtype, "--work", str(work), "--model", args.model,
+    # a launch a precision: nothing one leaves behind in the process reaches the other's peaks
+    for dtype in [args.dtypes] if args.smoke else args.dtypes.split(","):
+        proc, _ = launch(args.world, None, "--worker", "--dtype", dtype, "--cells", args.cells, "--work", str(work),
+                         "--model", args.model,
                          "--world", str(args.world), "--micro-batch", str(args.micro_batch),
                          "--micro-batches", str(args.micro_batches), timeout=900, script="bench/peak_memory.py")
         got = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT-RANK ")]
-        if proc.returncode or len(got) != len(CELLS) * args.world:
+        if proc.returncode or len(got) != len(args.cells.split(",")) * args.world * len(dtype.split(",")):
             sys.exit(f"{dtype} launch failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
         results += got
         print(f"  {dtype}: {len(got)} rank records", flush=True)

@@ -38,6 +38,8 @@ launch is `train.py` with the ds.json the planner emits for that layout (`plan.r
 runs v8/v9, 36 launches of the calibration layout); its figure is the median of the rest.
 
     python bench/planner_vs_measured.py [--rounds 3] [--out runs/planner-vs-measured-v6]
+    python bench/planner_vs_measured.py --smoke     (tiny; the reference, a pipeline and the pick, one round: a check
+        that it runs)
 
 Last line: RESULT plan_pick_vs_best_measured=X plan_rank_spearman=Y plan_step_median_error_pct=Z
 (targets X >= 0.95, Y >= 0.8, Z <= 10)
@@ -63,7 +65,7 @@ from ds_pipe_ext.plan.render import ds_config  # noqa: E402
 from ds_pipe_ext.plan.search import search  # noqa: E402
 from ds_pipe_ext.plan.space import enumerate_layouts  # noqa: E402
 from ds_pipe_ext.plan.speed import fit_speed  # noqa: E402
-from ds_pipe_ext.runner import launch  # noqa: E402
+from ds_pipe_ext.runner import SMOKE_HELP, launch  # noqa: E402
 
 RANKS, GLOBAL_BATCH, STEPS, WARMUP = 2, 4, 5, 2
 MODEL = ""  # set by main(): OUT/bench-cpu-tp.toml, bench-cpu with vocab_pad_to = 256
@@ -73,6 +75,7 @@ GRID = [  # (pp, tp, dp, zero, micro-batch, sp, schedule)
     (1, 1, 2, 1, 1, False, "none"), (1, 1, 2, 1, 2, False, "none"), (1, 1, 2, 2, 2, False, "none"),
     (1, 1, 2, 3, 2, False, "none"),
 ]
+SMOKE_GRID = [(1, 1, 2, 1, 2, False, "none"), (2, 1, 1, 0, 2, False, "1f1b")]  # --smoke: the reference and a pipeline
 # the one layout whose measured step calibrates the machine's speed (chosen before any launch)
 CALIBRATION = "pp1-tp1-dp2-z1-mb2-none"
 PER_REFERENCE = 2  # layouts launched between two launches of the reference (the calibration layout)
@@ -139,21 +142,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="runs/planner-vs-measured-v6")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
+    base_model = "bench-cpu"
+    if args.smoke:
+        import tempfile
+
+        args.rounds, args.out, base_model = 1, tempfile.mkdtemp(prefix="ds_pipe_ext_planner_"), "tiny"
     import torch
 
     torch.set_num_threads(1)  # the cpu spec of one rank's thread, as each launched rank runs
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     global MODEL
-    model_file = out / "bench-cpu-tp.toml"
-    model_file.write_text(Path(__file__).resolve().parents[1].joinpath("model_configs", "bench-cpu.toml").read_text()
+    model_file = out / f"{base_model}-tp.toml"
+    model_file.write_text(Path(__file__).resolve().parents[1].joinpath("model_configs", f"{base_model}.toml").read_text()
                           + "vocab_pad_to = 256   # Megatron's make_vocab_size_divisible_by 128 x TP 2\n")
     MODEL = str(model_file)
     model = plan_model()
     layouts, _ = enumerate_layouts(model.cfg, RANKS, gpus_per_node=RANKS, global_batch=GLOBAL_BATCH)
     pick = search(model, layouts, top_k=10).best_runnable()  # chosen before anything is launched
-    grid = [layout(*g) for g in GRID]
+    grid = [layout(*g) for g in (SMOKE_GRID if args.smoke else GRID)]
     if pick.layout.name not in {lay.name for lay in grid}:
         grid.append(pick.layout)
     by_name = {lay.name: lay for lay in grid}

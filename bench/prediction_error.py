@@ -6,7 +6,7 @@ profile alone; run B predicts from the profile refined with run A's measured sta
 times (pipeline.refine_from), which folds in what per-layer profiling misses (engine
 overhead, p2p waits, the optimizer step).  Targets apply to the refined prediction.
 
-    python bench/prediction_error.py
+    python bench/prediction_error.py [--smoke]
 
 Last line: RESULT step_time_error_pct=X worst_stage_error_pct=Y  (targets: X <= 10, Y <= 15)
 """
@@ -22,13 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds_pipe_ext.instrument.plot import write_png  # noqa: E402
 from ds_pipe_ext.instrument.report import build_report, render_report_table  # noqa: E402
-from ds_pipe_ext.runner import ROOT, launch, write_config  # noqa: E402
+from ds_pipe_ext.runner import ROOT, SMOKE_HELP, launch, write_config  # noqa: E402
 
 SETUPS = [
     # name, ranks, config, steps
     ("bench-cpu 2x1", 2, ROOT / "launch_scripts" / "bench_cpu_pipeline.json", 5),
     ("tiny 4x1", 4, None, 40),
 ]
+SMOKE_SETUPS = [("tiny 2x1", 2, None, 3)]  # --smoke: both runs (A, then B refined from A), 3 steps each
 
 
 def run(ranks, cfg, steps, run_dir, workdir, *extra):
@@ -40,11 +41,16 @@ def run(ranks, cfg, steps, run_dir, workdir, *extra):
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="ds_pipe_ext_pred_"))
     worst_step, worst_stage = 0.0, 0.0
-    for name, ranks, cfg, steps in SETUPS:
+    for name, ranks, cfg, steps in SMOKE_SETUPS if args.smoke else SETUPS:
         if cfg is None:
-            cfg = write_config(workdir / "tiny4.json", pipeline={"stages": 4})
+            cfg = write_config(workdir / f"tiny{ranks}.json", pipeline={"stages": ranks})
         tag = name.split()[0]
         a = run(ranks, cfg, steps, workdir / f"{tag}-A" / "run", workdir)
         b = run(ranks, cfg, steps, workdir / f"{tag}-B" / "run", workdir,

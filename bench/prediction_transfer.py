@@ -19,6 +19,8 @@ median prediction against its median measurement over the rounds.  The calibrati
 round 0's only.
 
     python bench/prediction_transfer.py [--rounds 2] [--out runs/prediction-transfer] [--analyse-only]
+    python bench/prediction_transfer.py --smoke     (tiny on 2 stages: two calibration runs, one predicted, one round:
+        a check that it runs)
 
 Resumable: a cell whose run directory holds a summary is not launched again.
 Last line: RESULT transfer_median_error_pct=X transfer_worst_error_pct=Y  (targets: X <= 10, Y <= 20)
@@ -40,17 +42,21 @@ from ds_pipe_ext.instrument.rundir import RunDir  # noqa: E402
 from ds_pipe_ext.instrument.step_fit import fit_step_model, predict_run, run_stages  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
 from ds_pipe_ext.pipe import schedules as _deepspeed_order  # noqa: E402,F401  (registers DeepSpeed's engine order)
-from ds_pipe_ext.runner import launch, write_config  # noqa: E402
+from ds_pipe_ext.runner import SMOKE_HELP, launch, write_config  # noqa: E402
 
 CORES = os.cpu_count() or 2
+SMOKE = False
 MODELS = {  # name -> (micro-batch size, layers in the pipeline, optimizer steps per launch)
     "bench-cpu": (2, 14, 3),
     "tiny": (4, 6, 48),  # steps of 0.04-0.3 s: 48 so that the median outlasts a burst of the machine's other work
 }
 CALIBRATION = {("bench-cpu", 2, 4, False), ("tiny", 4, 4, False)}
+SMOKE_CELLS = [("tiny", 2, 2, False), ("tiny", 2, 4, False), ("tiny", 2, 2, True)]  # the first two calibrate
 
 
 def grid() -> list[tuple[str, int, int, bool]]:
+    if SMOKE:
+        return list(SMOKE_CELLS)
     cells = [(model, stages, m, ckpt) for model in MODELS for stages in (2, 4) for m in (2, 4, 8)
              for ckpt in (False, True)]
     calib = [c for c in cells if c in CALIBRATION]
@@ -104,7 +110,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="runs/prediction-transfer")
     ap.add_argument("--analyse-only", action="store_true", help="fit and predict from the runs already in --out")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
+    global SMOKE, CALIBRATION
+    if args.smoke:
+        import tempfile
+
+        SMOKE, CALIBRATION = True, set(SMOKE_CELLS[:2])
+        MODELS["tiny"] = (2, 6, 3)
+        args.rounds, args.out = 1, tempfile.mkdtemp(prefix="ds_pipe_ext_transfer_")
     out = Path(args.out).resolve()
     cells = grid()
     split = {cell: split_for(cell, i) for i, cell in enumerate(cells)}

@@ -28,6 +28,7 @@ also built through train.py's path.
 
     OMP_NUM_THREADS=1 python bench/profiled_generalization.py [--rounds 5] [--steps 5] [--warmup-steps 2] [--out DIR]
     python bench/profiled_generalization.py --predict-only
+    python bench/profiled_generalization.py --smoke     (tiny, one round of 2-step builds: a check that it runs)
 
 Resumable: a launch whose metrics exist in --out is read, not run again.  No run here calibrates anything: the
 profiles are each launch's own, and no step model is read.  Last line:
@@ -46,9 +47,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.generalization_shapes import SHAPES, STEPS, WARMUP_STEPS, Shape  # noqa: E402
+from bench.generalization_shapes import SHAPES, SMOKE_SHAPE, STEPS, WARMUP_STEPS, Shape  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
-from ds_pipe_ext.runner import launch  # noqa: E402
+from ds_pipe_ext.runner import SMOKE_HELP, launch  # noqa: E402
 
 NEIGHBOURS = 2  # candidate splits: within this many boundaries of the best predicted one
 
@@ -153,10 +154,16 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
     ap.add_argument("--out", default="runs/generalization-53")
     ap.add_argument("--predict-only", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
+    if args.smoke:
+        import tempfile
+
+        args.rounds, args.steps, args.warmup_steps = 1, 2, 1
+        args.out, args.shapes = tempfile.mkdtemp(prefix="ds_pipe_ext_generalization_"), SMOKE_SHAPE.name
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    shapes = [s for s in SHAPES if s.name in args.shapes.split(",")]
+    shapes = [s for s in (*SHAPES, SMOKE_SHAPE) if s.name in args.shapes.split(",")]
     start = time.time()
 
     pred_file = out / "predicted.json"

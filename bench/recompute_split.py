@@ -1,6 +1,7 @@
 """Split and recompute chosen together, measured on 2 CPU ranks where activations decide what fits (issues 36, 55).
 
     OMP_NUM_THREADS=1 python bench/recompute_split.py [--rounds 3] [--steps 4] [--out runs/recompute-split]
+    python bench/recompute_split.py --smoke     (SMOKE_MODEL, one round of 2-step runs: a check that it runs)
 
 bench-cpu-long (bench-cpu at sequence 1,024: GPT, V 50,257, h 512, 12 blocks; eager attention, whose s x s
 probabilities are most of a block's saved bytes and a small part of its time) on 2 stages, micro-batch 1 x 4
@@ -53,7 +54,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ds_pipe_ext.runner import SMOKE_HELP  # noqa: E402
+
 MODEL, MICRO_BATCH, MICRO_BATCHES = "bench-cpu-long", 1, 4
+# --smoke: tiny's width at sequence 512 with 8 blocks, eager attention (so that activations decide the caps)
+SMOKE_MODEL = {"vocab_size": 512, "hidden": 64, "layers": 8, "heads": 4, "seq_len": 512, "dropout": 0.0,
+               "attention": "eager"}
 GIB = 2**30
 
 
@@ -146,7 +152,7 @@ def global_selective(costs, rule, cap: float):
     return fastest_fitting(costs, rule, cap, lambda parts: modes)
 
 
-def fixed_caps(costs, rule) -> dict:
+def fixed_caps(costs, rule, min_move: int = 2) -> dict:
     from ds_pipe_ext.partition import InfeasibleMemoryCap, partition_min_max
 
     best = partition_min_max(costs, 2, micro_batches=MICRO_BATCHES)
@@ -164,11 +170,12 @@ def fixed_caps(costs, rule) -> dict:
             parts = partition_min_max(costs, 2, micro_batches=MICRO_BATCHES, memory_cap_bytes=cap, peak_rule=rule)
         except InfeasibleMemoryCap:
             break
-        if abs(parts[1] - best[1]) >= 2:
+        if abs(parts[1] - best[1]) >= min_move:
             cap2 = cap
             break
     if cap2 is None:
-        raise SystemExit("no cap moves the split without recompute by 2 blocks and still fits: nothing to measure")
+        raise SystemExit(f"no cap moves the split without recompute by {min_move} blocks and still fits: nothing to "
+                         f"measure")
     return {"best_parts": best, "best_peak_bytes": peak, "smallest_cap_without_recompute": plain,
             "smallest_cap_with_recompute": joint, "cap1_bytes": cap1, "cap2_bytes": cap2,
             "a_parts": global_full, "d_parts": block[0] if block else None, "d_modes": block[1] if block else None,
@@ -242,7 +249,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="steps a launch (the first is warm-up)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "recompute-split"))
     ap.add_argument("--caps-only", action="store_true", help="fix and print the caps and the fixed runs, launch nothing")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
+    if args.smoke:
+        import tempfile
+
+        global MODEL
+        args.rounds, args.steps, args.out = 1, 2, tempfile.mkdtemp(prefix="ds_pipe_ext_recompute_")
+        MODEL = str(Path(args.out) / "smoke-long.toml")
+        Path(MODEL).write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in SMOKE_MODEL.items()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -251,7 +266,7 @@ def main() -> None:
     if caps_file.exists():
         caps = json.loads(caps_file.read_text())
     else:
-        caps = fixed_caps(costs, rule)
+        caps = fixed_caps(costs, rule, min_move=1 if args.smoke else 2)
         caps_file.write_text(json.dumps(caps, indent=1))  # fixed before the first launch
     print(f"best split {caps['best_parts']}: heaviest stage's predicted peak {caps['best_peak_bytes'] / 2**20:.1f} MiB; "
           f"smallest caps {caps['smallest_cap_without_recompute'] / 2**20:.1f} MiB without recompute, "

@@ -19,6 +19,7 @@ quoted over the predicted cells only.
 
     python bench/schedule_network.py            (about 15 minutes)
     python bench/schedule_network.py --sizes 4 --rounds 1 --steps 1    (a quick look, not a measurement)
+    python bench/schedule_network.py --smoke     (the quick look on tiny, links 100x faster: a check that it runs)
 
 Last line: RESULT network_median_error_pct=X gpipe_vs_1f1b_worst_network=Y
 (X over the predicted cells, target <= 10; Y: GPipe / 1F1B measured step under the slowest
@@ -35,6 +36,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ds_pipe_ext.runner import SMOKE_HELP  # noqa: E402
 NETWORKS = [(1.0, 0.5), (20.0, 0.05), (50.0, 0.02), (150.0, 0.004)]  # (latency ms, GB/s)
 SCHEDULES = ("gpipe", "1f1b")
 SIZES = (1, 2, 4)
@@ -42,6 +46,9 @@ GLOBAL_BATCH, STAGES = 16, 2
 ROUNDS = int(os.environ.get("NETWORK_ROUNDS", 2))  # rounds over every cell, alternating the order
 STEPS = int(os.environ.get("NETWORK_STEPS", 2))  # steps per cell and round
 CALIBRATION = ("1f1b", 0)  # the cell whose measured stage times feed the simulator
+MODEL = "network-cpu"
+if os.environ.get("NETWORK_SMOKE") == "1" or "--smoke" in sys.argv:  # the same cells on tiny, 100x faster links
+    NETWORKS, MODEL = [(lat / 100, gbs * 100) for lat, gbs in NETWORKS], "tiny"
 
 
 def worker() -> None:
@@ -116,7 +123,7 @@ def simulate_cell(ranks: list[dict], schedule: str, n: int, b: int) -> float:
     # one, so the smallest is their own cost, paid after the last stage arrives
     opt = [min(calib(r, "optimizer_ms") for r in by_stage)] * STAGES
     tail = min(calib(r, "aggregate_loss_ms") for r in by_stage)
-    cfg = load_model_config("network-cpu")
+    cfg = load_model_config(MODEL)
     boundary = b * cfg.seq_len * cfg.hidden * 4  # the fp32 activation a stage sends
     parts = list(range(STAGES + 1))  # per-stage times: the layers behind them do not matter here
     stages = measured_stages(parts, fwd, bwd, [boundary] * STAGES)
@@ -133,11 +140,13 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="micro-batch sizes")
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
+    if args.smoke:
+        args.sizes, args.rounds, args.steps = "4", 1, 1
     sizes = tuple(int(x) for x in args.sizes.split(","))
     ROUNDS, STEPS = args.rounds, args.steps
 
-    sys.path.insert(0, str(ROOT))
     from ds_pipe_ext.partition.report import render_table
     from ds_pipe_ext.runner import launch
 
@@ -145,9 +154,10 @@ def main() -> None:
     rows, errors, ratios = {}, [], []
     for b in sizes:
         env = {"NETWORK_OUT": str(work), "NETWORK_MICRO_BATCH": str(b), "NETWORK_ROUNDS": str(ROUNDS),
-               "NETWORK_STEPS": str(STEPS)}
+               "NETWORK_STEPS": str(STEPS), "NETWORK_SMOKE": "1" if args.smoke else "0"}
         cfg = json.loads((ROOT / "launch_scripts" / "network_cpu.json").read_text())
         cfg.update(train_micro_batch_size_per_gpu=b, gradient_accumulation_steps=GLOBAL_BATCH // b)
+        cfg["train"]["model"] = MODEL
         (work / "network_cpu.json").write_text(json.dumps(cfg))
         proc, _ = launch(STAGES, None, "--worker", cwd=work, timeout=1800, script="bench/schedule_network.py",
                          env={**env, "NETWORK_CONFIG": str(work / "network_cpu.json")})

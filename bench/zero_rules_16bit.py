@@ -1,6 +1,6 @@
 """ZeRO's model-state bytes in 16-bit training: measured on 2 CPU ranks (bf16) against ``costs.zero``.
 
-    python bench/zero_rules_16bit.py [--world 2]
+    python bench/zero_rules_16bit.py [--world 2] [--smoke]
 
 `ds-pipe-ext compare` checks the allocation rules in fp32, which is what its CPU runs train.  This
 bench checks the 16-bit half of the rules (16-bit parameters beside fp32 master weights): for ZeRO-1,
@@ -24,6 +24,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ds_pipe_ext.runner import SMOKE_HELP  # noqa: E402
 SETTINGS = {"reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6, "overlap_comm": False,
             "stage3_param_persistence_threshold": 0}
 
@@ -44,7 +47,19 @@ CASES = {  # name: (the engine's ZeRO stage, grad_accum_dtype, under DeepSpeed's
 }
 
 
-def worker(case: str) -> None:
+def worker(cases: str) -> None:
+    """Each of ``cases`` (comma-separated) in turn, in this launch."""
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    for case in cases.split(","):
+        one_case(case)
+    torch.distributed.barrier()  # leave together: a rank tearing gloo down under another can abort it
+    torch.distributed.destroy_process_group()
+
+
+def one_case(case: str) -> None:
     import deepspeed
     import torch
 
@@ -52,7 +67,6 @@ def worker(case: str) -> None:
     from ds_pipe_ext.instrument.memory import ModelStateProbe
 
     stage, accum, pipelined = CASES[case]
-    deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = build_model()
     numels = [p.numel() for p in model.parameters()]
@@ -90,14 +104,14 @@ def worker(case: str) -> None:
                                                  "optimizer": type(engine.optimizer).__name__,
                                                  "measured": probe.read(), "predicted": predicted}) + "\n")
     sys.stdout.flush()
-    torch.distributed.barrier()  # leave together: a rank tearing gloo down under another can abort it
-    torch.distributed.destroy_process_group()
+    engine.destroy()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--case", choices=sorted(CASES), default=None, help=argparse.SUPPRESS)  # a launched worker
+    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # a launched worker: its cases, comma-separated
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (every case in one launch)")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the launcher adds it
     args = ap.parse_args()
     if args.case is not None:
@@ -109,12 +123,17 @@ def main() -> None:
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in build_model().modules())
     worst = {"zero": 0.0, "bf16": 0.0}
     lines = []
-    for case, (stage, _, _) in CASES.items():
-        proc, _ = launch(args.world, None, "--case", case, timeout=600, script="bench/zero_rules_16bit.py")
+    launches = [",".join(CASES)] if args.smoke else list(CASES)  # a launch a case: nothing one case leaves behind
+    records = []
+    for cases in launches:
+        proc, _ = launch(args.world, None, "--case", cases, timeout=600, script="bench/zero_rules_16bit.py")
         ranks = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
                  if line.startswith("RESULT-RANK ")]
-        if proc.returncode or len(ranks) != args.world:
-            sys.exit(f"{case} launch failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+        if proc.returncode or len(ranks) != args.world * len(cases.split(",")):
+            sys.exit(f"{cases} launch failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+        records += ranks
+    for case, (stage, _, _) in CASES.items():
+        ranks = [r for r in records if r["case"] == case]
         for r in sorted(ranks, key=lambda r: r["rank"]):
             group = "bf16" if r["optimizer"] == "BF16_Optimizer" else "zero"
             if case.startswith("bf16") != (group == "bf16"):

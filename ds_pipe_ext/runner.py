@@ -18,6 +18,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]  # the repository: train.py, launch_scripts/
 
 
+# every bench's --smoke: make test runs each bench so (tests/test_bench_smoke.py), so that a refactor that breaks
+# a bench's imports or code path fails the suite rather than the next person who runs it
+SMOKE_HELP = ("run the whole code path at its smallest size, its launches included, and print the RESULT line: "
+              "a check that the bench runs (make test), not a measurement")
+
+
 def write_config(path: Path, base: str = "ds_pipeline.json", **overrides) -> Path:
     """A copy of launch_scripts/BASE with top-level sections replaced or merged (None removes one)."""
     cfg = json.loads((ROOT / "launch_scripts" / base).read_text())
@@ -87,7 +93,7 @@ def single_node_launch(num_ranks: int, port: int) -> list[str]:
 
 def launch(num_ranks: int, config: Path | None, *args: str, out_dir: Path | None = None, cwd: Path = ROOT,
            timeout: int = 240, threads_per_rank: int = 1, script: str = "train.py", env: dict | None = None,
-           user_command: bool = False):
+           user_command: bool = False, root: Path = ROOT):
     """N ranks of SCRIPT on this machine, spawned by DeepSpeed's launcher on a free port: the one launcher of the
     tests and benches.  Returns (completed process, {rank: metrics}).  Ranks run with
     OMP_NUM_THREADS=threads_per_rank.
@@ -98,17 +104,27 @@ def launch(num_ranks: int, config: Path | None, *args: str, out_dir: Path | None
 
     ``script`` (relative to the repository) gets ``--metrics-out OUT_DIR/metrics.json`` where ``out_dir``
     is given, and must then write NAME.rankR.json files; without ``out_dir`` it reports its own way.
-    ``config`` is passed as ``--deepspeed_config`` unless None.
+    ``config`` is passed as ``--deepspeed_config`` unless None.  ``root``: the checkout whose SCRIPT runs, on the
+    ranks' PYTHONPATH (bench/throughput_ab.py runs an older one).
+
+    Under ``DS_PIPE_EXT_FORK_RANKS=1`` the ranks are forked from this process (``forked_launch``: the same argv
+    and rank environment, without the interpreters' start-up), unless ``user_command``.
     """
+    from ds_pipe_ext.forked_launch import forked_launch, forking
+
     config_args = ["--deepspeed_config", str(config)] if config is not None else []
     metrics_args = ["--metrics-out", str(out_dir / "metrics.json")] if out_dir is not None else []
     port = free_port()
-    launcher = ([str(deepspeed_launcher()), "--num_gpus", str(num_ranks), "--master_port", str(port)] if user_command
-                else single_node_launch(num_ranks, port))
-    cmd = [*launcher, str(ROOT / script), *config_args, *metrics_args, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONPATH": str(ROOT),
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONPATH": str(root),
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", **(env or {})}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if forking() and not user_command and Path(root).resolve() == ROOT:  # forked ranks hold this checkout's modules
+        proc = forked_launch(num_ranks, ROOT / script, [*config_args, *metrics_args, *args], env=env, cwd=Path(cwd),
+                             port=port, timeout=timeout)
+    else:
+        launcher = ([str(deepspeed_launcher()), "--num_gpus", str(num_ranks), "--master_port", str(port)]
+                    if user_command else single_node_launch(num_ranks, port))
+        cmd = [*launcher, str(Path(root) / script), *config_args, *metrics_args, *args]
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     ranks = {}
     for f in (out_dir.glob("metrics.rank*.json") if out_dir is not None else ()):
         d = json.loads(f.read_text())
