@@ -125,6 +125,8 @@ def wait_all(pids: list[int], timeout: float, what: str) -> int:
     while running:
         ended = False
         for pid in list(running):  # this process's other children are not reaped here
+            if pid not in running:  # ended with an earlier rank's failure, in this pass
+                continue
             done, status = os.waitpid(pid, os.WNOHANG)
             if not done:
                 continue

@@ -16,6 +16,7 @@ from ds_pipe_ext.compare.run import Comparison, LaunchResult, search_max_micro_b
 from ds_pipe_ext.costs.zero import zero_model_states
 from ds_pipe_ext.models.gpt_config import load_model_config
 from ds_pipe_ext.runner import ROOT
+from ds_pipe_ext.forked_launch import FORK_ENV
 
 
 def test_configs_share_one_global_batch():
@@ -137,7 +138,9 @@ def test_resume_runs_only_unfinished_rows(tmp_path):
 
 
 def _compare(*args, out):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    # the rows' ranks forked from the command (forked_launch): the rows, their memory and OOM are what is checked
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           FORK_ENV: "1"}
     cmd = [str(Path(sys.executable).with_name("ds-pipe-ext")), "compare", "--model", "compare-mem", "--world", "2",
            "--micro-batch", "2", "--steps", "3", "--memory-cap-gib", "0.295", "--out", str(out), "--json", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

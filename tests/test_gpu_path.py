@@ -2,18 +2,24 @@
 cannot rot between the sessions that have a GPU: every launch ok, the memory row an ``oom`` that ends at once."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from ds_pipe_ext.forked_launch import FORK_ENV
 from ds_pipe_ext.runner import ROOT
 
 
 def gpu_path(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """The bench in its own process, its launches' ranks forked from it (``forked_launch``: what is checked here is
+    the plan of launches and what each leaves; DeepSpeed's launcher runs the plan's user-command launches, and
+    tests/test_multiprocess.py's)."""
+    env = {**os.environ, FORK_ENV: "1"}
     return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_path.py"), *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=timeout)
+                          cwd=ROOT, timeout=timeout, env=env)
 
 
 def failed_runs(out: Path) -> str:
