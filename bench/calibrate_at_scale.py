@@ -2,7 +2,7 @@
 
     python bench/calibrate_at_scale.py [--out runs/calibration/CALIBRATION.md]   (docs/CALIBRATION.md: the committed copy)
 
-For every row of ../shared/calibration/ (Narayanan et al. 2021 Table 1 on A100;
+For every row of bench/data's fitted tables (Narayanan et al. 2021 Table 1 on A100;
 Megatron-core's H100 table) the planner's own model predicts one iteration
 (``plan.model.PlanModel.evaluate`` under the ``megatron`` runtime, Megatron's even split: per-layer
 roofline with TP collectives, the stage model, the event simulator, the DP gradient reduction as
@@ -55,7 +55,7 @@ from ds_pipe_ext.pipe import schedules as _deepspeed_order  # noqa: E402,F401  (
 from ds_pipe_ext.runner import SMOKE_HELP  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "calibration"
+DATA = ROOT / "bench" / "data"  # the published tables (bench/data/README.md: their sources)
 PREDICTED = ROOT / "bench" / "data" / "published_at_scale.csv"
 SMOKE = False  # --smoke: three rows a fitted table, one a predicted group
 FIXED = {"matrix_half_dim": 0.0, "comm_efficiency": 1.0}  # not pinned down by the data: fixed, not fitted
@@ -327,7 +327,7 @@ def report(results: list[dict], layers: list[list[str]], before: dict[str, dict]
              "Produced by `python bench/calibrate_at_scale.py` (analytic model only; no GPU was used).",
              "TFLOP/s per GPU as each source counts them. *fitted*: the fit on all rows of the table; "
              "*leave-one-out*: the row predicted by a fit on the other rows. The **fitted set** is these two tables "
-             "(`../shared/calibration`), nothing else; the **predicted set** (last section) was never fitted.", ""]
+             "(`bench/data`: Narayanan et al. 2021's Table 1, Megatron-core's H100 table), nothing else; the **predicted set** (last section) was never fitted.", ""]
     for res in results:
         src, old = SOURCES[res["name"]], before[res["name"]]
         at_ceiling = [k for k, v in res["params"].items() if v >= res["ceilings"][k] - 1e-3]

@@ -1,6 +1,6 @@
 """Published training runs that `plan --only` sets its prediction beside.  None of them is fitted: the A100
-and H100 specs are calibrated on ``../shared/calibration`` alone (docs/CALIBRATION.md), so each figure here
-is a prediction's yardstick.  A row says what the run did that the prediction does not, and a row the model
+and H100 specs are calibrated on ``bench/data``'s Megatron-LM tables alone (docs/CALIBRATION.md), so each figure
+here is a prediction's yardstick.  A row says what the run did that the prediction does not, and a row the model
 cannot cost (FP8: no FP8 device spec) is listed with the reason instead of a number.
 """
 
