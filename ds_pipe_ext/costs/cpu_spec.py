@@ -24,7 +24,7 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     fresh anonymous 64 MiB mapping (what glibc returns above its mmap threshold) against filling a
     warm buffer; the difference is the page faults.  Zeroing a warm 256 MiB buffer (``fill_bandwidth``),
     drawing a dropout mask of 2^20 elements (``random_rate``) and looking up rows of a table beyond the
-    caches at random (``row_op_s``), and a forward GEMM whose output width breaks 64-byte row alignment
+    caches at random (``row_op_s``) and their backward's row adds (``row_add_s``), and a forward GEMM whose output width breaks 64-byte row alignment
     (4,097 against 4,096 columns: ``misaligned_output_efficiency``).  Faults are charged above the threshold the
     training processes run with (``training_mmap_threshold``: train.py fixes it at 1 GiB).
     """
@@ -37,7 +37,7 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     steady_host_allocator()
     threads = torch.get_num_threads()
     mmap_min = training_mmap_threshold()  # what train.py's ranks map afresh (steady_host_allocator)
-    path = Path(cache_dir) / f"cpu-spec-v11-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
+    path = Path(cache_dir) / f"cpu-spec-v12-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
     # the ranks of a launch on a fresh machine: one measures, the others read
     return measured_once(path, lambda: _measure_cpu_now(mmap_min, seconds), parse=lambda d: DeviceSpec(**d),
                          dump=asdict)
@@ -106,7 +106,22 @@ def _measure_cpu_now(mmap_min: float, seconds: float) -> DeviceSpec:
         return time.perf_counter() - t0
 
     row_op = min(cold_lookup() for _ in range(12)) / tokens
-    del lookup_table, flush
+    # the backward of those lookups (torch's embedding_dense_backward_cpu): a zeroed table, then per token one
+    # TensorIterator add of its gradient row into a row at random, a kernel dispatched per row; less the
+    # zeroing (``fill_bandwidth``'s), what each token costs
+    grad_rows = torch.randn(tokens, width)
+
+    def cold(call) -> float:
+        flush.zero_()
+        t0 = time.perf_counter()
+        call()
+        return time.perf_counter() - t0
+
+    backward = min(cold(lambda: torch.ops.aten.embedding_dense_backward(grad_rows, ids, words, -1, False))
+                   for _ in range(6))
+    zeroed = min(cold(lambda: torch.zeros(words, width)) for _ in range(6))
+    row_add = max(backward - zeroed, 0.0) / tokens
+    del lookup_table, flush, grad_rows
     # the same forward GEMM with its output one column wider: rows no longer 64-byte aligned
     inputs, aligned, ragged = torch.randn(512, 1024), torch.randn(4096, 1024), torch.randn(4097, 1024)
     misaligned = (seconds_per_call(lambda: torch.nn.functional.linear(inputs, aligned)) * 4097 / 4096
@@ -115,6 +130,6 @@ def _measure_cpu_now(mmap_min: float, seconds: float) -> DeviceSpec:
     spec = DeviceSpec("cpu", {"fp32": mm, "bf16": mm}, {"fp32": vec, "bf16": vec}, bw, bw, bw, ram, gpus_per_node=1,
                       matrix_efficiency=1.0, attention_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0,
                       comm_efficiency=1.0, fresh_page_bandwidth=faults, fresh_alloc_min_bytes=mmap_min,
-                      fill_bandwidth=fill, random_rate=random, row_op_s=row_op,
+                      fill_bandwidth=fill, random_rate=random, row_op_s=row_op, row_add_s=row_add,
                       misaligned_output_efficiency=min(misaligned, 1.0))
     return spec

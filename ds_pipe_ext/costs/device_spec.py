@@ -46,6 +46,10 @@ class DeviceSpec:
     # row backward): a CPU waits on memory for each, ~0.35 us, beyond the bytes' streaming time (bench-cpu
     # at 1,024 tokens: 0.35 ms each way, 5% of the layer); 0: none (a GPU keeps thousands in flight)
     row_op_s: float = 0.0
+    # seconds per token of a CPU embedding's backward beyond zeroing its table (embedding_dense_backward_cpu:
+    # a TensorIterator add dispatched per token, into a row at random): ~1.5 us here, three lookups' worth;
+    # 0: the lookup's ``row_op_s``
+    row_add_s: float = 0.0
     # A forward GEMM whose output rows are not 64-byte aligned (a width that is not a multiple of 16 fp32
     # elements: GPT-2's 50,257-token vocabulary) runs at this fraction of an aligned one's speed on a CPU
     # (0.67-0.75 measured here, at any size; its backward, whose outputs are the input and weight widths,
@@ -104,6 +108,7 @@ class DeviceSpec:
         peak = (self.vector_flops if op.kind == "vector" else self.matrix_flops).get(dtype)
         if peak is None:
             raise AnalyticError(f"device {self.name} has no {op.kind} peak for dtype {dtype!r}")
+        accumulate = 0.0
         if self.gpu is not None:
             compute, memory = self._gpu_kernels_s(op, dtype=dtype, backward=backward, execution=execution,
                                                   attention_backend=attention_backend), 0.0
@@ -112,6 +117,7 @@ class DeviceSpec:
             filled = op.bwd_fill_bytes if backward else 0.0
             memory = ((moved - filled) / self.hbm_bandwidth
                       + filled / (self.fill_bandwidth or self.hbm_bandwidth)) / self.memory_efficiency
+            accumulate = self.grad_accumulate_s(op, dtype=dtype, execution=execution) if backward else 0.0
         comm_bytes = op.comm_bwd_bytes if backward else op.comm_fwd_bytes
         kinds = op.comm_type
         if "+" in kinds:  # under SP: the forward's collectives, then the backward's
@@ -124,10 +130,27 @@ class DeviceSpec:
             comm = sum(self.group_time(kind, comm_bytes / len(kinds), group) for kind in kinds)
         fresh = self.fresh_alloc_time(op.bwd_allocs if backward else op.fwd_allocs)
         random = op.random_elems / self.random_rate if self.random_rate and not backward else 0.0
-        random += op.row_ops * self.row_op_s
+        random += op.row_ops * (self.row_add_s if backward and self.row_add_s else self.row_op_s)
         return {"compute_s": compute, "memory_s": memory, "comm_s": comm, "fresh_s": fresh, "random_s": random,
-                "time_s": max(compute, memory) + random + fresh + comm,
+                "accumulate_s": accumulate, "time_s": max(compute, memory) + accumulate + random + fresh + comm,
                 "intensity": flops / moved if moved else float("inf")}
+
+    def grad_accumulate_s(self, op: OpCost, *, dtype: str, execution: str = "eager") -> float:
+        """Autograd adding an op's weight gradients into those the micro-batch before left, on the roofline
+        (``AccumulateGrad``: ``variable.grad += new_grad`` after the op's own backward), as m - 1 of a step's m
+        micro-batches and the profiler's timing loops run it.  On a CPU it is most of an embedding's backward:
+        the lookup's dense gradient (``embedding_dense_backward_cpu``: a zeroed V x h table, each token's row
+        added into it) is a second table, added into the first.
+
+        The in-place add reads both and writes a line it has just read: three transfers over the memory bus,
+        as many as a copy makes (its source read, its destination read for ownership, then written), whose
+        rate the measured spec's bandwidth is (two bytes counted per byte copied).  So it takes a copy's time,
+        2 x its bytes at that rate: add_ ran at 0.85-0.88 of a copy's time over 31-98 MiB on the CI machine.
+        A GPU spec prices the same pass among its kernels (``gpu_pricing.grad_accumulate_s``); Megatron's fused
+        accumulation makes none."""
+        if not op.weights or execution == "megatron":
+            return 0.0
+        return 2 * sum(op.weights) * DTYPE_BYTES.get(dtype, 4) / (self.hbm_bandwidth * self.memory_efficiency)
 
     def _gpu_kernels_s(self, op: OpCost, *, dtype: str, backward: bool, execution: str,
                        attention_backend: str | None) -> float:
