@@ -142,6 +142,31 @@ def test_the_embedding_gradient_is_one_write_only_pass_at_the_fill_rate():
         (524_288 + 102_926_336) / 20e9, rel=1e-12)
 
 
+def test_a_cpu_backward_adds_each_weight_gradient_into_the_last_at_a_copys_time():
+    """AccumulateGrad on the roofline: an op's weight gradients added into the previous micro-batch's (m - 1 of m
+    micro-batches) at a copy's time, 2 x their bytes at the measured copy rate: the embedding's 50,257 x 512 fp32
+    table at 20 GB/s, 2 x 102,926,336 / 20e9 s; none under Megatron's fused accumulation, none forward, none for an
+    op without weights.  The backward's row adds run at their own measured rate, the forward's lookups at theirs."""
+    from dataclasses import replace
+
+    from ds_pipe_ext.costs.hardware import get_device
+
+    shp = A.Shape(b=1, s=128, h=512, a=8, f=2048, V=50257, e=4, m=4, dropout=False)
+    emb = E.embedding(shp, positions=False)[0]
+    dev = replace(get_device("a100"), hbm_bandwidth=20e9, fill_bandwidth=10e9, memory_efficiency=1.0, gpu=None,
+                  row_op_s=0.5e-6, row_add_s=1.5e-6)
+    bwd = dev.op_time(emb, dtype="fp32", tp=1, backward=True)
+    assert bwd["accumulate_s"] == pytest.approx(2 * 102_926_336 / 20e9, rel=1e-12)
+    assert bwd["time_s"] == pytest.approx(bwd["memory_s"] + bwd["accumulate_s"] + 128 * 1.5e-6, rel=1e-12)
+    fwd = dev.op_time(emb, dtype="fp32", tp=1)
+    assert fwd["accumulate_s"] == 0.0 and fwd["random_s"] == pytest.approx(128 * 0.5e-6)
+    assert dev.op_time(emb, dtype="fp32", tp=1, backward=True, execution="megatron")["accumulate_s"] == 0.0
+    softmax = next(op for op in A.transformer_block(shp) if not op.weights)
+    assert dev.op_time(softmax, dtype="fp32", tp=1, backward=True)["accumulate_s"] == 0.0
+    # a GPU spec prices it among its kernels (gpu_pricing.grad_accumulate_s), not on the roofline
+    assert get_device("h100").op_time(emb, dtype="bf16", tp=1, backward=True)["accumulate_s"] == 0.0
+
+
 def test_a_cpu_draws_each_dropout_mask_element_at_its_measured_rate():
     """Dropout over b 2 x s 128 x h 512 = 131,072 elements draws as many random numbers forward: at
     1e8 draws/s that is 1.31 ms on top of the roofline; backward only applies the saved mask; a
