@@ -88,6 +88,7 @@ def fastest_spec(specs):
                    vector_flops={"fp32": best("vector_flops"), "bf16": best("vector_flops")},
                    hbm_bandwidth=best("hbm_bandwidth"), fill_bandwidth=best("fill_bandwidth"),
                    random_rate=best("random_rate"), row_op_s=min(s.row_op_s for s in specs),
+                   row_add_s=min(s.row_add_s for s in specs),
                    fresh_page_bandwidth=best("fresh_page_bandwidth"))
 
 
@@ -123,7 +124,8 @@ def layer_times(grid=GRID, fit=FIT, passes=PASSES) -> float:
     calibrated = fit_device(cpu, points, dtype="fp32")
     print(f"\ncpu spec (measured): matmul {cpu.matrix_flops['fp32'] / 1e9:.1f} GFLOP/s, vector "
           f"{cpu.vector_flops['fp32'] / 1e9:.2f} G/s, copy {cpu.hbm_bandwidth / 1e9:.1f} GB/s, fill "
-          f"{cpu.fill_bandwidth / 1e9:.1f} GB/s, a row op {cpu.row_op_s * 1e6:.2f} us, dropout draws {cpu.random_rate / 1e6:.0f} M/s, first touch "
+          f"{cpu.fill_bandwidth / 1e9:.1f} GB/s, a row op {cpu.row_op_s * 1e6:.2f} us (its backward's add "
+          f"{cpu.row_add_s * 1e6:.2f} us), dropout draws {cpu.random_rate / 1e6:.0f} M/s, first touch "
           f"{cpu.fresh_page_bandwidth / 1e9:.2f} GB/s above {cpu.fresh_alloc_min_bytes / 2**20:.0f} MiB "
           f"(the fastest of {n_passes} passes)")
     print(f"calibrated on {fit}: GEMM efficiency {calibrated.matrix_efficiency:.3f} x the measured peak, halved at "

@@ -29,3 +29,20 @@ def test_rows_link_to_dated_files_that_exist_and_the_page_stays_short():
     assert links and all((RESULTS.parent / link).is_file() for link in links), sorted(links)
     assert all(re.fullmatch(r"results/\d{4}-\d\d-\d\d-[\w.-]+\.md", link) for link in links if link != "results/")
     assert len(text.splitlines()) <= 300
+
+
+def test_every_bench_command_names_a_bench_and_flags_it_takes():
+    """A RESULTS command that cannot run is a figure nobody can reproduce: each ``python bench/X.py ...`` names a
+    bench that exists, and every ``--flag`` it passes is one the bench reads (its source names it)."""
+    commands = re.findall(r"`(?:OMP_NUM_THREADS=1 )?python (bench/[\w.]+\.py)([^`]*)`", RESULTS.read_text())
+    assert len(commands) >= 25
+    wrong = []
+    for bench, args in commands:
+        path = ROOT / bench
+        if not path.is_file():
+            wrong.append(f"{bench}: no such bench")
+            continue
+        source = path.read_text()
+        wrong += [f"{bench} {flag}: the bench takes no such flag" for flag in re.findall(r"--[\w-]+", args)
+                  if f'"{flag}"' not in source]
+    assert not wrong, wrong
