@@ -52,14 +52,24 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
-def fork_script(script: Path, argv: list[str], *, env: dict, cwd: Path, stdout: int, stderr: int) -> int:
+def fork_script(script: Path, argv: list[str], *, env: dict, cwd: Path, stdout: int, stderr: int,
+                new_group: bool = False) -> int:
     """Fork a child that runs ``script`` as ``__main__`` with ``argv``, ``env`` and ``cwd``, its output to the
-    file descriptors ``stdout`` and ``stderr``; the child's pid (its exit code is the script's)."""
+    file descriptors ``stdout`` and ``stderr``; the child's pid (its exit code is the script's).  ``new_group``:
+    the child leads a process group of its own (what it forks joins it), set on both sides of the fork so that
+    no child of its can start outside it."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
+        if new_group:
+            os.setpgid(0, 0)
         _run_script(script, argv, env, cwd, stdout, stderr)
+    if new_group:
+        try:
+            os.setpgid(pid, pid)
+        except (PermissionError, ProcessLookupError):  # the child has set it already, or has ended
+            pass
     return pid
 
 

@@ -82,8 +82,8 @@ def run_smoke(benches: list[Path], *, jobs: int = 2, timeout_s: float = 300.0, w
             cwd.mkdir(parents=True, exist_ok=True)
             log = cwd / "log.txt"
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-            pid = fork_script(bench, ["--smoke"], env=env, cwd=cwd, stdout=fd, stderr=fd)
-            os.setpgid(pid, pid)  # the bench and the ranks it forks: one group, ended together if it overruns
+            # the bench and the ranks it forks: one group, ended together if it overruns
+            pid = fork_script(bench, ["--smoke"], env=env, cwd=cwd, stdout=fd, stderr=fd, new_group=True)
             os.close(fd)
             running[pid] = (bench, log, time.monotonic())
         time.sleep(0.05)
@@ -91,7 +91,10 @@ def run_smoke(benches: list[Path], *, jobs: int = 2, timeout_s: float = 300.0, w
             done, status = os.waitpid(pid, os.WNOHANG)
             late = not done and time.monotonic() - t0 > timeout_s
             if late:
-                os.killpg(pid, signal.SIGKILL)
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 _, status = os.waitpid(pid, 0)
             elif not done:
                 continue
