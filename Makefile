@@ -36,12 +36,18 @@ demo: install
 # profiles are cached atomically, the machine's measurements once under a lock: costs.cache)
 TEST_WORKERS ?= 3
 
+# The layer-timing check first and alone (tests/test_analytic_vs_profile.py: profiles need the cores to themselves).
+TIMED := tests/test_analytic_vs_profile.py
+
 test: install
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 tests
+	$(PY) -m pytest -q -p no:xdist $(TIMED)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 \
+		--ignore=$(TIMED) tests
 
 # the pure tests only (no process launches)
 test-fast: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not multiprocess" tests
+	$(PY) -m pytest -q -p no:xdist $(TIMED)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not multiprocess" --ignore=$(TIMED) tests
 
 clean:
 	rm -rf $(VENV) .ds_pipe_ext_cache .pytest_cache .hypothesis *.egg-info

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from ds_pipe_ext.costs.calibrate import fit_device  # noqa: E402
 from ds_pipe_ext.models.costs import calibration_points, profile_three_layers  # noqa: E402
 from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers  # noqa: E402
-from ds_pipe_ext.costs.cpu_spec import measure_cpu  # noqa: E402
+from ds_pipe_ext.costs.cpu_spec import fastest_of, measure_cpu  # noqa: E402
 from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
 from ds_pipe_ext.costs.profiler import ProfileSettings  # noqa: E402
 from ds_pipe_ext.models import family_of, load_model  # noqa: E402
@@ -78,20 +78,6 @@ SMOKE_FIT = [("tiny", 2, 32), ("tiny", 1, 16), ("tiny", 3, 24)]
 SMOKE_GRID = [("tiny", 1, 32), ("llama-tiny", 2, 32)]
 
 
-def fastest_spec(specs):
-    """Each micro-benchmark's fastest run over the passes."""
-    from dataclasses import replace
-
-    best = lambda key: max(getattr(s, key)["fp32"] if isinstance(getattr(s, key), dict) else getattr(s, key)  # noqa: E731
-                           for s in specs)
-    return replace(specs[0], matrix_flops={"fp32": best("matrix_flops"), "bf16": best("matrix_flops")},
-                   vector_flops={"fp32": best("vector_flops"), "bf16": best("vector_flops")},
-                   hbm_bandwidth=best("hbm_bandwidth"), fill_bandwidth=best("fill_bandwidth"),
-                   random_rate=best("random_rate"), row_op_s=min(s.row_op_s for s in specs),
-                   row_add_s=min(s.row_add_s for s in specs),
-                   fresh_page_bandwidth=best("fresh_page_bandwidth"))
-
-
 def layer_times(grid=GRID, fit=FIT, passes=PASSES) -> float:
     """Per-layer fwd+bwd: analytic on the cpu spec calibrated at FIT, against profiled on GRID.
 
@@ -110,7 +96,7 @@ def layer_times(grid=GRID, fit=FIT, passes=PASSES) -> float:
             passes.setdefault((name, b, seq), []).append((cfg, [(m.forward_s, m.backward_s) for m in measured]))
         print(f"  pass {k + 1}/{n_passes} over {len(fit + grid)} shapes (matmul "
               f"{specs[-1].matrix_flops['fp32'] / 1e9:.0f} GFLOP/s)", flush=True)
-    cpu = fastest_spec(specs)
+    cpu = fastest_of(specs)
 
     def fastest(key):
         cfg = passes[key][0][0]

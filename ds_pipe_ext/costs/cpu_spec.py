@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from .cache import measured_once
@@ -133,3 +133,16 @@ def _measure_cpu_now(mmap_min: float, seconds: float) -> DeviceSpec:
                       fill_bandwidth=fill, random_rate=random, row_op_s=row_op, row_add_s=row_add,
                       misaligned_output_efficiency=min(misaligned, 1.0))
     return spec
+
+
+def fastest_of(specs: list[DeviceSpec]) -> DeviceSpec:
+    """Each micro-benchmark's fastest run over several ``measure_cpu`` passes: on a shared machine neighbours
+    only ever add time, so the fastest is the machine's own speed (the profiles set beside it are taken so too)."""
+    def best(key: str) -> float:
+        return max(getattr(s, key)["fp32"] if isinstance(getattr(s, key), dict) else getattr(s, key) for s in specs)
+
+    return replace(specs[0], matrix_flops={"fp32": best("matrix_flops"), "bf16": best("matrix_flops")},
+                   vector_flops={"fp32": best("vector_flops"), "bf16": best("vector_flops")},
+                   hbm_bandwidth=best("hbm_bandwidth"), fill_bandwidth=best("fill_bandwidth"),
+                   random_rate=best("random_rate"), row_op_s=min(s.row_op_s for s in specs),
+                   row_add_s=min(s.row_add_s for s in specs), fresh_page_bandwidth=best("fresh_page_bandwidth"))

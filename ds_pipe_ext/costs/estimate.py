@@ -163,7 +163,8 @@ def op_rows(ops: list[A.OpCost], device: DeviceSpec, req: EstimateRequest) -> li
                      "comm_fwd_bytes": op.comm_fwd_bytes, "comm_bwd_bytes": op.comm_bwd_bytes, "comm_type": op.comm_type,
                      "compute_fwd_s": f["compute_s"], "memory_fwd_s": f["memory_s"], "comm_fwd_s": f["comm_s"],
                      "comm_bwd_s": b["comm_s"],
-                     "fwd_s": f["time_s"], "bwd_s": b["time_s"], "intensity": f["intensity"]})
+                     "fwd_s": f["time_s"], "bwd_s": b["time_s"], "accumulate_bwd_s": b.get("accumulate_s", 0.0),
+                     "intensity": f["intensity"]})
     return rows
 
 
@@ -240,9 +241,11 @@ def estimate_layers(model, req: EstimateRequest, device: DeviceSpec, *, runs_on:
             "host_fwd_s": call + sum(host_fwd), "host_bwd_s": call + sum(host_bwd),
             "class_s": time_by_class(ops, rows, fwd_s + bwd_s),
             # W: an embedding's backward is all weight gradient (token ids take none); a GEMM with a
-            # weight spends half its backward on dW (the other half is dX); the rest is input gradient
+            # weight spends half its backward on dW (the other half is dX); adding a weight's gradient into the
+            # last micro-batch's (a roofline spec's accumulate_s) is all weight gradient; the rest is input gradient
             "wgrad_s": (sum(r["bwd_s"] for r in rows) if kind == "embedding" else
-                        sum(0.5 * r["bwd_s"] for r, op in zip(rows, ops) if op.kind == "matrix" and op.weight_bytes)),
+                        sum((0.5 * (r["bwd_s"] - r["accumulate_bwd_s"]) if op.kind == "matrix" and op.weight_bytes
+                             else 0.0) + r["accumulate_bwd_s"] for r, op in zip(rows, ops))),
         })
         done[id(ops), kind] = out[-1]
     return out
