@@ -37,7 +37,7 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     steady_host_allocator()
     threads = torch.get_num_threads()
     mmap_min = training_mmap_threshold()  # what train.py's ranks map afresh (steady_host_allocator)
-    path = Path(cache_dir) / f"cpu-spec-v12-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
+    path = Path(cache_dir) / f"cpu-spec-v13-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
     # the ranks of a launch on a fresh machine: one measures, the others read
     return measured_once(path, lambda: _measure_cpu_now(mmap_min, seconds), parse=lambda d: DeviceSpec(**d),
                          dump=asdict)
@@ -117,10 +117,14 @@ def _measure_cpu_now(mmap_min: float, seconds: float) -> DeviceSpec:
         call()
         return time.perf_counter() - t0
 
-    backward = min(cold(lambda: torch.ops.aten.embedding_dense_backward(grad_rows, ids, words, -1, False))
-                   for _ in range(6))
-    zeroed = min(cold(lambda: torch.zeros(words, width)) for _ in range(6))
-    row_add = max(backward - zeroed, 0.0) / tokens
+    # against the same backward of no tokens (its table allocated and zeroed alike, whatever the heap hands it),
+    # the two alternating so that both see the allocator in the same state
+    dense_backward = torch.ops.aten.embedding_dense_backward
+    backward, zeroed = [], []
+    for _ in range(6):
+        backward.append(cold(lambda: dense_backward(grad_rows, ids, words, -1, False)))
+        zeroed.append(cold(lambda: dense_backward(grad_rows[:0], ids[:0], words, -1, False)))
+    row_add = max(min(backward) - min(zeroed), 0.0) / tokens
     del lookup_table, flush, grad_rows
     # the same forward GEMM with its output one column wider: rows no longer 64-byte aligned
     inputs, aligned, ragged = torch.randn(512, 1024), torch.randn(4096, 1024), torch.randn(4097, 1024)
