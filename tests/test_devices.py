@@ -167,7 +167,7 @@ def test_a_checkpoint_keeps_this_ranks_cuda_generator(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": cuda_state.clone())
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.append(s))
-    torch.save(checkpoint.rng_state(), tmp_path / "rng.pt")
+    checkpoint.write_rng(tmp_path / "rng.pt", checkpoint.rng_state())
     checkpoint.restore_rng(checkpoint.read_rng(tmp_path / "rng.pt"))
     assert len(restored) == 1 and torch.equal(restored[0], cuda_state) and restored[0].device.type == "cpu"
 
@@ -232,3 +232,28 @@ def test_the_profiler_builds_each_layer_on_the_device_it_measures_on():
     assert {p.device for p in module.parameters()} == {META}
     module, _ = build_for_profiling(LayerSpec(torch.nn.Linear, 4, 4))
     assert {p.device for p in module.parameters()} == {torch.device("cpu")}
+
+
+def test_rng_files_hold_tensors_and_numbers_and_load_without_unpickling(tmp_path):
+    """A checkpoint's RNG file loads with weights_only=True (tensors only; the rest in its .json), and restores
+    every generator: the next draws of torch, numpy and Python equal those after the save."""
+    import random
+
+    import numpy as np
+
+    from ds_pipe_ext.train import checkpoint
+
+    random.random(), np.random.rand(), torch.rand(1), random.gauss(0, 1), np.random.randn()  # mid-stream states
+    checkpoint.write_rng(tmp_path / "rng.pt", checkpoint.rng_state())
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)), random.gauss(0, 1),
+                float(np.random.randn()))
+    assert set(torch.load(tmp_path / "rng.pt", weights_only=True)) >= {"torch", "numpy_keys", "python_internal"}
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    checkpoint.restore_rng(checkpoint.read_rng(tmp_path / "rng.pt"))
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1)), random.gauss(0, 1),
+            float(np.random.randn())) == expected
+    # an older checkpoint's pickled RNG file is refused by name, not unpickled
+    (tmp_path / "rng.pt.json").unlink()
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"rng.pt.json is missing: .*older checkpoint \(a pickle, which is not loaded\)"):
+        checkpoint.read_rng(tmp_path / "rng.pt")

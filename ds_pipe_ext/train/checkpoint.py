@@ -108,9 +108,37 @@ def restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def write_rng(path: Path, state: dict) -> None:
+    """``state`` as tensors (PATH, loadable with ``weights_only=True``) and numbers (PATH.json): nothing a load
+    unpickles but tensors.  numpy's and Python's Mersenne Twister keys are int64 tensors (uint32 words)."""
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    version, internal, gauss_next = state["python"]
+    tensors = {"torch": state["torch"], "numpy_keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+               "python_internal": torch.tensor(internal, dtype=torch.int64, device="cpu")}
+    if "cuda" in state:
+        tensors["cuda"] = state["cuda"].cpu()
+    torch.save(tensors, path)
+    meta = {"numpy": [name, int(pos), int(has_gauss), float(cached)], "python": [version, gauss_next]}
+    Path(f"{path}.json").write_text(json.dumps(meta))
+
+
 def read_rng(path: Path) -> dict:
-    """RNG states are CPU byte tensors whatever device saved them (torch and torch.cuda take them so)."""
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """What ``write_rng`` wrote, read without unpickling anything but tensors; RNG states are CPU byte tensors
+    whatever device saved them (torch and torch.cuda take them so)."""
+    meta_path = Path(f"{path}.json")
+    if not meta_path.is_file():
+        raise CheckpointError(f"{meta_path} is missing: {path} is an RNG file of an older checkpoint (a pickle, which "
+                              f"is not loaded); resume from a checkpoint this version wrote")
+    tensors = torch.load(path, map_location="cpu", weights_only=True)
+    meta = json.loads(meta_path.read_text())
+    name, pos, has_gauss, cached = meta["numpy"]
+    version, gauss_next = meta["python"]
+    state = {"torch": tensors["torch"],
+             "numpy": (name, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached),
+             "python": (version, tuple(int(x) for x in tensors["python_internal"].tolist()), gauss_next)}
+    if "cuda" in tensors:
+        state["cuda"] = tensors["cuda"]
+    return state
 
 
 def vocabulary_of(model_cfg) -> dict | None:
@@ -132,7 +160,7 @@ def save(engine, save_dir: str | Path, *, step: int, layout: Layout, parts: list
     fault.check()
     if repartitionable(layout, experts=experts):
         save_layer_optimizer_states(engine, ckpt, after_each=fault.wrote)
-    torch.save(rng_state(), ckpt / f"rng_rank{rank:03d}.pt")
+    write_rng(ckpt / f"rng_rank{rank:03d}.pt", rng_state())
     fault.wrote()
     dist.barrier()  # every rank has written every file
     if rank == 0:
