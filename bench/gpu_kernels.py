@@ -199,7 +199,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="on the CPU at 64x smaller shapes; nothing in the package")
     ap.add_argument("--out", default=None, help="the table's path (default: ds_pipe_ext/costs/kernels/<device>.json)")
-    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (as --dry-run: the kernels it times are a GPU's)")
+    ap.add_argument("--smoke", action="store_true",
+                    help=SMOKE_HELP + " (as --dry-run: the kernels it times are a GPU's)")
     args = ap.parse_args(argv)
     args.dry_run = args.dry_run or args.smoke
     cuda = torch.cuda.is_available() and not args.dry_run

@@ -156,7 +156,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     global MODEL
     model_file = out / f"{base_model}-tp.toml"
-    model_file.write_text(Path(__file__).resolve().parents[1].joinpath("model_configs", f"{base_model}.toml").read_text()
+    base_toml = Path(__file__).resolve().parents[1] / "model_configs" / f"{base_model}.toml"
+    model_file.write_text(base_toml.read_text()
                           + "vocab_pad_to = 256   # Megatron's make_vocab_size_divisible_by 128 x TP 2\n")
     MODEL = str(model_file)
     model = plan_model()

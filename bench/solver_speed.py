@@ -52,7 +52,8 @@ def main() -> None:
     small = [rng.randint(1, 1000) for _ in range(ds_layers)]
     t_ours, ours = timed(lambda: partition_min_max([float(w) for w in small], ds_stages), repeats=5)
     t_ds, theirs = timed(lambda: partition_balanced(small, ds_stages), repeats=1)
-    print(f"{ds_layers} layers x {ds_stages} stages: ours {t_ours * 1e3:.2f} ms, DeepSpeed partition_balanced {t_ds * 1e3:.0f} ms")
+    print(f"{ds_layers} layers x {ds_stages} stages: ours {t_ours * 1e3:.2f} ms, "
+          f"DeepSpeed partition_balanced {t_ds * 1e3:.0f} ms")
     print(f"  bottleneck: ours {bottleneck(small, ours):.0f}, DeepSpeed {bottleneck(small, [int(b) for b in theirs]):.0f}"
           "  (DeepSpeed minimises slowest - fastest, not the slowest stage)")
     print(f"RESULT solve_10000x128_s={t_big:.4f} speedup_vs_deepspeed_400x16={t_ds / t_ours:.0f}")

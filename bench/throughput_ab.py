@@ -5,7 +5,8 @@
 
 Each launch is the checkout's train.py on 2 CPU ranks (one thread each, as ``deepspeed --num_gpus 2`` runs it),
 bench-cpu as a 2-stage pipeline with its split fixed (``parts:0,11,14``, so both checkouts run the same stages),
-micro-batch 4 x 4, 4 steps (the median of steps 2-4).  Both checkouts run with this interpreter's environment.  Last line:
+micro-batch 4 x 4, 4 steps (the median of steps 2-4).  Both checkouts run with this interpreter's environment.
+Last line:
 RESULT after_vs_before_median=R after_vs_before_min=A after_vs_before_max=B (samples/s, after / before, per round)
 """
 

@@ -26,7 +26,8 @@ from ds_pipe_ext.costs.profiler import ProfileSettings
 from ds_pipe_ext.models import family_of, load_model
 from ds_pipe_ext.models.costs import calibration_points, profile_three_layers
 
-# a 32 MiB table, as large as the caches (zeroing and accumulating it are most of the embedding's backward), blocks of h 256
+# a 32 MiB table, as large as the caches (zeroing and accumulating it are most of the embedding's backward),
+# blocks of h 256
 SHAPE = {"vocab_size": 32768, "hidden": 256, "layers": 2, "heads": 4, "seq_len": 128}
 FAMILIES = {"tiny": {}, "llama-tiny": {"kv_heads": 2, "ffn_hidden": 704},
             "moe-tiny": {"kv_heads": 2, "ffn_hidden": 704, "expert_ffn_hidden": 384, "shared_ffn_hidden": 384,

@@ -24,8 +24,8 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     fresh anonymous 64 MiB mapping (what glibc returns above its mmap threshold) against filling a
     warm buffer; the difference is the page faults.  Zeroing a warm 256 MiB buffer (``fill_bandwidth``),
     drawing a dropout mask of 2^20 elements (``random_rate``) and looking up rows of a table beyond the
-    caches at random (``row_op_s``) and their backward's row adds (``row_add_s``), and a forward GEMM whose output width breaks 64-byte row alignment
-    (4,097 against 4,096 columns: ``misaligned_output_efficiency``).  Faults are charged above the threshold the
+    caches at random (``row_op_s``) and their backward's row adds (``row_add_s``), and a forward GEMM whose
+    output width breaks 64-byte row alignment (4,097 against 4,096 columns: ``misaligned_output_efficiency``).  Faults are charged above the threshold the
     training processes run with (``training_mmap_threshold``: train.py fixes it at 1 GiB).
     """
     import torch

@@ -47,8 +47,8 @@ class DeviceSpec:
     # at 1,024 tokens: 0.35 ms each way, 5% of the layer); 0: none (a GPU keeps thousands in flight)
     row_op_s: float = 0.0
     # seconds per token of a CPU embedding's backward beyond zeroing its table (embedding_dense_backward_cpu:
-    # a TensorIterator add dispatched per token, into a row at random): ~1.5 us here, three lookups' worth;
-    # 0: the lookup's ``row_op_s``
+    # a TensorIterator add dispatched per token, into a row at random): 0.6-0.8 us here against a lookup's
+    # 0.4-0.5; 0: the lookup's ``row_op_s``
     row_add_s: float = 0.0
     # A forward GEMM whose output rows are not 64-byte aligned (a width that is not a multiple of 16 fp32
     # elements: GPT-2's 50,257-token vocabulary) runs at this fraction of an aligned one's speed on a CPU

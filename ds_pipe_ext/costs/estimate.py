@@ -163,7 +163,7 @@ def op_rows(ops: list[A.OpCost], device: DeviceSpec, req: EstimateRequest) -> li
                      "comm_fwd_bytes": op.comm_fwd_bytes, "comm_bwd_bytes": op.comm_bwd_bytes, "comm_type": op.comm_type,
                      "compute_fwd_s": f["compute_s"], "memory_fwd_s": f["memory_s"], "comm_fwd_s": f["comm_s"],
                      "comm_bwd_s": b["comm_s"],
-                     "fwd_s": f["time_s"], "bwd_s": b["time_s"], "accumulate_bwd_s": b.get("accumulate_s", 0.0),
+                     "fwd_s": f["time_s"], "bwd_s": b["time_s"], "accumulate_bwd_s": b["accumulate_s"],
                      "intensity": f["intensity"]})
     return rows
 

@@ -169,7 +169,8 @@ class PlanModel(RankUpdate):
     def on_device(self, device: DeviceSpec) -> "PlanModel":
         """The same plan on another device (a fresh model: layer costs are cached per model), on the device's
         network where it has one (``plan.speed.at_speed`` scales it), else this plan's cluster."""
-        return PlanModel(self.cfg, device, device.network or self.cluster, seq=self.seq, global_batch=self.global_batch, dtype=self.dtype,
+        return PlanModel(self.cfg, device, device.network or self.cluster, seq=self.seq, global_batch=self.global_batch,
+                         dtype=self.dtype,
                          memory_fraction=self.memory_fraction, step_model=self.step_model, network=self.network,
                          expert_imbalance=self.expert_imbalance, zero_settings=self.zero_settings,
                          runtime_terms=self.runtime_terms, grad_accum_dtype=self.grad_accum_dtype,

@@ -94,8 +94,9 @@ def enumerate_layouts(cfg, gpus: int, *, gpus_per_node: int, global_batch: int,
 
 
 # --only's keys beyond the layout: how a published run was set up (``only_settings``)
-ONLY_SETTINGS = {"split": ("analytic", "even", "uniform"), "lp_grads": ("zero", "none"), "grad_accum": ("fp32", "bf16", "fp16"),
-                 "zero3_gather": ("prefetch", "synchronized"), "buckets": ("plan", "deepspeed")}
+ONLY_SETTINGS = {"split": ("analytic", "even", "uniform"), "lp_grads": ("zero", "none"),
+                 "grad_accum": ("fp32", "bf16", "fp16"), "zero3_gather": ("prefetch", "synchronized"),
+                 "buckets": ("plan", "deepspeed")}
 
 
 def _only_items(text: str) -> dict[str, str]:
@@ -111,8 +112,8 @@ def _only_items(text: str) -> dict[str, str]:
 
 def only_settings(text: str) -> dict[str, str]:
     """``--only``'s run settings: ``split`` (analytic: the split an ``analytic`` run chooses; even: Megatron's, the
-    blocks evenly; uniform: DeepSpeed's, the layers evenly by count), ``lp_grads`` (BF16_Optimizer's 16-bit gradients zeroed before each backward, as DeepSpeed 0.19
-    does, or set to None, as its 2022 code did), ``grad_accum`` (ds.json's ``data_types.grad_accum_dtype``) and
+    blocks evenly; uniform: DeepSpeed's, the layers evenly by count), ``lp_grads`` (BF16_Optimizer's 16-bit
+    gradients zeroed before each backward, as DeepSpeed 0.19 does, or set to None, as its 2022 code did), ``grad_accum`` (ds.json's ``data_types.grad_accum_dtype``) and
     ``zero3_gather`` (prefetch: DeepSpeed 0.19's ZeRO-3; synchronized: 0.3.12-0.4.x's, ``plan.zero3``) and
     ``buckets`` (plan: the ZeRO buckets the emitted ds.json sets; deepspeed: DeepSpeed's own defaults, what a run
     that set none ran)."""
