@@ -42,7 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--init-from", default=None, metavar="FILE",
                     help="start from a single-process model's state dict (torch.save of SequentialGPT)")
     ap.add_argument("--save", default=None, metavar="DIR", help="checkpoints: every train.save_interval steps and at the end")
-    ap.add_argument("--load", default=None, metavar="DIR", help="resume from DIR's latest complete checkpoint")
+    ap.add_argument("--load", default=None, metavar="DIR", help="resume from DIR's latest complete checkpoint "
+                    "(on this layout, or another DP size or pipeline split: docs/CONFIG.md)")
+    ap.add_argument("--trust-checkpoint", action="store_true",
+                    help="--load unpickles whatever the files hold (default: tensors and DeepSpeed's records only)")
     ap.add_argument("--metrics-out", default=None, help="rank 0 writes a JSON summary here, each rank NAME.rankR.json")
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     return ap.parse_args(argv)
@@ -57,6 +60,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     return build_run_config(ds, train={"steps": args.steps, "model": args.model}, pipeline=pipeline,
                             instrument=instrument,
                             options={"init_from": args.init_from, "save": args.save, "load": args.load,
+                                     "trust_checkpoint": args.trust_checkpoint,
                                      "metrics_out": args.metrics_out})
 
 

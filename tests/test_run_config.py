@@ -112,6 +112,14 @@ def test_indexed_tokens_cross_documents_stride_by_rank_and_resume(tmp_path):
     s1, s2 = SyntheticTokens(50, 2, 4, seed=3), SyntheticTokens(50, 2, 4, seed=3, position=2)
     next(s1), next(s1)
     assert torch.equal(next(s1)[0], next(s2)[0])
+    # a step's samples are the same whatever dp x accumulation makes its global batch of 8: a resume on
+    # half the ranks, accumulating twice as much, reads the samples the lost ranks would have
+    def step_samples(dp: int, accum: int, step: int) -> set:
+        streams = [SyntheticTokens(50, 2, 4, seed=3, dp_rank=r, dp=dp, position=step * accum) for r in range(dp)]
+        return {tuple(row.tolist()) for s in streams for _ in range(accum) for row in next(s)[0]}
+
+    assert step_samples(4, 1, 3) == step_samples(2, 2, 3) == step_samples(1, 4, 3)
+    assert len(step_samples(4, 1, 3)) == 8 and step_samples(4, 1, 3) != step_samples(4, 1, 2)
 
 
 def test_a_checkpoint_with_a_missing_or_truncated_file_is_refused(tmp_path):

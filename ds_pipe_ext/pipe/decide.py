@@ -44,3 +44,21 @@ def decide_and_broadcast(decide: Callable[[], T], *, what: str, rank: int | None
     if error is not None:
         raise DecisionError(f"{what} failed on rank 0: {error}")
     return result
+
+
+def run_everywhere(work: Callable[[], T], *, what: str, group=None) -> T:
+    """``work`` on every rank, each on its own data (a rank's own files); every rank raises if any rank failed,
+    naming the first that did, so no rank goes on with state the others lack."""
+    error = None
+    try:
+        result = work()
+    except Exception as e:  # noqa: BLE001 - gathered and raised on every rank below
+        result, error = None, f"{type(e).__name__}: {e}"
+    errors = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, first = failed[0]
+        raise DecisionError(f"{what} failed on rank {rank}" + (f" (and {len(failed) - 1} more)" if len(failed) > 1
+                                                                else "") + f": {first}")
+    return result

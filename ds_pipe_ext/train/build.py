@@ -140,7 +140,7 @@ def build_data_parallel(cfg: RunConfig, model_cfg, specs, loss_fn):
 def load_full_state(model: torch.nn.Module, path: str, *, tp: int, pipelined: bool) -> None:
     """Copy a SequentialGPT state dict ("layers.<i>.…") into this rank's model, TP-sliced."""
     first = next(iter(model.parameters()), None)
-    full = torch.load(path, map_location=first.device if first is not None else "cpu")
+    full = torch.load(path, map_location=first.device if first is not None else "cpu", weights_only=True)
     if pipelined:  # a PipelineModule names its layers "<i>.…"
         full = {k.removeprefix("layers."): v for k, v in full.items()}
     if tp > 1:
@@ -381,8 +381,10 @@ def build(cfg: RunConfig) -> Built:
     elif not cfg.pipelined and cfg.instrument.enabled:
         built.sink, built.recorder = start_data_parallel_instrumentation(built)
     if cfg.options.load:
-        built.start_step = int(checkpoint.load(engine, cfg.options.load, layout=layout, parts=parts, experts=experts,
-                                               vocabulary=checkpoint.vocabulary_of(built.model_cfg))["step"])
+        built.start_step = int(checkpoint.load(
+            engine, cfg.options.load, layout=layout, parts=parts, experts=experts,
+            vocabulary=checkpoint.vocabulary_of(built.model_cfg), trust=cfg.options.trust_checkpoint,
+            method=cfg.pipeline.partition_method if cfg.pipelined else None)["step"])
     if cfg.zero_stage == 0:  # under ZeRO the gradients are partitioned (and freed) before the inner step
         from ..compat.optimizer import unwrap_optimizer
 

@@ -3,15 +3,21 @@
 Saving step N (every rank calls ``save``):
 
 1. every rank writes its files into ``DIR/global_stepN/``: DeepSpeed's own (weights; ZeRO's
-   partitioned optimizer state), ours (per-layer optimizer state of a pipeline, this
-   rank's RNG state);
+   partitioned optimizer state), ours (every layer's full fp32 masters and Adam moments,
+   ``full_states``; this rank's RNG state);
 2. a barrier: no rank goes on until every rank has written every file;
 3. rank 0 lists the files with their sizes in ``manifest.json`` (written atomically),
    then moves DeepSpeed's ``latest`` pointer to the tag (atomically), then deletes all
    but the newest ``keep_last`` complete checkpoints.
 
 A run killed at any point before (3) leaves ``latest`` on the previous complete
-checkpoint.  ``resolve`` refuses a tag without a manifest, or whose files are missing
+checkpoint.
+
+Resuming: on the layout that wrote it, DeepSpeed loads its own files (bit-identical).  On
+another data-parallel size or pipeline split, every rank sets its parameters, masters and
+moments from the full states (``full_states.load``): what moves and what is refused is
+``check_move``'s table, docs/CONFIG.md.  Either way nothing is unpickled but tensors and
+DeepSpeed's own records (``safe_load``).  ``resolve`` refuses a tag without a manifest, or whose files are missing
 or shorter than the manifest says, naming the file; rank 0 checks and every rank
 receives the same verdict.
 
@@ -33,8 +39,9 @@ import torch
 import torch.distributed as dist
 
 from ..layout import Layout
-from ..pipe.checkpoint import load_layer_optimizer_states, save_layer_optimizer_states
-from ..pipe.decide import decide_and_broadcast
+from ..pipe.decide import decide_and_broadcast, run_everywhere
+from . import full_states
+from .safe_load import check_files, guard, safe_load
 
 MANIFEST, LATEST = "manifest.json", "latest"
 FAULT_ENV = "DS_PIPE_EXT_FAULT_SAVE"
@@ -44,14 +51,8 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message names the file."""
 
 
-def repartitionable(layout: Layout, *, experts: bool = False) -> bool:
-    """Per-layer files (a pipeline without ZeRO): weights and optimizer state load under any partition.
-    Not with DeepSpeed MoE layers: it writes expert files keyed by the stage-local MoE index and EP rank."""
-    return layout.pipelined and layout.zero == 0 and not experts
-
-
 def _depends_on(layout: Layout, parts: list[int] | None) -> dict:
-    """What a checkpoint's files depend on; a resume under another layout is refused where it matters."""
+    """What DeepSpeed's own files depend on: a resume where any of it differs moves the full states instead."""
     return {"pipelined": layout.pipelined, "zero": layout.zero, "world_size": layout.world_size, "parts": parts,
             "ep": layout.ep}
 
@@ -62,6 +63,15 @@ def _saved_depends_on(manifest: dict) -> dict:
         return {"pipelined": saved["pipelined"], "zero": saved["zero_stage"], "world_size": saved["world_size"],
                 "parts": saved["parts"], "ep": 1}
     return _depends_on(Layout.from_dict(saved), manifest.get("parts"))
+
+
+# What a move onto another layout keeps fixed: (key, why).  Everything else may change: the data-parallel
+# size, the number of stages and the split, the ZeRO stage within one DeepSpeed optimizer wrapper.
+FIXED_IN_A_MOVE = (
+    ("tp", "each tensor-parallel rank's full states hold its shard of every parameter"),
+    ("ep", "each expert-parallel rank holds its own experts"),
+    ("pipelined", "a pipeline's and the sequential model's layers are built apart"),
+)
 
 
 def tag_for(step: int) -> str:
@@ -122,14 +132,14 @@ def write_rng(path: Path, state: dict) -> None:
     Path(f"{path}.json").write_text(json.dumps(meta))
 
 
-def read_rng(path: Path) -> dict:
+def read_rng(path: Path, *, trust: bool = False) -> dict:
     """What ``write_rng`` wrote, read without unpickling anything but tensors; RNG states are CPU byte tensors
     whatever device saved them (torch and torch.cuda take them so)."""
     meta_path = Path(f"{path}.json")
     if not meta_path.is_file():
         raise CheckpointError(f"{meta_path} is missing: {path} is an RNG file of an older checkpoint (a pickle, which "
                               f"is not loaded); resume from a checkpoint this version wrote")
-    tensors = torch.load(path, map_location="cpu", weights_only=True)
+    tensors = safe_load(path, map_location="cpu", trust=trust)
     meta = json.loads(meta_path.read_text())
     name, pos, has_gauss, cached = meta["numpy"]
     version, gauss_next = meta["python"]
@@ -150,6 +160,20 @@ def vocabulary_of(model_cfg) -> dict | None:
             "vocab_pad_to": int(model_cfg.vocab_pad_to)}
 
 
+def _ranks(engine, layout: Layout) -> tuple[int, int]:
+    """(data-parallel rank, tensor-parallel rank) of this process."""
+    if layout.pipelined:
+        from ..compat.engine import coordinates
+
+        where = coordinates(engine.module)
+        return where.data, where.model
+    if layout.tp > 1:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+    return dist.get_rank(), 0
+
+
 def save(engine, save_dir: str | Path, *, step: int, layout: Layout, parts: list[int] | None, keep_last: int,
          client_state: dict, experts: bool = False, vocabulary: dict | None = None) -> Path:
     rank = dist.get_rank()
@@ -158,8 +182,9 @@ def save(engine, save_dir: str | Path, *, step: int, layout: Layout, parts: list
     engine.save_checkpoint(str(root), tag=tag, client_state={**client_state, "step": step}, save_latest=False)
     fault = _FaultInjector(rank, step)
     fault.check()
-    if repartitionable(layout, experts=experts):
-        save_layer_optimizer_states(engine, ckpt, after_each=fault.wrote)
+    dp_rank, tp_rank = _ranks(engine, layout)
+    full_states.save(engine, ckpt, pipelined=layout.pipelined, writer=dp_rank == 0, tp_rank=tp_rank,
+                     after_each=fault.wrote)
     write_rng(ckpt / f"rng_rank{rank:03d}.pt", rng_state())
     fault.wrote()
     dist.barrier()  # every rank has written every file
@@ -167,7 +192,7 @@ def save(engine, save_dir: str | Path, *, step: int, layout: Layout, parts: list
         files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()
                  and p.name != MANIFEST}
         manifest = {"step": step, "tag": tag, "layout": layout.to_dict(), "parts": parts, "experts": experts,
-                    "vocabulary": vocabulary, "files": files}
+                    "vocabulary": vocabulary, "full_states": True, "files": files}
         _atomic_write(ckpt / MANIFEST, json.dumps(manifest, indent=1))
         _atomic_write(root / LATEST, tag)
         _prune(root, keep_last=keep_last, newest=step)
@@ -206,16 +231,47 @@ def verify(load_dir: str | Path) -> dict:
     return manifest
 
 
-def _check_layout(manifest: dict, layout: Layout, parts: list[int] | None, ckpt: Path, *, experts: bool) -> None:
-    saved, ours = _saved_depends_on(manifest), _depends_on(layout, parts)
-    if repartitionable(layout, experts=experts) and saved["pipelined"] and saved["zero"] == 0:
-        return  # per-layer files: any partition, any data-parallel degree
-    why = ("DeepSpeed writes each MoE layer's experts to files keyed by the stage-local MoE index and the EP "
-           "rank" if experts else "its optimizer state only fits the layout that wrote it")
-    for key in ("pipelined", "zero", "world_size", "parts", "ep"):
-        if saved[key] != ours[key]:
-            raise CheckpointError(f"{ckpt} was written with {key} = {saved[key]}, this run has {ours[key]}: "
-                                  f"{why}; resume with the same {key}")
+def check_move(manifest: dict, layout: Layout, ckpt: Path, *, experts: bool) -> None:
+    """A checkpoint resumed on another layout: what must stay as it was (``FIXED_IN_A_MOVE``)."""
+    if not manifest.get("full_states"):
+        raise CheckpointError(f"{ckpt} holds no full states (written before they were saved), and DeepSpeed's own "
+                              f"files only fit the layout that wrote them: resume with its layout, "
+                              f"{_layout_words(manifest['layout'])}")
+    saved = _saved_layout(manifest)
+    for key, why in FIXED_IN_A_MOVE:
+        if saved[key] != getattr(layout, key):
+            raise CheckpointError(f"{ckpt} was written with {key} = {saved[key]}, this run has "
+                                  f"{getattr(layout, key)}: {why}; resume with {key} = {saved[key]} (it can "
+                                  f"change the data-parallel size and the pipeline split)")
+    if experts and layout.ep > 1:
+        raise CheckpointError(f"{ckpt}: this model's MoE experts are split over ep = {layout.ep} ranks, and full "
+                              f"states move experts with ep = 1 only; resume with its layout, "
+                              f"{_layout_words(manifest['layout'])}")
+
+
+def _saved_layout(manifest: dict) -> dict:
+    saved = dict(manifest["layout"])
+    saved.setdefault("tp", 1)
+    saved.setdefault("ep", 1)
+    saved["pipelined"] = saved.get("pp", 1) > 1 or saved.get("pipelined", False)
+    return saved
+
+
+def _layout_words(saved: dict) -> str:
+    return (f"pp {saved.get('pp', '?')} x tp {saved.get('tp', 1)} x dp {saved.get('dp', '?')}, "
+            f"zero {saved.get('zero', saved.get('zero_stage'))}")
+
+
+def _move_words(manifest: dict, layout: Layout, parts: list[int] | None, method: str | None) -> str:
+    saved = manifest["layout"]
+    before = saved.get("micro_batch", 0) * saved.get("micro_batches", 0) * saved.get("dp", 0)
+    after = layout.micro_batch * layout.micro_batches * layout.dp
+    split = f", split {parts} by partition_method {method!r} for the ranks this run has" if parts else ""
+    batch = (f"; the global batch stays {after} samples" if before == after else
+             f"; the global batch changes from {before} to {after} samples a step")
+    return (f"written by {_layout_words(saved)} (parts {manifest.get('parts')}), resumed on "
+            f"{_layout_words(layout.to_dict())}{split}: weights, fp32 masters and Adam moments set from its "
+            f"full states{batch}")
 
 
 def check_vocabulary(manifest: dict, vocabulary: dict | None, ckpt: Path) -> None:
@@ -233,20 +289,31 @@ def check_vocabulary(manifest: dict, vocabulary: dict | None, ckpt: Path) -> Non
 
 
 def load(engine, load_dir: str | Path, *, layout: Layout, parts: list[int] | None, experts: bool = False,
-         vocabulary: dict | None = None) -> dict:
+         vocabulary: dict | None = None, trust: bool = False, method: str | None = None) -> dict:
     """Resume from ``latest``: weights, optimizer state, this rank's RNG; returns the client state (``step``).
+    On the layout that wrote it through DeepSpeed's own files, else through the full states (``check_move``).
     ``experts``: the model has DeepSpeed MoE layers; ``vocabulary``: this run's (``vocabulary_of``), refused
-    where the checkpoint's differs."""
+    where the checkpoint's differs; ``trust``: unpickle whatever the files hold (``safe_load``)."""
     manifest = decide_and_broadcast(lambda: verify(load_dir), what=f"--load {load_dir}")
     ckpt = Path(load_dir) / manifest["tag"]
-    decide_and_broadcast(lambda: _check_layout(manifest, layout, parts, ckpt, experts=experts),
-                         what=f"--load {load_dir}")
     decide_and_broadcast(lambda: check_vocabulary(manifest, vocabulary, ckpt), what=f"--load {load_dir}")
-    _, client_state = engine.load_checkpoint(str(load_dir), tag=manifest["tag"],
-                                             load_module_only=repartitionable(layout, experts=experts))
-    if repartitionable(layout, experts=experts):
-        load_layer_optimizer_states(engine, ckpt)
+    if not trust:
+        decide_and_broadcast(lambda: check_files(ckpt / name for name in manifest["files"]
+                                                         if not name.endswith(".json")),
+                             what=f"--load {load_dir}")
+    moved = _saved_depends_on(manifest) != _depends_on(layout, parts)
+    guard(engine, trust=trust)
+    if moved:
+        decide_and_broadcast(lambda: check_move(manifest, layout, ckpt, experts=experts), what=f"--load {load_dir}")
+        if dist.get_rank() == 0:
+            print(f"ds_pipe_ext: --load {load_dir}: {_move_words(manifest, layout, parts, method)}", flush=True)
+        _, tp_rank = _ranks(engine, layout)
+        run_everywhere(lambda: full_states.load(engine, ckpt, pipelined=layout.pipelined, tp_rank=tp_rank),
+                       what=f"--load {load_dir} (full states)")
+        client_state = None
+    else:
+        _, client_state = engine.load_checkpoint(str(load_dir), tag=manifest["tag"])
     rng = ckpt / f"rng_rank{dist.get_rank():03d}.pt"
     if rng.is_file():  # absent when resuming on more ranks than wrote the checkpoint
-        restore_rng(read_rng(rng))
+        restore_rng(read_rng(rng, trust=trust))
     return client_state or {"step": manifest["step"]}

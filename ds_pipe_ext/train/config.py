@@ -79,6 +79,7 @@ class RunOptions(ConfigModel):
     init_from: str | None = None  # a single-process state dict to start from (parity checks)
     save: str | None = None  # checkpoint directory
     load: str | None = None  # resume from this directory's ``latest`` checkpoint
+    trust_checkpoint: bool = False  # unpickle whatever --load's files hold (train/safe_load.py)
     metrics_out: str | None = None  # rank 0 writes a JSON summary here, every rank NAME.rankR.json beside it
 
 
@@ -147,6 +148,11 @@ def build_run_config(ds: dict, *, train: dict | None = None, pipeline: dict | No
                      options: dict | None = None, instrument: dict | None = None) -> RunConfig:
     """Validate ds.json's sections with command-line overrides applied (``None`` values: not given)."""
     ds = copy.deepcopy(ds)
+    if isinstance(ds.get("checkpoint"), dict) and ds["checkpoint"].get("load_universal"):
+        raise ConfigError("checkpoint.load_universal = true: DeepSpeed's universal checkpoint loader unpickles its "
+                          "files with torch.load(weights_only=False), outside any checkpoint engine; remove it: "
+                          "--load resumes on another data-parallel size or pipeline split from the full states "
+                          "every save writes (docs/CONFIG.md)")
     train_cfg = parse_section(TrainSection, _merge(ds.pop("train", None), train or {}, "train"), "train")
     tp_cfg = parse_section(TensorParallelSection, ds.pop("tensor_parallel", None), "tensor_parallel")
     moe_cfg = parse_section(MoESection, ds.pop("moe", None), "moe")

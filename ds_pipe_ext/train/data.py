@@ -1,4 +1,4 @@
-"""Micro-batch streams that can resume: synthetic tokens, or a Megatron indexed dataset.
+"""Micro-batch streams that can resume, on any data-parallel size: synthetic tokens, or a Megatron indexed dataset.
 
 A stream yields ``(inputs, labels)`` micro-batches of token ids, labels being the inputs
 shifted by one.  ``position`` (micro-batches consumed by this data-parallel rank) is all
@@ -22,20 +22,27 @@ from ..config_model import ConfigError
 
 
 class SyntheticTokens:
-    """Random tokens from a seeded generator (one generator per data-parallel rank)."""
+    """Random tokens, sample by sample: global sample g is drawn from a generator seeded with (seed, g), and
+    data-parallel rank r of dp reads samples (position * dp + r) * micro_batch + i, as ``IndexedTokens``
+    reads windows.  A step's samples are then the same whatever dp and the accumulation that make its
+    global batch: a run resumed on fewer ranks, accumulating more, sees the samples it would have seen."""
 
-    def __init__(self, vocab: int, micro_batch: int, seq: int, *, seed: int, position: int = 0):
+    def __init__(self, vocab: int, micro_batch: int, seq: int, *, seed: int, position: int = 0, dp_rank: int = 0,
+                 dp: int = 1):
         self.vocab, self.micro_batch, self.seq = vocab, micro_batch, seq
-        self.gen = torch.Generator().manual_seed(seed)
-        self.position = 0
-        for _ in range(position):
-            next(self)
+        self.seed, self.dp_rank, self.dp = seed, dp_rank, dp
+        self.position = position
 
     def __iter__(self) -> Iterator:
         return self
 
+    def _sample(self, index: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + index) % 2**63)
+        return torch.randint(0, self.vocab, (self.seq + 1,), generator=gen)
+
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.randint(0, self.vocab, (self.micro_batch, self.seq + 1), generator=self.gen)
+        first = (self.position * self.dp + self.dp_rank) * self.micro_batch
+        tokens = torch.stack([self._sample(first + i) for i in range(self.micro_batch)])
         self.position += 1
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
@@ -90,5 +97,5 @@ class IndexedTokens:
 def token_stream(data: str | None, *, vocab: int, micro_batch: int, seq: int, seed: int, dp_rank: int, dp: int,
                  position: int = 0):
     if data is None:
-        return SyntheticTokens(vocab, micro_batch, seq, seed=seed + 1000 + dp_rank, position=position)
+        return SyntheticTokens(vocab, micro_batch, seq, seed=seed + 1000, position=position, dp_rank=dp_rank, dp=dp)
     return IndexedTokens(data, micro_batch, seq, vocab=vocab, dp_rank=dp_rank, dp=dp, position=position)

@@ -1,0 +1,127 @@
+"""Rank worker of tests/test_checkpoint_moves.py: every checkpoint kind train.py writes, in one launch per phase.
+
+    deepspeed --num_gpus 4 tests/checkpoint_moves_worker.py --phase save --root DIR --case NAME=DS.json[=ARGS] ...
+
+Phases, each over every ``--case`` (a ds.json, and train.py arguments after a second ``=``):
+
+* ``save``: train 2 steps and save to ROOT/NAME; rank 0 lists each file's globals beyond tensors
+  (``torch.serialization.get_unsafe_globals_in_checkpoint``);
+* ``move``: resume ROOT/NAME (on however many ranks this launch has) and compare this rank's parameters, fp32
+  masters and Adam moments, gathered again through DeepSpeed, with the full states the save wrote, to the
+  element; then save what was loaded to ROOT/NAME-moved;
+* ``crafted``: resume ROOT/NAME, expecting the refusal (the test put a crafted file there).
+
+Rank 0 writes --metrics-out: {case: {...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import train  # noqa: E402
+
+
+def build(ds: str, args: list[str]):
+    from megatron.core import parallel_state
+
+    from ds_pipe_ext.compat.engine import forget_deepspeed_groups
+    from ds_pipe_ext.train.build import build
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    forget_deepspeed_groups()
+    return build(train.run_config(train.parse_args(["--deepspeed_config", ds, *args])))
+
+
+def globals_of(ckpt: Path) -> dict:
+    found = {}
+    for path in sorted(ckpt.glob("*.pt")):
+        found[path.name] = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    return found
+
+
+def compare(built, ckpt: Path) -> dict:
+    """This rank's layers against the saved full states: what differs, and how many tensors were checked."""
+    from ds_pipe_ext.train import full_states
+
+    layout, engine = built.layout, built.engine
+    masters = full_states._Masters(engine)
+    from ds_pipe_ext.train.checkpoint import _ranks
+
+    _, tp_rank = _ranks(engine, layout)
+    differ, checked = [], 0
+    for idx, layer in full_states.model_layers(engine.module, pipelined=layout.pipelined):
+        saved = torch.load(full_states.layer_file(ckpt, idx, tp_rank), weights_only=True)
+        for name, p in layer.named_parameters():
+            now = masters.get(p)
+            for key, value in now.items():
+                checked += 1
+                if not torch.equal(value, saved[f"{name}.{key}"]):
+                    differ.append(f"layer {idx} {name}.{key}")
+            weight = full_states._frozen_weight(p)  # the model's copy (gathered under ZeRO-3)
+            if not torch.equal(weight, saved[f"{name}.fp32"].to(p.dtype).float()):
+                differ.append(f"layer {idx} {name} (model weight)")
+            checked += 1
+    return {"differ": differ, "checked": checked}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", choices=("save", "move", "crafted"), required=True)
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--case", action="append", required=True)
+    ap.add_argument("--metrics-out", required=True)
+    ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    args = ap.parse_args()
+
+    from ds_pipe_ext.pipe.decide import DecisionError
+    from ds_pipe_ext.train import checkpoint
+    from ds_pipe_ext.train.trainer import Trainer
+
+    root, results = Path(args.root), {}
+    for case in args.case:
+        name, ds, *extra = case.split("=", 2)
+        extra = extra[0].split() if extra else []
+        if args.phase == "save":
+            built = build(ds, [*extra, "--steps", "2", "--save", str(root / name)])
+            summary = Trainer(built).run()
+            results[name] = {"losses": summary["losses"], "wrapper": type(built.engine.optimizer).__name__,
+                             "globals": globals_of(root / name / "global_step2") if built.rank == 0 else None}
+        elif args.phase == "move":
+            built = build(ds, [*extra, "--load", str(root / name)])
+            ckpt = root / name / checkpoint.tag_for(built.start_step)
+            mine = compare(built, ckpt)
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            checkpoint.save(built.engine, root / f"{name}-moved", step=built.start_step, layout=built.layout,
+                            parts=built.parts, keep_last=1, client_state={})
+            results[name] = {"differ": [d for r in everyone for d in r["differ"]],
+                             "checked": sum(r["checked"] for r in everyone), "parts": built.parts,
+                             "dp": built.layout.dp, "start_step": built.start_step,
+                             "wrapper": type(built.engine.optimizer).__name__}
+        else:
+            built = None
+            try:
+                build(ds, [*extra, "--load", str(root / name)])
+                results[name] = {"error": None}
+            except DecisionError as e:
+                results[name] = {"error": str(e)}
+        del built
+    out = Path(args.metrics_out)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
