@@ -86,6 +86,8 @@ def test_every_kind_saves_safely_and_resumes_on_half_the_ranks_and_back(tmp_path
     moved, stdout = run_phase(tmp_path, 2, "move", cases(tmp_path, 1), root)
     for name, (_, saved_split, split) in KINDS.items():
         rec = moved[name]
+        print(f"moved {name}: {rec['checked']} tensors checked on dp {rec['dp']}, parts {rec['parts']}, "
+              f"{rec['wrapper']}, {len(rec['differ'])} differ")
         assert rec["differ"] == [] and rec["checked"] > 0, name
         assert rec["start_step"] == 2 and rec["dp"] == (1 if saved_split else 2), name
         if split:

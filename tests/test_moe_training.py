@@ -101,15 +101,15 @@ def test_tensor_parallel_moe_layers_are_refused():
 
 
 def moe_reference(cfg, weights_path, steps: int, *, dp: int, micro_batch: int, gas: int, seed: int = 1234,
-                  lr: float = 3e-4):
+                  lr: float = 3e-4, of_dp: int | None = None):
     """What PP x DP x EP computes, in one process: each DP rank's stream, each micro-batch routed (and its
     load-balancing loss taken) on its own tokens as the ranks do; the step's gradient is the mean over
     the dp x gas micro-batches, and every expert is counted once in the gradient norm."""
     model = MOE.sequential(MOE.layer_specs(cfg, reference=True), MOE.loss_fn(cfg), base_seed=None, recompute=False)
     model.load_state_dict(torch.load(weights_path))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
-    streams = [SyntheticTokens(cfg.vocab_size, micro_batch, cfg.seq_len, seed=seed + 1000, dp_rank=r, dp=dp)
-               for r in range(dp)]
+    streams = [SyntheticTokens(cfg.vocab_size, micro_batch, cfg.seq_len, seed=seed + 1000, dp_rank=r, dp=of_dp or dp)
+               for r in range(dp)]  # of_dp: the first dp ranks' streams of a run over of_dp ranks
     losses, norms = [], []
     for _ in range(steps):
         opt.zero_grad()
@@ -256,8 +256,8 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
     # without a pipeline: ZeRO-2 over 4 data-parallel ranks, experts over EP 2, against one process (a
     # data-parallel run reports rank 0's own micro-batches: its stream alone, routed through the all-to-all)
     assert got["zero2"]["mode"] == "data-parallel zero=2" and got["zero2"]["dp"] == 4
-    assert got["zero2"]["losses"][0] == pytest.approx(moe_reference(cfg, init, 1, dp=1, micro_batch=mb, gas=gas)[0][0],
-                                                      rel=1e-5)
+    rank0 = moe_reference(cfg, init, 1, dp=1, micro_batch=mb, gas=gas, of_dp=4)[0][0]  # rank 0's stream of 4
+    assert got["zero2"]["losses"][0] == pytest.approx(rank0, rel=1e-5)
     planned = got["plan"]
     assert "parts:" + ",".join(map(str, planned["parts"])) == emitted["pipeline"]["partition_method"]
     assert planned["dp"] == 2 and math.isfinite(planned["losses"][0])

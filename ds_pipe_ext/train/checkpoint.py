@@ -21,9 +21,10 @@ DeepSpeed's own records (``safe_load``).  ``resolve`` refuses a tag without a ma
 or shorter than the manifest says, naming the file; rank 0 checks and every rank
 receives the same verdict.
 
-Fault injection, for tests: ``DS_PIPE_EXT_FAULT_SAVE=RANK:FILES[:STEP]`` makes rank RANK exit
+Fault injection, for tests: ``DS_PIPE_EXT_FAULT_SAVE=RANK:FILES[:STEP[:hang]]`` makes rank RANK exit
 abruptly during the save of step STEP (default: any) once it has written FILES of its own
-files (0: right after DeepSpeed's), so a crash mid-save is deterministic.
+files (0: right after DeepSpeed's), so a crash mid-save is deterministic; with ``hang`` it
+stops there instead, for a test to kill its node's launch from outside.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -87,13 +89,17 @@ def _atomic_write(path: Path, text: str) -> None:
 class _FaultInjector:
     def __init__(self, rank: int, step: int):
         spec = os.environ.get(FAULT_ENV, "")
-        target, files, at_step = ([*spec.split(":"), "", ""])[:3] if spec else ("", "", "")
+        target, files, at_step, mode = ([*spec.split(":"), "", "", ""])[:4] if spec else ("", "", "", "")
         self.armed = bool(spec) and int(target) == rank and (not at_step or int(at_step) == step)
-        self.files = int(files or 0)
+        self.files, self.hang = int(files or 0), mode == "hang"
         self.written = 0
 
     def check(self) -> None:
         if self.armed and self.written >= self.files:
+            if self.hang:
+                print(f"{FAULT_ENV}: rank hangs during the save after {self.written} of its files", flush=True)
+                while True:
+                    time.sleep(60)
             print(f"{FAULT_ENV}: rank exits during the save after {self.written} of its files", flush=True)
             os._exit(17)
 
@@ -250,11 +256,8 @@ def check_move(manifest: dict, layout: Layout, ckpt: Path, *, experts: bool) -> 
 
 
 def _saved_layout(manifest: dict) -> dict:
-    saved = dict(manifest["layout"])
-    saved.setdefault("tp", 1)
-    saved.setdefault("ep", 1)
-    saved["pipelined"] = saved.get("pp", 1) > 1 or saved.get("pipelined", False)
-    return saved
+    saved = Layout.from_dict(manifest["layout"])
+    return {key: getattr(saved, key) for key, _ in FIXED_IN_A_MOVE}
 
 
 def _layout_words(saved: dict) -> str:
