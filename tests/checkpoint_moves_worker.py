@@ -1,8 +1,8 @@
-"""Rank worker of tests/test_checkpoint_moves.py: every checkpoint kind train.py writes, in one launch per phase.
+"""Rank worker of tests/test_checkpoint_moves.py: every checkpoint kind train.py writes, several in a launch.
 
-    deepspeed --num_gpus 4 tests/checkpoint_moves_worker.py --phase save --root DIR --case NAME=DS.json[=ARGS] ...
+    deepspeed --num_gpus 4 tests/checkpoint_moves_worker.py --root DIR --case PHASE:NAME=DS.json ...
 
-Phases, each over every ``--case`` (a ds.json, and train.py arguments after a second ``=``):
+Each ``--case`` in turn, in one of three phases, with its ds.json:
 
 * ``save``: train 2 steps and save to ROOT/NAME; rank 0 lists each file's globals beyond tensors
   (``torch.serialization.get_unsafe_globals_in_checkpoint``);
@@ -60,23 +60,20 @@ def compare(built, ckpt: Path) -> dict:
     _, tp_rank = _ranks(engine, layout)
     differ, checked = [], 0
     for idx, layer in full_states.model_layers(engine.module, pipelined=layout.pipelined):
-        saved = torch.load(full_states.layer_file(ckpt, idx, tp_rank), weights_only=True)
-        for name, p in layer.named_parameters():
-            now = masters.get(p)
-            for key, value in now.items():
+        for name, (p, where, saved) in full_states.read_layer(ckpt, idx, tp_rank, layer).items():
+            for key, value in masters.get(p).items():
                 checked += 1
-                if not torch.equal(value, saved[f"{name}.{key}"]):
-                    differ.append(f"layer {idx} {name}.{key}")
+                if not torch.equal(value, saved[key]):
+                    differ.append(f"{where}.{key}")
             weight = full_states._frozen_weight(p)  # the model's copy (gathered under ZeRO-3)
-            if not torch.equal(weight, saved[f"{name}.fp32"].to(p.dtype).float()):
-                differ.append(f"layer {idx} {name} (model weight)")
+            if not torch.equal(weight, saved["fp32"].to(p.dtype).float()):
+                differ.append(f"{where} (model weight)")
             checked += 1
     return {"differ": differ, "checked": checked}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", choices=("save", "move", "crafted"), required=True)
     ap.add_argument("--root", required=True)
     ap.add_argument("--case", action="append", required=True)
     ap.add_argument("--metrics-out", required=True)
@@ -89,15 +86,15 @@ def main() -> None:
 
     root, results = Path(args.root), {}
     for case in args.case:
-        name, ds, *extra = case.split("=", 2)
-        extra = extra[0].split() if extra else []
-        if args.phase == "save":
-            built = build(ds, [*extra, "--steps", "2", "--save", str(root / name)])
+        phase, case = case.split(":", 1)
+        name, ds = case.split("=", 1)
+        if phase == "save":
+            built = build(ds, ["--steps", "2", "--save", str(root / name)])
             summary = Trainer(built).run()
             results[name] = {"losses": summary["losses"], "wrapper": type(built.engine.optimizer).__name__,
                              "globals": globals_of(root / name / "global_step2") if built.rank == 0 else None}
-        elif args.phase == "move":
-            built = build(ds, [*extra, "--load", str(root / name)])
+        elif phase == "move":
+            built = build(ds, ["--load", str(root / name)])
             ckpt = root / name / checkpoint.tag_for(built.start_step)
             mine = compare(built, ckpt)
             everyone = [None] * dist.get_world_size()
@@ -111,7 +108,7 @@ def main() -> None:
         else:
             built = None
             try:
-                build(ds, [*extra, "--load", str(root / name)])
+                build(ds, ["--load", str(root / name)])
                 results[name] = {"error": None}
             except DecisionError as e:
                 results[name] = {"error": str(e)}

@@ -2,7 +2,7 @@
 
 Three launches share every layout kind (tests/checkpoint_moves_worker.py): 4 ranks save each; 2 ranks (the node
 that is left) resume each and compare every parameter, fp32 master and Adam moment with what was saved, to the
-element, then save again; 4 ranks resume those.  Crafted files are refused before anything loads.
+element, then save again; 4 ranks resume those, and are refused copies with a crafted file of each kind.
 """
 
 import json
@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+from ds_pipe_ext.forked_launch import FORK_ENV
 from ds_pipe_ext.runner import launch, write_config
 from ds_pipe_ext.train.safe_load import DEEPSPEED_GLOBALS
 
@@ -27,24 +28,28 @@ KINDS = {
     "bf16-pipeline": ({**PIPE, "bf16": {"enabled": True}}, "parts:0,3,6", "parts:0,2,6"),
     "zero1-pipeline": ({**PIPE, "zero_optimization": {"stage": 1}}, "parts:0,3,6", "parts:0,4,6"),
     "moe-pipeline": ({**PIPE, "train": {**TRAIN, "model": "moe-tiny"}}, "parts:0,3,6", "parts:0,2,6"),
+    "moe-ep2-zero2": ({**DP, "zero_optimization": {"stage": 2}, "moe": {"ep_size": 2},
+                       "train": {**TRAIN, "model": "moe-tiny"}}, None, None),
 }
 WRAPPERS = {"zero1": "DeepSpeedZeroOptimizer", "zero3": "DeepSpeedZeroOptimizer_Stage3",
             "bf16-pipeline": "BF16_Optimizer"}
 
 
-def cases(tmp_path, split: int) -> list[str]:
-    out = []
+def configs(tmp_path, split: int) -> dict:
+    """{kind: its ds.json}, the pipelines' split the saved one (0) or the one the 2 ranks resume with (1)."""
+    out = {}
     for name, (fields, *splits) in KINDS.items():
-        ds = write_config(tmp_path / f"{name}.json", **fields, pipeline=None if splits[0] is None else
-                          {"stages": 2, "partition_method": splits[split]})
-        out += ["--case", f"{name}={ds}"]
+        out[name] = write_config(tmp_path / f"{name}-{split}.json", **fields, pipeline=None if splits[0] is None
+                                 else {"stages": 2, "partition_method": splits[split]})
     return out
 
 
-def run_phase(tmp_path, ranks: int, phase: str, case_args: list[str], root) -> dict:
-    out = tmp_path / f"{phase}-{ranks}"
+def run_launch(tmp_path, ranks: int, cases: list[tuple[str, str, object]], root) -> tuple[dict, str]:
+    """One launch running each (phase, checkpoint name, ds.json) in turn; rank 0's results and the output."""
+    out = tmp_path / f"launch-{len(list(tmp_path.glob('launch-*')))}"
     out.mkdir()
-    proc, _ = launch(ranks, None, "--phase", phase, "--root", str(root), *case_args, out_dir=out, cwd=tmp_path,
+    args = [a for phase, name, ds in cases for a in ("--case", f"{phase}:{name}={ds}")]
+    proc, _ = launch(ranks, None, "--root", str(root), *args, out_dir=out, cwd=tmp_path,
                      script="tests/checkpoint_moves_worker.py", timeout=400)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     return json.loads((out / "metrics.json").read_text()), proc.stdout
@@ -68,12 +73,24 @@ def craft(ckpt, name: str, marker) -> None:
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
-def test_every_kind_saves_safely_and_resumes_on_half_the_ranks_and_back(tmp_path):
-    root = tmp_path / "ckpt"
-    saved, _ = run_phase(tmp_path, 4, "save", cases(tmp_path, 0), root)
+# a crafted file as each kind of checkpoint file, in a copy of the checkpoint of the kind that writes it
+CRAFTED = {"zero1": "zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero2": "mp_rank_00_model_states.pt",
+           "zero3": "zero_pp_rank_0_mp_rank_00_model_states.pt", "moe-ep2-zero2": "rng_rank001.pt",
+           "bf16-pipeline": "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
+           "zero1-pipeline": "layer_01-model_states.pt",
+           "moe-pipeline": "layer_1_expert_2_mp_rank_01_model_states.pt"}
+CRAFTED_OURS = {"zero1-pipeline": "layer_004-tp_00-full_states.pt",
+                "moe-ep2-zero2": "layer_002-tp_00-ep_01-full_states.pt",
+                "moe-pipeline": "expp_rank_0_mp_rank_01_optim_states.pt"}
+
+
+def test_every_kind_saves_safely_and_resumes_on_half_the_ranks_and_back(tmp_path, monkeypatch):
+    monkeypatch.setenv(FORK_ENV, "1")  # ranks forked from this process: the checks are the files and states
+    root, saved_cfg, moved_cfg = tmp_path / "ckpt", configs(tmp_path, 0), configs(tmp_path, 1)
+    saved, _ = run_launch(tmp_path, 4, [("save", name, saved_cfg[name]) for name in KINDS], root)
     allowed = {f"{m}.{c}" for m, c in DEEPSPEED_GLOBALS}
     for name, rec in saved.items():
-        assert all(len(rec["losses"]) == 2 and x == x for x in rec["losses"]), name
+        assert len(rec["losses"]) == 2 and all(x == x for x in rec["losses"]), name
         kinds = {g for found in rec["globals"].values() for g in found}
         assert kinds <= allowed, (name, kinds - allowed)  # no file of any kind needs an unsafe global
     for name, wrapper in WRAPPERS.items():
@@ -83,7 +100,7 @@ def test_every_kind_saves_safely_and_resumes_on_half_the_ranks_and_back(tmp_path
     assert any("expert" in f for f in saved["moe-pipeline"]["globals"])  # DeepSpeed's expert files were there
 
     # the node that is left: 2 ranks, half the data-parallel size, pipelines under another split
-    moved, stdout = run_phase(tmp_path, 2, "move", cases(tmp_path, 1), root)
+    moved, stdout = run_launch(tmp_path, 2, [("move", name, moved_cfg[name]) for name in KINDS], root)
     for name, (_, saved_split, split) in KINDS.items():
         rec = moved[name]
         print(f"moved {name}: {rec['checked']} tensors checked on dp {rec['dp']}, parts {rec['parts']}, "
@@ -95,34 +112,22 @@ def test_every_kind_saves_safely_and_resumes_on_half_the_ranks_and_back(tmp_path
     assert stdout.count("weights, fp32 masters and Adam moments set from its full states") == len(KINDS)
     assert "resumed on pp 2 x tp 1 x dp 1, zero 1, split [0, 4, 6] by partition_method 'parts:0,4,6'" in stdout
 
-    # and back onto 4 ranks (the saved split): 2 -> 4
-    for name in KINDS:
-        shutil.move(root / f"{name}-moved", root / f"{name}-back")
-    back, _ = run_phase(tmp_path, 4, "move", [a.replace("=", "-back=", 1) if a != "--case" else a
-                                               for a in cases(tmp_path, 0)], root)
-    for name in KINDS:
-        assert back[f"{name}-back"]["differ"] == [] and back[f"{name}-back"]["dp"] == (
-            2 if KINDS[name][1] else 4), name
-
-    # a crafted file as each kind of file in turn (its checkpoint's manifest updated), resumed by the 2 ranks:
-    # refused by name before anything loads, and nothing created
-    kinds = {"zero1": "zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero1-back": "mp_rank_00_model_states.pt",
-             "zero2": "rng_rank001.pt", "zero2-back": "layer_003-tp_00-full_states.pt",
-             "zero3": "zero_pp_rank_0_mp_rank_00_model_states.pt",
-             "bf16-pipeline": "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
-             "zero1-pipeline": "layer_01-model_states.pt",
-             "moe-pipeline": "layer_1_expert_2_mp_rank_01_model_states.pt",
-             "moe-pipeline-back": "expp_rank_0_mp_rank_01_optim_states.pt"}
-    cases(tmp_path, 1)  # the ds.json files of the 2-rank layouts
+    # crafted files, each refused by name before any model is built, and nothing created
     crafted = []
-    for name, file in kinds.items():
-        ckpt = root / name / "global_step2"
-        assert (ckpt / file).is_file(), sorted(p.name for p in ckpt.iterdir())
-        craft(ckpt, file, tmp_path / f"marker-{name}")
-        crafted += ["--case", f"{name}={tmp_path / (name.removesuffix('-back') + '.json')}"]
-    refused, _ = run_phase(tmp_path, 2, "crafted", crafted, root)
-    for name, file in kinds.items():
-        error = refused[name]["error"]
+    for kinds, suffix in ((CRAFTED, "-crafted"), (CRAFTED_OURS, "-ours")):
+        for name, file in kinds.items():
+            copy = root / f"{name}{suffix}"
+            shutil.copytree(root / name, copy)
+            assert (copy / "global_step2" / file).is_file(), sorted(p.name for p in (copy / "global_step2").iterdir())
+            craft(copy / "global_step2", file, tmp_path / f"marker-{copy.name}")
+            crafted.append(("crafted", copy.name, saved_cfg[name]))
+    # and back onto 4 ranks (the saved split): 2 -> 4, in the same launch as the crafted files
+    back, _ = run_launch(tmp_path, 4, [("move", f"{name}-moved", saved_cfg[name]) for name in KINDS] + crafted, root)
+    for name in KINDS:
+        rec = back[f"{name}-moved"]
+        assert rec["differ"] == [] and rec["checked"] > 0 and rec["dp"] == (2 if KINDS[name][1] else 4), name
+    for (_, copy, _), file in zip(crafted, [*CRAFTED.values(), *CRAFTED_OURS.values()]):
+        error = back[copy]["error"]
         assert error and f"{file} needs io.open" in error and "--trust-checkpoint" in error, error
-        assert not (tmp_path / f"marker-{name}").exists()
-    assert len(kinds) == 9
+        assert not (tmp_path / f"marker-{copy}").exists()
+    assert len(crafted) == 10

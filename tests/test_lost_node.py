@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from ds_pipe_ext.forked_launch import FORK_ENV
 from ds_pipe_ext.runner import ROOT, deepspeed_launcher, free_port, launch, write_config
 from test_trainer import step_losses
 
@@ -30,7 +31,7 @@ def start_node(node: int, hostfile, port: int, ds, ckpt, log, env: dict) -> subp
                             start_new_session=True)  # its own process group: killed whole, as a node is lost
 
 
-def test_a_job_that_loses_a_node_resumes_on_the_node_left(tmp_path):
+def test_a_job_that_loses_a_node_resumes_on_the_node_left(tmp_path, monkeypatch):
     ds = write_config(tmp_path / "ds.json", zero_optimization={"stage": 1}, train_micro_batch_size_per_gpu=2,
                       gradient_accumulation_steps=2, pipeline={"stages": 2, "partition_method": "profiled"},
                       train={"model": "tiny", "steps": 4, "seed": 1234, "save_interval": 2})
@@ -56,6 +57,7 @@ def test_a_job_that_loses_a_node_resumes_on_the_node_left(tmp_path):
 
     out = tmp_path / "resumed"
     out.mkdir()
+    monkeypatch.setenv(FORK_ENV, "1")  # node 0's two ranks forked from this process: the check is the resume
     left = write_config(tmp_path / "left.json", base=str(ds), gradient_accumulation_steps=4)  # dp 1 x 4 x 2 = 8
     proc, ranks = launch(2, left, "--load", str(ckpt), "--steps", "2", out_dir=out, cwd=tmp_path,
                          env={"DS_PIPE_EXT_FAULT_SAVE": ""}, timeout=120)

@@ -50,28 +50,25 @@ def test_the_universal_checkpoint_loader_is_refused():
 MANIFEST = {"layout": Layout(pp=2, dp=2, tp=2, zero=1).to_dict(), "parts": [0, 3, 6], "full_states": True}
 
 
-@pytest.mark.parametrize("layout, experts, match", [
-    (Layout(pp=2, dp=1, tp=1, zero=1), False, r"written with tp = 2, this run has 1: each tensor-parallel rank's "
+@pytest.mark.parametrize("layout, match", [
+    (Layout(pp=2, dp=1, tp=1, zero=1), r"written with tp = 2, this run has 1: each tensor-parallel rank's "
                                               r"full states hold its shard .* resume with tp = 2"),
-    (Layout(pp=1, dp=2, tp=2, zero=1), False, r"written with pipelined = True, this run has False"),
-    (Layout(pp=2, dp=2, zero=1, ep=2), True, r"written with ep = 1, this run has 2: each expert-parallel rank"),
-    (Layout(pp=2, dp=4, zero=1, ep=2), True, r"split over ep = 2 ranks, and full states move experts with ep = 1"),
+    (Layout(pp=1, dp=2, tp=2, zero=1), r"written with pipelined = True, this run has False"),
+    (Layout(pp=2, dp=2, zero=1, ep=2), r"written with ep = 1, this run has 2: each expert-parallel rank"),
 ])
-def test_a_move_keeps_tp_ep_and_the_pipeline_and_names_what_differs(tmp_path, layout, experts, match):
-    manifest = MANIFEST if layout.ep == 1 else {**MANIFEST, "layout": Layout(pp=2, dp=2, zero=1, ep=layout.ep
-                                                                              if "split" in match else 1).to_dict()}
+def test_a_move_keeps_tp_ep_and_the_pipeline_and_names_what_differs(tmp_path, layout, match):
+    manifest = MANIFEST if layout.ep == 1 else {**MANIFEST, "layout": Layout(pp=2, dp=2, zero=1).to_dict()}
     with pytest.raises(checkpoint.CheckpointError, match=match):
-        checkpoint.check_move(manifest, layout, tmp_path, experts=experts)
+        checkpoint.check_move(manifest, layout, tmp_path)
 
 
 def test_a_move_may_change_the_data_parallel_size_the_split_and_the_zero_stage(tmp_path):
-    checkpoint.check_move(MANIFEST, Layout(pp=2, dp=1, tp=2, zero=0), tmp_path, experts=False)
+    checkpoint.check_move(MANIFEST, Layout(pp=2, dp=1, tp=2, zero=0), tmp_path)
     checkpoint.check_move({**MANIFEST, "layout": Layout(dp=4, tp=2, zero=1).to_dict()}, Layout(dp=2, tp=2, zero=3),
-                          tmp_path, experts=False)
+                          tmp_path)
     with pytest.raises(checkpoint.CheckpointError, match="holds no full states .* resume with its layout, "
                                                          "pp 2 x tp 2 x dp 2, zero 1"):
-        checkpoint.check_move({**MANIFEST, "full_states": False}, Layout(pp=2, dp=1, tp=2, zero=1), tmp_path,
-                              experts=False)
+        checkpoint.check_move({**MANIFEST, "full_states": False}, Layout(pp=2, dp=1, tp=2, zero=1), tmp_path)
     words = checkpoint._move_words({**MANIFEST, "layout": {**MANIFEST["layout"], "micro_batch": 2,
                                                            "micro_batches": 2}},
                                    Layout(pp=2, dp=1, tp=2, zero=1, micro_batch=2, micro_batches=4), [0, 2, 6],

@@ -349,6 +349,10 @@ def build(cfg: RunConfig) -> Built:
         print(f"ds_pipe_ext: process group up, {layout.world_size} ranks = pp {layout.pp} x tp {layout.tp} x dp {layout.dp}"
               + (" (sequence parallel)" if layout.sp else ""), flush=True)
     overheads = refine_overheads(cfg)
+    manifest = None
+    if cfg.options.load:  # a checkpoint that cannot be resumed is refused before any model is built
+        manifest = checkpoint.check(cfg.options.load, vocabulary=checkpoint.vocabulary_of(model_cfg),
+                                    trust=cfg.options.trust_checkpoint)
     model = build_model(cfg, model_cfg, layout)
     experts = family_of(model_cfg).expert_parallel
     if experts:  # every rank, stages without MoE layers too (a hang otherwise)
@@ -382,8 +386,7 @@ def build(cfg: RunConfig) -> Built:
         built.sink, built.recorder = start_data_parallel_instrumentation(built)
     if cfg.options.load:
         built.start_step = int(checkpoint.load(
-            engine, cfg.options.load, layout=layout, parts=parts, experts=experts,
-            vocabulary=checkpoint.vocabulary_of(built.model_cfg), trust=cfg.options.trust_checkpoint,
+            engine, cfg.options.load, manifest, layout=layout, parts=parts, trust=cfg.options.trust_checkpoint,
             method=cfg.pipeline.partition_method if cfg.pipelined else None)["step"])
     if cfg.zero_stage == 0:  # under ZeRO the gradients are partitioned (and freed) before the inner step
         from ..compat.optimizer import unwrap_optimizer

@@ -237,7 +237,7 @@ def verify(load_dir: str | Path) -> dict:
     return manifest
 
 
-def check_move(manifest: dict, layout: Layout, ckpt: Path, *, experts: bool) -> None:
+def check_move(manifest: dict, layout: Layout, ckpt: Path) -> None:
     """A checkpoint resumed on another layout: what must stay as it was (``FIXED_IN_A_MOVE``)."""
     if not manifest.get("full_states"):
         raise CheckpointError(f"{ckpt} holds no full states (written before they were saved), and DeepSpeed's own "
@@ -249,10 +249,6 @@ def check_move(manifest: dict, layout: Layout, ckpt: Path, *, experts: bool) -> 
             raise CheckpointError(f"{ckpt} was written with {key} = {saved[key]}, this run has "
                                   f"{getattr(layout, key)}: {why}; resume with {key} = {saved[key]} (it can "
                                   f"change the data-parallel size and the pipeline split)")
-    if experts and layout.ep > 1:
-        raise CheckpointError(f"{ckpt}: this model's MoE experts are split over ep = {layout.ep} ranks, and full "
-                              f"states move experts with ep = 1 only; resume with its layout, "
-                              f"{_layout_words(manifest['layout'])}")
 
 
 def _saved_layout(manifest: dict) -> dict:
@@ -291,23 +287,28 @@ def check_vocabulary(manifest: dict, vocabulary: dict | None, ckpt: Path) -> Non
                 f"differ; resume with the model config's vocab_pad_to = {saved['vocab_pad_to']}")
 
 
-def load(engine, load_dir: str | Path, *, layout: Layout, parts: list[int] | None, experts: bool = False,
-         vocabulary: dict | None = None, trust: bool = False, method: str | None = None) -> dict:
-    """Resume from ``latest``: weights, optimizer state, this rank's RNG; returns the client state (``step``).
-    On the layout that wrote it through DeepSpeed's own files, else through the full states (``check_move``).
-    ``experts``: the model has DeepSpeed MoE layers; ``vocabulary``: this run's (``vocabulary_of``), refused
-    where the checkpoint's differs; ``trust``: unpickle whatever the files hold (``safe_load``)."""
+def check(load_dir: str | Path, *, vocabulary: dict | None = None, trust: bool = False) -> dict:
+    """``latest``'s manifest, once its files are complete, its vocabulary this run's, and no file needs an unsafe
+    global (rank 0 reads, every rank gets the verdict): before any model is built."""
     manifest = decide_and_broadcast(lambda: verify(load_dir), what=f"--load {load_dir}")
     ckpt = Path(load_dir) / manifest["tag"]
     decide_and_broadcast(lambda: check_vocabulary(manifest, vocabulary, ckpt), what=f"--load {load_dir}")
     if not trust:
         decide_and_broadcast(lambda: check_files(ckpt / name for name in manifest["files"]
-                                                         if not name.endswith(".json")),
-                             what=f"--load {load_dir}")
+                                                 if not name.endswith(".json")), what=f"--load {load_dir}")
+    return manifest
+
+
+def load(engine, load_dir: str | Path, manifest: dict, *, layout: Layout, parts: list[int] | None,
+         trust: bool = False, method: str | None = None) -> dict:
+    """Resume from ``manifest``'s checkpoint (``check``'s): weights, optimizer state, this rank's RNG; returns the
+    client state (``step``).  On the layout that wrote it through DeepSpeed's own files, else through the full
+    states (``check_move``); ``trust``: unpickle whatever the files hold (``safe_load``)."""
+    ckpt = Path(load_dir) / manifest["tag"]
     moved = _saved_depends_on(manifest) != _depends_on(layout, parts)
     guard(engine, trust=trust)
     if moved:
-        decide_and_broadcast(lambda: check_move(manifest, layout, ckpt, experts=experts), what=f"--load {load_dir}")
+        decide_and_broadcast(lambda: check_move(manifest, layout, ckpt), what=f"--load {load_dir}")
         if dist.get_rank() == 0:
             print(f"ds_pipe_ext: --load {load_dir}: {_move_words(manifest, layout, parts, method)}", flush=True)
         _, tp_rank = _ranks(engine, layout)

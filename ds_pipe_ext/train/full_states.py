@@ -64,6 +64,14 @@ class _Masters:
             raise FullStateError(f"{type(self.wrapper).__name__} keeps its fp32 masters fused in one flat tensor: "
                                  f"full states are not read from it; train with ZeRO-1 or torch's AdamW")
 
+    def relink(self) -> None:
+        """Point each parameter's fragment at the optimizer states that exist now.  DeepSpeed 0.19's ZeRO-1/2
+        links them once, after stepping the first parameter group, so the fragments of a later group (MoE
+        experts') never see their states and ``safe_get_full_optimizer_state`` raises for them."""
+        if hasattr(self.wrapper, "_hp_optimizer_states_linked"):  # ZeRO-1/2 and BF16_Optimizer
+            self.wrapper._hp_optimizer_states_linked = False
+            self.wrapper._lazy_init_hp_params_optimizer_state()
+
     @staticmethod
     def partitioned(p) -> bool:
         return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
@@ -140,9 +148,7 @@ class _Masters:
             for k in MOMENTS:
                 state.setdefault(k, torch.zeros_like(f, memory_format=torch.preserve_format))
             state["step"] = torch.tensor(step, dtype=torch.float32, device=f.device if on_device else "cpu")
-        if hasattr(self.wrapper, "_hp_optimizer_states_linked"):  # ZeRO-1/2 and BF16_Optimizer
-            self.wrapper._hp_optimizer_states_linked = False
-            self.wrapper._lazy_init_hp_params_optimizer_state()
+        self.relink()
 
 
 def _device(p) -> torch.device:
@@ -189,19 +195,54 @@ def engine_counters(engine) -> dict:
     return out
 
 
+def expert_file(ckpt: Path, idx: int, tp_rank: int, ep_rank: int) -> Path:
+    return Path(ckpt) / f"layer_{idx:03d}-tp_{tp_rank:02d}-ep_{ep_rank:02d}-full_states.pt"
+
+
+def _experts(layer: nn.Module) -> tuple[dict[str, str], int]:
+    """({local name of an expert parameter: its global name}, this rank's EP rank) for a layer whose DeepSpeed
+    MoE splits its experts over ep > 1 ranks; ({}, 0) otherwise (experts then live with the dense parameters)."""
+    from ..models.moe import expert_parallel_rank, global_expert_names
+
+    names = global_expert_names(layer)
+    if not names:
+        return {}, 0
+    from deepspeed.moe.layer import MoE
+
+    ep = next(m.ep_size for m in layer.modules() if isinstance(m, MoE) and m.ep_size > 1)
+    return names, expert_parallel_rank(ep)
+
+
+def _expert_data_parallel_rank(p) -> int:
+    from deepspeed.utils import groups
+
+    return dist.get_rank(group=groups._get_expert_data_parallel_group(p.group_name))
+
+
 def save(engine, ckpt: Path, *, pipelined: bool, writer: bool, tp_rank: int,
          after_each: Callable[[Path], None] = lambda p: None) -> list[Path]:
-    """Every rank calls this (ZeRO gathers are collective); ``writer`` ranks (data-parallel rank 0) write."""
+    """Every rank calls this (ZeRO gathers are collective); ``writer`` ranks (data-parallel rank 0) write the dense
+    parameters, and where experts are split over EP ranks, expert-data-parallel rank 0 of each writes its experts
+    under their global names."""
     masters, written = _Masters(engine), []
+    if masters.step() is not None:  # every state exists once the optimizer has stepped
+        masters.relink()
     for idx, layer in model_layers(engine.module, pipelined=pipelined):
-        tensors = {}
+        experts, ep_rank = _experts(layer)
+        tensors, expert_tensors, expert_writer = {}, {}, False
         for name, p in layer.named_parameters():
-            tensors.update({f"{name}.{k}": v for k, v in masters.get(p).items()})
-        if writer:
-            path = layer_file(ckpt, idx, tp_rank)
-            torch.save(tensors, path)
-            written.append(path)
-            after_each(path)
+            states = masters.get(p)
+            if name in experts:
+                expert_tensors.update({f"{experts[name]}.{k}": v for k, v in states.items()})
+                expert_writer = _expert_data_parallel_rank(p) == 0
+            else:
+                tensors.update({f"{name}.{k}": v for k, v in states.items()})
+        for path, held, writes in ((layer_file(ckpt, idx, tp_rank), tensors, writer),
+                                   (expert_file(ckpt, idx, tp_rank, ep_rank), expert_tensors, expert_writer)):
+            if writes and held:
+                torch.save(held, path)
+                written.append(path)
+                after_each(path)
     if writer and (not pipelined or _first_stage(engine)) and tp_rank == 0:
         meta = {"step": masters.step(), **engine_counters(engine)}
         (Path(ckpt) / META).write_text(json.dumps(meta, indent=1))
@@ -222,8 +263,6 @@ def read_meta(ckpt: Path) -> dict:
 
 def load(engine, ckpt: Path, *, pipelined: bool, tp_rank: int) -> dict:
     """Set this rank's parameters, masters and moments from the full states; returns the saved counters."""
-    from .safe_load import safe_load
-
     meta = read_meta(ckpt)
     masters = _Masters(engine)
     if meta.get("wrapper") and meta["wrapper"] != type(engine.optimizer).__name__:
@@ -233,18 +272,36 @@ def load(engine, ckpt: Path, *, pipelined: bool, tp_rank: int) -> dict:
     if meta["step"] is not None:
         masters.create_states(meta["step"])
     for idx, layer in model_layers(engine.module, pipelined=pipelined):
-        path = layer_file(ckpt, idx, tp_rank)
-        if not path.is_file():
-            raise FullStateError(f"{path} is missing: the checkpoint has no full states of layer {idx} (tp rank "
-                                 f"{tp_rank}); resume with the tensor-parallel degree that wrote it")
-        saved = safe_load(path, map_location="cpu", mmap=True)
-        for name, p in layer.named_parameters():
-            if f"{name}.fp32" not in saved:
-                raise FullStateError(f"{path} has no parameter {name}: it was written by another model")
-            masters.set(p, {k: saved[f"{name}.{k}"] for k in ("fp32", *MOMENTS) if f"{name}.{k}" in saved},
-                        f"{path}: {name}")
+        for name, (p, where, saved) in read_layer(ckpt, idx, tp_rank, layer).items():
+            masters.set(p, saved, where)
     _set_counters(engine, meta)
     return meta
+
+
+def read_layer(ckpt: Path, idx: int, tp_rank: int, layer: nn.Module) -> dict:
+    """{name: (parameter, "FILE: saved name", {"fp32": ..., "exp_avg": ..., "exp_avg_sq": ...})} of this rank's
+    layer ``idx``: dense parameters from the layer's file, experts split over EP ranks from their EP rank's."""
+    from .safe_load import safe_load
+
+    experts, ep_rank = _experts(layer)
+    files = {False: layer_file(ckpt, idx, tp_rank)}
+    if experts:
+        files[True] = expert_file(ckpt, idx, tp_rank, ep_rank)
+    tensors = {}
+    for is_expert, path in files.items():
+        if not path.is_file():
+            raise FullStateError(f"{path} is missing: the checkpoint has no full states of layer {idx} (tp rank "
+                                 f"{tp_rank}{f', ep rank {ep_rank}' if is_expert else ''}); resume with the "
+                                 f"tensor- and expert-parallel degrees that wrote it")
+        tensors[is_expert] = (path, safe_load(path, map_location="cpu", mmap=True))
+    out = {}
+    for name, p in layer.named_parameters():
+        path, saved = tensors[name in experts]
+        key = experts.get(name, name)
+        if f"{key}.fp32" not in saved:
+            raise FullStateError(f"{path} has no parameter {key}: it was written by another model")
+        out[name] = (p, f"{path}: {key}", {k: saved[f"{key}.{k}"] for k in ("fp32", *MOMENTS) if f"{key}.{k}" in saved})
+    return out
 
 
 def _set_counters(engine, meta: dict) -> None:
