@@ -30,6 +30,15 @@ import torch.distributed as dist  # noqa: E402
 import train  # noqa: E402
 
 
+def allow_fp16_on_this_cpu() -> None:
+    """DeepSpeed refuses fp16 on a CPU without mkldnn's fp16 kernels; torch's CPU matmuls run it anyway, slowly,
+    which is all a checkpoint of fp16's dynamic loss scaler needs here."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        type(get_accelerator()).is_fp16_supported = lambda self: True
+
+
 def build(ds: str, args: list[str]):
     from megatron.core import parallel_state
 
@@ -72,6 +81,11 @@ def compare(built, ckpt: Path) -> dict:
     return {"differ": differ, "checked": checked}
 
 
+def loss_scale(engine) -> float | None:
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    return None if scaler is None else float(scaler.cur_scale)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True)
@@ -84,6 +98,7 @@ def main() -> None:
     from ds_pipe_ext.train import checkpoint
     from ds_pipe_ext.train.trainer import Trainer
 
+    allow_fp16_on_this_cpu()
     root, results = Path(args.root), {}
     for case in args.case:
         phase, case = case.split(":", 1)
@@ -92,6 +107,7 @@ def main() -> None:
             built = build(ds, ["--steps", "2", "--save", str(root / name)])
             summary = Trainer(built).run()
             results[name] = {"losses": summary["losses"], "wrapper": type(built.engine.optimizer).__name__,
+                             "loss_scale": loss_scale(built.engine),
                              "globals": globals_of(root / name / "global_step2") if built.rank == 0 else None}
         elif phase == "move":
             built = build(ds, ["--load", str(root / name)])
@@ -104,7 +120,7 @@ def main() -> None:
             results[name] = {"differ": [d for r in everyone for d in r["differ"]],
                              "checked": sum(r["checked"] for r in everyone), "parts": built.parts,
                              "dp": built.layout.dp, "start_step": built.start_step,
-                             "wrapper": type(built.engine.optimizer).__name__}
+                             "wrapper": type(built.engine.optimizer).__name__, "loss_scale": loss_scale(built.engine)}
         else:
             built = None
             try:

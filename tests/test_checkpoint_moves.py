@@ -25,6 +25,9 @@ KINDS = {
     "zero1": ({**DP, "zero_optimization": {"stage": 1}}, None, None),
     "zero2": ({**DP, "zero_optimization": {"stage": 2}}, None, None),
     "zero3": ({**DP, "zero_optimization": {"stage": 3}}, None, None),
+    "fp16-zero1": ({**DP, "zero_optimization": {"stage": 1}, "fp16": {"enabled": True, "initial_scale_power": 8,
+                                                                      "loss_scale_window": 1}}, None, None),
+    "bf16-zero0": ({**DP, "zero_optimization": {"stage": 0}, "bf16": {"enabled": True}}, None, None),
     "bf16-pipeline": ({**PIPE, "bf16": {"enabled": True}}, "parts:0,3,6", "parts:0,2,6"),
     "zero1-pipeline": ({**PIPE, "zero_optimization": {"stage": 1}}, "parts:0,3,6", "parts:0,4,6"),
     "moe-pipeline": ({**PIPE, "train": {**TRAIN, "model": "moe-tiny"}}, "parts:0,3,6", "parts:0,2,6"),
@@ -32,7 +35,7 @@ KINDS = {
                        "train": {**TRAIN, "model": "moe-tiny"}}, None, None),
 }
 WRAPPERS = {"zero1": "DeepSpeedZeroOptimizer", "zero3": "DeepSpeedZeroOptimizer_Stage3",
-            "bf16-pipeline": "BF16_Optimizer"}
+            "bf16-zero0": "FP16_UnfusedOptimizer", "bf16-pipeline": "BF16_Optimizer", "moe-pipeline": "AdamW"}
 
 
 def configs(tmp_path, split: int) -> dict:
@@ -95,6 +98,9 @@ def test_every_kind_saves_safely_and_resumes_on_half_the_ranks_and_back(tmp_path
         assert kinds <= allowed, (name, kinds - allowed)  # no file of any kind needs an unsafe global
     for name, wrapper in WRAPPERS.items():
         assert saved[name]["wrapper"] == wrapper
+    assert "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler" in {
+        g for found in saved["fp16-zero1"]["globals"].values() for g in found}  # fp16's dynamic loss scaling
+    assert saved["fp16-zero1"]["loss_scale"] > 2.0 ** 8  # raised from 2^8 by steps without overflow: moved below
     assert "deepspeed.utils.tensor_fragment.fragment_address" in {
         g for found in saved["bf16-pipeline"]["globals"].values() for g in found}
     assert any("expert" in f for f in saved["moe-pipeline"]["globals"])  # DeepSpeed's expert files were there
@@ -107,6 +113,7 @@ def test_every_kind_saves_safely_and_resumes_on_half_the_ranks_and_back(tmp_path
               f"{rec['wrapper']}, {len(rec['differ'])} differ")
         assert rec["differ"] == [] and rec["checked"] > 0, name
         assert rec["start_step"] == 2 and rec["dp"] == (1 if saved_split else 2), name
+        assert rec["loss_scale"] == saved[name]["loss_scale"], name
         if split:
             assert "parts:" + ",".join(map(str, rec["parts"])) == split, name
     assert stdout.count("weights, fp32 masters and Adam moments set from its full states") == len(KINDS)
