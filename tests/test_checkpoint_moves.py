@@ -95,6 +95,7 @@ def test_every_kind_saves_safely_and_resumes_on_half_the_ranks_and_back(tmp_path
     for name, rec in saved.items():
         assert len(rec["losses"]) == 2 and all(x == x for x in rec["losses"]), name
         kinds = {g for found in rec["globals"].values() for g in found}
+        print(f"globals {name} ({rec['wrapper']}, {len(rec['globals'])} files): {sorted(kinds)}")
         assert kinds <= allowed, (name, kinds - allowed)  # no file of any kind needs an unsafe global
     for name, wrapper in WRAPPERS.items():
         assert saved[name]["wrapper"] == wrapper
