@@ -32,6 +32,7 @@ CPU_BY_DESIGN = {
     ("models/llama.py", "__init__"): "a module's buffer at construction; the module is moved as a whole",
     ("models/gpt.py", "__init__"): "a module's buffer at construction; the module is moved as a whole",
     ("models/moe.py", "__init__"): "MoELoss's placeholders: a stage without the loss only reports their names",
+    ("models/mamba2.py", "__init__"): "a module's parameters at construction; the module is moved as a whole",
 }
 
 

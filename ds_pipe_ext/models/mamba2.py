@@ -1,0 +1,114 @@
+"""A Mamba-2 mixer layer in plain torch: what a hybrid model's ``M`` blocks run.
+
+    in_proj -> [z | x B C | dt]; causal depthwise conv over (x B C), SiLU; dt = softplus(dt + dt_bias);
+    y = SSD(x, dt, A = -exp(A_log), B, C) + D x;  y = RMSNorm_grouped(y * SiLU(z));  out_proj
+
+The parameter names and layout are those of Hugging Face's ``NemotronHMamba2Mixer`` (and Megatron-core's
+``MambaMixer``), so a checkpoint's tensors load as they are.  The conv and the scan are plain torch
+(``ssd.ssd_scan``) on any device; on CUDA, ``causal_conv1d``'s and ``mamba_ssm``'s kernels run them where those
+packages are installed, and ``kernel`` records which ran.  (No GPU run has exercised the kernel path yet.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ssd import ssd_scan
+
+
+@dataclass(frozen=True)
+class Mamba2Shape:
+    hidden: int
+    heads: int  # mamba_num_heads
+    head_dim: int  # mamba_head_dim
+    state: int  # ssm_state_size
+    groups: int = 1  # n_groups: heads share B and C within a group
+    conv_kernel: int = 4
+    chunk: int = 128
+    conv_bias: bool = True
+    bias: bool = False
+    eps: float = 1e-5
+    time_step_min: float = 0.0
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return self.inner + 2 * self.groups * self.state
+
+    def check(self) -> None:
+        if self.heads % self.groups:
+            raise ValueError(f"mamba: {self.heads} heads do not split into n_groups = {self.groups}")
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """RMSNorm of y * SiLU(z) over each group's channels (Mamba-2's norm before out_proj), in fp32."""
+
+    def __init__(self, channels: int, groups: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.groups, self.eps = groups, eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        gated = y.float() * F.silu(z.float())
+        grouped = gated.unflatten(-1, (self.groups, -1))
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.flatten(-2).to(dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, shape: Mamba2Shape):
+        super().__init__()
+        shape.check()
+        self.shape = shape
+        self.in_proj = nn.Linear(shape.hidden, shape.inner + shape.conv_channels + shape.heads, bias=shape.bias)
+        self.conv1d = nn.Conv1d(shape.conv_channels, shape.conv_channels, shape.conv_kernel,
+                                groups=shape.conv_channels, padding=shape.conv_kernel - 1, bias=shape.conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(shape.heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, shape.heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(shape.heads))
+        self.norm = GroupedGatedRMSNorm(shape.inner, shape.groups, shape.eps)
+        self.out_proj = nn.Linear(shape.inner, shape.hidden, bias=shape.bias)
+        self.kernel = "torch"  # what the last forward ran: "torch", or "mamba_ssm" (its conv and scan kernels)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        s = self.shape
+        b, l, _ = hidden.shape
+        z, xbc, dt = self.in_proj(hidden).split([s.inner, s.conv_channels, s.heads], dim=-1)
+        kernels = cuda_kernels() if hidden.is_cuda else None
+        self.kernel = "mamba_ssm" if kernels else "torch"
+        if kernels:
+            conv_fn, scan_fn = kernels
+            xbc = conv_fn(xbc.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                          activation="silu").transpose(1, 2)
+        else:
+            xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :l].transpose(1, 2))  # causal: the first l outputs
+        x, B, C = xbc.split([s.inner, s.groups * s.state, s.groups * s.state], dim=-1)
+        x = x.unflatten(-1, (s.heads, s.head_dim))
+        B, C = B.unflatten(-1, (s.groups, s.state)), C.unflatten(-1, (s.groups, s.state))
+        A = -torch.exp(self.A_log.float())
+        if kernels:
+            y = scan_fn(x, dt, A, B, C, s.chunk, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
+                        dt_limit=(s.time_step_min, float("inf")))
+        else:
+            dt = F.softplus(dt + self.dt_bias).clamp(min=s.time_step_min)
+            y, _ = ssd_scan(x.float(), dt.float(), A, B.float(), C.float(), s.chunk)
+            y = y + self.D[:, None] * x.float()
+        return self.out_proj(self.norm(y.to(hidden.dtype).flatten(-2), z))
+
+
+def cuda_kernels():
+    """(causal_conv1d_fn, mamba_chunk_scan_combined) where both packages are installed, else None."""
+    try:
+        from causal_conv1d import causal_conv1d_fn
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except ImportError:
+        return None
+    return causal_conv1d_fn, mamba_chunk_scan_combined

@@ -1,0 +1,74 @@
+"""Mamba-2's mixer in plain torch: the chunked SSD scan against its step-by-step definition, the mixer against
+Hugging Face's NemotronHMamba2Mixer (the same weights), forward and backward."""
+
+import pytest
+import torch
+
+from ds_pipe_ext.models.mamba2 import Mamba2Mixer, Mamba2Shape
+from ds_pipe_ext.models.ssd import ssd_recurrence, ssd_scan
+
+
+def inputs(b, l, h, p, g, n, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, l, h, p, generator=gen, dtype=dtype)
+    dt = torch.nn.functional.softplus(torch.randn(b, l, h, generator=gen, dtype=dtype))
+    A = -torch.rand(h, generator=gen, dtype=dtype) * 2 - 0.1
+    B = torch.randn(b, l, g, n, generator=gen, dtype=dtype)
+    C = torch.randn(b, l, g, n, generator=gen, dtype=dtype)
+    state = torch.randn(b, h, p, n, generator=gen, dtype=dtype)
+    return x, dt, A, B, C, state
+
+
+@pytest.mark.parametrize("length, chunk", [(16, 4), (16, 16), (13, 4), (7, 8), (33, 5), (1, 4), (64, 16)])
+def test_the_chunked_scan_is_the_recurrence(length, chunk):
+    """fp32, within 1e-5 relative: lengths that are and are not multiples of the chunk, a chunk longer than the
+    sequence, a carried-in state; the final state too."""
+    x, dt, A, B, C, state = inputs(2, length, 4, 3, 2, 5)
+    y, last = ssd_scan(x, dt, A, B, C, chunk, state=state)
+    want, want_last = ssd_recurrence(x, dt, A, B, C, state=state)
+    assert y.shape == want.shape
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(last, want_last, rtol=1e-5, atol=1e-5 * want_last.abs().max().item())
+
+
+def test_the_scan_grads_are_the_recurrences():
+    args = [t.double().requires_grad_() for t in inputs(1, 11, 2, 3, 1, 4)[:5]]
+    y = ssd_scan(*args, 4)[0]
+    got = torch.autograd.grad(y.square().sum(), args)
+    want = torch.autograd.grad(ssd_recurrence(*args)[0].square().sum(), args)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_heads_must_split_into_groups():
+    with pytest.raises(ValueError, match="6 heads do not split into n_groups = 4"):
+        Mamba2Mixer(Mamba2Shape(hidden=16, heads=6, head_dim=4, state=4, groups=4))
+
+
+def test_the_mixer_is_hugging_faces_nemotron_h_mixer():
+    """The same state dict in both (its keys load as they are), fp32 on CPU: outputs and every gradient."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    cfg = transformers.NemotronHConfig(hidden_size=32, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=6,
+                                       n_groups=2, conv_kernel=4, chunk_size=5, layers_block_type=["mamba"],
+                                       num_hidden_layers=1, use_conv_bias=True, use_bias=False,
+                                       layer_norm_epsilon=1e-5)
+    torch.manual_seed(0)
+    theirs = NemotronHMamba2Mixer(cfg, layer_idx=0)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    ours = Mamba2Mixer(Mamba2Shape(hidden=32, heads=4, head_dim=8, state=6, groups=2, conv_kernel=4, chunk=5,
+                                   eps=1e-5, time_step_min=cfg.time_step_min))
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 13, 32)
+    a, b = theirs(x), ours(x)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * a.abs().max().item())
+    assert ours.kernel == "torch"
+    a.square().sum().backward()
+    b.square().sum().backward()
+    theirs_grads = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        want = theirs_grads[name].grad
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-5 * want.abs().max().item(), msg=name)
