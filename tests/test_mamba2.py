@@ -72,3 +72,22 @@ def test_the_mixer_is_hugging_faces_nemotron_h_mixer():
     for name, p in ours.named_parameters():
         want = theirs_grads[name].grad
         torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-5 * want.abs().max().item(), msg=name)
+
+
+def test_a_hybrid_pattern_reads_in_both_forms_and_names_what_is_wrong():
+    from ds_pipe_ext.models.config import ModelConfigError
+    from ds_pipe_ext.models.hybrid_pattern import block_kinds, to_pattern
+
+    kinds = block_kinds(pattern="M-M*-ME", layers=7)
+    assert kinds == ("mamba", "mlp", "mamba", "attention", "mlp", "mamba", "moe") and to_pattern(kinds) == "M-M*-ME"
+    types = ["linear_attention", "mlp", "mamba", "full_attention", "mlp", "linear_attention", "moe"]  # old and new
+    assert block_kinds(block_types=types) == kinds == block_kinds(pattern="M-M*-ME", block_types=types)
+    with pytest.raises(ModelConfigError, match=r"hybrid_override_pattern has 'X' at layer 3 \('M-MX'\); its "
+                                               r"letters are M \(mamba\), \* \(attention\), - \(mlp\), E \(moe\)"):
+        block_kinds(pattern="M-MX")
+    with pytest.raises(ModelConfigError, match=r"the pattern describes 7 layers, the config has layers = 8"):
+        block_kinds(pattern="M-M*-ME", layers=8)
+    with pytest.raises(ModelConfigError, match=r"layers_block_type has 'conv' at layer 1"):
+        block_kinds(block_types=["mamba", "conv"])
+    with pytest.raises(ModelConfigError, match=r"disagree \(layer 6 first"):
+        block_kinds(pattern="M-M*-M-", block_types=types)
