@@ -1,6 +1,8 @@
 """Mamba-2's mixer in plain torch: the chunked SSD scan against its step-by-step definition, the mixer against
 Hugging Face's NemotronHMamba2Mixer (the same weights), forward and backward."""
 
+import json
+
 import pytest
 import torch
 
@@ -91,3 +93,34 @@ def test_a_hybrid_pattern_reads_in_both_forms_and_names_what_is_wrong():
         block_kinds(block_types=["mamba", "conv"])
     with pytest.raises(ModelConfigError, match=r"disagree \(layer 6 first"):
         block_kinds(pattern="M-M*-M-", block_types=types)
+
+
+@pytest.mark.multiprocess
+def test_the_mixer_at_tp_2_is_the_mixer_at_tp_1(tmp_path, monkeypatch):
+    """2 ranks, each holding 4 of 8 heads and 1 of 2 groups: the output, the input's gradient and every
+    parameter's gradient (as its shard) equal the one-process mixer's within 1e-5 relative (fp32)."""
+    from ds_pipe_ext.forked_launch import FORK_ENV
+    from ds_pipe_ext.runner import launch
+
+    monkeypatch.setenv(FORK_ENV, "1")
+    proc, _ = launch(2, None, out_dir=tmp_path, cwd=tmp_path, script="tests/mamba_tp_worker.py", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = json.loads((tmp_path / "metrics.json").read_text())
+    assert [r["local_heads"] for r in ranks] == [4, 4]
+    for r in ranks:
+        assert len(r["diffs"]) == 12 and all(d <= 1e-5 for d in r["diffs"].values()), r
+
+
+def test_tensor_parallelism_must_divide_the_groups():
+    class Group:  # what the mixer asks of its group before any collective
+        pass
+
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match=r"tensor parallelism 4 must divide n_groups = 2"):
+        original = dist.get_world_size
+        try:
+            dist.get_world_size = lambda group=None: 4
+            Mamba2Mixer(Mamba2Shape(hidden=16, heads=8, head_dim=2, state=4, groups=2), tp_group=Group())
+        finally:
+            dist.get_world_size = original

@@ -7,13 +7,21 @@ The parameter names and layout are those of Hugging Face's ``NemotronHMamba2Mixe
 ``MambaMixer``), so a checkpoint's tensors load as they are.  The conv and the scan are plain torch
 (``ssd.ssd_scan``) on any device; on CUDA, ``causal_conv1d``'s and ``mamba_ssm``'s kernels run them where those
 packages are installed, and ``kernel`` records which ran.  (No GPU run has exercised the kernel path yet.)
+
+Tensor parallelism (``tp_group``) splits it as Megatron-core's ``MambaMixer`` does: each rank holds whole
+heads and whole groups (TP must divide ``n_groups``), so its share of z, x, B, C and dt, of the conv's channels,
+of A, D and dt_bias and of the grouped norm; the conv, the scan and the norm need nothing from the other ranks.
+in_proj is column-parallel (its input's gradient summed over the group), out_proj row-parallel (its output
+summed, its bias added once).  The parameters carry ``tensor_model_parallel`` / ``partition_dim`` /
+``shard_sections``, so ``tensor_parallel.shard_like`` slices a one-process state dict for a rank.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -63,24 +71,51 @@ class GroupedGatedRMSNorm(nn.Module):
         return self.weight * grouped.flatten(-2).to(dtype)
 
 
+def _split(p: nn.Parameter, dim: int, sections: tuple[int, ...] | None = None) -> None:
+    p.tensor_model_parallel, p.partition_dim = True, dim
+    if sections:
+        p.shard_sections = sections
+
+
 class Mamba2Mixer(nn.Module):
-    def __init__(self, shape: Mamba2Shape):
+    def __init__(self, shape: Mamba2Shape, *, tp_group=None):
         super().__init__()
         shape.check()
-        self.shape = shape
-        self.in_proj = nn.Linear(shape.hidden, shape.inner + shape.conv_channels + shape.heads, bias=shape.bias)
-        self.conv1d = nn.Conv1d(shape.conv_channels, shape.conv_channels, shape.conv_kernel,
-                                groups=shape.conv_channels, padding=shape.conv_kernel - 1, bias=shape.conv_bias)
-        self.dt_bias = nn.Parameter(torch.ones(shape.heads))
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, shape.heads + 1, dtype=torch.float32)))
-        self.D = nn.Parameter(torch.ones(shape.heads))
-        self.norm = GroupedGatedRMSNorm(shape.inner, shape.groups, shape.eps)
-        self.out_proj = nn.Linear(shape.inner, shape.hidden, bias=shape.bias)
+        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        if shape.groups % tp:
+            raise ValueError(f"mamba: tensor parallelism {tp} must divide n_groups = {shape.groups} (each rank holds "
+                             f"whole groups of heads, as Megatron-core's MambaMixer)")
+        self.full, self.tp_group = shape, tp_group if tp > 1 else None
+        self.shape = s = replace(shape, heads=shape.heads // tp, groups=shape.groups // tp)  # this rank's
+        self.in_proj = nn.Linear(s.hidden, s.inner + s.conv_channels + s.heads, bias=s.bias)
+        self.conv1d = nn.Conv1d(s.conv_channels, s.conv_channels, s.conv_kernel, groups=s.conv_channels,
+                                padding=s.conv_kernel - 1, bias=s.conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(s.heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, s.heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(s.heads))
+        self.norm = GroupedGatedRMSNorm(s.inner, s.groups, s.eps)
+        self.out_proj = nn.Linear(s.inner, s.hidden, bias=s.bias)  # under TP its bias is added after the sum
+        if tp > 1:
+            f = shape
+            bc = f.groups * f.state
+            for p in (self.in_proj.weight, self.in_proj.bias):
+                if p is not None:
+                    _split(p, 0, (f.inner, f.inner, bc, bc, f.heads))  # z, x, B, C, dt
+            for p in (self.conv1d.weight, self.conv1d.bias):
+                if p is not None:
+                    _split(p, 0, (f.inner, bc, bc))
+            for p in (self.dt_bias, self.A_log, self.D, self.norm.weight):
+                _split(p, 0)
+            _split(self.out_proj.weight, 1)
         self.kernel = "torch"  # what the last forward ran: "torch", or "mamba_ssm" (its conv and scan kernels)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         s = self.shape
         b, l, _ = hidden.shape
+        if self.tp_group is not None:  # the input's gradient: the sum of every rank's share
+            from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+            hidden = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
         z, xbc, dt = self.in_proj(hidden).split([s.inner, s.conv_channels, s.heads], dim=-1)
         kernels = cuda_kernels() if hidden.is_cuda else None
         self.kernel = "mamba_ssm" if kernels else "torch"
@@ -101,7 +136,13 @@ class Mamba2Mixer(nn.Module):
             dt = F.softplus(dt + self.dt_bias).clamp(min=s.time_step_min)
             y, _ = ssd_scan(x.float(), dt.float(), A, B.float(), C.float(), s.chunk)
             y = y + self.D[:, None] * x.float()
-        return self.out_proj(self.norm(y.to(hidden.dtype).flatten(-2), z))
+        y = self.norm(y.to(hidden.dtype).flatten(-2), z)
+        if self.tp_group is None:
+            return self.out_proj(y)
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        out = reduce_from_tensor_model_parallel_region(F.linear(y, self.out_proj.weight), group=self.tp_group)
+        return out if self.out_proj.bias is None else out + self.out_proj.bias
 
 
 def cuda_kernels():

@@ -122,17 +122,20 @@ def megatron_layer_impl(*, tp: int, sequence_parallel: bool = False) -> LayerImp
                      enter_blocks=enter, loss=loss, tied_head=tied_head)
 
 
-def shard_like(full_state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+def shard_like(full_state: dict[str, torch.Tensor], model: nn.Module, *, rank: int | None = None,
+               size: int | None = None) -> dict[str, torch.Tensor]:
     """This rank's slice of a full (single-process) state dict, for a model built with TP layers.
 
     Parameters megatron marks ``tensor_model_parallel`` are split along their
     ``partition_dim`` into tp equal chunks; everything else is replicated.  A parameter whose output
     holds several projections side by side (``models.layers.mark_sections``: q, k, v; gate, up) gets
-    its share of each section, concatenated.
+    its share of each section, concatenated.  ``rank`` / ``size``: this rank's place in the TP group, where
+    it is not megatron's.
     """
-    from megatron.core import parallel_state
+    if rank is None or size is None:
+        from megatron.core import parallel_state
 
-    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+        rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
     out = {}
     params = dict(model.named_parameters())
     for name, tensor in model.state_dict().items():
