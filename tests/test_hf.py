@@ -11,7 +11,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config  # noqa: E402
+from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, NemotronHConfig,  # noqa: E402
+                          Qwen2Config, Qwen3Config)
 
 from ds_pipe_ext import hf  # noqa: E402
 from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
@@ -27,6 +28,12 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),  # heads of 16 on hidden 32; q/k norms
     "gpt2": lambda: GPT2Config(vocab_size=256, n_embd=32, n_layer=3, n_head=4, n_positions=64, resid_pdrop=0.0,
                                embd_pdrop=0.0, attn_pdrop=0.0),
+    # hybrid: Mamba-2, MLP, attention and MoE layers (Nemotron-H's pattern letters M - * E), chunks of 5 tokens
+    "nemotron_h": lambda: NemotronHConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=6, n_groups=2, chunk_size=5,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
+        n_group=1, topk_group=1, max_position_embeddings=64, hybrid_override_pattern="M-M*-ME"),
 }
 TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
 
@@ -133,7 +140,7 @@ def test_what_the_pipeline_cannot_run_is_refused_by_name(tmp_path):
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
     with pytest.raises(HFPipelineError, match=r"model_type 'gpt_neox' is not supported as a pipeline; supported: "
-                                              r"\['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3'\]"):
+                                              r"\['gpt2', 'llama', 'mistral', 'nemotron_h', 'qwen2', 'qwen3'\]"):
         hf.pipeline_layers(other)
 
 
@@ -187,3 +194,29 @@ def test_in_memory_models_of_different_shapes_do_not_share_a_profile_cache_key(t
     wide = AutoModelForCausalLM.from_config(LlamaConfig(**{**COMMON, "intermediate_size": 128}))
     assert repr(hf.as_source(small)) != repr(hf.as_source(wide))
     assert repr(hf.as_source(small)) == repr(hf.as_source(small))  # stable
+
+
+@pytest.mark.multiprocess
+def test_a_hybrid_model_trains_as_a_pipeline_on_2_and_4_ranks(tmp_path, monkeypatch):
+    """Nemotron-H's layers (Mamba-2, MLP, attention, MoE: M-M*-ME) as 2 and 4 stages of DeepSpeed's pipeline,
+    split by "profiled": the first step's loss is the model's own labels= loss within 1e-5 (fp32)."""
+    from ds_pipe_ext.forked_launch import FORK_ENV
+    from ds_pipe_ext.runner import launch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from hf_pipeline import MICRO_BATCHES, batches
+
+    model, path = saved(tmp_path, "nemotron_h", seed=5)
+    data = batches(256, 1234)
+    want_first = sum(model(x, labels=y).loss.item() for x, y in (next(data) for _ in range(MICRO_BATCHES))) / MICRO_BATCHES
+    monkeypatch.setenv(FORK_ENV, "1")  # ranks forked from this process: the check is the pipeline's loss
+    for stages in (2, 4):
+        out = tmp_path / f"stages{stages}"
+        out.mkdir()
+        proc, ranks = launch(stages, None, "--model", str(path), "--steps", "1", "--stages", str(stages),
+                             "--checkpoint", str(out / "ckpt"), out_dir=out, cwd=tmp_path,
+                             script="examples/hf_pipeline.py", timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert sorted(ranks) == list(range(stages)) and len(ranks[0]["parts"]) == stages + 1
+        for r in ranks.values():
+            assert r["losses"][0] == pytest.approx(want_first, rel=1e-5), stages

@@ -54,8 +54,12 @@ class HFEmbeddingPipe(nn.Module):
         return self.dropout(x) if self.dropout is not None else x
 
 
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
+
+
 def attention_type(source: HFSource, index: int) -> str:
-    """What layer ``index`` attends to: "full_attention" or "sliding_attention", as the model decides it."""
+    """What layer ``index`` attends to: "full_attention" or "sliding_attention", as the model decides it; a
+    hybrid model's other layers are of their own type (Nemotron-H's "linear_attention": Mamba-2, "mlp", "moe")."""
     cfg = source.config
     types = getattr(cfg, "layer_types", None)
     if types:
@@ -74,7 +78,8 @@ class HFDecoderLayerPipe(nn.Module):
         self.layer = source.part(f"{source.arch.layers}.{index}")
         self.rotary = source.rotary()
         self.config = source.config
-        self.sliding = attention_type(source, index) == "sliding_attention"
+        kind = attention_type(source, index)
+        self.sliding, self.attends = kind == "sliding_attention", kind in ATTENTION_TYPES
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -82,8 +87,9 @@ class HFDecoderLayerPipe(nn.Module):
         b, s = hidden.shape[:2]
         position_ids = torch.arange(s, device=hidden.device)[None].expand(b, -1)
         make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
+        # a Mamba-2 layer reads a padding mask, not an attention one (none: the batch is unpadded)
         mask = make_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
-                         position_ids=position_ids)
+                         position_ids=position_ids) if self.attends else None
         kwargs = {"attention_mask": mask, "position_ids": position_ids}
         if self.rotary is not None:
             kwargs["position_embeddings"] = self.rotary(hidden, position_ids)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import torch
+
 from ..config_model import ConfigError
 
 
@@ -31,6 +33,11 @@ class Architecture:
     positions: str | None = None  # learned position embedding (GPT-2)
     dropout: str | None = None  # the embedding's dropout (GPT-2)
     rotary: str | None = None  # the model's rotary module: every layer recomputes (cos, sin) from it
+    # where the checkpoint's names differ from the module tree's (transformers' conversion_mapping.py says how it
+    # loads them): a prefix the checkpoint spells otherwise, and routed experts the checkpoint keeps one
+    # per file entry ("...experts.{i}.up_proj.weight") where the module holds them stacked ("...experts.up_proj")
+    checkpoint_prefix: tuple[str, str] | None = None
+    stacked_experts: bool = False
 
 
 _DECODER = Architecture(embed="model.embed_tokens", layers="model.layers", norm="model.norm", rotary="model.rotary_emb")
@@ -38,6 +45,9 @@ ARCHITECTURES = {
     "llama": _DECODER, "mistral": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER,
     "gpt2": Architecture(embed="transformer.wte", layers="transformer.h", norm="transformer.ln_f",
                          positions="transformer.wpe", dropout="transformer.drop"),
+    # hybrid: each layer one mixer (Mamba-2, attention, MLP or MoE) behind its norm and residual; no positions
+    "nemotron_h": Architecture(embed="model.embeddings", layers="model.layers", norm="model.norm_f",
+                               checkpoint_prefix=("model.", "backbone."), stacked_experts=True),
 }
 
 
@@ -75,7 +85,7 @@ class HFSource:
         if kind not in ARCHITECTURES:
             raise HFPipelineError(f"model_type {kind!r} is not supported as a pipeline; supported: "
                                   f"{sorted(ARCHITECTURES)} (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, "
-                                  f"Qwen2ForCausalLM, Qwen3ForCausalLM)")
+                                  f"Qwen2ForCausalLM, Qwen3ForCausalLM, NemotronHForCausalLM)")
         if getattr(self.config, "gradient_checkpointing", False):
             raise HFPipelineError("config.json has gradient_checkpointing = true; switch it off and use the "
                                   "pipeline's activation_checkpoint_interval instead")
@@ -118,7 +128,9 @@ class HFSource:
         import copy
 
         module = copy.deepcopy(get_path(_meta_model(self), dotted)).to_empty(device="cpu")
-        state = self.tensors(dotted + ".")
+        state = self.tensors(self.checkpoint_name(dotted) + ".")
+        if self.arch.stacked_experts:
+            state = _stack_experts(state, module.state_dict())
         missing = sorted(set(module.state_dict()) - set(state))
         if missing:
             raise HFPipelineError(f"{self.directory}: no weights for {dotted}.{missing[0]} in the safetensors files")
@@ -128,6 +140,13 @@ class HFSource:
                 raise HFPipelineError(f"{dotted}.{name} is a buffer the checkpoint does not hold; such a layer "
                                       f"cannot be built from the meta device")
         return module
+
+    def checkpoint_name(self, dotted: str) -> str:
+        """``dotted`` (a path in the module tree) as the checkpoint spells it."""
+        if self.arch.checkpoint_prefix and dotted.startswith(self.arch.checkpoint_prefix[0]):
+            module_prefix, saved_prefix = self.arch.checkpoint_prefix
+            return saved_prefix + dotted.removeprefix(module_prefix)
+        return dotted
 
     def rotary(self):
         """The model's rotary module, built fresh on the CPU (its frequencies are computed, not stored)."""
@@ -148,6 +167,22 @@ class HFSource:
                     for n in wanted:
                         out[n.removeprefix(prefix)] = f.get_tensor(n)
         return out
+
+
+def _stack_experts(state: dict, wanted: dict) -> dict:
+    """A module's stacked expert tensors ("mixer.experts.up_proj", (E, out, in)) from the checkpoint's
+    per-expert ones ("mixer.experts.{i}.up_proj.weight"), as transformers' MergeModulelist(dim=0) loads them."""
+    out = dict(state)
+    for name, tensor in wanted.items():
+        if name in state or ".experts." not in f".{name}":
+            continue
+        stem, leaf = name.rsplit(".", 1)
+        parts = [state.get(f"{stem}.{i}.{leaf}.weight") for i in range(tensor.shape[0])]
+        if all(p is not None for p in parts):
+            out[name] = torch.stack(parts)
+            for i in range(tensor.shape[0]):
+                del out[f"{stem}.{i}.{leaf}.weight"]
+    return out
 
 
 def _load_config(directory: Path):
