@@ -11,8 +11,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, NemotronHConfig,  # noqa: E402
-                          Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, GPT2Config, GptOssConfig, LlamaConfig,  # noqa: E402
+                          MistralConfig, NemotronHConfig, Qwen2Config, Qwen3Config)
 
 from ds_pipe_ext import hf  # noqa: E402
 from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
@@ -28,6 +28,18 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),  # heads of 16 on hidden 32; q/k norms
     "gpt2": lambda: GPT2Config(vocab_size=256, n_embd=32, n_layer=3, n_head=4, n_positions=64, resid_pdrop=0.0,
                                embd_pdrop=0.0, attn_pdrop=0.0),
+    # MLA (q and kv low-rank, a decoupled rotary part), 1 dense layer then MoE (1 shared + 4 routed, top-2 of
+    # groups: a sigmoid router limited to topk_group of n_group groups)
+    "deepseek_v3": lambda: DeepseekV3Config(
+        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=8,
+        qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64, rope_parameters=None),
+    # attention sinks, a 4-token window on alternate layers (shorter than the batch's 16 tokens), 4 experts
+    "gpt_oss": lambda: GptOssConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        max_position_embeddings=64),
     # hybrid: Mamba-2, MLP, attention and MoE layers (Nemotron-H's pattern letters M - * E), chunks of 5 tokens
     "nemotron_h": lambda: NemotronHConfig(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -56,6 +68,11 @@ def pipeline_loss(layers, tokens=TOKENS, labels=None) -> float:
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_the_pipelines_loss_is_the_models_own(tmp_path, name, impl):
+    if name == "gpt_oss" and impl == "sdpa":  # transformers runs its sinks through eager attention only
+        _, path = saved(tmp_path, name, "eager")
+        with pytest.raises(HFPipelineError, match=r"transformers runs gpt_oss through its eager attention only"):
+            hf.pipeline_layers(path, attn_implementation="sdpa")
+        return
     model, path = saved(tmp_path, name, impl)
     want = model(TOKENS, labels=TOKENS).loss.item()
     assert pipeline_loss(hf.pipeline_layers(path, attn_implementation=impl)) == pytest.approx(want, rel=1e-5)
@@ -139,8 +156,15 @@ def test_what_the_pipeline_cannot_run_is_refused_by_name(tmp_path):
     other = tmp_path / "neox"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
+    _, fp8 = saved(tmp_path, "deepseek_v3")  # a released checkpoint's FP8 weights, as its config.json says
+    config = json.loads((fp8 / "config.json").read_text())
+    (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}))
+    with pytest.raises(HFPipelineError, match=r"its weights are quantized \(fp8\); .* quantization_config="
+                                              r"FineGrainedFP8Config\(dequantize=True\)"):
+        hf.pipeline_layers(fp8)
     with pytest.raises(HFPipelineError, match=r"model_type 'gpt_neox' is not supported as a pipeline; supported: "
-                                              r"\['gpt2', 'llama', 'mistral', 'nemotron_h', 'qwen2', 'qwen3'\]"):
+                                              r"\['deepseek_v3', 'gpt2', 'gpt_oss', 'llama', 'mistral', 'nemotron_h', 'qwen2', 'qwen3'\]"):
         hf.pipeline_layers(other)
 
 
@@ -197,16 +221,19 @@ def test_in_memory_models_of_different_shapes_do_not_share_a_profile_cache_key(t
 
 
 @pytest.mark.multiprocess
-def test_a_hybrid_model_trains_as_a_pipeline_on_2_and_4_ranks(tmp_path, monkeypatch):
-    """Nemotron-H's layers (Mamba-2, MLP, attention, MoE: M-M*-ME) as 2 and 4 stages of DeepSpeed's pipeline,
-    split by "profiled": the first step's loss is the model's own labels= loss within 1e-5 (fp32)."""
+@pytest.mark.parametrize("name", ["nemotron_h", "deepseek_v3", "gpt_oss"])
+def test_todays_models_train_as_pipelines_on_2_and_4_ranks(tmp_path, monkeypatch, name):
+    """Nemotron-H's layers (Mamba-2, MLP, attention, MoE: M-M*-ME), DeepSeek-V3's (MLA, a dense layer, routed
+    experts) and gpt-oss's (sinks, alternating windows) as 2 and 4 stages of DeepSpeed's pipeline, split by
+    "profiled", each stage reading its own tensors: the first step's loss is the model's own labels= loss within
+    1e-5 (fp32)."""
     from ds_pipe_ext.forked_launch import FORK_ENV
     from ds_pipe_ext.runner import launch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from hf_pipeline import MICRO_BATCHES, batches
 
-    model, path = saved(tmp_path, "nemotron_h", seed=5)
+    model, path = saved(tmp_path, name, "eager" if name == "gpt_oss" else "sdpa", seed=5)
     data = batches(256, 1234)
     want_first = sum(model(x, labels=y).loss.item() for x, y in (next(data) for _ in range(MICRO_BATCHES))) / MICRO_BATCHES
     monkeypatch.setenv(FORK_ENV, "1")  # ranks forked from this process: the check is the pipeline's loss

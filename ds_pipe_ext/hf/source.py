@@ -45,6 +45,11 @@ ARCHITECTURES = {
     "llama": _DECODER, "mistral": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER,
     "gpt2": Architecture(embed="transformer.wte", layers="transformer.h", norm="transformer.ln_f",
                          positions="transformer.wpe", dropout="transformer.drop"),
+    # MLA, a group-limited sigmoid router, 1 shared + routed experts; the checkpoint's experts one by one
+    "deepseek_v3": Architecture(embed="model.embed_tokens", layers="model.layers", norm="model.norm",
+                                rotary="model.rotary_emb", stacked_experts=True),
+    # attention sinks, layers alternating a sliding window with full attention, biased attention and experts
+    "gpt_oss": _DECODER,
     # hybrid: each layer one mixer (Mamba-2, attention, MLP or MoE) behind its norm and residual; no positions
     "nemotron_h": Architecture(embed="model.embeddings", layers="model.layers", norm="model.norm_f",
                                checkpoint_prefix=("model.", "backbone."), stacked_experts=True),
@@ -85,13 +90,21 @@ class HFSource:
         if kind not in ARCHITECTURES:
             raise HFPipelineError(f"model_type {kind!r} is not supported as a pipeline; supported: "
                                   f"{sorted(ARCHITECTURES)} (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, "
-                                  f"Qwen2ForCausalLM, Qwen3ForCausalLM, NemotronHForCausalLM)")
+                                  f"Qwen2ForCausalLM, Qwen3ForCausalLM, DeepseekV3ForCausalLM, GptOssForCausalLM, "
+                                  f"NemotronHForCausalLM)")
         if getattr(self.config, "gradient_checkpointing", False):
             raise HFPipelineError("config.json has gradient_checkpointing = true; switch it off and use the "
                                   "pipeline's activation_checkpoint_interval instead")
-        impl = attn_implementation or getattr(self.config, "_attn_implementation", None) or "sdpa"
+        quantized = getattr(self.config, "quantization_config", None)
+        if quantized and self.directory is not None:
+            _refuse_quantized(self.directory, quantized)
+        sdpa = _supports_sdpa(self.config)
+        impl = attn_implementation or getattr(self.config, "_attn_implementation", None) or ("sdpa" if sdpa else "eager")
         if impl not in ("sdpa", "eager"):
             raise HFPipelineError(f"attn_implementation {impl!r}: the pipeline runs 'sdpa' or 'eager'")
+        if impl == "sdpa" and not sdpa:  # gpt-oss: SDPA's fused kernels take no attention sink
+            raise HFPipelineError(f"attn_implementation 'sdpa': transformers runs {kind} through its eager attention "
+                                  f"only (its attention sinks); use attn_implementation='eager'")
         self.config._attn_implementation = impl
         self.arch = ARCHITECTURES[kind]
 
@@ -169,19 +182,48 @@ class HFSource:
         return out
 
 
+def _supports_sdpa(config) -> bool:
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return bool(getattr(cls, "_supports_sdpa", True))
+
+
+# transformers' config that dequantizes each quantization method a released checkpoint uses, on load
+DEQUANTIZE = {"fp8": "FineGrainedFP8Config", "mxfp4": "Mxfp4Config"}
+
+
+def _refuse_quantized(directory: Path, quantized) -> None:
+    """A stage reads its tensors from the safetensors files as they are: quantized ones (DeepSeek-V3's FP8
+    blocks and their scales, gpt-oss's MXFP4 experts) would train as the wrong numbers.  The fix is
+    transformers' own dequantization, once."""
+    method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
+    method = getattr(method, "value", method)
+    cls = DEQUANTIZE.get(str(method), "the quantization config with dequantize=True")
+    raise HFPipelineError(
+        f"{directory}: its weights are quantized ({method}); the pipeline trains weights in the training dtype. "
+        f"Dequantize them once with transformers and train from that directory: "
+        f"AutoModelForCausalLM.from_pretrained({str(directory)!r}, quantization_config={cls}(dequantize=True), "
+        f"dtype=torch.bfloat16).save_pretrained(OUT)")
+
+
 def _stack_experts(state: dict, wanted: dict) -> dict:
     """A module's stacked expert tensors ("mixer.experts.up_proj", (E, out, in)) from the checkpoint's
-    per-expert ones ("mixer.experts.{i}.up_proj.weight"), as transformers' MergeModulelist(dim=0) loads them."""
+    per-expert ones ("mixer.experts.{i}.up_proj.weight"), as transformers' MergeModulelist(dim=0) loads them
+    (conversion_mapping.py: nemotron_h's, and qwen2_moe's that deepseek_v3 shares)."""
     out = dict(state)
     for name, tensor in wanted.items():
         if name in state or ".experts." not in f".{name}":
             continue
         stem, leaf = name.rsplit(".", 1)
-        parts = [state.get(f"{stem}.{i}.{leaf}.weight") for i in range(tensor.shape[0])]
-        if all(p is not None for p in parts):
-            out[name] = torch.stack(parts)
-            for i in range(tensor.shape[0]):
-                del out[f"{stem}.{i}.{leaf}.weight"]
+        # a fused gate_up_proj is each expert's gate_proj and up_proj concatenated (Concatenate(dim=1))
+        leaves = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else (leaf,)
+        keys = [[f"{stem}.{i}.{part}.weight" for part in leaves] for i in range(tensor.shape[0])]
+        if all(k in state for row in keys for k in row):
+            out[name] = torch.stack([torch.cat([state[k] for k in row]) for row in keys])
+            for row in keys:
+                for k in row:
+                    del out[k]
     return out
 
 
