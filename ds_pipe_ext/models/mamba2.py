@@ -134,8 +134,9 @@ class Mamba2Mixer(nn.Module):
                         dt_limit=(s.time_step_min, float("inf")))
         else:
             dt = F.softplus(dt + self.dt_bias).clamp(min=s.time_step_min)
-            y, _ = ssd_scan(x.float(), dt.float(), A, B.float(), C.float(), s.chunk)
-            y = y + self.D[:, None] * x.float()
+            x32 = x.float()  # one fp32 copy in 16-bit, which the scan and the skip share
+            y, _ = ssd_scan(x32, dt.float(), A, B.float(), C.float(), s.chunk)
+            y = y + self.D[:, None] * x32
         y = self.norm(y.to(hidden.dtype).flatten(-2), z)
         if self.tp_group is None:
             return self.out_proj(y)

@@ -42,6 +42,35 @@ def ssd_recurrence(x, dt, A, B, C, state=None):
 def ssd_scan(x, dt, A, B, C, chunk: int, state=None):
     """``ssd_recurrence``'s result, a chunk of ``chunk`` steps at a time; any length (the last chunk is padded
     with steps of dt = 0, which neither decay the state nor add to it)."""
+    if torch.is_grad_enabled() and state is None and any(t.requires_grad for t in (x, dt, A, B, C)):
+        return _RecomputedScan.apply(x, dt, A, B, C, chunk), None
+    return _scan(x, dt, A, B, C, chunk, state)
+
+
+class _RecomputedScan(torch.autograd.Function):
+    """The scan keeping its inputs only (x, dt, A, B, C), its intermediates recomputed in the backward, as
+    ``mamba_ssm``'s fused scan does: per token it keeps (heads x head_dim + 2 groups x state + heads) values
+    (most of them views of the conv's output) where the written-out scan kept several times its chunk's
+    (chunk x chunk x heads) decay weights."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, chunk):
+        ctx.chunk = chunk
+        ctx.save_for_backward(x, dt, A, B, C)
+        with torch.no_grad():
+            return _scan(x, dt, A, B, C, chunk)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            y = _scan(*inputs, ctx.chunk)[0]
+            wanted = [t for t in inputs if t.requires_grad]
+            got = iter(torch.autograd.grad(y, wanted, grad))
+        return (*(next(got) if t.requires_grad else None for t in inputs), None)
+
+
+def _scan(x, dt, A, B, C, chunk: int, state=None):
     b, l, h, p = x.shape
     n = B.shape[-1]
     pad = (-l) % chunk

@@ -1,0 +1,56 @@
+"""The Mamba-2 mixer's analytic costs against what runs: the bytes autograd saves (the profiler's count, fp32 on
+this CPU), its weights, and its FLOPs by hand."""
+
+import pytest
+import torch
+
+from ds_pipe_ext.costs import analytic as A
+from ds_pipe_ext.costs.mamba_ops import mamba2_mixer
+from ds_pipe_ext.costs.probes import saved_activation_bytes
+from ds_pipe_ext.models.mamba2 import Mamba2Mixer, Mamba2Shape
+
+SHAPES = [  # (hidden, heads, head_dim, state, groups, chunk, kernel, b, s)
+    (64, 8, 16, 16, 2, 16, 4, 2, 64),
+    (48, 6, 8, 32, 1, 8, 4, 1, 37),  # a sequence that is no multiple of the chunk
+    (32, 4, 16, 8, 4, 32, 3, 3, 20),  # a chunk longer than the sequence
+]
+
+
+@pytest.mark.parametrize("hidden, heads, head_dim, state, groups, chunk, kernel, b, s", SHAPES)
+def test_the_mixers_saved_bytes_and_weights_are_counted(hidden, heads, head_dim, state, groups, chunk, kernel, b, s):
+    shape = Mamba2Shape(hidden=hidden, heads=heads, head_dim=head_dim, state=state, groups=groups, chunk=chunk,
+                        conv_kernel=kernel)
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(shape)
+    x = torch.randn(b, s, hidden, requires_grad=True)
+    saved, _ = saved_activation_bytes(lambda: mixer(x), list(mixer.parameters()))
+    shp = A.Shape(b=b, s=s, h=hidden, a=1, f=1, V=1, e=4)
+    ops = mamba2_mixer(shp, heads=heads, head_dim=head_dim, state=state, groups=groups, conv_kernel=kernel,
+                       chunk=chunk)
+    analytic = sum(op.activation_bytes for op in ops)
+    assert analytic == pytest.approx(saved, rel=0.03)
+    assert abs(analytic - saved) <= 2 * heads * 4  # all but A = -exp(A_log), which two ops keep
+    params = sum(p.numel() for p in mixer.parameters())
+    assert sum(sum(op.weights) for op in ops) == params  # the dt op holds dt_bias, A_log and D
+
+
+def test_the_scans_flops_by_hand():
+    shp = A.Shape(b=2, s=64, h=64, a=1, f=1, V=1, e=4)
+    scan = next(op for op in mamba2_mixer(shp, heads=8, head_dim=16, state=16, groups=2, conv_kernel=4, chunk=16)
+                if op.name == "mamba_ssd_scan")
+    chunks, b, Q, H, P, N, G = 4, 2, 16, 8, 16, 16, 2
+    per_chunk = 2 * Q * Q * G * N + Q * Q * H + 2 * Q * Q * H * P + 4 * Q * H * P * N
+    assert scan.fwd_flops == chunks * b * per_chunk + 2 * chunks * b * H * P * N
+    assert scan.bwd_flops == 3 * scan.fwd_flops  # recomputed, then twice the forward
+
+
+def test_tensor_parallelism_must_divide_the_groups_in_the_costs_too():
+    shp = A.Shape(b=1, s=8, h=32, a=8, f=8, V=1, e=2, t=4)
+    with pytest.raises(ValueError, match=r"tensor parallelism 4 does not divide n_groups \(2\)"):
+        mamba2_mixer(shp, heads=8, head_dim=4, state=4, groups=2, conv_kernel=4, chunk=8)
+    two = mamba2_mixer(A.Shape(b=1, s=8, h=32, a=8, f=8, V=1, e=2, t=2), heads=8, head_dim=4, state=4, groups=2,
+                       conv_kernel=4, chunk=8)
+    one = mamba2_mixer(A.Shape(b=1, s=8, h=32, a=1, f=1, V=1, e=2), heads=8, head_dim=4, state=4, groups=2,
+                       conv_kernel=4, chunk=8)
+    assert sum(op.fwd_flops for op in two) < sum(op.fwd_flops for op in one)
+    assert two[0].weights[0] * 2 == one[0].weights[0]  # in_proj: half the output features a rank
