@@ -5,8 +5,9 @@ this says what a decoder-only transformer computes, so that a family-free op lib
 (``costs.estimate.layer_ops`` over ``costs.analytic``) can cost any model a family describes:
 
     embedding  a vocabulary lookup (``vocab`` rows: padded) and its positions: learned | rotary | none
-    blocks     one ``Block`` per transformer layer (they may differ: width-pruned models), each
-               a norm, attention (heads, key/value heads, their width where it is not hidden / heads,
+    blocks     one ``Block`` per layer (they may differ: width-pruned models, hybrids), each a norm and
+               attention and an MLP, or one of them alone, or a Mamba-2 mixer alone (``Mamba2``: a
+               hybrid's ``M`` layers; Nemotron-H's pattern ``M-M*-ME``); attention (heads, key/value heads, their width where it is not hidden / heads,
                q/k/v biases, per-head q/k norms, a sliding window, the kernel:
                eager softmax(QK^T)V or a fused one that saves no s x s probabilities) and an MLP (gelu:
                two matrices; swiglu: gate and up projections, SiLU, down projection), or routed
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary", "none")
-MLPS = ("gelu", "swiglu")
+MLPS = ("gelu", "swiglu", "relu2")  # relu2: squared ReLU between two matrices (Nemotron-H's MLP layers)
 # "auto": the one that runs on the device costed, fused on a GPU and eager on a CPU (``attention_kernel``)
 ATTENTION_KERNELS = ("eager", "fused", "auto")
 
@@ -142,10 +143,55 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class Mamba2:
+    """A Mamba-2 mixer (``models.mamba2``): ``heads`` of ``head_dim`` channels, a ``state``-wide SSM state per
+    head, B and C shared by the heads of each of ``groups``, a causal conv of ``conv_kernel`` taps, the scan
+    in chunks of ``chunk`` tokens."""
+
+    heads: int
+    head_dim: int
+    state: int
+    groups: int = 1
+    conv_kernel: int = 4
+    chunk: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("heads", "head_dim", "state", "groups", "conv_kernel", "chunk"):
+            _positive("mamba", name, getattr(self, name))
+        if self.heads % self.groups:
+            raise DescriptionError(f"mamba: n_groups ({self.groups}) must divide heads ({self.heads})")
+
+
+BLOCK_KINDS = ("transformer", "attention", "mlp", "moe", "mamba")
+
+
+@dataclass(frozen=True)
 class Block:
-    attention: Attention
-    mlp: MLP  # with ``experts``: one expert's kind and width
+    """One layer behind its norm(s) and residual(s): attention then an MLP (a transformer block), or one
+    of attention, an MLP (routed ``experts`` of it: MoE) or a Mamba-2 mixer alone (a hybrid's layers)."""
+
+    attention: Attention | None
+    mlp: MLP | None  # with ``experts``: one expert's kind and width
     experts: Experts | None = None  # None: a dense block
+    mamba: Mamba2 | None = None
+
+    def __post_init__(self) -> None:
+        if self.mamba is not None and (self.attention is not None or self.mlp is not None):
+            raise DescriptionError("block: a Mamba-2 block holds the mixer alone (no attention, no MLP)")
+        if self.mamba is None and self.attention is None and self.mlp is None:
+            raise DescriptionError("block: describe attention, an MLP or a Mamba-2 mixer")
+        if self.experts is not None and self.mlp is None:
+            raise DescriptionError("block: experts need the MLP they are routed copies of (mlp=)")
+
+    @property
+    def kind(self) -> str:
+        if self.mamba is not None:
+            return "mamba"
+        if self.attention is not None and self.mlp is not None:
+            return "transformer"
+        if self.attention is not None:
+            return "attention"
+        return "moe" if self.experts is not None else "mlp"
 
 
 @dataclass(frozen=True)
@@ -173,6 +219,8 @@ class ModelDescription:
         if self.norm not in NORMS:
             raise DescriptionError(f"model {self.name!r}: norm = {self.norm!r}; use one of {NORMS}")
         for i, block in enumerate(self.blocks):
+            if block.attention is None:
+                continue
             if block.attention.head_dim is None and self.hidden % block.attention.heads:
                 raise DescriptionError(f"model {self.name!r}: block {i}: heads ({block.attention.heads}) do not "
                                        f"divide hidden ({self.hidden})")
@@ -180,15 +228,23 @@ class ModelDescription:
     # what every layout rule reads (``layout.Layout.check``): the widths tensor parallelism splits
     @property
     def heads(self) -> int:
-        return self.blocks[0].attention.heads
+        """The first attention block's (a model of Mamba-2 blocks alone: the first mixer's heads)."""
+        first = next((b.attention for b in self.blocks if b.attention is not None), None)
+        return first.heads if first is not None else self.blocks[0].mamba.heads
 
     @property
     def kv_heads(self) -> int:
-        return min(b.attention.kv_heads for b in self.blocks)
+        return min((b.attention.kv_heads for b in self.blocks if b.attention is not None), default=self.heads)
 
     @property
     def ffn(self) -> int:
-        return self.blocks[0].mlp.ffn
+        first = next((b.mlp for b in self.blocks if b.mlp is not None), None)
+        return first.ffn if first is not None else self.hidden
+
+    @property
+    def mamba_groups(self) -> int:
+        """n_groups of the Mamba-2 blocks (tensor parallelism must divide it); 0 without any."""
+        return min((b.mamba.groups for b in self.blocks if b.mamba is not None), default=0)
 
     @property
     def padded_vocab(self) -> int:

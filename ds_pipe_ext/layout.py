@@ -235,9 +235,12 @@ class Layout:
         desc = as_description(model)
         name, t = desc.name, self.tp
         blocks = list(dict.fromkeys(desc.blocks))  # each distinct block once, in order
-        widths = [("attention heads", b.attention.heads) for b in blocks]
-        widths += [("key/value heads", b.attention.kv_heads) for b in blocks] + [("hidden", desc.hidden)]
-        widths += [("ffn hidden", b.mlp.ffn) for b in blocks]
+        attentions = [b.attention for b in blocks if b.attention is not None]
+        widths = [("attention heads", a.heads) for a in attentions]
+        widths += [("key/value heads", a.kv_heads) for a in attentions] + [("hidden", desc.hidden)]
+        widths += [("ffn hidden", b.mlp.ffn) for b in blocks if b.mlp is not None]
+        # Megatron-core's MambaMixer: each rank holds whole groups of heads
+        widths += [("Mamba-2 n_groups", b.mamba.groups) for b in blocks if b.mamba is not None]
         for what, n in widths:
             if n % t:
                 raise LayoutError(f"tensor parallel degree {t} does not divide the {what} ({n}) of model "

@@ -54,3 +54,42 @@ def test_tensor_parallelism_must_divide_the_groups_in_the_costs_too():
                        conv_kernel=4, chunk=8)
     assert sum(op.fwd_flops for op in two) < sum(op.fwd_flops for op in one)
     assert two[0].weights[0] * 2 == one[0].weights[0]  # in_proj: half the output features a rank
+
+
+def hybrid(pattern: str = "M-M*-ME", **mamba):
+    """A Nemotron-H-like description: each letter one block of its kind."""
+    from ds_pipe_ext.arch import MLP, Attention, Block, Experts, Mamba2, ModelDescription
+
+    m = Mamba2(**{"heads": 8, "head_dim": 16, "state": 16, "groups": 2, "chunk": 16, **mamba})
+    kinds = {"M": Block(None, None, mamba=m), "*": Block(Attention(heads=4, kv_heads=2, kernel="fused"), None),
+             "-": Block(None, MLP(256, "relu2")), "E": Block(None, MLP(64, "swiglu"), Experts(count=4, top_k=2))}
+    return ModelDescription("hybrid", hidden=64, vocab=1024, seq_len=64, blocks=[kinds[c] for c in pattern],
+                            positions="none", norm="rmsnorm", tied_head=False, linear_bias=False)
+
+
+def test_a_hybrid_description_is_costed_block_by_block():
+    """Each letter's block is its norm, its one kind of layer and its residual: a Mamba-2 block is the mixer's ops,
+    an MLP block the transformer block's second half, an attention block its first; the partition sees each."""
+    from ds_pipe_ext.costs.estimate import layer_ops, shape_for, EstimateRequest
+
+    desc = hybrid()
+    assert [b.kind for b in desc.blocks] == ["mamba", "mlp", "mamba", "attention", "mlp", "mamba", "moe"]
+    shp = shape_for(desc, EstimateRequest(2, 64, dtype="fp32"), runs_on="cpu")
+    layers = layer_ops(desc, shp, device="cpu")
+    names = [[op.name for op in ops] for _, _, ops in layers[1:-1]]
+    assert names[0] == ["norm", "mamba_in_proj", "mamba_conv1d", "mamba_conv_silu", "mamba_dt", "mamba_ssd_scan",
+                        "mamba_gated_norm", "mamba_out_proj", "residual"]
+    assert names[1] == ["ln_2", "fc1", "relu2", "fc2", "mlp_dropout", "residual_2"]
+    assert names[3][0] == "ln_1" and names[3][-1] == "residual_1" and "fc1" not in names[3]
+    assert any(n.startswith("expert_") for n in names[6]) and "qkv" not in names[6]
+    mixer = sum(op.activation_bytes for op in layers[1][2][1:-1])
+    assert mixer == sum(op.activation_bytes for op in mamba2_mixer(shp, heads=8, head_dim=16, state=16, groups=2,
+                                                                   conv_kernel=4, chunk=16))
+
+
+def test_tensor_parallelism_must_divide_a_hybrids_mamba_groups():
+    from ds_pipe_ext.layout import Layout, LayoutError
+
+    Layout(tp=2, dp=1).check(hybrid("M-M*-M"))  # (the MoE family refuses TP: no E layer here)
+    with pytest.raises(LayoutError, match=r"tensor parallel degree 4 does not divide the Mamba-2 n_groups \(2\)"):
+        Layout(tp=4, dp=1).check(hybrid("M-M-M"))

@@ -241,6 +241,13 @@ def gelu(shp: Shape) -> OpCost:
                   bwd_bytes=3 * n * shp.e, activation_bytes=n * shp.e)
 
 
+def relu2(shp: Shape) -> OpCost:
+    """Squared ReLU (Nemotron-H's MLP): ReLU keeps its output, which the square reads back: b*s*f/t elements."""
+    n = shp.tokens * shp.f / shp.t
+    return OpCost("relu2", "vector", fwd_flops=2.0 * n, bwd_flops=4.0 * n, fwd_bytes=4 * n * shp.e,
+                  bwd_bytes=5 * n * shp.e, activation_bytes=n * shp.e, kernels=(2, 3))
+
+
 def mlp_fc2(shp: Shape, *, bias: bool = True) -> OpCost:
     op = linear("fc2", shp.tokens, shp.f // shp.t, shp.h, shp, bias=bias)
     return tp_exit_comm(op, shp)
@@ -287,6 +294,8 @@ def transformer_block(shp: Shape, *, kv_heads: int | None = None, mlp: str = "ge
     norm_op = NORMS[norm]
     if mlp == "gelu":
         mlp_ops = [mlp_fc1(shp, bias=bias), gelu(shp), mlp_fc2(shp, bias=bias)]
+    elif mlp == "relu2":
+        mlp_ops = [mlp_fc1(shp, bias=bias), relu2(shp), mlp_fc2(shp, bias=bias)]
     else:
         mlp_ops = [mlp_gate_up(shp, bias=bias), swiglu(shp), mlp_fc2(shp, bias=bias)]
     if kernel == "fused":

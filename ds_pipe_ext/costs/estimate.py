@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from ..arch import as_description, attention_backend, attention_kernel
 from . import analytic as A
+from .mamba_ops import mamba2_mixer
 from . import edge_ops as E
 from .op_cost import DTYPE_BYTES
 from .gpu_pricing import MEGATRON
@@ -74,7 +75,7 @@ def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None, *, 
     m = req.mask_bytes if req.mask_bytes is not None else dropout_mask_bytes(runs_on, req.dtype)
     return A.Shape(b=req.micro_batch, s=req.seq, h=desc.hidden, a=desc.heads, f=desc.ffn, V=desc.vocab,
                    e=e, m=m, t=req.tp, sp=req.sp, dropout=desc.dropout, ep=req.ep,
-                   d=desc.blocks[0].attention.head_dim or 0,
+                   d=next((b.attention.head_dim or 0 for b in desc.blocks if b.attention is not None), 0),
                    table_grad_accum=table_grad_accum_bytes(runs_on, req.dtype), bias_grad_buffer=runs_on != "cpu",
                    dense_window_mask=runs_on == "cpu",
                    # (under selective recompute the kernel keeps nothing: its output is the linear's only copy)
@@ -85,7 +86,8 @@ def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None, *, 
 def assumed_attention(model, device: str) -> str:
     """What the analytic model assumes the attention core runs as on ``device``: "fused" (one kernel, flash or
     torch's SDPA) or "eager" (written out), for each kind of block; what estimate and plan print."""
-    kernels = sorted({attention_kernel(block.attention.kernel, device) for block in as_description(model).blocks})
+    kernels = sorted({attention_kernel(block.attention.kernel, device) for block in as_description(model).blocks
+                      if block.attention is not None}) or ["none"]
     return "/".join(kernels)
 
 
@@ -99,16 +101,7 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
     built: dict = {}
     for block in desc.blocks:
         if block not in built:
-            att, mlp = block.attention, block.mlp
-            shaped = replace(shp, a=att.heads, f=mlp.ffn, d=att.head_dim or 0)
-            shaped = replace(shaped, attn_out_copy=shp.autograd_linear and _efficient_sdpa(shaped, att, device))
-            built[block] = A.transformer_block(shaped, kv_heads=att.kv_heads, mlp=mlp.kind, norm=desc.norm,
-                                               positions=desc.positions, bias=desc.linear_bias,
-                                               qkv_bias=att.qkv_bias, kernel=attention_kernel(att.kernel, device),
-                                               window=att.window,
-                                               head_norm=att.qk_norm)
-            if block.experts is not None:  # routed experts in place of the MLP (costs/moe_ops.py)
-                built[block] = moe_block(built[block], shaped, block.experts, ep=shp.ep, imbalance=expert_imbalance)
+            built[block] = block_ops(desc, block, shp, expert_imbalance=expert_imbalance, device=device)
         layers.append(("Block", "block", built[block]))
     if chunked_head(desc, shp):
         layers.append(("HeadPipe", "head", E.chunked_lm_head(shp, norm=desc.norm, chunk_tokens=desc.loss_chunk_tokens)))
@@ -117,12 +110,41 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
     return layers
 
 
+def block_ops(desc, block, shp: A.Shape, *, expert_imbalance: float = 1.0, device: str | None = None) -> list:
+    """One block's ops, as its kind says (``arch.Block.kind``): a transformer block; or, a hybrid's layers,
+    its norm, then attention, an MLP (routed experts: MoE) or a Mamba-2 mixer alone, then its residual."""
+    if block.mamba is not None:
+        m = block.mamba
+        return [A.NORMS[desc.norm]("norm", shp),
+                *mamba2_mixer(shp, heads=m.heads, head_dim=m.head_dim, state=m.state, groups=m.groups,
+                              conv_kernel=m.conv_kernel, chunk=m.chunk, bias=desc.linear_bias),
+                A.residual_add("residual", shp)]
+    att, mlp = block.attention, block.mlp
+    shaped = replace(shp, a=att.heads if att else shp.a, f=mlp.ffn if mlp else shp.f,
+                     d=(att.head_dim or 0) if att else shp.d)
+    if att is not None:
+        shaped = replace(shaped, attn_out_copy=shp.autograd_linear and _efficient_sdpa(shaped, att, device))
+    ops = A.transformer_block(shaped, kv_heads=att.kv_heads if att else None, mlp=mlp.kind if mlp else "gelu",
+                              norm=desc.norm, positions=desc.positions, bias=desc.linear_bias,
+                              qkv_bias=att.qkv_bias if att else None,
+                              kernel=attention_kernel(att.kernel, device) if att else "eager",
+                              window=att.window if att else None, head_norm=att.qk_norm if att else False)
+    half = next(i for i, op in enumerate(ops) if op.name == "residual_1") + 1
+    if att is None:  # the MLP's half alone
+        ops = ops[half:]
+    elif mlp is None:  # the attention's half alone
+        ops = ops[:half]
+    if block.experts is not None:  # routed experts in place of the MLP (costs/moe_ops.py)
+        ops = moe_block(ops, shaped, block.experts, ep=shp.ep, imbalance=expert_imbalance)
+    return ops
+
+
 def runs_efficient_sdpa(model, req: EstimateRequest, device: str | None) -> bool:
     """Whether any block of ``model`` runs torch's memory-efficient SDPA kernel on ``device`` (the spec's name)
     under ``req``: the only case ``req.zero3_linear`` changes a layer's costs (``Shape.attn_out_copy``)."""
     shp = shape_for(model, req, runs_on=device)
     return any(_efficient_sdpa(replace(shp, a=b.attention.heads, d=b.attention.head_dim or 0), b.attention, device)
-               for b in as_description(model).blocks)
+               for b in as_description(model).blocks if b.attention is not None)
 
 
 def _efficient_sdpa(shp: A.Shape, att, device: str | None) -> bool:
