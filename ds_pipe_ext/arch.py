@@ -7,7 +7,8 @@ this says what a decoder-only transformer computes, so that a family-free op lib
     embedding  a vocabulary lookup (``vocab`` rows: padded) and its positions: learned | rotary | none
     blocks     one ``Block`` per layer (they may differ: width-pruned models, hybrids), each a norm and
                attention and an MLP, or one of them alone, or a Mamba-2 mixer alone (``Mamba2``: a
-               hybrid's ``M`` layers; Nemotron-H's pattern ``M-M*-ME``); attention (heads, key/value heads, their width where it is not hidden / heads,
+               hybrid's ``M`` layers; Nemotron-H's pattern ``M-M*-ME``); attention (heads, key/value
+               heads, their width where it is not hidden / heads,
                q/k/v biases, per-head q/k norms, a sliding window, the kernel:
                eager softmax(QK^T)V or a fused one that saves no s x s probabilities) and an MLP (gelu:
                two matrices; swiglu: gate and up projections, SiLU, down projection), or routed

@@ -164,7 +164,8 @@ def test_what_the_pipeline_cannot_run_is_refused_by_name(tmp_path):
                                               r"FineGrainedFP8Config\(dequantize=True\)"):
         hf.pipeline_layers(fp8)
     with pytest.raises(HFPipelineError, match=r"model_type 'gpt_neox' is not supported as a pipeline; supported: "
-                                              r"\['deepseek_v3', 'gpt2', 'gpt_oss', 'llama', 'mistral', 'nemotron_h', 'qwen2', 'qwen3'\]"):
+                                              r"\['deepseek_v3', 'gpt2', 'gpt_oss', 'llama', 'mistral', 'nemotron_h', "
+                                              r"'qwen2', 'qwen3'\]"):
         hf.pipeline_layers(other)
 
 
@@ -235,7 +236,8 @@ def test_todays_models_train_as_pipelines_on_2_and_4_ranks(tmp_path, monkeypatch
 
     model, path = saved(tmp_path, name, "eager" if name == "gpt_oss" else "sdpa", seed=5)
     data = batches(256, 1234)
-    want_first = sum(model(x, labels=y).loss.item() for x, y in (next(data) for _ in range(MICRO_BATCHES))) / MICRO_BATCHES
+    want_first = sum(model(x, labels=y).loss.item() for x, y in (next(data) for _ in range(MICRO_BATCHES)))
+    want_first /= MICRO_BATCHES
     monkeypatch.setenv(FORK_ENV, "1")  # ranks forked from this process: the check is the pipeline's loss
     for stages in (2, 4):
         out = tmp_path / f"stages{stages}"

@@ -51,7 +51,8 @@ def mamba2_mixer(shp: Shape, *, heads: int, head_dim: int, state: int, groups: i
                   fwd_bytes=2 * T * conv * e, bwd_bytes=3 * T * conv * e,
                   activation_bytes=shp.b * (shp.s + K - 1) * conv * e)  # the conv's output, padding included
     dt = OpCost("mamba_dt", "vector", fwd_flops=6.0 * T * H, bwd_flops=8.0 * T * H, fwd_bytes=6 * T * H * e,
-                bwd_bytes=6 * T * H * e, activation_bytes=(2 if up else 3) * T * H * e, weights=(H, H, H), weight_bytes=3 * H * e,
+                bwd_bytes=6 * T * H * e, activation_bytes=(2 if up else 3) * T * H * e, weights=(H, H, H),
+                weight_bytes=3 * H * e,
                 kernels=(3, 3))  # + dt_bias, softplus, clamp (in 16-bit the scan keeps the clamp's fp32 copy); it holds
     # dt_bias, A_log and D, the mixer's per-head weights
     scan_flops = (chunks * shp.b * (2.0 * Q * Q * G * N + Q * Q * H + 2.0 * Q * Q * H * P + 4.0 * Q * H * P * N)

@@ -99,7 +99,8 @@ class HFSource:
         if quantized and self.directory is not None:
             _refuse_quantized(self.directory, quantized)
         sdpa = _supports_sdpa(self.config)
-        impl = attn_implementation or getattr(self.config, "_attn_implementation", None) or ("sdpa" if sdpa else "eager")
+        impl = (attn_implementation or getattr(self.config, "_attn_implementation", None)
+                or ("sdpa" if sdpa else "eager"))
         if impl not in ("sdpa", "eager"):
             raise HFPipelineError(f"attn_implementation {impl!r}: the pipeline runs 'sdpa' or 'eager'")
         if impl == "sdpa" and not sdpa:  # gpt-oss: SDPA's fused kernels take no attention sink

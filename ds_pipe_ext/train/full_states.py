@@ -58,7 +58,8 @@ class _Masters:
     def __init__(self, engine):
         self.wrapper, self.inner = engine.optimizer, unwrap_optimizer(engine.optimizer)
         self.copies = {}  # DeepSpeed's unfused fp16/bf16 optimizer: an fp32 copy per low-precision parameter
-        for lp_group, hp_group in zip(getattr(self.wrapper, "fp16_groups", ()), getattr(self.wrapper, "fp32_groups", ())):
+        pairs = zip(getattr(self.wrapper, "fp16_groups", ()), getattr(self.wrapper, "fp32_groups", ()))
+        for lp_group, hp_group in pairs:
             self.copies.update({id(lp): hp for lp, hp in zip(lp_group, hp_group)})
         if hasattr(self.wrapper, "fp32_groups_flat") and not self.copies:
             raise FullStateError(f"{type(self.wrapper).__name__} keeps its fp32 masters fused in one flat tensor: "
