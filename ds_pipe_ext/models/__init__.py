@@ -4,6 +4,8 @@
     llama   Llama 2/3, Mistral, Qwen2 (``llama.py``, its config in ``llama_config.py``)
     moe     Mixture-of-Experts on Llama blocks: Mixtral, Qwen-MoE, DeepSeekMoE (``moe.py``, its config in
             ``moe_config.py``): DeepSpeed's MoE layer, costed at ep 1 (``costs/moe_ops.py``)
+    hybrid  Mamba-2, attention and MLP layers in a pattern: Nemotron-H (``hybrid.py``, its config in
+            ``hybrid_config.py``; the mixer in ``mamba2.py``, costed by ``costs/mamba_ops.py``)
 
 Both build their layers from a ``layers.LayerImpl`` (megatron-core's tensor parallelism in
 ``tensor_parallel.py`` for either) and are costed from their description (``costs.py``).
@@ -11,6 +13,7 @@ Each callable imports its module when first called: loading a config needs no to
 """
 
 from .gpt_config import GPTConfig, from_hf_gpt2, load_model_config
+from .hybrid_config import HybridConfig, from_hf_nemotron_h, load_hybrid_config
 from .llama_config import LlamaConfig, from_hf_llama, load_llama_config
 from .moe_config import MoEConfig, from_hf_moe, load_moe_config
 from .registry import ModelFamily, family_of, get_family, load_model, register_family
@@ -84,6 +87,8 @@ LLAMA = _family("llama", LlamaConfig, load_llama_config, from_hf_llama, ".llama"
                 "SequentialLlama")
 MOE = _family("moe", MoEConfig, load_moe_config, from_hf_moe, ".moe", "moe_layer_specs", "SequentialMoE",
               loss_fn=_moe_loss_fn, expert_parallel=True)
+HYBRID = _family("hybrid", HybridConfig, load_hybrid_config, from_hf_nemotron_h, ".hybrid", "hybrid_layer_specs",
+                 "SequentialHybrid")
 
-__all__ = ["GPT", "LLAMA", "MOE", "MoEConfig", "GPTConfig", "LlamaConfig", "ModelFamily", "family_of", "get_family", "load_model",
+__all__ = ["GPT", "HYBRID", "HybridConfig", "LLAMA", "MOE", "MoEConfig", "GPTConfig", "LlamaConfig", "ModelFamily", "family_of", "get_family", "load_model",
            "register_family"]

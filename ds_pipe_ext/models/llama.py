@@ -123,7 +123,8 @@ class LlamaAttention(nn.Module):
             self.q_norm, self.k_norm = impl.head_norm(d, cfg.rms_norm_eps), impl.head_norm(d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = Rotary(cfg)
+        # a hybrid's attention layers take no positions (Nemotron-H: its Mamba-2 layers order the sequence)
+        self.rotary = Rotary(cfg) if getattr(cfg, "rotary_positions", True) else None
         window = self.window = cfg.window
         if window is not None:  # query i sees keys i - window + 1 .. i, as transformers' sliding-window mask
             i = torch.arange(cfg.seq_len)
@@ -137,14 +138,15 @@ class LlamaAttention(nn.Module):
         s, b, _ = qkv.shape
         d = self.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        cos, sin = self.rotary(s, x.dtype)
         # (s, b, n * d) -> (b, n, s, d).  v is copied so that the kernel keeps v alone, not all of qkv;
         # q/k norms keep their inputs, views of qkv, which hold all of it anyway: no copy then
         q, k = q.view(s, b, self.heads, d), k.view(s, b, self.kv_heads, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotate(q.permute(1, 2, 0, 3), cos, sin)
-        k = rotate(k.permute(1, 2, 0, 3), cos, sin)
+        q, k = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3)
+        if self.rotary is not None:
+            cos, sin = self.rotary(s, x.dtype)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         v = v.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)
         if self.q_norm is None:
             v = v.contiguous()
