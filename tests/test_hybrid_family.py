@@ -101,3 +101,24 @@ def test_train_py_trains_the_hybrid_family_by_name_as_a_pipeline(tmp_path, monke
     with torch.no_grad():
         want = sum(model(*next(data)).item() for _ in range(2)) / 2
     assert len(ranks[0]["parts"]) == 3 and ranks[0]["losses"][0] == pytest.approx(want, rel=1e-5)
+
+
+def test_what_megatron_core_can_run_of_a_hybrid_split_is_said():
+    """Megatron-core's MambaModel splits a hybrid pattern evenly, or with first/last stage sizes, and does not
+    interleave: plan prints those arguments for its pick, or why the pick needs more (8 layers + embedding
+    and head: pipeline layers 0..9)."""
+    from types import SimpleNamespace
+
+    from ds_pipe_ext.layout import Layout
+    from ds_pipe_ext.plan.render import megatron_hybrid_split
+
+    lay = Layout(pp=4, micro_batches=8)
+    assert megatron_hybrid_split(SimpleNamespace(layout=lay, parts=[0, 3, 5, 7, 10])) == (
+        "an even split", "2 layers a stage")
+    assert megatron_hybrid_split(SimpleNamespace(layout=lay, parts=[0, 2, 5, 8, 10]))[0] == (
+        "--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 1")
+    split, why = megatron_hybrid_split(SimpleNamespace(layout=lay, parts=[0, 3, 4, 8, 10]))
+    assert split is None and "layers a stage [2, 1, 4, 1]: the stages between the first and the last differ" in why
+    split, why = megatron_hybrid_split(SimpleNamespace(layout=Layout(pp=2, micro_batches=8, schedule="interleaved:2"),
+                                                       parts=[0, 3, 5, 7, 10]))
+    assert split is None and "without interleaving" in why

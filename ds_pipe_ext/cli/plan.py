@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from ..arch import as_description
 from ..layout import LayoutError
 from ..plan.space import PlanError, enumerate_layouts, only_settings, parse_only
 from ..plan.recompute import apply_stage_recompute, describe
@@ -224,6 +225,13 @@ def _plan(args, checker) -> int:
                   f"{cost.step_s:.3f} s ({cost.step_s / sr.step_s:.2f}x), peak {sr.peak_memory_bytes / 2**30:.1f} GiB; "
                   + "; ".join(describe(sr.layer_recompute, sr.parts))
                   + (" (emitted)" if args.emit_ds_config and sr is emitted else ""))
+        if any(b.mamba is not None for b in as_description(cfg).blocks):  # Megatron-core's MambaModel
+            from ..plan.render import megatron_hybrid_split
+
+            split, why = megatron_hybrid_split(cost)
+            _emit(f"  Megatron-core (hybrid model): {split} ({why})" if split else
+                  f"  Megatron-core (hybrid model): none ({why})")
+            continue
         _emit(f"  Megatron pipeline_model_parallel_layout: {text!r} ({why})" if text else
               f"  Megatron pipeline_model_parallel_layout: none ({why})")
     if args.only:

@@ -85,6 +85,32 @@ def megatron_layout(cost: LayoutCost, num_layers: int, checker=None) -> tuple[st
     return text, "checked with megatron-core's PipelineParallelLayerLayout"
 
 
+def megatron_hybrid_split(cost: LayoutCost) -> tuple[str | None, str]:
+    """What Megatron-core 0.16 can run of the split for a hybrid model (``MambaModel``): the pattern's layers
+    split evenly, or with ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` and the
+    stages between even; no interleaving.  (The arguments, or None, and why.)"""
+    lay, parts = cost.layout, cost.parts
+    if lay.pp == 1:
+        return None, "no pipeline: Megatron needs no split"
+    if lay.schedule not in (None, "1f1b", "gpipe"):
+        return None, (f"the pick runs {lay.schedule}; Megatron-core runs hybrid models without interleaving "
+                      f"(their split needs more than it expresses)")
+    last = parts[-1] - 1
+    blocks = [sum(1 for k in range(i, j) if 0 < k < last) for i, j in zip(parts, parts[1:])]
+    if len(set(blocks)) == 1:
+        return "an even split", f"{blocks[0]} layers a stage"
+    middle = blocks[1:-1]
+    if len(set(middle)) <= 1 and (not middle or middle[0] > 0):
+        args = []
+        if not middle or blocks[0] != middle[0]:
+            args.append(f"--decoder-first-pipeline-num-layers {blocks[0]}")
+        if not middle or blocks[-1] != middle[0]:
+            args.append(f"--decoder-last-pipeline-num-layers {blocks[-1]}")
+        return " ".join(args), f"layers a stage {blocks}"
+    return None, (f"layers a stage {blocks}: the stages between the first and the last differ, which Megatron-core "
+                  f"cannot express for a hybrid model (an even split, or the first and last stage sizes only)")
+
+
 _CHECK = """
 import json, os, sys
 try:  # import megatron-core first, while the parent searches; check_in_process then finds it loaded
