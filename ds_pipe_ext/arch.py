@@ -229,9 +229,12 @@ class ModelDescription:
     # what every layout rule reads (``layout.Layout.check``): the widths tensor parallelism splits
     @property
     def heads(self) -> int:
-        """The first attention block's (a model of Mamba-2 blocks alone: the first mixer's heads)."""
+        """The first attention block's (a model without attention: the first Mamba-2 mixer's heads)."""
         first = next((b.attention for b in self.blocks if b.attention is not None), None)
-        return first.heads if first is not None else self.blocks[0].mamba.heads
+        if first is not None:
+            return first.heads
+        mixer = next((b.mamba for b in self.blocks if b.mamba is not None), None)
+        return mixer.heads if mixer is not None else 1  # MLP blocks alone: no heads to split
 
     @property
     def kv_heads(self) -> int:

@@ -34,7 +34,7 @@ FAMILIES = {"tiny": {}, "llama-tiny": {"kv_heads": 2, "ffn_hidden": 704},
                          "dense_layers": 0}}
 CALIBRATION, PREDICTED = [(1, 64), (4, 64)], (2, 128)
 BOUND_PCT = 25.0
-PASSES = 2
+PASSES = 3
 
 
 def small(name: str):
