@@ -1,4 +1,4 @@
-"""Where a rank sits in DeepSpeed's pipeline, and which layers it builds.
+"""Where a rank sits in DeepSpeed's pipeline (or a data- and tensor-parallel model), and which layers it builds.
 
 Reads ``PipelineModule._topo``, ``._grid``, ``._layer_specs``, ``._local_start``/``._local_stop``,
 ``.forward_funcs`` and calls ``._set_bounds``: DeepSpeed-private, see ``ds_pipe_ext.compat``.
@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch import nn
 
 
@@ -43,6 +44,19 @@ def data_parallel_degree(module) -> int:
 
 def data_parallel_rank(module) -> int:
     return module._grid.get_data_parallel_id()
+
+
+def parallel_ranks(module, layout) -> tuple[int, int]:
+    """(data-parallel rank, tensor-parallel rank) of this process: a PipelineModule's coordinates, megatron's
+    groups for a tensor-parallel model without a pipeline, else (the global rank, 0)."""
+    if layout.pipelined:
+        where = coordinates(module)
+        return where.data, where.model
+    if layout.tp > 1:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+    return dist.get_rank(), 0
 
 
 def profiling_peers(module) -> set[int]:

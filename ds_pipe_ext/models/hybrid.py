@@ -29,12 +29,16 @@ from .llama import LlamaAttention, LlamaEmbedding, LlamaHead
 from .mamba2 import Mamba2Mixer, Mamba2Shape
 
 
-def _tp_group(impl: LayerImpl):
-    if impl.tp_size == 1:
-        return None
+def _refuse_sequence_parallel(impl: LayerImpl) -> None:
     if impl.sequence_parallel:
         raise ValueError("hybrid family: sequence parallelism splits the sequence a Mamba-2 scan needs whole; "
                          "turn tensor_parallel.sequence_parallel off")
+
+
+def _tp_group(impl: LayerImpl):
+    _refuse_sequence_parallel(impl)
+    if impl.tp_size == 1:
+        return None
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_group()
@@ -56,7 +60,7 @@ class MambaLayer(nn.Module):
 class AttentionLayer(nn.Module):
     def __init__(self, cfg: HybridConfig, impl: LayerImpl = LOCAL, selective_recompute: bool = False):
         super().__init__()
-        _tp_group(impl)
+        _refuse_sequence_parallel(impl)
         self.norm = impl.rms_norm(cfg.hidden, cfg.rms_norm_eps)
         self.attn = LlamaAttention(cfg, impl, selective_recompute)
 
@@ -67,7 +71,7 @@ class AttentionLayer(nn.Module):
 class MLPLayer(nn.Module):
     def __init__(self, cfg: HybridConfig, impl: LayerImpl = LOCAL):
         super().__init__()
-        _tp_group(impl)
+        _refuse_sequence_parallel(impl)
         self.norm = impl.rms_norm(cfg.hidden, cfg.rms_norm_eps)
         self.up = impl.column_linear(cfg.hidden, cfg.ffn, bias=False)
         self.down = impl.row_linear(cfg.ffn, cfg.hidden, bias=False)

@@ -9,13 +9,13 @@ embedding and head around them.  Refused by name: ``E`` (MoE) layers, which Hugg
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from ..arch import MLP, Block, Mamba2, ModelDescription
 from .config import ModelConfigError, load_family_config
-from .hybrid_pattern import block_kinds, from_block_types, to_pattern
+from .hybrid_pattern import block_kinds, to_pattern
 from .llama_config import LlamaConfig, attention_of
 
 
@@ -73,13 +73,8 @@ def from_hf_nemotron_h(data: dict, *, name: str) -> HybridConfig:
     """A Hugging Face ``config.json`` of ``model_type`` nemotron_h (read as JSON); ``max_position_embeddings``
     becomes ``seq_len``."""
     where = f"model config {name!r} (model_type 'nemotron_h')"
-    if data.get("layers_block_type") is not None:
-        kinds = from_block_types(data["layers_block_type"], where=where)
-        if data.get("hybrid_override_pattern") is not None:
-            kinds = block_kinds(pattern=data["hybrid_override_pattern"], block_types=data["layers_block_type"],
-                                where=where)
-    else:
-        kinds = block_kinds(pattern=data.get("hybrid_override_pattern"), where=where)
+    kinds = block_kinds(pattern=data.get("hybrid_override_pattern"), block_types=data.get("layers_block_type"),
+                        where=where)
     act = data.get("mlp_hidden_act", "relu2")
     if act != "relu2":
         raise ModelConfigError(f"{where}: mlp_hidden_act {act!r}: the family's MLP layers are squared ReLU")
@@ -104,6 +99,3 @@ def load_hybrid_config(name_or_path: str | Path, **overrides) -> HybridConfig:
     config.json or a ``save_pretrained`` directory."""
     return load_family_config(HybridConfig, from_hf_nemotron_h, name_or_path, overrides)
 
-
-def with_pattern(cfg: HybridConfig, pattern: str) -> HybridConfig:
-    return replace(cfg, pattern=pattern, layers=len(pattern))

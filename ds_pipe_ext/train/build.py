@@ -326,18 +326,6 @@ def build_model(cfg: RunConfig, model_cfg, layout: Layout) -> torch.nn.Module:
     return model
 
 
-def data_parallel_rank(model, layout: Layout, rank: int, *, pipelined: bool) -> int:
-    from ..compat.engine import data_parallel_rank as pipeline_dp_rank
-
-    if pipelined:
-        return pipeline_dp_rank(model)
-    if layout.tp > 1:
-        from megatron.core import parallel_state
-
-        return parallel_state.get_data_parallel_rank()
-    return rank
-
-
 def build(cfg: RunConfig) -> Built:
     if torch.cuda.is_available():  # before anything is profiled; a CPU's matmuls are left as they are
         use_tf32(cfg.train.tf32)
@@ -372,7 +360,9 @@ def build(cfg: RunConfig) -> Built:
             print(f"ds_pipe_ext: train.compile: {compiled} layers compiled in place (the first step compiles them)",
                   flush=True)
     parts = [int(b) for b in model.parts] if cfg.pipelined else None
-    built = Built(cfg, model_cfg, layout, rank, data_parallel_rank(model, layout, rank, pipelined=cfg.pipelined),
+    from ..compat.engine import parallel_ranks
+
+    built = Built(cfg, model_cfg, layout, rank, parallel_ranks(model, layout)[0],
                   model, engine, parts)
     first = next(iter(model.parameters()), None)
     if first is not None:  # where the engine put this rank's parameters

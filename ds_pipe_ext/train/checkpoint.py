@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..compat.engine import parallel_ranks
 from ..layout import Layout
 from ..pipe.decide import decide_and_broadcast, run_everywhere
 from . import full_states
@@ -166,20 +167,6 @@ def vocabulary_of(model_cfg) -> dict | None:
             "vocab_pad_to": int(model_cfg.vocab_pad_to)}
 
 
-def _ranks(engine, layout: Layout) -> tuple[int, int]:
-    """(data-parallel rank, tensor-parallel rank) of this process."""
-    if layout.pipelined:
-        from ..compat.engine import coordinates
-
-        where = coordinates(engine.module)
-        return where.data, where.model
-    if layout.tp > 1:
-        from megatron.core import parallel_state
-
-        return parallel_state.get_data_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
-    return dist.get_rank(), 0
-
-
 def save(engine, save_dir: str | Path, *, step: int, layout: Layout, parts: list[int] | None, keep_last: int,
          client_state: dict, experts: bool = False, vocabulary: dict | None = None) -> Path:
     rank = dist.get_rank()
@@ -188,7 +175,7 @@ def save(engine, save_dir: str | Path, *, step: int, layout: Layout, parts: list
     engine.save_checkpoint(str(root), tag=tag, client_state={**client_state, "step": step}, save_latest=False)
     fault = _FaultInjector(rank, step)
     fault.check()
-    dp_rank, tp_rank = _ranks(engine, layout)
+    dp_rank, tp_rank = parallel_ranks(engine.module, layout)
     full_states.save(engine, ckpt, pipelined=layout.pipelined, writer=dp_rank == 0, tp_rank=tp_rank,
                      after_each=fault.wrote)
     write_rng(ckpt / f"rng_rank{rank:03d}.pt", rng_state())
@@ -290,13 +277,15 @@ def check_vocabulary(manifest: dict, vocabulary: dict | None, ckpt: Path) -> Non
 def check(load_dir: str | Path, *, vocabulary: dict | None = None, trust: bool = False) -> dict:
     """``latest``'s manifest, once its files are complete, its vocabulary this run's, and no file needs an unsafe
     global (rank 0 reads, every rank gets the verdict): before any model is built."""
-    manifest = decide_and_broadcast(lambda: verify(load_dir), what=f"--load {load_dir}")
-    ckpt = Path(load_dir) / manifest["tag"]
-    decide_and_broadcast(lambda: check_vocabulary(manifest, vocabulary, ckpt), what=f"--load {load_dir}")
-    if not trust:
-        decide_and_broadcast(lambda: check_files(ckpt / name for name in manifest["files"]
-                                                 if not name.endswith(".json")), what=f"--load {load_dir}")
-    return manifest
+    def checked() -> dict:
+        manifest = verify(load_dir)
+        ckpt = Path(load_dir) / manifest["tag"]
+        check_vocabulary(manifest, vocabulary, ckpt)
+        if not trust:
+            check_files(ckpt / name for name in manifest["files"] if not name.endswith(".json"))
+        return manifest
+
+    return decide_and_broadcast(checked, what=f"--load {load_dir}")
 
 
 def load(engine, load_dir: str | Path, manifest: dict, *, layout: Layout, parts: list[int] | None,
@@ -311,7 +300,7 @@ def load(engine, load_dir: str | Path, manifest: dict, *, layout: Layout, parts:
         decide_and_broadcast(lambda: check_move(manifest, layout, ckpt), what=f"--load {load_dir}")
         if dist.get_rank() == 0:
             print(f"ds_pipe_ext: --load {load_dir}: {_move_words(manifest, layout, parts, method)}", flush=True)
-        _, tp_rank = _ranks(engine, layout)
+        _, tp_rank = parallel_ranks(engine.module, layout)
         run_everywhere(lambda: full_states.load(engine, ckpt, pipelined=layout.pipelined, tp_rank=tp_rank),
                        what=f"--load {load_dir} (full states)")
         client_state = None

@@ -5,7 +5,7 @@ DeepSpeed's own optimizer files only fit the layout that wrote them: ZeRO keeps 
 the fp32 masters and moments across the data-parallel group, a pipeline one file per stage in
 parameter order.  Its universal checkpoint re-slices them, but needs a conversion pass, unpickles
 outside any checkpoint engine, skips DeepSpeed's MoE experts and has no ZeRO-0 loader.  So each
-save also writes, per layer and TP rank (``layer_XXX-tp_YY-full_states.pt``), every parameter's
+save also writes, per layer and TP rank (``layer_file``), every parameter's
 whole ``fp32``, ``exp_avg`` and ``exp_avg_sq``, gathered through DeepSpeed's public
 ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` (collectives over the data-parallel
 group: every rank of a stage walks the same parameters in the same order), and the optimizer's step
@@ -38,8 +38,11 @@ class FullStateError(ValueError):
     """Full states that cannot be moved onto this run; the message names the file or the setting."""
 
 
-def layer_file(ckpt: Path, idx: int, tp_rank: int) -> Path:
-    return Path(ckpt) / f"layer_{idx:03d}-tp_{tp_rank:02d}-full_states.pt"
+def layer_file(ckpt: Path, idx: int, tp_rank: int, ep_rank: int | None = None) -> Path:
+    """Layer ``idx``'s file of TP rank ``tp_rank``: its dense parameters, or with ``ep_rank`` the experts that EP
+    rank holds where a DeepSpeed MoE splits them."""
+    ep = "" if ep_rank is None else f"-ep_{ep_rank:02d}"
+    return Path(ckpt) / f"layer_{idx:03d}-tp_{tp_rank:02d}{ep}-full_states.pt"
 
 
 def model_layers(module: nn.Module, *, pipelined: bool) -> Iterator[tuple[int, nn.Module]]:
@@ -161,12 +164,12 @@ def _full_shape(p) -> torch.Size:
 
 
 def _frozen_weight(p) -> torch.Tensor:
-    if hasattr(p, "ds_id"):  # ZeRO-3: gathered from its partitions
-        from deepspeed import zero
+    """The model's copy of a parameter, whole, in fp32 on the CPU (under ZeRO-3 gathered from its partitions;
+    DeepSpeed's context does nothing for any other parameter)."""
+    from deepspeed import zero
 
-        with zero.GatheredParameters([p]):
-            return p.detach().float().cpu().clone()
-    return p.detach().float().cpu().clone()
+    with zero.GatheredParameters([p]):
+        return p.detach().float().cpu().clone()
 
 
 def _set_weight(p, fp32: torch.Tensor) -> None:
@@ -196,10 +199,6 @@ def engine_counters(engine) -> dict:
     return out
 
 
-def expert_file(ckpt: Path, idx: int, tp_rank: int, ep_rank: int) -> Path:
-    return Path(ckpt) / f"layer_{idx:03d}-tp_{tp_rank:02d}-ep_{ep_rank:02d}-full_states.pt"
-
-
 def _experts(layer: nn.Module) -> tuple[dict[str, str], int]:
     """({local name of an expert parameter: its global name}, this rank's EP rank) for a layer whose DeepSpeed
     MoE splits its experts over ep > 1 ranks; ({}, 0) otherwise (experts then live with the dense parameters)."""
@@ -226,7 +225,8 @@ def save(engine, ckpt: Path, *, pipelined: bool, writer: bool, tp_rank: int,
     parameters, and where experts are split over EP ranks, expert-data-parallel rank 0 of each writes its experts
     under their global names."""
     masters, written = _Masters(engine), []
-    if masters.step() is not None:  # every state exists once the optimizer has stepped
+    step = masters.step()
+    if step is not None:  # every state exists once the optimizer has stepped
         masters.relink()
     for idx, layer in model_layers(engine.module, pipelined=pipelined):
         experts, ep_rank = _experts(layer)
@@ -239,13 +239,13 @@ def save(engine, ckpt: Path, *, pipelined: bool, writer: bool, tp_rank: int,
             else:
                 tensors.update({f"{name}.{k}": v for k, v in states.items()})
         for path, held, writes in ((layer_file(ckpt, idx, tp_rank), tensors, writer),
-                                   (expert_file(ckpt, idx, tp_rank, ep_rank), expert_tensors, expert_writer)):
+                                   (layer_file(ckpt, idx, tp_rank, ep_rank), expert_tensors, expert_writer)):
             if writes and held:
                 torch.save(held, path)
                 written.append(path)
                 after_each(path)
     if writer and (not pipelined or _first_stage(engine)) and tp_rank == 0:
-        meta = {"step": masters.step(), **engine_counters(engine)}
+        meta = {"step": step, **engine_counters(engine)}
         (Path(ckpt) / META).write_text(json.dumps(meta, indent=1))
     return written
 
@@ -287,7 +287,7 @@ def read_layer(ckpt: Path, idx: int, tp_rank: int, layer: nn.Module) -> dict:
     experts, ep_rank = _experts(layer)
     files = {False: layer_file(ckpt, idx, tp_rank)}
     if experts:
-        files[True] = expert_file(ckpt, idx, tp_rank, ep_rank)
+        files[True] = layer_file(ckpt, idx, tp_rank, ep_rank)
     tensors = {}
     for is_expert, path in files.items():
         if not path.is_file():

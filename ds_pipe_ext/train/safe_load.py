@@ -55,23 +55,20 @@ def _qualified(g) -> str:
     return f"{g.__module__}.{g.__qualname__}"
 
 
-def unsafe_globals(path) -> list[str]:
-    """The globals ``path``'s pickle names beyond tensors, containers and DeepSpeed's records: read from the
-    pickle stream alone (torch's zip format), no tensor data and nothing run."""
+def _disallowed_globals(path) -> list[str]:
+    """The globals a torch zip file's pickle names beyond tensors, containers and DeepSpeed's records: read from
+    the pickle stream alone, no tensor data and nothing run."""
     allowed = {_qualified(g) for g in allowed_globals()}
-    if not zipfile.is_zipfile(path):  # torch's legacy format: loading it with weights_only is the check
-        try:
-            safe_load(path, map_location="cpu")
-        except UnsafeCheckpointError as e:
-            return [str(e)]
-        return []
     return [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in allowed]
 
 
 def check_files(paths) -> None:
     """Refuse the first file that needs an unsafe global, before any file is loaded."""
     for path in paths:
-        unsafe = unsafe_globals(path)
+        if not zipfile.is_zipfile(path):  # torch's legacy format: loading it with weights_only is the check
+            safe_load(path, map_location="cpu")
+            continue
+        unsafe = _disallowed_globals(path)
         if unsafe:
             raise UnsafeCheckpointError(_refusal(path, ", ".join(unsafe)))
 
@@ -90,11 +87,8 @@ def safe_load(path, map_location=None, *, trust: bool = False, mmap: bool = Fals
         try:
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as e:
-            allowed = {_qualified(g) for g in allowed_globals()}
-            try:
-                unsafe = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in allowed]
-            except Exception:  # not a torch zip file: torch's own message says what it met
-                unsafe = []
+            # torch's legacy format has no pickle stream to read apart: torch's own message says what it met
+            unsafe = _disallowed_globals(path) if zipfile.is_zipfile(path) else []
             what = ", ".join(unsafe) if unsafe else str(e).splitlines()[0]
             raise UnsafeCheckpointError(_refusal(path, what)) from None
 
