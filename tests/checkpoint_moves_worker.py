@@ -23,11 +23,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import train  # noqa: E402
+from models_in_turn import fresh_build  # noqa: E402
 
 
 def allow_fp16_on_this_cpu() -> None:
@@ -40,15 +41,7 @@ def allow_fp16_on_this_cpu() -> None:
 
 
 def build(ds: str, args: list[str]):
-    from megatron.core import parallel_state
-
-    from ds_pipe_ext.compat.engine import forget_deepspeed_groups
-    from ds_pipe_ext.train.build import build
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    forget_deepspeed_groups()
-    return build(train.run_config(train.parse_args(["--deepspeed_config", ds, *args])))
+    return fresh_build(["--deepspeed_config", ds, *args])
 
 
 def globals_of(ckpt: Path) -> dict:
@@ -64,9 +57,9 @@ def compare(built, ckpt: Path) -> dict:
 
     layout, engine = built.layout, built.engine
     masters = full_states._Masters(engine)
-    from ds_pipe_ext.train.checkpoint import _ranks
+    from ds_pipe_ext.compat.engine import parallel_ranks
 
-    _, tp_rank = _ranks(engine, layout)
+    _, tp_rank = parallel_ranks(engine.module, layout)
     differ, checked = [], 0
     for idx, layer in full_states.model_layers(engine.module, pipelined=layout.pipelined):
         for name, (p, where, saved) in full_states.read_layer(ckpt, idx, tp_rank, layer).items():

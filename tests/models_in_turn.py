@@ -22,6 +22,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train  # noqa: E402
 
 
+def fresh_build(argv: list[str]):
+    """train.py's build for ``argv``, after the previous run's megatron groups are torn down and DeepSpeed's
+    forgotten (each build makes them again)."""
+    from megatron.core import parallel_state
+
+    from ds_pipe_ext.compat.engine import forget_deepspeed_groups
+    from ds_pipe_ext.train.build import build
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    forget_deepspeed_groups()
+    return build(train.run_config(train.parse_args(argv)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--deepspeed_config", required=True)
@@ -31,10 +45,8 @@ def main() -> None:
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     args = ap.parse_args()
 
-    from ds_pipe_ext.train.build import build
     from ds_pipe_ext.train.trainer import Trainer
 
-    from ds_pipe_ext.compat.engine import forget_deepspeed_groups
     from ds_pipe_ext.config_model import ConfigError
     from ds_pipe_ext.pipe.decide import DecisionError
     from ds_pipe_ext.train.checkpoint import CheckpointError
@@ -48,13 +60,8 @@ def main() -> None:
             name, init = run.split("=", 1)
             argv = ["--deepspeed_config", args.deepspeed_config, "--steps", args.steps, "--model", name,
                     "--init-from", init]
-        from megatron.core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        forget_deepspeed_groups()
         try:
-            built = build(train.run_config(train.parse_args(argv)))
+            built = fresh_build(argv)
             runs[name] = Trainer(built).run()
         except (ConfigError, CheckpointError, DecisionError) as e:
             runs[name] = {"error": str(e)}
