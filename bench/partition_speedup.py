@@ -41,6 +41,8 @@ DeepSpeed's `uniform` and `parameters` by the splits their own functions choose.
     python bench/partition_speedup.py --model bench-cpu-moe      (Mixture-of-Experts at ep 1: first records
         the step model's prediction from layers profiled here, prediction.json, before any launch)
     python bench/partition_speedup.py --model bench-cpu-moe --predict-only
+    python bench/partition_speedup.py --model bench-cpu-hybrid  (Mamba-2, attention and MLP layers: the prediction
+        first, as for MoE, and a simulated 4- and 8-stage comparison of the hand rules on nemotron-h-8b)
     python bench/partition_speedup.py --smoke     (tiny and tiny-tied, one round, one playoff cycle a launch: a check
         that it runs; --smoke --model moe-tiny / llama-tiny for the one-model paths)
 
@@ -55,7 +57,8 @@ Last line: RESULT profiled_vs_builtin=X profiled_vs_best_split=Y second_model_pr
 (targets: X >= 1.25 on bench-cpu, Y and Z >= 0.98); with --model bench-cpu-llama: RESULT
 llama_profiled_vs_best_heuristic=X llama_profiled_vs_best_split=Y (targets X >= 1.08, Y >= 0.97); with
 --model bench-cpu-moe: RESULT moe_profiled_vs_builtin=X moe_profiled_vs_best_split=Y (targets X >= 1.15,
-Y >= 0.97), the pre-launch prediction printed beside
+Y >= 0.97), the pre-launch prediction printed beside; with --model bench-cpu-hybrid: RESULT
+hybrid_profiled_vs_builtin=X hybrid_profiled_vs_best_split=Y (targets X >= 1.15, Y >= 0.97, fixed before measuring)
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds_pipe_ext.models import family_of, load_model  # noqa: E402
-from ds_pipe_ext.partition.hand_rules import fewer_at_the_ends, megatron_accounting  # noqa: E402
+from ds_pipe_ext.partition.hand_rules import even_blocks, fewer_at_the_ends, megatron_accounting  # noqa: E402
 from ds_pipe_ext.partition.report import render_table  # noqa: E402
 from ds_pipe_ext.runner import ROOT, SMOKE_HELP, measure_in_one_launch  # noqa: E402
 
@@ -120,10 +123,16 @@ def simulated_rules(model: str = "llama3-8b", stages=(4, 8), micro_batches: int 
         splits = {"analytic (ours)": plan.run_split(lay),
                   "uniform (DeepSpeed)": ds_utils.partition_uniform(len(costs), p),
                   "parameters (DeepSpeed)": ds_utils.partition_balanced([c.param_bytes for c in costs], p)}
-        try:
-            splits["Megatron accounting = Llama 3 rule"] = megatron_accounting(cfg.layers, p)
-        except PartitionError as e:
-            splits[f"Megatron accounting: not applicable ({e})"] = None
+        if family_of(cfg).name == "hybrid":  # Megatron-core's MambaModel: the layers evenly, no accounting
+            if cfg.layers % p == 0:
+                splits["Megatron-core even split"] = even_blocks(cfg.layers, p)
+            else:
+                splits[f"Megatron-core even split: not applicable ({p} stages do not divide {cfg.layers} layers)"] = None
+        else:
+            try:
+                splits["Megatron accounting = Llama 3 rule"] = megatron_accounting(cfg.layers, p)
+            except PartitionError as e:
+                splits[f"Megatron accounting: not applicable ({e})"] = None
         splits["first/last stage one fewer, as Megatron runs it"] = fewer_at_the_ends(cfg.layers, p)
         best = plan.evaluate(lay, splits["analytic (ours)"], check_memory=False).step_s
         for name, parts in splits.items():
@@ -138,6 +147,8 @@ def simulated_rules(model: str = "llama3-8b", stages=(4, 8), micro_batches: int 
     return rows
 
 
+PREDICTED_FAMILIES = {"moe": "moe", "hybrid": "hybrid"}  # the RESULT keys' prefix of each: predicted first
+SIMULATED = {"llama": "llama3-8b", "hybrid": "nemotron-h-8b"}  # the published model each one's hand rules run on
 PREDICTION_PROFILES = 3  # a layer's profile moves by 10-20% between profiles on this machine: the median of 3
 
 
@@ -289,7 +300,7 @@ def main() -> None:
     models = [args.model] if args.model else SMOKE_MODELS if args.smoke else MODELS
     out = Path(args.out or ("runs/partition-speedup-" + args.model if args.model else "runs/partition-speedup-v9")).resolve()
     prediction = None
-    if args.model and family_of(load_model(args.model)).name == "moe":
+    if args.model and family_of(load_model(args.model)).name in PREDICTED_FAMILIES:
         prediction = recorded_prediction(args.model, args.micro_batches, out)
         if args.predict_only:
             return
@@ -347,29 +358,32 @@ def recorded_prediction(model: str, micro_batches: int, out: Path) -> dict:
 
 
 def report_one(model: str, result: dict, builtin: dict[str, str], prediction: dict | None = None) -> None:
-    """--model: the heuristics' names and the simulated 4- and 8-stage comparison, then the RESULT line."""
-    if prediction is not None:  # Mixture-of-Experts: the measurement beside the prediction made before it
+    """--model: the prediction made before the launches (MoE, hybrid), the heuristics' names and the simulated 4-
+    and 8-stage comparison of the hand rules on the family's published model (Llama, hybrid), then the RESULT line."""
+    family = family_of(load_model(model)).name
+    if prediction is not None:  # the measurement beside the prediction made before it
         print(f"\npredicted before the first launch (step model {STEP_MODEL.name} on layers profiled here): "
               f"profiled / best built-in {prediction['profiled_vs_builtin']:.3f}, best split {prediction['best_split']}")
-        print(f"calibrated: the step model (bench/prediction_transfer.py's two GPT calibration runs); predicted: "
-              f"every {model} measurement above")
-        print(f"RESULT moe_profiled_vs_builtin={result['vs_builtin']:.3f} moe_profiled_vs_best_split={result['vs_best']:.3f}")
-        return
-    if family_of(load_model(model)).name != "llama":  # one of the GPT pair alone: its two figures
-        print(f"RESULT profiled_vs_builtin={result['vs_builtin']:.3f} profiled_vs_best_split={result['vs_best']:.3f}")
-        return
-    same = [k for k, v in builtin.items() if v == builtin["uniform"] and k != "uniform"]
-    if same:
-        print(f"\nat 2 stages {', '.join(same)} = DeepSpeed's uniform ({builtin['uniform']}): Megatron's "
-              f"embedding-and-loss accounting and Llama 3's one layer fewer at the ends give each stage "
-              f"(blocks + 2) / 2 units")
-    print("\nsimulated (no launch), llama3-8b's analytic costs on H100, 1F1B, micro-batch 1 x 32: predicted step")
-    print("\n".join(render_table(["stages", "rule", "parts", "step s", "analytic / it", "peak GiB"],
-                                  simulated_rules())))
+    if family in SIMULATED:
+        same = [k for k, v in builtin.items() if v == builtin["uniform"] and k != "uniform"]
+        if same:
+            print(f"\nat 2 stages {', '.join(same)} = DeepSpeed's uniform ({builtin['uniform']}): Megatron's "
+                  f"embedding-and-loss accounting and Llama 3's one layer fewer at the ends give each stage "
+                  f"(blocks + 2) / 2 units")
+        print(f"\nsimulated (no launch), {SIMULATED[family]}'s analytic costs on H100, 1F1B, micro-batch 1 x 32: "
+              f"predicted step; '(over)': the split's heaviest rank above the memory cap (0.9 of the H100's), which the analytic split honours where it can")
+        print("\n".join(render_table(["stages", "rule", "parts", "step s", "analytic / it", "peak GiB"],
+                                      simulated_rules(SIMULATED[family]))))
     print(f"calibrated: the step model {STEP_MODEL.name} (bench/prediction_transfer.py's two GPT calibration runs) "
           f"and the cpu spec; predicted: every {model} measurement above")
-    print(f"RESULT llama_profiled_vs_best_heuristic={result['vs_builtin']:.3f} "
-          f"llama_profiled_vs_best_split={result['vs_best']:.3f}")
+    if family == "llama":
+        print(f"RESULT llama_profiled_vs_best_heuristic={result['vs_builtin']:.3f} "
+              f"llama_profiled_vs_best_split={result['vs_best']:.3f}")
+    elif family in PREDICTED_FAMILIES:
+        key = PREDICTED_FAMILIES[family]
+        print(f"RESULT {key}_profiled_vs_builtin={result['vs_builtin']:.3f} {key}_profiled_vs_best_split={result['vs_best']:.3f}")
+    else:  # one of the GPT pair alone: its two figures
+        print(f"RESULT profiled_vs_builtin={result['vs_builtin']:.3f} profiled_vs_best_split={result['vs_best']:.3f}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ POSITIONS = ("learned", "rotary", "none")
 MLPS = ("gelu", "swiglu", "relu2")  # relu2: squared ReLU between two matrices (Nemotron-H's MLP layers)
 # "auto": the one that runs on the device costed, fused on a GPU and eager on a CPU (``attention_kernel``)
 ATTENTION_KERNELS = ("eager", "fused", "auto")
+ROUTERS = ("softmax", "sigmoid")
 
 
 def attention_kernel(kernel: str, device: str | None) -> str:
@@ -75,6 +76,31 @@ def _positive(where: str, name: str, value) -> None:
 
 
 @dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through a ``q_rank`` bottleneck (0: one h ->
+    heads x (nope_dim + rope_dim) projection), keys and values expanded per head from a ``kv_rank`` latent, and
+    one ``rope_dim`` rotary key shared by every head; a head's query and key are nope_dim + rope_dim wide, its
+    value ``v_dim``.  The down projections (to q_rank and kv_rank + rope_dim) are whole on every TP rank, as
+    megatron-core's MLASelfAttention builds them; the up projections and the out projection split the heads."""
+
+    kv_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    q_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("kv_rank", "nope_dim", "rope_dim", "v_dim"):
+            _positive("mla", name, getattr(self, name))
+        if self.q_rank:
+            _positive("mla", "q_rank", self.q_rank)
+
+    @property
+    def qk_dim(self) -> int:
+        return self.nope_dim + self.rope_dim
+
+
+@dataclass(frozen=True)
 class Attention:
     heads: int
     kv_heads: int | None = None  # grouped-query attention: key/value heads shared by heads / kv_heads queries
@@ -87,9 +113,16 @@ class Attention:
     # Megatron's --kv-channels); None: hidden / heads
     head_dim: int | None = None
     qk_norm: bool = False  # an RMSNorm over each query and key head before rotary (Qwen3, --qk-layernorm)
+    mla: MLA | None = None  # multi-head latent attention (DeepSeek-V3): its ranks and head widths
+    # a learned logit per head beside each query's keys (gpt-oss): the softmax's mass the sink takes is
+    # dropped; no fused SDPA kernel takes one, so the core runs written out ("eager")
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         _positive("attention", "heads", self.heads)
+        if self.sinks and self.kernel == "fused":
+            raise DescriptionError("attention: sinks need the core written out (kernel = \"eager\"); torch's fused "
+                                   "SDPA kernels take no sink logit")
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
         _positive("attention", "kv_heads", self.kv_heads)
@@ -127,6 +160,13 @@ class Experts:
     shared_ffn: int = 0
     shared_gate: bool = False
     capacity_factor: float = 0.0
+    # the router's scores: "softmax" (Mixtral, Qwen-MoE, DeepSpeed's TopKGate); "sigmoid" (DeepSeek-V3): a
+    # sigmoid per expert plus a bias that steers the choice only, the top-k taken within the ``topk_groups``
+    # best of ``groups`` groups of experts (each group scored by its two best experts)
+    router: str = "softmax"
+    groups: int = 1
+    topk_groups: int = 1
+    bias: bool = False  # the experts' linears carry biases (gpt-oss)
 
     def __post_init__(self) -> None:
         _positive("experts", "count", self.count)
@@ -141,6 +181,14 @@ class Experts:
         if not isinstance(self.capacity_factor, (int, float)) or isinstance(self.capacity_factor, bool) \
                 or self.capacity_factor < 0:
             raise DescriptionError(f"experts: capacity_factor = {self.capacity_factor!r}; 0 (dropless) or > 0")
+        if self.router not in ROUTERS:
+            raise DescriptionError(f"experts: router = {self.router!r}; use one of {', '.join(ROUTERS)}")
+        for name in ("groups", "topk_groups"):
+            _positive("experts", name, getattr(self, name))
+        if self.count % self.groups:
+            raise DescriptionError(f"experts: n_group ({self.groups}) must divide the experts ({self.count})")
+        if self.topk_groups > self.groups:
+            raise DescriptionError(f"experts: topk_group ({self.topk_groups}) exceeds n_group ({self.groups})")
 
 
 @dataclass(frozen=True)
@@ -163,7 +211,7 @@ class Mamba2:
             raise DescriptionError(f"mamba: n_groups ({self.groups}) must divide heads ({self.heads})")
 
 
-BLOCK_KINDS = ("transformer", "attention", "mlp", "moe", "mamba")
+BLOCK_KINDS = ("transformer", "attention", "mlp", "moe", "mamba", "mtp")
 
 
 @dataclass(frozen=True)
@@ -175,8 +223,14 @@ class Block:
     mlp: MLP | None  # with ``experts``: one expert's kind and width
     experts: Experts | None = None  # None: a dense block
     mamba: Mamba2 | None = None
+    # a multi-token-prediction layer (DeepSeek-V3; megatron-core's MultiTokenPredictionLayer): the embedding of
+    # the token after next and the hidden state, each RMS-normed, concatenated and projected 2h -> h, then this
+    # block's attention and MLP, then the shared final norm, output head and loss; the pipeline's last block
+    mtp: bool = False
 
     def __post_init__(self) -> None:
+        if self.mtp and (self.attention is None or self.mlp is None):
+            raise DescriptionError("block: a multi-token-prediction layer holds a transformer block (attention and an MLP)")
         if self.mamba is not None and (self.attention is not None or self.mlp is not None):
             raise DescriptionError("block: a Mamba-2 block holds the mixer alone (no attention, no MLP)")
         if self.mamba is None and self.attention is None and self.mlp is None:
@@ -186,6 +240,8 @@ class Block:
 
     @property
     def kind(self) -> str:
+        if self.mtp:
+            return "mtp"
         if self.mamba is not None:
             return "mamba"
         if self.attention is not None and self.mlp is not None:
@@ -219,6 +275,10 @@ class ModelDescription:
             raise DescriptionError(f"model {self.name!r}: positions = {self.positions!r}; use one of {POSITIONS}")
         if self.norm not in NORMS:
             raise DescriptionError(f"model {self.name!r}: norm = {self.norm!r}; use one of {NORMS}")
+        mtp = [i for i, block in enumerate(self.blocks) if block.mtp]
+        if mtp and mtp != list(range(len(self.blocks) - len(mtp), len(self.blocks))):
+            raise DescriptionError(f"model {self.name!r}: multi-token-prediction layers come after every other "
+                                   f"block (found at {mtp} of {len(self.blocks)})")
         for i, block in enumerate(self.blocks):
             if block.attention is None:
                 continue
@@ -262,6 +322,11 @@ class ModelDescription:
     @property
     def layers(self) -> int:
         return len(self.blocks)
+
+    @property
+    def mtp_layers(self) -> int:
+        """The multi-token-prediction layers among the blocks (the last ones): Megatron's ``m``."""
+        return sum(b.mtp for b in self.blocks)
 
     @property
     def num_pipeline_layers(self) -> int:

@@ -37,6 +37,7 @@ from .config import ModelConfigError
 from .layers import INIT_STD, LOCAL, LayerImpl, lm_loss
 from .llama import LlamaAttention, LlamaEmbedding, LlamaHead, LlamaMLP
 from .moe_config import MoEConfig
+from .routers import make_sigmoid_gate
 
 
 def expert_parallel_rank(ep: int) -> int:
@@ -88,16 +89,17 @@ def check_moe_config(cfg: MoEConfig) -> None:
                                f"set tie_embeddings = false")
 
 
-def reference_routing(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def reference_routing(logits: torch.Tensor, k: int, *, topk_gating: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(expert ids (T, k), their gate weights (T, k), the load-balancing loss) of fp32 router logits (T, E),
     as DeepSpeed's top-1 / top-2 / top-k gates compute them when nothing is dropped:
     top-1 keeps the softmax probability; top-2 and top-k renormalise the chosen ones; the loss is
     mean(importance x load) x E^2 with the load of the first choice only for k <= 2, and of all k divided
-    by k beyond."""
+    by k beyond (``topk_gating``: at any k, as DeepSpeed's ``topkgating``, which the sigmoid router calls)."""
     gates = F.softmax(logits, dim=1)
     experts = gates.shape[1]
     importance = gates.mean(0)
-    if k <= 2:
+    if k <= 2 and not topk_gating:
         first = gates.argmax(1)
         chosen = first[:, None]
         if k == 2:
@@ -130,6 +132,14 @@ class RoutedMLP(nn.Module):
                        k=cfg.top_k, capacity_factor=cfg.capacity_factor or 1.0,
                        eval_capacity_factor=cfg.capacity_factor or 1.0, min_capacity=0, noisy_gate_policy=None,
                        drop_tokens=not dropless, use_rts=False, top2_2nd_expert_sampling=False)
+        if cfg.router == "sigmoid":  # DeepSeek-V3's router in the gate's place (models/routers.py)
+            gate = make_sigmoid_gate(cfg.hidden, cfg.experts, k=cfg.top_k, groups=cfg.router_groups,
+                                     topk_groups=cfg.router_topk_groups, capacity_factor=cfg.capacity_factor or 1.0,
+                                     eval_capacity_factor=cfg.capacity_factor or 1.0, min_capacity=0,
+                                     noisy_gate_policy=None, drop_tokens=not dropless, use_rts=False)
+            gate.wg.weight.data.copy_(self.moe.deepspeed_moe.gate.wg.weight.data)
+            self.moe.deepspeed_moe.gate = gate
+        self.routed_scale = float(cfg.routed_scaling_factor)
         first = expert_parallel_rank(ep) * self.moe.num_local_experts
         for i, expert in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
             g = torch.Generator().manual_seed(expert_seed + first + i)
@@ -149,6 +159,8 @@ class RoutedMLP(nn.Module):
             y, aux, counts = self._alone(x)  # profiled alone: no engine, no EP group
         else:
             y, aux, counts = self.moe(x)
+        if self.routed_scale != 1.0:
+            y = y * self.routed_scale
         if self.shared is not None:
             shared = self.shared(x)
             y = y + (shared * torch.sigmoid(self.shared_gate(x)) if self.shared_gate is not None else shared)
@@ -170,8 +182,9 @@ class RoutedMLP(nn.Module):
         """The layer's output by ``reference_routing``; ``fold``: as ``_alone`` assigns experts."""
         layer = self.moe.deepspeed_moe
         tokens = x.reshape(-1, x.shape[-1])
-        logits = F.linear(tokens.float(), layer.gate.wg.weight.float())
-        chosen, weights, aux = reference_routing(logits, self.top_k)
+        route = getattr(layer.gate, "route", None)  # the sigmoid router: the logits it hands DeepSpeed's gating
+        logits = route(tokens)[1] if route else F.linear(tokens.float(), layer.gate.wg.weight.float())
+        chosen, weights, aux = reference_routing(logits, self.top_k, topk_gating=route is not None)
         if fold:
             chosen = chosen // self.moe.ep_size
         out = torch.zeros_like(tokens)

@@ -23,6 +23,8 @@ from ..arch import MLP, Block, Experts, ModelDescription
 from .config import ModelConfigError, config_from_dict, load_family_config
 from .llama_config import LlamaConfig, attention_of, from_hf_llama
 
+ROUTERS = ("softmax", "sigmoid")  # models/routers.py
+
 
 @dataclass(frozen=True)
 class MoEConfig(LlamaConfig):
@@ -35,6 +37,12 @@ class MoEConfig(LlamaConfig):
     capacity_factor: float = 0.0  # 0: dropless; else an expert takes capacity_factor x k x tokens / E
     aux_loss_coef: float = 0.01  # the router's load-balancing loss in the training loss
     norm_topk_prob: bool = True  # the k gate weights renormalised to sum to 1 (Mixtral yes, Qwen1.5-MoE no)
+    # "softmax" (DeepSpeed's TopKGate) or "sigmoid" (DeepSeek-V3's: group-limited, a bias steering the choice;
+    # models/routers.py), with its n_group, topk_group and the routed experts' output scale
+    router: str = "softmax"
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -66,6 +74,27 @@ class MoEConfig(LlamaConfig):
             raise ModelConfigError(f"{where}: aux_loss_coef = {coef!r}; 0 or a positive weight")
         if not isinstance(self.norm_topk_prob, bool):
             raise ModelConfigError(f"{where}: norm_topk_prob must be true or false")
+        if self.router not in ROUTERS:
+            raise ModelConfigError(f"{where}: router = {self.router!r}; use one of {list(ROUTERS)}")
+        for f in ("router_groups", "router_topk_groups"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ModelConfigError(f"{where}: {f} = {v!r}; it must be a positive integer")
+        if self.experts % self.router_groups:
+            raise ModelConfigError(f"{where}: router_groups (n_group {self.router_groups}) must divide experts "
+                                   f"({self.experts}): each group holds experts / n_group of them")
+        if self.router_topk_groups > self.router_groups:
+            raise ModelConfigError(f"{where}: router_topk_groups ({self.router_topk_groups}) exceeds router_groups "
+                                   f"({self.router_groups})")
+        if self.router == "sigmoid" and self.experts // self.router_groups < 2:
+            raise ModelConfigError(f"{where}: the sigmoid router scores a group by its two best experts; "
+                                   f"router_groups ({self.router_groups}) leaves fewer than 2 experts a group")
+        if self.router == "sigmoid" and self.top_k > self.experts // self.router_groups * self.router_topk_groups:
+            raise ModelConfigError(f"{where}: top_k ({self.top_k}) exceeds the experts of the router_topk_groups "
+                                   f"({self.router_topk_groups}) groups it chooses among")
+        scale = self.routed_scaling_factor
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise ModelConfigError(f"{where}: routed_scaling_factor = {scale!r}; a positive factor")
 
     @property
     def expert_ffn(self) -> int:
@@ -89,7 +118,8 @@ def _describe_moe(cfg: MoEConfig) -> ModelDescription:
     dense = Block(attention, MLP(cfg.ffn_hidden, "swiglu"))
     routed = Block(attention, MLP(cfg.expert_ffn, "swiglu"),
                    Experts(cfg.experts, cfg.top_k, shared_ffn=cfg.shared_ffn_hidden, shared_gate=cfg.shared_gate,
-                           capacity_factor=float(cfg.capacity_factor)))
+                           capacity_factor=float(cfg.capacity_factor), router=cfg.router, groups=cfg.router_groups,
+                           topk_groups=cfg.router_topk_groups))
     return ModelDescription(name=cfg.name, hidden=cfg.hidden, vocab=cfg.padded_vocab, seq_len=cfg.seq_len,
                             blocks=(dense,) * cfg.dense_layers + (routed,) * (cfg.layers - cfg.dense_layers),
                             positions="rotary", norm="rmsnorm", tied_head=cfg.tie_embeddings, dropout=False,
