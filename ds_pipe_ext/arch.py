@@ -117,6 +117,7 @@ class Attention:
     # a learned logit per head beside each query's keys (gpt-oss): the softmax's mass the sink takes is
     # dropped; no fused SDPA kernel takes one, so the core runs written out ("eager")
     sinks: bool = False
+    out_bias: bool = False  # the out projection's bias where the model's linears carry none (gpt-oss)
 
     def __post_init__(self) -> None:
         _positive("attention", "heads", self.heads)

@@ -233,24 +233,9 @@ class Layout:
         and the (padded) vocabulary; SP divides the sequence; every chunk gets a layer.  ``model``: an
         ``arch.ModelDescription`` or a config that describes itself."""
         desc = as_description(model)
+        self.check_widths(desc)
         name, t = desc.name, self.tp
         blocks = list(dict.fromkeys(desc.blocks))  # each distinct block once, in order
-        attentions = [b.attention for b in blocks if b.attention is not None]
-        widths = [("attention heads", a.heads) for a in attentions]
-        widths += [("key/value heads", a.kv_heads) for a in attentions] + [("hidden", desc.hidden)]
-        widths += [("ffn hidden", b.mlp.ffn) for b in blocks if b.mlp is not None]
-        # Megatron-core's MambaMixer: each rank holds whole groups of heads
-        widths += [("Mamba-2 n_groups", b.mamba.groups) for b in blocks if b.mamba is not None]
-        for what, n in widths:
-            if n % t:
-                raise LayoutError(f"tensor parallel degree {t} does not divide the {what} ({n}) of model "
-                                  f"{name!r}; choose tp dividing it")
-        if desc.vocab % t:
-            raise LayoutError(f"tensor parallel degree {t} does not divide the vocabulary ({desc.vocab}) "
-                              f"of model {name!r}; pad it as Megatron does: vocab_pad_to = {128 * t}")
-        if self.sp and desc.seq_len % t:
-            raise LayoutError(f"sequence parallelism splits the sequence ({desc.seq_len}) {t} ways; "
-                              f"choose tp dividing seq_len")
         experts = [b.experts for b in blocks if b.experts is not None]
         if self.ep > 1 and not experts:
             raise LayoutError(f"ep = {self.ep}: expert parallelism needs a Mixture-of-Experts model, and model "
@@ -271,6 +256,30 @@ class Layout:
             what = f"{self.pp} stages" + (f" x {self.chunks_per_rank} chunks" if self.chunks_per_rank > 1 else "")
             raise LayoutError(f"{what} but model {name!r} has only {layers} pipeline layers: use at most "
                               f"{layers // self.chunks_per_rank} stages")
+
+    def check_widths(self, model) -> None:
+        """The widths tensor and sequence parallelism split, what a layer built under TP asks whatever else the
+        layout says: TP divides every block's heads, key/value heads, ffn and Mamba-2 groups, the hidden and the
+        (padded) vocabulary; SP divides the sequence."""
+        desc = as_description(model)
+        name, t = desc.name, self.tp
+        blocks = list(dict.fromkeys(desc.blocks))
+        attentions = [b.attention for b in blocks if b.attention is not None]
+        widths = [("attention heads", a.heads) for a in attentions]
+        widths += [("key/value heads", a.kv_heads) for a in attentions] + [("hidden", desc.hidden)]
+        widths += [("ffn hidden", b.mlp.ffn) for b in blocks if b.mlp is not None]
+        # Megatron-core's MambaMixer: each rank holds whole groups of heads
+        widths += [("Mamba-2 n_groups", b.mamba.groups) for b in blocks if b.mamba is not None]
+        for what, n in widths:
+            if n % t:
+                raise LayoutError(f"tensor parallel degree {t} does not divide the {what} ({n}) of model "
+                                  f"{name!r}; choose tp dividing it")
+        if desc.vocab % t:
+            raise LayoutError(f"tensor parallel degree {t} does not divide the vocabulary ({desc.vocab}) "
+                              f"of model {name!r}; pad it as Megatron does: vocab_pad_to = {128 * t}")
+        if self.sp and desc.seq_len % t:
+            raise LayoutError(f"sequence parallelism splits the sequence ({desc.seq_len}) {t} ways; "
+                              f"choose tp dividing seq_len")
 
     # -- ds.json -----------------------------------------------------------------------------
     @classmethod

@@ -104,6 +104,9 @@ class LayerImpl:
     enter_blocks: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
     # (s, b, V or V/t) logits, (b, s) labels -> mean loss (vocab-parallel under TP)
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Megatron's f operator: identity forward, the gradient all-reduced over the TP group backward (a replicated
+    # tensor each rank uses for its own heads alone: MLA's shared rotary key)
+    copy_to_tp: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
     # hidden states, the embedding matrix -> logits, for a head tied to the embedding
     tied_head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda x, weight: F.linear(x, weight)
 

@@ -113,7 +113,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, impl: LayerImpl, selective_recompute: bool = False):
         super().__init__()
         t, d = impl.tp_size, cfg.head_dim
-        Layout(tp=t, sp=impl.sequence_parallel).check(cfg)  # the layout's rules: TP splits whole heads
+        Layout(tp=t, sp=impl.sequence_parallel).check_widths(cfg)  # TP splits whole heads
         self.heads, self.kv_heads, self.head_dim = cfg.heads // t, cfg.kv_heads // t, d
         self.selective_recompute = selective_recompute
         sections = (cfg.heads * d, cfg.kv_heads * d, cfg.kv_heads * d)

@@ -36,8 +36,10 @@ from ..pipe.sequential import SequentialLayers
 from .config import ModelConfigError
 from .layers import INIT_STD, LOCAL, LayerImpl, lm_loss
 from .llama import LlamaAttention, LlamaEmbedding, LlamaHead, LlamaMLP
+from .mla import MLAttention
+from .sinks import SinkAttention
 from .moe_config import MoEConfig
-from .routers import make_sigmoid_gate
+from .routers import make_biased_gate, make_sigmoid_gate
 
 
 def expert_parallel_rank(ep: int) -> int:
@@ -78,7 +80,8 @@ def global_expert_names(model: nn.Module) -> dict[str, str]:
 
 def check_moe_config(cfg: MoEConfig) -> None:
     """What DeepSpeed's MoE layer cannot run, named before any layer is built."""
-    renormalises = cfg.top_k > 1  # DeepSpeed's top-2 and top-k gates divide by the chosen gates' sum; top-1 not
+    # DeepSpeed's top-2 and top-k gates divide by the chosen gates' sum, top-1 not; our gates call its top-k
+    renormalises = cfg.top_k > 1 or cfg.router == "sigmoid" or cfg.router_bias
     if cfg.norm_topk_prob != renormalises:
         raise ModelConfigError(
             f"model config {cfg.name!r}: norm_topk_prob = {str(cfg.norm_topk_prob).lower()} with top_k = {cfg.top_k}, "
@@ -117,6 +120,26 @@ def reference_routing(logits: torch.Tensor, k: int, *, topk_gating: bool = False
     return chosen, weights, aux
 
 
+class ClampedSwiGLUMLP(nn.Module):
+    """gpt-oss's expert: [gate; up] = x W + b, gate clamped above and up both ways at ``limit`` (0: no clamp),
+    out = ((up + 1) x gate x sigmoid(1.702 gate)) W_down + b (transformers' ``GptOssExperts``, whose gate_up
+    interleaves gate and up columns where this keeps them in halves)."""
+
+    ALPHA = 1.702
+
+    def __init__(self, hidden: int, ffn: int, *, bias: bool, limit: float):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * ffn, bias=bias)
+        self.down = nn.Linear(ffn, hidden, bias=bias)
+        self.limit = float(limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        if self.limit:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return self.down((up + 1) * gate * torch.sigmoid(gate * self.ALPHA))
+
+
 class RoutedMLP(nn.Module):
     """Routed experts (DeepSpeed's MoE layer) plus optional shared experts: x -> (y, aux loss, tokens per expert)."""
 
@@ -128,16 +151,22 @@ class RoutedMLP(nn.Module):
         expert_seed = int(torch.randint(0, 2**31 - 1, (), device="cpu"))
         dropless = cfg.capacity_factor == 0
         self.top_k, self.reference = cfg.top_k, reference
-        self.moe = MoE(cfg.hidden, LlamaMLP(cfg, LOCAL, cfg.expert_ffn), num_experts=cfg.experts, ep_size=ep,
+        expert = (ClampedSwiGLUMLP(cfg.hidden, cfg.expert_ffn, bias=cfg.expert_bias, limit=cfg.swiglu_limit)
+                  if cfg.expert_bias or cfg.swiglu_limit else LlamaMLP(cfg, LOCAL, cfg.expert_ffn))
+        self.moe = MoE(cfg.hidden, expert, num_experts=cfg.experts, ep_size=ep,
                        k=cfg.top_k, capacity_factor=cfg.capacity_factor or 1.0,
                        eval_capacity_factor=cfg.capacity_factor or 1.0, min_capacity=0, noisy_gate_policy=None,
                        drop_tokens=not dropless, use_rts=False, top2_2nd_expert_sampling=False)
-        if cfg.router == "sigmoid":  # DeepSeek-V3's router in the gate's place (models/routers.py)
-            gate = make_sigmoid_gate(cfg.hidden, cfg.experts, k=cfg.top_k, groups=cfg.router_groups,
-                                     topk_groups=cfg.router_topk_groups, capacity_factor=cfg.capacity_factor or 1.0,
-                                     eval_capacity_factor=cfg.capacity_factor or 1.0, min_capacity=0,
-                                     noisy_gate_policy=None, drop_tokens=not dropless, use_rts=False)
-            gate.wg.weight.data.copy_(self.moe.deepspeed_moe.gate.wg.weight.data)
+        if cfg.router == "sigmoid" or cfg.router_bias:  # a gate of ours in DeepSpeed's place (models/routers.py)
+            kw = dict(capacity_factor=cfg.capacity_factor or 1.0, eval_capacity_factor=cfg.capacity_factor or 1.0,
+                      min_capacity=0, noisy_gate_policy=None, drop_tokens=not dropless, use_rts=False)
+            gate = (make_sigmoid_gate(cfg.hidden, cfg.experts, k=cfg.top_k, groups=cfg.router_groups,
+                                      topk_groups=cfg.router_topk_groups, **kw) if cfg.router == "sigmoid"
+                    else make_biased_gate(cfg.hidden, cfg.experts, k=cfg.top_k, **kw))
+            with torch.no_grad():
+                gate.wg.weight.copy_(self.moe.deepspeed_moe.gate.wg.weight)
+                if gate.wg.bias is not None:
+                    gate.wg.bias.zero_()
             self.moe.deepspeed_moe.gate = gate
         self.routed_scale = float(cfg.routed_scaling_factor)
         first = expert_parallel_rank(ep) * self.moe.num_local_experts
@@ -182,7 +211,7 @@ class RoutedMLP(nn.Module):
         """The layer's output by ``reference_routing``; ``fold``: as ``_alone`` assigns experts."""
         layer = self.moe.deepspeed_moe
         tokens = x.reshape(-1, x.shape[-1])
-        route = getattr(layer.gate, "route", None)  # the sigmoid router: the logits it hands DeepSpeed's gating
+        route = getattr(layer.gate, "route", None)  # our gates: the logits they hand DeepSpeed's top-k gating
         logits = route(tokens)[1] if route else F.linear(tokens.float(), layer.gate.wg.weight.float())
         chosen, weights, aux = reference_routing(logits, self.top_k, topk_gating=route is not None)
         if fold:
@@ -214,10 +243,15 @@ class MoEBlock(nn.Module):
     profile_each = True
 
     def __init__(self, cfg: MoEConfig, impl: LayerImpl = LOCAL, selective_recompute: bool = False, *,
-                 routed: bool = True, ep: int = 1, reference: bool = False):
+                 routed: bool = True, ep: int = 1, reference: bool = False, index: int = 0):
         super().__init__()
         self.input_norm = impl.rms_norm(cfg.hidden, cfg.rms_norm_eps)
-        self.attn = LlamaAttention(cfg, impl, selective_recompute)
+        if cfg.mla:
+            self.attn = MLAttention(cfg, impl, selective_recompute)
+        elif cfg.attention_sinks:
+            self.attn = SinkAttention(cfg, impl, selective_recompute, window=cfg.layer_window(index))
+        else:
+            self.attn = LlamaAttention(cfg, impl, selective_recompute)
         self.post_attention_norm = impl.rms_norm(cfg.hidden, cfg.rms_norm_eps)
         self.mlp = RoutedMLP(cfg, ep, reference=reference) if routed else LlamaMLP(cfg, impl)
         self.routed = routed
@@ -280,7 +314,7 @@ def moe_layer_specs(cfg: MoEConfig, impl: LayerImpl = LOCAL, *, selective_recomp
         raise ModelConfigError("tensor parallelism of a Mixture-of-Experts model is not supported; use tp = 1 "
                                "(and ep to split the experts)")
     blocks = [LayerSpec(MoEBlock, cfg, impl, selective_recompute, routed=cfg.is_moe_block(i), ep=ep,
-                        reference=reference) for i in range(cfg.layers)]
+                        reference=reference, index=i) for i in range(cfg.layers)]
     return [LayerSpec(MoEEmbedding, cfg, impl), *blocks, LayerSpec(MoEHead, cfg, impl)]
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..arch import MLP, Block, Experts, ModelDescription
+from ..arch import MLA, MLP, Attention, Block, Experts, ModelDescription
 from .config import ModelConfigError, config_from_dict, load_family_config
 from .llama_config import LlamaConfig, attention_of, from_hf_llama
 
@@ -43,6 +43,22 @@ class MoEConfig(LlamaConfig):
     router_groups: int = 1
     router_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    router_bias: bool = False  # the router's linear has a bias (gpt-oss)
+    # multi-head latent attention (DeepSeek-V2/V3; models/mla.py) where kv_lora_rank > 0: the query's bottleneck
+    # (0: one projection), the key/value latent, a head's query/key widths without and with rotary, its value's
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # gpt-oss: a learned sink logit per head (models/sinks.py), and which layers attend in the sliding window:
+    # one letter a layer, "W" windowed (sliding_window wide) or "F" full; "" every layer as sliding_window says
+    attention_sinks: bool = False
+    window_pattern: str = ""
+    # gpt-oss's experts: biases on their linears, and the clamped SwiGLU (gate clamped above, up both ways at
+    # swiglu_limit; out = (up + 1) x gate x sigmoid(1.702 gate)); 0: the plain SwiGLU
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -92,9 +108,72 @@ class MoEConfig(LlamaConfig):
         if self.router == "sigmoid" and self.top_k > self.experts // self.router_groups * self.router_topk_groups:
             raise ModelConfigError(f"{where}: top_k ({self.top_k}) exceeds the experts of the router_topk_groups "
                                    f"({self.router_topk_groups}) groups it chooses among")
+        self._check_mla(where)
+        self._check_gpt_oss(where)
         scale = self.routed_scaling_factor
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
             raise ModelConfigError(f"{where}: routed_scaling_factor = {scale!r}; a positive factor")
+
+    def _check_mla(self, where: str) -> None:
+        fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        for f in fields:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ModelConfigError(f"{where}: {f} = {v!r}; it must be 0 or a positive integer")
+        if not self.kv_lora_rank:
+            if any(getattr(self, f) for f in fields):
+                raise ModelConfigError(f"{where}: multi-head latent attention needs kv_lora_rank > 0 (the other "
+                                       f"MLA fields are set)")
+            return
+        missing = [f for f in fields[2:] if not getattr(self, f)]
+        if missing:
+            raise ModelConfigError(f"{where}: multi-head latent attention needs {missing} > 0")
+        if self.qk_rope_head_dim % 2:
+            raise ModelConfigError(f"{where}: qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for rotary")
+        if self.kv_heads != self.heads:
+            raise ModelConfigError(f"{where}: multi-head latent attention expands a key and value per head; set "
+                                   f"kv_heads = heads ({self.heads})")
+
+    def _check_gpt_oss(self, where: str) -> None:
+        for f in ("attention_sinks", "expert_bias", "router_bias"):
+            if not isinstance(getattr(self, f), bool):
+                raise ModelConfigError(f"{where}: {f} must be true or false")
+        pattern = self.window_pattern
+        if not isinstance(pattern, str) or set(pattern) - set("WF"):
+            raise ModelConfigError(f"{where}: window_pattern = {pattern!r}; one letter a layer, W (the sliding "
+                                   f"window) or F (full attention)")
+        if pattern and len(pattern) != self.layers:
+            raise ModelConfigError(f"{where}: window_pattern has {len(pattern)} letters for {self.layers} layers; "
+                                   f"give one a layer")
+        if "W" in pattern and not self.sliding_window:
+            raise ModelConfigError(f"{where}: window_pattern has windowed layers (W) but sliding_window is 0; set "
+                                   f"the window's width")
+        if pattern and not self.attention_sinks:
+            raise ModelConfigError(f"{where}: a window_pattern is built for attention with sinks (gpt-oss); set "
+                                   f"attention_sinks = true, or give every layer the window (sliding_window alone)")
+        if self.router_bias and self.router != "softmax":
+            raise ModelConfigError(f"{where}: router_bias is built for the softmax router (gpt-oss's)")
+        if (self.attention_sinks or pattern) and self.mla:
+            raise ModelConfigError(f"{where}: sinks and window patterns are gpt-oss's attention, not MLA's")
+        limit = self.swiglu_limit
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit < 0:
+            raise ModelConfigError(f"{where}: swiglu_limit = {limit!r}; 0 (the plain SwiGLU) or a positive limit")
+
+    @property
+    def window(self) -> int | None:
+        """Every layer's window, where there is no per-layer pattern (``layer_window`` otherwise)."""
+        return None if self.window_pattern else super().window
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer ``i``'s attention window (None: full causal attention)."""
+        if not self.window_pattern:
+            return self.window
+        w = self.sliding_window
+        return w if self.window_pattern[i] == "W" and w < self.seq_len else None
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def expert_ffn(self) -> int:
@@ -114,16 +193,31 @@ class MoEConfig(LlamaConfig):
 
 @lru_cache(maxsize=64)
 def _describe_moe(cfg: MoEConfig) -> ModelDescription:
-    attention = attention_of(cfg)
-    dense = Block(attention, MLP(cfg.ffn_hidden, "swiglu"))
-    routed = Block(attention, MLP(cfg.expert_ffn, "swiglu"),
-                   Experts(cfg.experts, cfg.top_k, shared_ffn=cfg.shared_ffn_hidden, shared_gate=cfg.shared_gate,
-                           capacity_factor=float(cfg.capacity_factor), router=cfg.router, groups=cfg.router_groups,
-                           topk_groups=cfg.router_topk_groups))
+    experts = Experts(cfg.experts, cfg.top_k, shared_ffn=cfg.shared_ffn_hidden, shared_gate=cfg.shared_gate,
+                      capacity_factor=float(cfg.capacity_factor), router=cfg.router, groups=cfg.router_groups,
+                      topk_groups=cfg.router_topk_groups, bias=cfg.expert_bias)
+    blocks = []
+    for i in range(cfg.layers):
+        attention = _attention_at(cfg, i)
+        blocks.append(Block(attention, MLP(cfg.expert_ffn, "swiglu"), experts) if cfg.is_moe_block(i)
+                      else Block(attention, MLP(cfg.ffn_hidden, "swiglu")))
     return ModelDescription(name=cfg.name, hidden=cfg.hidden, vocab=cfg.padded_vocab, seq_len=cfg.seq_len,
-                            blocks=(dense,) * cfg.dense_layers + (routed,) * (cfg.layers - cfg.dense_layers),
-                            positions="rotary", norm="rmsnorm", tied_head=cfg.tie_embeddings, dropout=False,
-                            linear_bias=False)
+                            blocks=tuple(blocks), positions="rotary", norm="rmsnorm", tied_head=cfg.tie_embeddings,
+                            dropout=False, linear_bias=False)
+
+
+def _attention_at(cfg: MoEConfig, i: int) -> Attention:
+    """Block ``i``'s attention as the description says it: MLA, sinks (eager, windowed or not), or the Llama
+    family's."""
+    if cfg.mla:
+        return Attention(cfg.heads, cfg.heads, kernel="fused", head_dim=cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+                         mla=MLA(cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                                 q_rank=cfg.q_lora_rank))
+    if cfg.attention_sinks:
+        wide = cfg.head_dim * cfg.heads != cfg.hidden
+        return Attention(cfg.heads, cfg.kv_heads, qkv_bias=cfg.qkv_bias, window=cfg.layer_window(i), kernel="eager",
+                         head_dim=cfg.head_dim if wide else None, sinks=True, out_bias=cfg.qkv_bias)
+    return attention_of(cfg)
 
 
 # ---------------------------------------------------------------------------- Hugging Face config.json

@@ -1,6 +1,8 @@
 """The routers of the moe family's blocks, each a gate DeepSpeed's MoE layer (``deepspeed.moe``) runs:
 
-    softmax  DeepSpeed's own ``TopKGate``: softmax scores, the top k (Mixtral, Qwen-MoE, DeepSeekMoE)
+    softmax  DeepSpeed's own ``TopKGate``: softmax scores, the top k (Mixtral, Qwen-MoE, DeepSeekMoE); with
+             ``router_bias`` the router's linear has a bias (gpt-oss: the softmax over the top k logits, which
+             DeepSpeed's renormalised top-k of the softmax over all is, exactly)
     sigmoid  DeepSeek-V3's: a sigmoid score per expert; the choice made on score + a bias (the
              ``e_score_correction_bias`` that steers the load without a loss), among the experts of the
              ``topk_groups`` best of ``groups`` groups (a group scored by its two best experts); the weights
@@ -75,3 +77,27 @@ def make_sigmoid_gate(model_dim: int, num_experts: int, *, k: int, groups: int, 
                               sparse_routes=sparse_routes)
 
     return SigmoidGroupGate()
+
+
+def make_biased_gate(model_dim: int, num_experts: int, *, k: int, **gate_kwargs):
+    """DeepSpeed's softmax top-k gate with a bias on its router's linear (gpt-oss's router)."""
+    from deepspeed.moe.sharded_moe import TopKGate, topkgating
+
+    class BiasedSoftmaxGate(TopKGate):
+        def __init__(self) -> None:
+            super().__init__(model_dim, num_experts, k, **gate_kwargs)
+            self.wg = torch.nn.Linear(model_dim, num_experts, bias=True)
+
+        def route(self, tokens: torch.Tensor) -> tuple[None, torch.Tensor]:
+            return None, F.linear(tokens.float(), self.wg.weight.float(), self.wg.bias.float())
+
+        def forward(self, input: torch.Tensor, used_token: torch.Tensor = None, sparse_routes: bool = False,
+                    use_tutel: bool = False):
+            if use_tutel:
+                raise ValueError("the biased router runs DeepSpeed's own dispatch; turn tutel off")
+            _, logits = self.route(input)
+            capacity = self.capacity_factor if self.training else self.eval_capacity_factor
+            return topkgating(logits, self.k, capacity, self.min_capacity, self.drop_tokens, self.ep_group,
+                              sparse_routes=sparse_routes)
+
+    return BiasedSoftmaxGate()

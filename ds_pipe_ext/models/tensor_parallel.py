@@ -56,6 +56,23 @@ def _sum_grads_over_tp(param: nn.Parameter) -> None:
     param.register_hook(hook)
 
 
+class _SumGradOverTP(torch.autograd.Function):
+    """Megatron's f operator (identity forward, the gradient all-reduced over TP backward) for a gradient of any
+    layout: megatron-core's ``copy_to_tensor_model_parallel_region`` all-reduces ``grad.contiguous()`` and returns
+    the gradient it was handed, so a non-contiguous gradient (a permuted view's) comes back unreduced."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def megatron_layer_impl(*, tp: int, sequence_parallel: bool = False) -> LayerImpl:
     from megatron.core import tensor_parallel as mtp
     from megatron.core.transformer import TransformerConfig
@@ -116,10 +133,16 @@ def megatron_layer_impl(*, tp: int, sequence_parallel: bool = False) -> LayerImp
             x, weight, None, gradient_accumulation_fusion=False,
             allreduce_dgrad=tp > 1 and not sequence_parallel, sequence_parallel=sequence_parallel)
 
+    def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
+        from megatron.core import parallel_state
+
+        return _SumGradOverTP.apply(x, parallel_state.get_tensor_model_parallel_group())
+
     enter = mtp.scatter_to_sequence_parallel_region if sequence_parallel else (lambda x: x)
     return LayerImpl(name="megatron", column_linear=column_linear, row_linear=row_linear, embedding=embedding,
                      layer_norm=layer_norm, rms_norm=rms_norm, head_norm=head_norm, tp_size=tp, sequence_parallel=sequence_parallel,
-                     enter_blocks=enter, loss=loss, tied_head=tied_head)
+                     enter_blocks=enter, loss=loss, tied_head=tied_head,
+                     copy_to_tp=copy_to_tp)
 
 
 def shard_like(full_state: dict[str, torch.Tensor], model: nn.Module, *, rank: int | None = None,
