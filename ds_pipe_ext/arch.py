@@ -168,6 +168,7 @@ class Experts:
     groups: int = 1
     topk_groups: int = 1
     bias: bool = False  # the experts' linears carry biases (gpt-oss)
+    router_bias: bool = False  # the router's linear carries one (gpt-oss)
 
     def __post_init__(self) -> None:
         _positive("experts", "count", self.count)

@@ -119,10 +119,10 @@ def test_hugging_face_configs_load_by_model_type(tmp_path):
 
 @pytest.mark.parametrize("changes, message", [
     ({"model_type": "gemma2"}, r"model_type 'gemma2' is not supported; supported Hugging Face model types: "
-                               r"\['deepseek', 'gpt2', 'llama', 'mistral', 'mixtral', 'nemotron_h', 'qwen2', "
-                               r"'qwen2_moe', 'qwen3', 'qwen3_moe'\]"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope scaling 'yarn' is not modelled; supported: "
-                                                             r"\['default', 'llama3'\]"),
+                               r"\['deepseek', 'deepseek_v3', 'gpt2', 'gpt_oss', 'llama', 'mistral', 'mixtral', "
+                               r"'nemotron_h', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'\]"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, r"rope scaling 'dynamic' is not modelled; supported: "
+                                                                r"\['default', 'llama3', 'yarn'\]"),
     ({"num_attention_heads": 5, "num_key_value_heads": 5}, r"heads \(5\) do not divide hidden \(64\).*kv_channels"),
     ({"attention_bias": True}, r"attention_bias = true .* not modelled"),
     ({"model_type": "qwen2", "use_sliding_window": True}, r"use_sliding_window = true .* not modelled"),

@@ -72,8 +72,8 @@ def test_the_description_routes_every_block_after_the_dense_ones():
 
 
 @pytest.mark.parametrize("data, match", [
-    ({**DEEPSEEK_MOE, "model_type": "deepseek_v2"}, "multi-head latent attention"),
-    ({**DEEPSEEK_MOE, "model_type": "deepseek_v3"}, "multi-head latent attention"),
+    ({**DEEPSEEK_MOE, "model_type": "deepseek_v2"}, "DeepSeek-V2's softmax group-limited router is not modelled"),
+    ({**DEEPSEEK_MOE, "model_type": "deepseek_v3"}, r"lacks the multi-head latent attention fields \['kv_lora_rank'"),
     ({**QWEN_MOE, "decoder_sparse_step": 2}, "decoder_sparse_step"),
     ({**DEEPSEEK_MOE, "moe_layer_freq": 2}, "moe_layer_freq"),
     ({**MIXTRAL, "num_experts_per_tok": 9}, r"top_k \(9\) exceeds experts \(8\)"),

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from ..arch import as_description, attention_backend, attention_kernel
 from . import analytic as A
 from .mamba_ops import mamba2_mixer
+from . import attention_ops
 from . import edge_ops as E
 from .op_cost import DTYPE_BYTES
 from .gpu_pricing import MEGATRON
@@ -129,6 +130,8 @@ def block_ops(desc, block, shp: A.Shape, *, expert_imbalance: float = 1.0, devic
                               qkv_bias=att.qkv_bias if att else None,
                               kernel=attention_kernel(att.kernel, device) if att else "eager",
                               window=att.window if att else None, head_norm=att.qk_norm if att else False)
+    if att is not None and (att.mla is not None or att.sinks or att.out_bias):
+        ops = _attention_variant(ops, shaped, att)
     half = next(i for i, op in enumerate(ops) if op.name == "residual_1") + 1
     if att is None:  # the MLP's half alone
         ops = ops[half:]
@@ -136,6 +139,20 @@ def block_ops(desc, block, shp: A.Shape, *, expert_imbalance: float = 1.0, devic
         ops = ops[:half]
     if block.experts is not None:  # routed experts in place of the MLP (costs/moe_ops.py)
         ops = moe_block(ops, shaped, block.experts, ep=shp.ep, imbalance=expert_imbalance)
+    return ops
+
+
+def _attention_variant(ops: list, shp: A.Shape, att) -> list:
+    """A block's ops with DeepSeek-V3's or gpt-oss's attention in place (``costs.attention_ops``): MLA between the
+    input norm and the first residual; the sinks' wider softmax; the out projection's bias."""
+    names = [op.name for op in ops]
+    if att.mla is not None:
+        start, end = names.index("ln_1") + 1, names.index("out_proj") + 1
+        ops = ops[:start] + attention_ops.mla_attention(shp, att.mla) + ops[end:]
+    if att.sinks:
+        ops = [attention_ops.sink_softmax(op, shp) if op.name == "softmax" else op for op in ops]
+    if att.out_bias:
+        ops = [attention_ops.with_out_bias(shp) if op.name == "out_proj" else op for op in ops]
     return ops
 
 

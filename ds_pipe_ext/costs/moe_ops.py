@@ -55,20 +55,23 @@ def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 
     T, h, f, E, k, e = shp.tokens, shp.h, shp.f, experts.count, experts.top_k, shp.e
     C = slots_per_expert(T, experts, imbalance)
     slots, local = E * C, E // ep
-    router = linear("router", T, h, E, shp, bias=False)
+    router = linear("router", T, h, E, shp, bias=experts.router_bias)
     router = replace(router, activation_bytes=T * h * 4)  # DeepSpeed routes an fp32 copy of its input
     gating = OpCost("gating", "vector", fwd_flops=8.0 * T * E, bwd_flops=8.0 * T * E, fwd_bytes=6 * T * E * 4,
                     bwd_bytes=6 * T * E * 4,
                     activation_bytes=ROUTER_BYTES_PER_TOKEN_EXPERT * T * E + k * T * INDEX_BYTES)
+    if experts.router == "sigmoid":  # models/routers.py: the scores, the chosen ids, the chosen scores' log input
+        gating = replace(gating, fwd_flops=gating.fwd_flops + 4.0 * T * E, fwd_bytes=gating.fwd_bytes + 4 * T * E * 4,
+                         activation_bytes=gating.activation_bytes + 4 * T * E + k * T * (INDEX_BYTES + 4))
     dispatch = OpCost("dispatch", "vector", fwd_bytes=(k * T * h + slots * h) * e, bwd_bytes=(k * T * h + slots * h) * e,
                       activation_bytes=slots * INDEX_BYTES + k * T * INDEX_BYTES, fwd_allocs=(slots * h * e,),
                       bwd_allocs=(T * h * e,))
-    gate_up = _experts(linear("expert_gate_up", slots, h, 2 * f, shp, bias=False), local)
+    gate_up = _experts(linear("expert_gate_up", slots, h, 2 * f, shp, bias=experts.bias), local)
     gate_up = replace(gate_up, gemm_dim=float(min(ep * C, h, 2 * f)))
     n = slots * f
     act = OpCost("expert_swiglu", "vector", fwd_flops=6.0 * n, bwd_flops=12.0 * n, fwd_bytes=3 * n * e,
                  bwd_bytes=5 * n * e, activation_bytes=2 * n * e)
-    down = _experts(linear("expert_down", slots, f, h, shp, bias=False), local)
+    down = _experts(linear("expert_down", slots, f, h, shp, bias=experts.bias), local)
     down = replace(down, gemm_dim=float(min(ep * C, f, h)))
     combine = OpCost("combine", "vector", fwd_flops=2.0 * k * T * h, bwd_flops=4.0 * k * T * h,
                      fwd_bytes=(k * T * h + T * h) * e, bwd_bytes=(2 * k * T * h + T * h) * e,

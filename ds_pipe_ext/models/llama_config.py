@@ -8,7 +8,8 @@ What the family models, and what it refuses by name rather than cost wrongly:
     scaling), optional q/k/v biases (Qwen2), heads wider than hidden / heads and an RMSNorm over each
     query and key head (Qwen3), an optional sliding window on every layer (Mistral 7B v0.1), a head tied
     to the embedding or not, the vocabulary padded to a multiple (Megatron's make_vocab_size_divisible_by).
-    Refused: other rope scalings (linear, dynamic, yarn, longrope), biases on o_proj or the MLP, attention
+    Described but not built: the yarn rope scaling (plan and estimate take it; a build refuses it).
+    Refused: other rope scalings (linear, dynamic, longrope), biases on o_proj or the MLP, attention
     dropout, per-layer window patterns.
 """
 
@@ -22,28 +23,33 @@ from pathlib import Path
 from ..arch import MLP, Attention, Block, ModelDescription
 from .config import ModelConfigError, check_loss_chunk, config_from_dict, load_family_config
 
-ROPE_SCALINGS = ("default", "llama3")
+ROPE_SCALINGS = ("default", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1's frequency scaling: wavelengths longer than ``original_max_position_embeddings /
-    low_freq_factor`` are stretched by ``factor``, shorter than ``... / high_freq_factor`` kept, and those
-    between interpolated (transformers' ``_compute_llama3_parameters``)."""
+    """A rotary frequency scaling.  "llama3" (Llama 3.1's, built): wavelengths longer than
+    ``original_max_position_embeddings / low_freq_factor`` are stretched by ``factor``, shorter than ``... /
+    high_freq_factor`` kept, and those between interpolated (transformers' ``_compute_llama3_parameters``).
+    "yarn" (DeepSeek-V3's and gpt-oss's context extension): described, so that their published configs plan and
+    estimate (a scaling changes no cost), and refused where a layer would be built (``rotary_inv_freq``)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
     original_max_position_embeddings: int
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
     rope_type: str = "llama3"
 
     def __post_init__(self) -> None:
-        if self.rope_type != "llama3":
+        if self.rope_type not in ROPE_SCALINGS[1:]:
             raise ModelConfigError(f"rope scaling {self.rope_type!r} is not modelled; supported: {list(ROPE_SCALINGS)}")
-        if not (self.factor > 0 and self.high_freq_factor > self.low_freq_factor > 0
-                and self.original_max_position_embeddings > 0):
-            raise ModelConfigError(f"rope scaling llama3: factor, low_freq_factor < high_freq_factor and "
-                                   f"original_max_position_embeddings must be positive (got {self})")
+        if not (self.factor > 0 and self.original_max_position_embeddings > 0):
+            raise ModelConfigError(f"rope scaling {self.rope_type}: factor and original_max_position_embeddings must "
+                                   f"be positive (got {self})")
+        if self.rope_type == "llama3" and not (self.high_freq_factor is not None and self.low_freq_factor is not None
+                                               and self.high_freq_factor > self.low_freq_factor > 0):
+            raise ModelConfigError(f"rope scaling llama3: 0 < low_freq_factor < high_freq_factor is required "
+                                   f"(got {self})")
 
 
 @dataclass(frozen=True)
@@ -145,11 +151,12 @@ def rope_scaling_from(data: dict | None, where: str) -> RopeScaling | None:
     if kind not in ROPE_SCALINGS:
         raise ModelConfigError(f"{where}: rope scaling {kind!r} is not modelled; supported: {list(ROPE_SCALINGS)} "
                                f"(drop the scaling, or train at the original context)")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in keys if k not in data]
+    keys = ("factor", "original_max_position_embeddings")
+    keys += ("low_freq_factor", "high_freq_factor") if kind == "llama3" else ()
+    missing = [k for k in keys if data.get(k) is None]
     if missing:
-        raise ModelConfigError(f"{where}: rope scaling llama3 lacks {missing}")
-    return RopeScaling(**{k: data[k] for k in keys})
+        raise ModelConfigError(f"{where}: rope scaling {kind} lacks {missing}")
+    return RopeScaling(**{k: data[k] for k in keys}, rope_type=kind)
 
 
 @lru_cache(maxsize=64)
@@ -175,6 +182,11 @@ def rotary_inv_freq(cfg: LlamaConfig) -> list[float]:
     r = cfg.rope_scaling
     if r is None:
         return inv
+    if r.rope_type == "yarn":
+        raise ModelConfigError(f"model config {cfg.name!r}: the yarn rope scaling is described (plan, estimate) but "
+                               f"not built for training; train at the pre-training context without it (DeepSeek-V3 "
+                               f"pre-trained at 4,096 tokens: rope_scaling unset, seq_len 4096), or load the "
+                               f"checkpoint through transformers (the hf path)")
     low_wavelen = r.original_max_position_embeddings / r.low_freq_factor
     high_wavelen = r.original_max_position_embeddings / r.high_freq_factor
     out = []

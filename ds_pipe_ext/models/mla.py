@@ -88,5 +88,6 @@ class _RopeShape:
     """What ``llama.Rotary`` reads of a config, for MLA's rotary part (``qk_rope_head_dim`` wide)."""
 
     def __init__(self, cfg):
-        self.head_dim, self.rope_theta, self.rope_scaling = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling
+        self.name, self.head_dim = cfg.name, cfg.qk_rope_head_dim
+        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
 

@@ -87,6 +87,10 @@ def check_moe_config(cfg: MoEConfig) -> None:
             f"model config {cfg.name!r}: norm_topk_prob = {str(cfg.norm_topk_prob).lower()} with top_k = {cfg.top_k}, "
             f"but DeepSpeed's MoE layer {'renormalises' if renormalises else 'does not renormalise'} the top-k gate "
             f"weights; set norm_topk_prob = {str(renormalises).lower()} to train this shape with it")
+    if cfg.mtp_layers:
+        raise ModelConfigError(f"model config {cfg.name!r}: mtp_layers = {cfg.mtp_layers}: multi-token prediction is "
+                               f"planned and costed but not built for training yet; set mtp_layers = 0 to train "
+                               f"without it (as transformers' DeepseekV3ForCausalLM does)")
     if cfg.tie_embeddings:
         raise ModelConfigError(f"model config {cfg.name!r}: tied embeddings are not built for the moe family; "
                                f"set tie_embeddings = false")
@@ -134,10 +138,38 @@ class ClampedSwiGLUMLP(nn.Module):
         self.limit = float(limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        if self.limit:
-            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        return self.down((up + 1) * gate * torch.sigmoid(gate * self.ALPHA))
+        return self.down(ClampedSwiGLU.apply(self.gate_up(x), self.limit, self.ALPHA))
+
+
+class ClampedSwiGLU(torch.autograd.Function):
+    """gpt-oss's activation of [gate; up], keeping only its input for backward (as ``llama.SwiGLU``; written out,
+    the clamps, the sigmoid and the products keep five more f-wide tensors)."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        ctx.limit, ctx.alpha = limit, alpha
+        gate, up = gate_up.chunk(2, dim=-1)
+        if limit:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (gate_up,) = ctx.saved_tensors
+        limit, alpha = ctx.limit, ctx.alpha
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch.empty_like(gate_up)
+        d_gate, d_up = out.chunk(2, dim=-1)
+        g = gate.clamp(max=limit) if limit else gate
+        u = up.clamp(-limit, limit) if limit else up
+        sig = torch.sigmoid(g * alpha)
+        torch.mul(g, sig, out=d_up).mul_(grad)  # d up = grad x glu
+        d_gate.copy_(sig).mul_(1 - sig).mul_(g * alpha).add_(sig).mul_(u + 1).mul_(grad)
+        if limit:  # clamp passes the gradient where the input lies within its bounds (as torch.clamp's)
+            d_gate.mul_(gate <= limit)
+            d_up.mul_((up >= -limit) & (up <= limit))
+        return out, None, None
 
 
 class RoutedMLP(nn.Module):

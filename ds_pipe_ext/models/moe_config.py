@@ -59,6 +59,9 @@ class MoEConfig(LlamaConfig):
     # swiglu_limit; out = (up + 1) x gate x sigmoid(1.702 gate)); 0: the plain SwiGLU
     expert_bias: bool = False
     swiglu_limit: float = 0.0
+    # multi-token prediction (DeepSeek-V3's num_nextn_predict_layers; megatron-core's MTP): layers after the last
+    # block, each a pipeline layer of its own.  Described (plan, estimate, the split); not built yet
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -155,6 +158,9 @@ class MoEConfig(LlamaConfig):
             raise ModelConfigError(f"{where}: router_bias is built for the softmax router (gpt-oss's)")
         if (self.attention_sinks or pattern) and self.mla:
             raise ModelConfigError(f"{where}: sinks and window patterns are gpt-oss's attention, not MLA's")
+        m = self.mtp_layers
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ModelConfigError(f"{where}: mtp_layers = {m!r}; 0 or a positive number of layers")
         limit = self.swiglu_limit
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit < 0:
             raise ModelConfigError(f"{where}: swiglu_limit = {limit!r}; 0 (the plain SwiGLU) or a positive limit")
@@ -195,7 +201,7 @@ class MoEConfig(LlamaConfig):
 def _describe_moe(cfg: MoEConfig) -> ModelDescription:
     experts = Experts(cfg.experts, cfg.top_k, shared_ffn=cfg.shared_ffn_hidden, shared_gate=cfg.shared_gate,
                       capacity_factor=float(cfg.capacity_factor), router=cfg.router, groups=cfg.router_groups,
-                      topk_groups=cfg.router_topk_groups, bias=cfg.expert_bias)
+                      topk_groups=cfg.router_topk_groups, bias=cfg.expert_bias, router_bias=cfg.router_bias)
     blocks = []
     for i in range(cfg.layers):
         attention = _attention_at(cfg, i)
@@ -222,10 +228,9 @@ def _attention_at(cfg: MoEConfig, i: int) -> Attention:
 
 # ---------------------------------------------------------------------------- Hugging Face config.json
 
-HF_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek")
+HF_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek", "deepseek_v3", "gpt_oss")
 REFUSED_MODEL_TYPES = {
-    "deepseek_v2": "multi-head latent attention (DeepSeek-V2) is not modelled",
-    "deepseek_v3": "multi-head latent attention and multi-token prediction (DeepSeek-V3) are not modelled",
+    "deepseek_v2": "DeepSeek-V2's softmax group-limited router is not modelled (its MLA is: see deepseek_v3)",
 }
 
 
@@ -251,6 +256,10 @@ def from_hf_moe(data: dict, *, name: str) -> MoEConfig:
                "expert_ffn_hidden": data.get("moe_intermediate_size"), "shared_ffn_hidden": shared,
                "shared_gate": bool(shared), "norm_topk_prob": bool(data.get("norm_topk_prob", False))}
         dense_like = {**data, "model_type": kind.removesuffix("_moe")}  # Qwen3-MoE: Qwen3's attention
+    elif kind == "deepseek_v3":
+        moe, dense_like = _deepseek_v3(data, where)
+    elif kind == "gpt_oss":
+        moe, dense_like = _gpt_oss(data, where)
     else:  # deepseek: DeepSeekMoE 16B's remote-code config
         if data.get("moe_layer_freq", 1) != 1:
             raise ModelConfigError(f"{where}: moe_layer_freq {data['moe_layer_freq']} (dense blocks between "
@@ -268,6 +277,52 @@ def from_hf_moe(data: dict, *, name: str) -> MoEConfig:
         moe["aux_loss_coef"] = float(data.get("router_aux_loss_coef", data.get("aux_loss_alpha")))
     base = from_hf_llama(dense_like, name=name)
     return MoEConfig.from_dict({**base.to_dict(), **moe, "rope_scaling": base.rope_scaling}, name=name)
+
+
+def _deepseek_v3(data: dict, where: str) -> tuple[dict, dict]:
+    """DeepSeek-V3 (Kimi K2): MLA, the sigmoid group-limited router, dense first blocks, one shared expert."""
+    if data.get("scoring_func", "sigmoid") != "sigmoid" or data.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ModelConfigError(f"{where}: scoring_func {data.get('scoring_func')!r} / topk_method "
+                               f"{data.get('topk_method')!r}: the sigmoid router with its bias (noaux_tc) is modelled")
+    mla = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    missing = [k for k in mla if not data.get(k)]
+    if missing:
+        raise ModelConfigError(f"{where}: config.json lacks the multi-head latent attention fields {missing}")
+    ffn = data.get("moe_intermediate_size")
+    moe = {"experts": data.get("n_routed_experts"), "top_k": data.get("num_experts_per_tok"),
+           "expert_ffn_hidden": ffn, "shared_ffn_hidden": (data.get("n_shared_experts") or 0) * (ffn or 0),
+           "dense_layers": data.get("first_k_dense_replace", 0), "norm_topk_prob": bool(data.get("norm_topk_prob", True)),
+           "router": "sigmoid", "router_groups": data.get("n_group") or 1, "router_topk_groups": data.get("topk_group") or 1,
+           "routed_scaling_factor": float(data.get("routed_scaling_factor", 1.0)),
+           # transformers' model adds no balance loss (DeepSeek-V3 steers the load with the router's bias)
+           "aux_loss_coef": 0.0, "mtp_layers": int(data.get("num_nextn_predict_layers") or 0),
+           "q_lora_rank": data.get("q_lora_rank") or 0, "kv_lora_rank": data.get("kv_lora_rank"),
+           "qk_nope_head_dim": data.get("qk_nope_head_dim"), "qk_rope_head_dim": data.get("qk_rope_head_dim"),
+           "v_head_dim": data.get("v_head_dim")}
+    heads = data.get("num_attention_heads")
+    # MLA's widths are its own fields; the Llama reader sees plain heads (kv = heads, the default width)
+    dense_like = {k: v for k, v in data.items() if k not in ("head_dim", "attention_bias")}
+    return moe, {**dense_like, "model_type": "llama", "num_key_value_heads": heads}
+
+
+def _gpt_oss(data: dict, where: str) -> tuple[dict, dict]:
+    """gpt-oss: attention with sinks, windowed and full layers alternating, biases in attention, the router and
+    the experts, the clamped SwiGLU."""
+    alpha = data.get("swiglu_alpha", 1.702)
+    if alpha != 1.702:
+        raise ModelConfigError(f"{where}: swiglu_alpha = {alpha}; the clamped SwiGLU is built with gpt-oss's 1.702")
+    types = data.get("layer_types") or []
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ModelConfigError(f"{where}: layer_types {unknown}: sliding_attention and full_attention are modelled")
+    moe = {"experts": data.get("num_local_experts"), "top_k": data.get("num_experts_per_tok"),
+           "expert_ffn_hidden": data.get("intermediate_size"), "norm_topk_prob": True,
+           "router_bias": True, "expert_bias": True, "swiglu_limit": float(data.get("swiglu_limit") or 0.0),
+           "attention_sinks": True, "window_pattern": "".join("W" if t == "sliding_attention" else "F" for t in types),
+           "sliding_window": int(data.get("sliding_window") or 0)}
+    dense_like = {k: v for k, v in data.items() if k not in ("layer_types", "attention_bias")}
+    # qwen2: the Llama reader's q/k/v biases (gpt-oss's o_proj bias follows them, models/sinks.py)
+    return moe, {**dense_like, "model_type": "qwen2", "sliding_window": data.get("sliding_window") or 0}
 
 
 def load_moe_config(name_or_path: str | Path, **overrides) -> MoEConfig:

@@ -71,9 +71,10 @@ def family_of(config) -> ModelFamily:
 
 # a Hugging Face config.json's model_type -> the family that models it
 HF_MODEL_TYPES = {"gpt2": "gpt", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
-                  "mixtral": "moe", "qwen2_moe": "moe", "qwen3_moe": "moe", "deepseek": "moe", "nemotron_h": "hybrid"}
+                  "mixtral": "moe", "qwen2_moe": "moe", "qwen3_moe": "moe", "deepseek": "moe", "deepseek_v3": "moe",
+                  "gpt_oss": "moe", "nemotron_h": "hybrid"}
 # not supported, but close to a family's: that family's loader names what it does not model in them
-HF_NEAR_MODEL_TYPES = {"deepseek_v2": "moe", "deepseek_v3": "moe"}
+HF_NEAR_MODEL_TYPES = {"deepseek_v2": "moe"}
 
 
 def _hf_family_name(kind: str, where) -> str:

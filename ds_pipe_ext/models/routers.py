@@ -31,14 +31,17 @@ def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, 
     """(expert ids (T, k), the sigmoid scores (T, E)) of fp32 router logits (T, E), as DeepSeek-V3 chooses:
     the top ``top_k`` of score + ``bias`` within the ``topk_groups`` groups whose two best experts score most."""
     scores = logits.sigmoid()
-    choice = scores + bias
+    with torch.no_grad():  # the choice takes no gradient: nothing of it is kept for the backward
+        return _choose(scores + bias, top_k, groups, topk_groups), scores
+
+
+def _choose(choice: torch.Tensor, top_k: int, groups: int, topk_groups: int) -> torch.Tensor:
     tokens, experts = choice.shape
     group_scores = choice.view(tokens, groups, experts // groups).topk(2, dim=-1).values.sum(-1)
     best_groups = group_scores.topk(topk_groups, dim=-1, sorted=False).indices
     in_best = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
     in_best = in_best.unsqueeze(-1).expand(tokens, groups, experts // groups).reshape(tokens, experts)
-    chosen = choice.masked_fill(~in_best, float("-inf")).topk(top_k, dim=-1, sorted=False).indices
-    return chosen, scores
+    return choice.masked_fill(~in_best, float("-inf")).topk(top_k, dim=-1, sorted=False).indices
 
 
 def chosen_log_scores(scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

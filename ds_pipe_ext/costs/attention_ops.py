@@ -1,0 +1,81 @@
+"""The attentions of DeepSeek-V3 and gpt-oss op by op, as ``models.mla`` and ``models.sinks`` run them on one
+TP rank (``a`` heads in all, a / t a rank), in ``analytic``'s accounting (one micro-batch, ``Shape``).
+
+Multi-head latent attention (``mla_attention``), its saved tensors (counted on the profiler's saved-tensor
+hook, tests/test_mla_sinks.py): the block's normed input (the down projections share it), the query latent
+and its norm's output and fp32 reciprocal RMS, the whole key/value down projection's output (its latent's
+norm keeps a view of it), that norm's output and RMS, the rotary tables of the rope width, the fused kernel's
+q, k, padded v, padded output and log-sum-exp, and the out projection's own copy of the unpadded output.
+The down projections are whole on every rank (their weights are not divided by t); each up projection's
+backward all-reduces its input's gradient over TP, and the shared rotary key's gradient is all-reduced too.
+
+Attention with sinks (``sink_softmax``): the written-out core (``analytic.attention_logits``, ``softmax``,
+``attend``) whose softmax runs over s + 1 columns a row, the sink's; a sink weight per head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..arch import MLA
+from .analytic import fused_attention, linear, out_proj, rms_norm, rotary, tp_exit_comm
+from .op_cost import OpCost, Shape
+
+
+def _latent_norm(name: str, shp: Shape, width: int, kept: int) -> OpCost:
+    """An RMSNorm over ``width`` features a token (a rank's latent), keeping ``kept`` elements a token of its input
+    (its input is a view of a wider tensor) and an fp32 reciprocal RMS a token."""
+    norm = rms_norm(name, replace(shp, h=width, sp=False, t=1))
+    return replace(norm, activation_bytes=shp.tokens * (kept * shp.e + 4))
+
+
+def mla_attention(shp: Shape, mla: MLA) -> list[OpCost]:
+    """The attention half of an MLA block after its input norm, up to and including the out projection."""
+    T, t, e, a = shp.tokens, shp.t, shp.e, shp.a
+    qk = mla.qk_dim
+    heads = a // t
+    ops = []
+    if mla.q_rank:
+        ops += [linear("q_down", T, shp.h, mla.q_rank, shp, bias=False, saved_input_elems=shp.replicated_sbh),
+                _latent_norm("q_norm", shp, mla.q_rank, mla.q_rank),
+                _gradient_all_reduced(linear("q_up", T, mla.q_rank, heads * qk, shp, bias=False), T * mla.q_rank, shp)]
+    else:
+        ops.append(_gradient_all_reduced(linear("q_proj", T, shp.h, heads * qk, shp, bias=False,
+                                                saved_input_elems=shp.replicated_sbh), T * shp.h, shp))
+    kv_down = linear("kv_down", T, shp.h, mla.kv_rank + mla.rope_dim, shp, bias=False, saved_input_elems=0)
+    ops += [_gradient_all_reduced(kv_down, T * mla.rope_dim, shp),  # the shared rotary key's gradient
+            _latent_norm("kv_norm", shp, mla.kv_rank, mla.kv_rank + mla.rope_dim),
+            _gradient_all_reduced(linear("kv_up", T, mla.kv_rank, heads * (mla.nope_dim + mla.v_dim), shp, bias=False),
+                                  T * mla.kv_rank, shp)]
+    rope = rotary(replace(shp, d=mla.rope_dim), kv_heads=a)
+    ops.append(replace(rope, activation_bytes=2 * shp.s * mla.rope_dim * e))
+    n = T * heads * qk  # q, k and the padded v: written once each by the concatenations and the pad
+    ops.append(OpCost("mla_concat_pad", "vector", fwd_bytes=5 * n * e, bwd_bytes=4 * n * e, kernels=(3, 3)))
+    core = fused_attention(replace(shp, d=qk), kv_heads=a)
+    # the kernel keeps its own (padded) output beside q, k, v; the out projection keeps a copy of it unpadded
+    core[0] = replace(core[0], activation_bytes=core[0].activation_bytes + n * e)
+    ops += core
+    out = linear("out_proj", T, heads * mla.v_dim, shp.h, shp, bias=False)
+    ops.append(tp_exit_comm(out, shp))
+    return ops
+
+
+def _gradient_all_reduced(op: OpCost, elems: float, shp: Shape) -> OpCost:
+    """``op`` with its input's gradient (``elems`` of it) all-reduced over TP in backward (Megatron's f)."""
+    if shp.t == 1:
+        return op
+    return replace(op, comm_bwd_bytes=op.comm_bwd_bytes + elems * shp.e, comm_type="all-reduce")
+
+
+def sink_softmax(op: OpCost, shp: Shape) -> OpCost:
+    """The written-out softmax over each query's keys and its head's sink: s + 1 columns a row."""
+    grow = (shp.s + 1) / shp.s
+    return replace(op, fwd_flops=op.fwd_flops * grow, bwd_flops=op.bwd_flops * grow, fwd_bytes=op.fwd_bytes * grow,
+                   bwd_bytes=op.bwd_bytes * grow, activation_bytes=op.activation_bytes * grow,
+                   fwd_allocs=tuple(x * grow for x in op.fwd_allocs), bwd_allocs=tuple(x * grow for x in op.bwd_allocs),
+                   weight_bytes=shp.a / shp.t * shp.e, weights=(shp.a // shp.t,))
+
+
+def with_out_bias(shp: Shape) -> OpCost:
+    """The out projection with a bias (gpt-oss's), its all-reduce or reduce-scatter as ``analytic.out_proj``'s."""
+    return out_proj(shp, bias=True)
