@@ -532,3 +532,20 @@ def test_a_gpu_plan_prices_and_emits_zero_buckets_sized_to_the_model(tmp_path, c
     small = type(model)(model.cfg, model.device, model.cluster, seq=model.seq, global_batch=1536,
                         dtype=model.dtype, zero_settings=ZERO_SETTINGS).evaluate_named(lay).step_s
     assert small > 1.3 * priced  # each bucket's NCCL latency, hundreds of ring steps at 384 ranks
+
+
+@pytest.mark.parametrize("model, gpus, mtp", [("deepseek-v3", 256, True), ("gpt-oss-20b", 16, False),
+                                               ("gpt-oss-120b", 32, False)])
+def test_todays_moe_models_plan_with_expert_parallelism_and_a_megatron_layout(model, gpus, mtp, capfd):
+    """The published shapes (model_configs/) plan on H100 clusters: the pick splits the experts (ep > 1) and
+    comes with the Megatron layout string megatron-core accepts, DeepSeek-V3's MTP layer as its own ``m``."""
+    import re
+
+    assert main(["plan", "--model", model, "--gpus", str(gpus), "--device", "h100", "--top", "3"]) == 0
+    text = capfd.readouterr().out
+    pick = next(line for line in text.splitlines() if line.startswith("pick: "))
+    assert int(re.search(r"-ep(\d+)-", pick).group(1)) > 1
+    layouts = [line for line in text.splitlines() if "Megatron pipeline_model_parallel_layout" in line]
+    assert "checked with megatron-core" in layouts[0] or "no pipeline" in layouts[0]
+    if mtp:
+        assert re.search(r"m\|?L'", layouts[0]) and "checked with megatron-core" in layouts[0]

@@ -210,7 +210,7 @@ def _plan(args, checker) -> int:
     for label, cost in (("pick", res.top[0]), ("best layout DeepSpeed runs", best)):
         if cost is None or (label != "pick" and cost is res.top[0]):
             continue
-        text, why = megatron_layout(cost, cfg.layers, checker)
+        text, why = megatron_layout(cost, cfg.layers, checker, mtp_layers=getattr(cfg, "mtp_layers", 0))
         _emit(f"{label}: {cost.layout.name}, parts {cost.parts}")
         if label == "pick":
             from ..costs.device_spec import tp_collectives_note

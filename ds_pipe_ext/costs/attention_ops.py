@@ -9,6 +9,11 @@ q, k, padded v, padded output and log-sum-exp, and the out projection's own copy
 The down projections are whole on every rank (their weights are not divided by t); each up projection's
 backward all-reduces its input's gradient over TP, and the shared rotary key's gradient is all-reduced too.
 
+A multi-token-prediction layer (``mtp_layer``, megatron-core's ``MultiTokenPredictionLayer``): the embedding
+of the token after next (a lookup in its own copy of the tied table, as a pipeline stage apart from the
+embedding's holds one) and the hidden state, each RMS-normed, concatenated and projected 2h -> h, the block,
+then the shared final norm, output head and loss (their weights the head layer's: it sits on the same stage).
+
 Attention with sinks (``sink_softmax``): the written-out core (``analytic.attention_logits``, ``softmax``,
 ``attend``) whose softmax runs over s + 1 columns a row, the sink's; a sink weight per head.
 """
@@ -79,3 +84,15 @@ def sink_softmax(op: OpCost, shp: Shape) -> OpCost:
 def with_out_bias(shp: Shape) -> OpCost:
     """The out projection with a bias (gpt-oss's), its all-reduce or reduce-scatter as ``analytic.out_proj``'s."""
     return out_proj(shp, bias=True)
+
+
+def mtp_layer(shp: Shape, block_ops: list[OpCost], head_ops: list[OpCost], *, norm) -> list[OpCost]:
+    """One MTP layer's ops: ``block_ops`` its transformer block's, ``head_ops`` the head's (final norm, output
+    head, loss), whose weights are shared with the head layer's and not counted again here."""
+    T, h, e = shp.tokens, shp.h, shp.e
+    V = shp.V
+    lookup = OpCost("mtp_embedding", "vector", fwd_bytes=2 * T * h * e, bwd_bytes=2 * T * h * e,
+                    weight_bytes=V * h * e, weights=(V * h,), row_ops=T, activation_bytes=T * 8)
+    proj = linear("mtp_eh_proj", T, 2 * h, h, shp, bias=False)
+    head = [replace(op, weight_bytes=0.0, weights=(), name=f"mtp_{op.name}") for op in head_ops]
+    return [lookup, norm("mtp_enorm", shp), norm("mtp_hnorm", shp), proj, *block_ops, *head]

@@ -114,6 +114,9 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
 def block_ops(desc, block, shp: A.Shape, *, expert_imbalance: float = 1.0, device: str | None = None) -> list:
     """One block's ops, as its kind says (``arch.Block.kind``): a transformer block; or, a hybrid's layers,
     its norm, then attention, an MLP (routed experts: MoE) or a Mamba-2 mixer alone, then its residual."""
+    if block.mtp:  # the transformer block it holds, between its input projection and the shared head
+        inner = block_ops(desc, replace(block, mtp=False), shp, expert_imbalance=expert_imbalance, device=device)
+        return attention_ops.mtp_layer(shp, inner, E.lm_head(shp, norm=desc.norm), norm=A.NORMS[desc.norm])
     if block.mamba is not None:
         m = block.mamba
         return [A.NORMS[desc.norm]("norm", shp),

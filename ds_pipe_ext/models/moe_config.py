@@ -15,7 +15,7 @@ family, what ``LlamaConfig`` refuses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -170,6 +170,11 @@ class MoEConfig(LlamaConfig):
         """Every layer's window, where there is no per-layer pattern (``layer_window`` otherwise)."""
         return None if self.window_pattern else super().window
 
+    @property
+    def num_pipeline_layers(self) -> int:
+        """Embedding, the blocks, the multi-token-prediction layers, final norm + LM head."""
+        return self.layers + self.mtp_layers + 2
+
     def layer_window(self, i: int) -> int | None:
         """Layer ``i``'s attention window (None: full causal attention)."""
         if not self.window_pattern:
@@ -207,6 +212,8 @@ def _describe_moe(cfg: MoEConfig) -> ModelDescription:
         attention = _attention_at(cfg, i)
         blocks.append(Block(attention, MLP(cfg.expert_ffn, "swiglu"), experts) if cfg.is_moe_block(i)
                       else Block(attention, MLP(cfg.ffn_hidden, "swiglu")))
+    for i in range(cfg.mtp_layers):  # after the last block, each a MoE block of its own (DeepSeek-V3's layer 61)
+        blocks.append(replace(blocks[-1], mtp=True))
     return ModelDescription(name=cfg.name, hidden=cfg.hidden, vocab=cfg.padded_vocab, seq_len=cfg.seq_len,
                             blocks=tuple(blocks), positions="rotary", norm="rmsnorm", tied_head=cfg.tie_embeddings,
                             dropout=False, linear_bias=False)

@@ -54,9 +54,10 @@ def rows_json(res: PlanResult) -> str:
     return json.dumps([c.to_dict() for c in res.top], indent=1)
 
 
-def megatron_layout(cost: LayoutCost, num_layers: int, checker=None) -> tuple[str | None, str]:
+def megatron_layout(cost: LayoutCost, num_layers: int, checker=None, mtp_layers: int = 0) -> tuple[str | None, str]:
     """Megatron's ``pipeline_model_parallel_layout`` for the split (E: embedding, t: a transformer
-    layer, L: the loss with the output layer), checked with megatron-core's parser; or why not."""
+    layer, m: a multi-token-prediction layer, the last ``mtp_layers`` blocks, L: the loss with the output layer),
+    checked with megatron-core's parser; or why not."""
     lay, parts = cost.layout, cost.parts
     if lay.pp == 1:
         return None, "no pipeline: Megatron needs no layout"
@@ -64,9 +65,11 @@ def megatron_layout(cost: LayoutCost, num_layers: int, checker=None) -> tuple[st
         return None, "DualPipeV places chunks in a V (rank r holds chunks r and 2p-1-r): Megatron's layout cannot say it"
     stages = []
     last = parts[-1] - 1
+    first_mtp = last - mtp_layers
     for i, j in zip(parts, parts[1:]):
-        blocks = sum(1 for k in range(i, j) if 0 < k < last)
-        stages.append(("E" if i == 0 else "") + (f"t*{blocks}" if blocks > 1 else "t" * blocks)
+        blocks = sum(1 for k in range(i, j) if 0 < k < first_mtp)
+        mtp = sum(1 for k in range(i, j) if first_mtp <= k < last)
+        stages.append(("E" if i == 0 else "") + (f"t*{blocks}" if blocks > 1 else "t" * blocks) + "m" * mtp
                       + ("L" if j - 1 == last else ""))
     runs = [(s, len(list(g))) for s, g in groupby(stages)]
     pieces = []
@@ -77,7 +80,7 @@ def megatron_layout(cost: LayoutCost, num_layers: int, checker=None) -> tuple[st
         else:  # "(s|)*n" ends in a separator: the last run repeats n - 1 times and ends with s itself
             pieces.append(f"({s}|)*{n - 1}{s}" if last_run else f"({s}|)*{n}")
     text = "".join(pieces)
-    verdict = (checker or check_in_process)(text, lay.pp, num_layers)
+    verdict = (checker or check_in_process)(text, lay.pp, num_layers, mtp_layers)
     if verdict.get("missing"):
         return text, f"not checked: {verdict['missing']}"
     if "error" in verdict:
@@ -124,14 +127,14 @@ os._exit(0)  # no interpreter teardown: with torch and megatron loaded it takes 
 """
 
 
-def check_in_process(text: str, pp: int, num_layers: int) -> dict:
+def check_in_process(text: str, pp: int, num_layers: int, mtp_layers: int = 0) -> dict:
     """megatron-core's verdict on a layout string: {} (valid), {"error": why} or {"missing": why}."""
     try:
         from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
     except ImportError as e:
         return {"missing": f"megatron-core not importable ({e})"}
     try:
-        PipelineParallelLayerLayout(text, pp).validate_layer_layout(num_layers, mtp_num_layers=0)
+        PipelineParallelLayerLayout(text, pp).validate_layer_layout(num_layers, mtp_num_layers=mtp_layers)
     except (AssertionError, ValueError) as e:
         return {"error": str(e)}
     return {}
@@ -148,9 +151,9 @@ class MegatronLayoutChecker:
         self.proc = subprocess.Popen([sys.executable, "-c", _CHECK], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, env=env)
 
-    def __call__(self, text: str, pp: int, num_layers: int) -> dict:
+    def __call__(self, text: str, pp: int, num_layers: int, mtp_layers: int = 0) -> dict:
         try:
-            self.proc.stdin.write(json.dumps([text, pp, num_layers]) + "\n")
+            self.proc.stdin.write(json.dumps([text, pp, num_layers, mtp_layers]) + "\n")
             self.proc.stdin.flush()
             line = self.proc.stdout.readline()
             return json.loads(line) if line else {"missing": f"the checker exited ({self.proc.poll()})"}
