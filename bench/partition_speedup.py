@@ -58,7 +58,9 @@ Last line: RESULT profiled_vs_builtin=X profiled_vs_best_split=Y second_model_pr
 llama_profiled_vs_best_heuristic=X llama_profiled_vs_best_split=Y (targets X >= 1.08, Y >= 0.97); with
 --model bench-cpu-moe: RESULT moe_profiled_vs_builtin=X moe_profiled_vs_best_split=Y (targets X >= 1.15,
 Y >= 0.97), the pre-launch prediction printed beside; with --model bench-cpu-hybrid: RESULT
-hybrid_profiled_vs_builtin=X hybrid_profiled_vs_best_split=Y (targets X >= 1.15, Y >= 0.97, fixed before measuring)
+hybrid_profiled_vs_builtin=X hybrid_profiled_vs_best_split=Y (targets X >= 1.15, Y >= 0.97, fixed before measuring);
+--model bench-cpu-deepseek / bench-cpu-gptoss: deepseek_ / gptoss_profiled_vs_builtin (>= 1.10) and _vs_best_split
+(>= 0.97), their hand rules simulated on deepseek-v3 / gpt-oss-20b
 """
 
 from __future__ import annotations
@@ -147,8 +149,12 @@ def simulated_rules(model: str = "llama3-8b", stages=(4, 8), micro_batches: int 
     return rows
 
 
-PREDICTED_FAMILIES = {"moe": "moe", "hybrid": "hybrid"}  # the RESULT keys' prefix of each: predicted first
-SIMULATED = {"llama": "llama3-8b", "hybrid": "nemotron-h-8b"}  # the published model each one's hand rules run on
+PREDICTED_FAMILIES = ("moe", "hybrid")  # their benches record the step model's prediction before any launch
+RESULT_PREFIX = {"bench-cpu-moe": "moe", "bench-cpu-hybrid": "hybrid", "bench-cpu-deepseek": "deepseek",
+                 "bench-cpu-gptoss": "gptoss"}  # each one's RESULT keys
+# the published model each bench's hand rules are simulated on (4 and 8 stages)
+SIMULATED = {"bench-cpu-llama": "llama3-8b", "bench-cpu-hybrid": "nemotron-h-8b", "bench-cpu-deepseek": "deepseek-v3",
+             "bench-cpu-gptoss": "gpt-oss-20b"}
 PREDICTION_PROFILES = 3  # a layer's profile moves by 10-20% between profiles on this machine: the median of 3
 
 
@@ -364,23 +370,24 @@ def report_one(model: str, result: dict, builtin: dict[str, str], prediction: di
     if prediction is not None:  # the measurement beside the prediction made before it
         print(f"\npredicted before the first launch (step model {STEP_MODEL.name} on layers profiled here): "
               f"profiled / best built-in {prediction['profiled_vs_builtin']:.3f}, best split {prediction['best_split']}")
-    if family in SIMULATED:
+    simulated = SIMULATED.get(model) or (SIMULATED["bench-cpu-llama"] if family == "llama" else None)
+    if simulated:
         same = [k for k, v in builtin.items() if v == builtin["uniform"] and k != "uniform"]
         if same:
             print(f"\nat 2 stages {', '.join(same)} = DeepSpeed's uniform ({builtin['uniform']}): Megatron's "
                   f"embedding-and-loss accounting and Llama 3's one layer fewer at the ends give each stage "
                   f"(blocks + 2) / 2 units")
-        print(f"\nsimulated (no launch), {SIMULATED[family]}'s analytic costs on H100, 1F1B, micro-batch 1 x 32: "
+        print(f"\nsimulated (no launch), {simulated}'s analytic costs on H100, 1F1B, micro-batch 1 x 32: "
               f"predicted step; '(over)': the split's heaviest rank above the memory cap (0.9 of the H100's), which the analytic split honours where it can")
         print("\n".join(render_table(["stages", "rule", "parts", "step s", "analytic / it", "peak GiB"],
-                                      simulated_rules(SIMULATED[family]))))
+                                      simulated_rules(simulated))))
     print(f"calibrated: the step model {STEP_MODEL.name} (bench/prediction_transfer.py's two GPT calibration runs) "
           f"and the cpu spec; predicted: every {model} measurement above")
     if family == "llama":
         print(f"RESULT llama_profiled_vs_best_heuristic={result['vs_builtin']:.3f} "
               f"llama_profiled_vs_best_split={result['vs_best']:.3f}")
-    elif family in PREDICTED_FAMILIES:
-        key = PREDICTED_FAMILIES[family]
+    elif model in RESULT_PREFIX:
+        key = RESULT_PREFIX[model]
         print(f"RESULT {key}_profiled_vs_builtin={result['vs_builtin']:.3f} {key}_profiled_vs_best_split={result['vs_best']:.3f}")
     else:  # one of the GPT pair alone: its two figures
         print(f"RESULT profiled_vs_builtin={result['vs_builtin']:.3f} profiled_vs_best_split={result['vs_best']:.3f}")

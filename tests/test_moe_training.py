@@ -101,10 +101,11 @@ def test_tensor_parallel_moe_layers_are_refused():
 
 
 def moe_reference(cfg, weights_path, steps: int, *, dp: int, micro_batch: int, gas: int, seed: int = 1234,
-                  lr: float = 3e-4, of_dp: int | None = None):
+                  lr: float = 3e-4, of_dp: int | None = None, clip: float | None = None):
     """What PP x DP x EP computes, in one process: each DP rank's stream, each micro-batch routed (and its
     load-balancing loss taken) on its own tokens as the ranks do; the step's gradient is the mean over
-    the dp x gas micro-batches, and every expert is counted once in the gradient norm."""
+    the dp x gas micro-batches, and every expert is counted once in the gradient norm; ``clip``: the
+    gradient clipped to that norm (DeepSpeed's gradient_clipping), the norm before it recorded."""
     model = MOE.sequential(MOE.layer_specs(cfg, reference=True), MOE.loss_fn(cfg), base_seed=None, recompute=False)
     model.load_state_dict(torch.load(weights_path))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
@@ -120,6 +121,8 @@ def moe_reference(cfg, weights_path, steps: int, *, dp: int, micro_batch: int, g
                 (loss / (gas * dp)).backward()
                 total += loss.item()
         norms.append(float(flat_grad(model).double().norm()))
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         losses.append(total / (gas * dp))
         opt.step()
     return losses, norms

@@ -9,10 +9,10 @@ q, k, padded v, padded output and log-sum-exp, and the out projection's own copy
 The down projections are whole on every rank (their weights are not divided by t); each up projection's
 backward all-reduces its input's gradient over TP, and the shared rotary key's gradient is all-reduced too.
 
-A multi-token-prediction layer (``mtp_layer``, megatron-core's ``MultiTokenPredictionLayer``): the embedding
-of the token after next (a lookup in its own copy of the tied table, as a pipeline stage apart from the
-embedding's holds one) and the hidden state, each RMS-normed, concatenated and projected 2h -> h, the block,
-then the shared final norm, output head and loss (their weights the head layer's: it sits on the same stage).
+A multi-token-prediction layer (``mtp_layer``, megatron-core's ``MultiTokenPredictionLayer`` as
+``models.mtp`` runs it): the travelling embedding of the shifted ids and the hidden state, each RMS-normed,
+concatenated and projected 2h -> h, the block, its final norm.  The lookups are the embedding layer's
+(``mtp_lookups``); the output head and the loss run in the head layer over 1 + D times the tokens.
 
 Attention with sinks (``sink_softmax``): the written-out core (``analytic.attention_logits``, ``softmax``,
 ``attend``) whose softmax runs over s + 1 columns a row, the sink's; a sink weight per head.
@@ -86,13 +86,19 @@ def with_out_bias(shp: Shape) -> OpCost:
     return out_proj(shp, bias=True)
 
 
-def mtp_layer(shp: Shape, block_ops: list[OpCost], head_ops: list[OpCost], *, norm) -> list[OpCost]:
-    """One MTP layer's ops: ``block_ops`` its transformer block's, ``head_ops`` the head's (final norm, output
-    head, loss), whose weights are shared with the head layer's and not counted again here."""
+def mtp_layer(shp: Shape, block_ops: list[OpCost], *, norm) -> list[OpCost]:
+    """One MTP layer's ops (``models.mtp``): the travelling embedding and the hidden state normed, concatenated and
+    projected 2h -> h, ``block_ops`` (its block's), its final norm.  The shifted ids' lookups are the embedding
+    layer's, the output head and loss the head layer's (``mtp_lookups``, ``estimate.layer_ops``)."""
     T, h, e = shp.tokens, shp.h, shp.e
-    V = shp.V
-    lookup = OpCost("mtp_embedding", "vector", fwd_bytes=2 * T * h * e, bwd_bytes=2 * T * h * e,
-                    weight_bytes=V * h * e, weights=(V * h,), row_ops=T, activation_bytes=T * 8)
+    concat = OpCost("mtp_concat", "vector", fwd_bytes=4 * T * h * e, bwd_bytes=4 * T * h * e, kernels=(1, 2))
     proj = linear("mtp_eh_proj", T, 2 * h, h, shp, bias=False)
-    head = [replace(op, weight_bytes=0.0, weights=(), name=f"mtp_{op.name}") for op in head_ops]
-    return [lookup, norm("mtp_enorm", shp), norm("mtp_hnorm", shp), proj, *block_ops, *head]
+    return [norm("mtp_enorm", shp), norm("mtp_hnorm", shp), concat, proj, *block_ops, norm("mtp_final_norm", shp)]
+
+
+def mtp_lookups(shp: Shape, depth: int) -> OpCost:
+    """The embedding layer's lookups of the ids shifted by 1 .. ``depth`` (the table is the layer's own; each
+    keeps its ids for the backward's scatter into the table's gradient)."""
+    T, h, e = shp.tokens, shp.h, shp.e
+    return OpCost("mtp_lookups", "vector", fwd_bytes=2 * depth * T * h * e, bwd_bytes=2 * depth * T * h * e,
+                  row_ops=depth * T, activation_bytes=depth * T * 8, kernels=(2 * depth, 2 * depth))

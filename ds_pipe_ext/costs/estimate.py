@@ -98,7 +98,10 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
     blocks share one op list), the head.  ``expert_imbalance``: ``EstimateRequest``'s; ``device``: the spec
     costed, which picks an "auto" attention's kernel (``arch.attention_kernel``)."""
     desc = as_description(model)
-    layers = [("EmbeddingPipe", "embedding", E.embedding(shp, positions=desc.positions == "learned"))]
+    embedding = E.embedding(shp, positions=desc.positions == "learned")
+    if desc.mtp_layers:  # the shifted ids' lookups for the MTP layers (models/mtp.py)
+        embedding = embedding + [attention_ops.mtp_lookups(shp, desc.mtp_layers)]
+    layers = [("EmbeddingPipe", "embedding", embedding)]
     built: dict = {}
     for block in desc.blocks:
         if block not in built:
@@ -106,6 +109,10 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
         layers.append(("Block", "block", built[block]))
     if chunked_head(desc, shp):
         layers.append(("HeadPipe", "head", E.chunked_lm_head(shp, norm=desc.norm, chunk_tokens=desc.loss_chunk_tokens)))
+    elif desc.mtp_layers:  # the head projects the MTP layers' outputs beside the main ones: 1 + D times the tokens
+        wide = replace(shp, b=shp.b * (1 + desc.mtp_layers))
+        head = E.lm_head(wide, norm=desc.norm)
+        layers.append(("HeadPipe", "head", [E.lm_head(shp, norm=desc.norm)[0], *head[1:]]))
     else:
         layers.append(("HeadPipe", "head", E.lm_head(shp, norm=desc.norm)))
     return layers
@@ -114,9 +121,9 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
 def block_ops(desc, block, shp: A.Shape, *, expert_imbalance: float = 1.0, device: str | None = None) -> list:
     """One block's ops, as its kind says (``arch.Block.kind``): a transformer block; or, a hybrid's layers,
     its norm, then attention, an MLP (routed experts: MoE) or a Mamba-2 mixer alone, then its residual."""
-    if block.mtp:  # the transformer block it holds, between its input projection and the shared head
+    if block.mtp:  # the transformer block it holds, between its input projection and its final norm
         inner = block_ops(desc, replace(block, mtp=False), shp, expert_imbalance=expert_imbalance, device=device)
-        return attention_ops.mtp_layer(shp, inner, E.lm_head(shp, norm=desc.norm), norm=A.NORMS[desc.norm])
+        return attention_ops.mtp_layer(shp, inner, norm=A.NORMS[desc.norm])
     if block.mamba is not None:
         m = block.mamba
         return [A.NORMS[desc.norm]("norm", shp),
@@ -247,6 +254,7 @@ def estimate_layers(model, req: EstimateRequest, device: DeviceSpec, *, runs_on:
     done: dict = {}  # alike blocks share one op list: cost it once
     # a tied head runs as the embedding's forward_fn, which compiling the layers' modules leaves eager
     tied = as_description(model).tied_head
+    desc_mtp = as_description(model).mtp_layers
     for name, kind, ops in layer_ops(model, shp, expert_imbalance=req.expert_imbalance,
                                      device=runs_on or device.name):
         if (id(ops), kind) in done:
@@ -268,11 +276,12 @@ def estimate_layers(model, req: EstimateRequest, device: DeviceSpec, *, runs_on:
             "activation_bytes": sum(r["activation_bytes"] for r in rows),
             "param_bytes": params * shp.e, "params": params, "expert_params": expert_weight_bytes(ops) / shp.e,
             "tensors": [int(n) for op in ops for n in op.weights],
-            "output_bytes": 0 if kind == "head" else shp.replicated_sbh * shp.e,
+            # multi-token prediction: the D shifted embeddings (then the MTP outputs) travel beside the hidden states
+            "output_bytes": 0 if kind == "head" else shp.replicated_sbh * shp.e * (1 + desc_mtp),
             "loss_input_bytes": (0 if kind != "head" else shp.tokens * shp.h * shp.e if chunked_head(model, shp)
-                                 else shp.tokens * -(-shp.V // shp.t) * shp.e),
+                                 else shp.tokens * (1 + desc_mtp) * -(-shp.V // shp.t) * shp.e),
             "peak_bytes": layer_peak_bytes(ops, shp.e, selective=req.selective_recompute,
-                                           output_bytes=0 if kind == "head" else shp.replicated_sbh * shp.e),
+                                           output_bytes=0 if kind == "head" else shp.replicated_sbh * shp.e * (1 + desc_mtp)),
             # selective recompute as a choice per layer: what it keeps, the forward it replays (None: no
             # attention core to replay)
             "selective_kept_bytes": (sum(op.activation_bytes for op in ops if not op.recompute)

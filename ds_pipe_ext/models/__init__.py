@@ -79,7 +79,12 @@ def _family(name: str, config_type: type, load_config, from_hf, specs_module: st
 def _moe_loss_fn(cfg, impl=None):
     from .moe import MoELoss
 
-    return MoELoss(cfg.aux_loss_coef, _loss_fn(cfg, impl))
+    main = MoELoss(cfg.aux_loss_coef, _loss_fn(cfg, impl))
+    if not cfg.mtp_layers:
+        return main
+    from .mtp import MTPLoss
+
+    return MTPLoss(main, cfg.mtp_layers, cfg.mtp_loss_scale, _loss_fn(cfg, impl))
 
 
 GPT = _family("gpt", GPTConfig, load_model_config, from_hf_gpt2, ".gpt", "gpt_layer_specs", "SequentialGPT")

@@ -39,6 +39,7 @@ from .llama import LlamaAttention, LlamaEmbedding, LlamaHead, LlamaMLP
 from .mla import MLAttention
 from .sinks import SinkAttention
 from .moe_config import MoEConfig
+from .mtp import MTPLayer, shifted_ids
 from .routers import make_biased_gate, make_sigmoid_gate
 
 
@@ -87,10 +88,6 @@ def check_moe_config(cfg: MoEConfig) -> None:
             f"model config {cfg.name!r}: norm_topk_prob = {str(cfg.norm_topk_prob).lower()} with top_k = {cfg.top_k}, "
             f"but DeepSpeed's MoE layer {'renormalises' if renormalises else 'does not renormalise'} the top-k gate "
             f"weights; set norm_topk_prob = {str(renormalises).lower()} to train this shape with it")
-    if cfg.mtp_layers:
-        raise ModelConfigError(f"model config {cfg.name!r}: mtp_layers = {cfg.mtp_layers}: multi-token prediction is "
-                               f"planned and costed but not built for training yet; set mtp_layers = 0 to train "
-                               f"without it (as transformers' DeepseekV3ForCausalLM does)")
     if cfg.tie_embeddings:
         raise ModelConfigError(f"model config {cfg.name!r}: tied embeddings are not built for the moe family; "
                                f"set tie_embeddings = false")
@@ -261,9 +258,17 @@ class RoutedMLP(nn.Module):
 class MoEEmbedding(LlamaEmbedding):
     """tokens -> (hidden states, aux = 0), the aux a leaf that requires grad (see the module's docstring)."""
 
-    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __init__(self, cfg: MoEConfig, impl: LayerImpl = LOCAL):
+        super().__init__(cfg, impl)
+        self.mtp_layers = cfg.mtp_layers
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(hidden, aux), and with multi-token prediction the embeddings of the ids shifted by 1 .. D, which
+        travel to the MTP layers (``models.mtp``)."""
         hidden = super().forward(tokens)
-        return hidden, torch.zeros(1, device=hidden.device, requires_grad=torch.is_grad_enabled())
+        aux = torch.zeros(1, device=hidden.device, requires_grad=torch.is_grad_enabled())
+        shifted = [super(MoEEmbedding, self).forward(shifted_ids(tokens, k)) for k in range(1, self.mtp_layers + 1)]
+        return (hidden, aux, *shifted)
 
 
 class MoEBlock(nn.Module):
@@ -292,25 +297,43 @@ class MoEBlock(nn.Module):
         self.tokens_per_expert: torch.Tensor | None = None  # routed (before any drop)
         self.dropped_tokens = 0  # routed beyond an expert's capacity (capacity_factor > 0)
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        x, aux = inputs
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        x, aux, *travelling = inputs  # multi-token prediction's embeddings pass through (models.mtp)
         x = x + self.attn(self.input_norm(x))
         if not self.routed:
-            return x + self.mlp(self.post_attention_norm(x)), aux
+            return x + self.mlp(self.post_attention_norm(x)), aux, *travelling
         y, layer_aux, counts = self.mlp(self.post_attention_norm(x))
         self.tokens_per_expert = counts.detach()
         if self.capacity_factor:  # DeepSpeed's capacity: ceil(tokens / E x capacity_factor x k); the rest dropped
             capacity = math.ceil(x.shape[0] * x.shape[1] / self.experts * self.capacity_factor * self.top_k)
             self.dropped_tokens = int((self.tokens_per_expert - capacity).clamp(min=0).sum())
-        return x + y, aux + layer_aux.to(aux.dtype)
+        return x + y, aux + layer_aux.to(aux.dtype), *travelling
 
 
 class MoEHead(LlamaHead):
-    """Final RMSNorm + LM head: (hidden, aux) -> (logits, aux)."""
+    """Final RMSNorm + LM head: (hidden, aux[, the MTP layers' normed outputs]) -> (logits, aux); the MTP outputs go
+    through the same head in the same product, their logits after the main ones along the sequence."""
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        x, aux = inputs
-        return super().forward(x), aux
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, aux, *mtp = inputs
+        x = self.norm(x)
+        if mtp:
+            x = torch.cat((x, *mtp), dim=0)
+        return self.head_output(x, self.lm_head.weight, self.lm_head), aux
+
+
+class MoEMTPLayer(MTPLayer):
+    """Multi-token-prediction layer ``k`` of a moe-family model: its block is the family's block at index
+    layers + k - 1 (DeepSeek-V3's layer 61, a routed block)."""
+
+    profile_each = True  # its block routes as its own router says (MoEBlock's reason)
+
+    def __init__(self, cfg: MoEConfig, impl: LayerImpl = LOCAL, selective_recompute: bool = False, *, k: int,
+                 ep: int = 1, reference: bool = False):
+        index = cfg.layers + k - 1
+        block = MoEBlock(cfg, impl, selective_recompute, routed=cfg.is_moe_block(index), ep=ep, reference=reference,
+                         index=index)
+        super().__init__(cfg, impl, block, k=k, depth=cfg.mtp_layers)
 
 
 class MoELoss:
@@ -340,14 +363,17 @@ class MoELoss:
 
 def moe_layer_specs(cfg: MoEConfig, impl: LayerImpl = LOCAL, *, selective_recompute: bool = False, ep: int = 1,
                     reference: bool = False) -> list:
-    """[embedding, L blocks (the first ``dense_layers`` dense), final norm + head]  (L + 2 layers)."""
+    """[embedding, L blocks (the first ``dense_layers`` dense), D multi-token-prediction layers, final norm + head]
+    (L + D + 2 layers)."""
     check_moe_config(cfg)
     if impl.tp_size > 1:
         raise ModelConfigError("tensor parallelism of a Mixture-of-Experts model is not supported; use tp = 1 "
                                "(and ep to split the experts)")
     blocks = [LayerSpec(MoEBlock, cfg, impl, selective_recompute, routed=cfg.is_moe_block(i), ep=ep,
                         reference=reference, index=i) for i in range(cfg.layers)]
-    return [LayerSpec(MoEEmbedding, cfg, impl), *blocks, LayerSpec(MoEHead, cfg, impl)]
+    mtp = [LayerSpec(MoEMTPLayer, cfg, impl, selective_recompute, k=k, ep=ep, reference=reference)
+           for k in range(1, cfg.mtp_layers + 1)]
+    return [LayerSpec(MoEEmbedding, cfg, impl), *blocks, *mtp, LayerSpec(MoEHead, cfg, impl)]
 
 
 class SequentialMoE(SequentialLayers):

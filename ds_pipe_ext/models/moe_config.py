@@ -59,9 +59,10 @@ class MoEConfig(LlamaConfig):
     # swiglu_limit; out = (up + 1) x gate x sigmoid(1.702 gate)); 0: the plain SwiGLU
     expert_bias: bool = False
     swiglu_limit: float = 0.0
-    # multi-token prediction (DeepSeek-V3's num_nextn_predict_layers; megatron-core's MTP): layers after the last
-    # block, each a pipeline layer of its own.  Described (plan, estimate, the split); not built yet
+    # multi-token prediction (DeepSeek-V3's num_nextn_predict_layers; megatron-core's MTP; models/mtp.py): layers
+    # after the last block, each a pipeline layer of its own
     mtp_layers: int = 0
+    mtp_loss_scale: float = 0.1  # the MTP losses' weight in all (megatron's --mtp-loss-scaling-factor)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -161,6 +162,12 @@ class MoEConfig(LlamaConfig):
         m = self.mtp_layers
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise ModelConfigError(f"{where}: mtp_layers = {m!r}; 0 or a positive number of layers")
+        if m and (pattern or self.loss_chunk_tokens):
+            raise ModelConfigError(f"{where}: multi-token prediction is built for DeepSeek-V3's shape: without a "
+                                   f"window_pattern or a chunked loss")
+        scale = self.mtp_loss_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale < 0:
+            raise ModelConfigError(f"{where}: mtp_loss_scale = {scale!r}; 0 or a positive weight")
         limit = self.swiglu_limit
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit < 0:
             raise ModelConfigError(f"{where}: swiglu_limit = {limit!r}; 0 (the plain SwiGLU) or a positive limit")

@@ -233,6 +233,30 @@ def squared_l2(t: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     return rows.pow(2).sum() + tail.pow(2)
 
 
+def clip_by_the_whole_pipeline(engine, model, layout: Layout, norms: list, *, dtype: str) -> None:
+    """Clip a pipeline's fp32 gradients by the norm over every stage, as ``gradient_clipping`` means.
+
+    DeepSpeed 0.19 clips an fp32 ZeRO-0 engine's gradients with ``runtime.utils.clip_grad_norm_(mpu=the pipeline
+    grid)``, which counts a parameter only on model-parallel rank 0 or where megatron marks it split; the grid's
+    model-parallel group spans the stages, so only the first stage's gradients set every stage's factor (llama-tiny
+    on 2 stages: clipped by 1.78 where the whole model's norm is 2.60).  Its bf16, fp16 and ZeRO optimizers count by
+    tensor-parallel rank and are left alone.  Each step's norm before the clip is appended to ``norms``."""
+    max_norm = float(engine.gradient_clipping())
+    if not max_norm > 0 or layout.zero != 0 or dtype != "fp32":
+        return
+
+    def clip() -> None:
+        norm = global_grad_norm(model, layout)
+        norms.append(norm)
+        factor = min(1.0, max_norm / (norm + 1e-6))  # DeepSpeed's clip_coef
+        if factor < 1.0:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+
+    engine.clip_fp32_gradients = clip
+
+
 def global_grad_norm(model, layout: Layout) -> float:
     """L2 norm of the whole model's gradient: TP shards summed, TP-replicated and DP-replicated copies once
     (an expert's gradient lives on dp / ep ranks of a stage, a dense parameter's on all dp)."""
@@ -352,8 +376,10 @@ def build(cfg: RunConfig) -> Built:
         from ..models.moe import check_expert_groups
 
         check_expert_groups(model)
+    clip_norms: list[float] = []  # the norms before the clip, where ours clips (a pipeline in fp32)
     if cfg.pipelined:
         configure_pipeline_engine(engine, cfg.pipeline)
+        clip_by_the_whole_pipeline(engine, model, layout, clip_norms, dtype=engine_dtype(cfg.deepspeed))
     if cfg.train.compile:
         compiled = compile_layers(model, pipelined=cfg.pipelined)
         if rank == 0:
@@ -381,8 +407,11 @@ def build(cfg: RunConfig) -> Built:
     if cfg.zero_stage == 0:  # under ZeRO the gradients are partitioned (and freed) before the inner step
         from ..compat.optimizer import unwrap_optimizer
 
-        unwrap_optimizer(engine.optimizer).register_step_pre_hook(
-            lambda *_: built.grad_norms.append(global_grad_norm(model, layout)))
+        # the norm before clipping: the one our pipeline clip measured this step, else measured here
+        def record_norm(*_):
+            built.grad_norms.append(clip_norms.pop() if clip_norms else global_grad_norm(model, layout))
+
+        unwrap_optimizer(engine.optimizer).register_step_pre_hook(record_norm)
     from ..instrument.memory import reset_process_peak
 
     built.peak_measure = reset_process_peak(built.device)
