@@ -13,6 +13,9 @@
 
     python bench/analytic_vs_profiled.py     [--times-only | --launches-only: one part alone]
     python bench/analytic_vs_profiled.py --family llama
+    python bench/analytic_vs_profiled.py --family today   (DeepSeek-V3's, gpt-oss's and Nemotron-H's bench models:
+        every distinct layer's saved bytes and time; RESULT today_activation_bytes_worst_error_pct=A
+        today_layer_time_worst_error_pct=B, targets A <= 3, B <= 15)
     python bench/analytic_vs_profiled.py --smoke     (every part on tiny shapes, one pass, one round: a check it runs)
 
 Last line: RESULT activation_bytes_worst_error_pct=X analytic_vs_profiled_throughput=Y layer_time_worst_error_pct=Z
@@ -73,6 +76,12 @@ def bench_model(name: str):
         return LlamaConfig.from_dict({k: v for k, v in LLAMA_H768.items() if k != "family"}, name=name)
     return load_model(name)
 PASSES = 6
+# --family today: issues 77 and 78's families, every layer (their blocks differ: dense and routed MLA blocks and the
+# MTP layer; windowed and full attention with sinks; Mamba-2, attention and MLP layers), predicted with the GPT's
+# calibration (FIT): saved bytes at seq 256, micro-batch 1 and 4; time at those shapes and seq 128
+TODAY = ("bench-cpu-deepseek", "bench-cpu-gptoss", "bench-cpu-hybrid")
+TODAY_GRID = [(name, b, s) for name in TODAY for b, s in ((1, 256), (4, 256), (2, 128))]
+TODAY_PASSES = 3
 # --smoke: tiny (GPT) and llama-tiny at two small shapes each, one pass, one round of launches on tiny
 SMOKE_FIT = [("tiny", 2, 32), ("tiny", 1, 16), ("tiny", 3, 24)]
 SMOKE_GRID = [("tiny", 1, 32), ("llama-tiny", 2, 32)]
@@ -132,6 +141,73 @@ def layer_times(grid=GRID, fit=FIT, passes=PASSES) -> float:
     print("\n".join(render_table(["model", "shape", "layer", "fwd prof", "fwd ana", "bwd prof", "bwd ana",
                                   "fwd+bwd prof", "fwd+bwd ana", "err %"], rows)))
     return worst
+
+
+def every_layer(cfg, b: int, seq: int, cache_dir=None):
+    """Every layer of ``cfg`` at (b, seq), built by its family, profiled here: (the config as profiled, costs)."""
+    from dataclasses import replace
+
+    from ds_pipe_ext.costs.profiler import profile_layers
+
+    cfg = replace(cfg, seq_len=seq)
+    family = family_of(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (b, seq + 1), generator=torch.Generator().manual_seed(0))
+    settings = ProfileSettings(warmup=1, repeats=1, cache_dir=cache_dir, progress=False)
+    return cfg, profile_layers(family.layer_specs(cfg), tokens[:, :-1], labels=tokens[:, 1:],
+                               loss_fn=family.loss_fn(cfg), settings=settings,
+                               key_fields={"model": cfg.to_dict(), "bench": "analytic_vs_profiled today"})
+
+
+def today(grid=TODAY_GRID, passes=TODAY_PASSES) -> tuple[float, float]:
+    """Issues 77 and 78's families, every layer: saved bytes and fwd + bwd time, analytic (the cpu spec measured
+    here, its GEMMs calibrated on the GPT's FIT shapes) against profiled (the fastest of ``passes`` interleaved
+    passes).  One row per distinct layer (alike layers measured alike are one row: the median's error shown).
+    The worst |error| % of each."""
+    specs, runs = [], {}
+    for k in range(passes):
+        specs.append(measure_cpu(None))
+        for name, b, seq in FIT:
+            cfg, measured = three_layers(bench_model(name), b, seq, repeats=1, cache_dir=None)
+            runs.setdefault((name, b, seq), []).append((cfg, [(m.forward_s, m.backward_s) for m in measured]))
+        for name, b, seq in grid:
+            cfg, measured = every_layer(load_model(name), b, seq)
+            runs.setdefault((name, b, seq), []).append((cfg, measured))
+        print(f"  pass {k + 1}/{passes}", flush=True)
+    cpu = fastest_of(specs)
+    points = []
+    for key in FIT:
+        cfg = runs[key][0][0]
+        times = [(min(f for f, _ in ts), min(b for _, b in ts)) for ts in zip(*(t for _, t in runs[key]))]
+        points += calibration_points(cfg, EstimateRequest(key[1], key[2], dtype="fp32"), cpu, times)
+    calibrated = fit_device(cpu, points, dtype="fp32")
+    rows, worst_bytes, worst_time = [], 0.0, 0.0
+    for name, b, seq in grid:
+        cfg = runs[(name, b, seq)][0][0]
+        layers = list(zip(*(m for _, m in runs[(name, b, seq)])))  # per layer, its passes
+        est = estimate_layers(cfg, EstimateRequest(b, seq, dtype="fp32"), calibrated)
+        desc = cfg.describe()
+        kinds = ["embedding"] + [block.kind + (f" w{block.attention.window}" if block.attention and block.attention.window
+                                                 else "") for block in desc.blocks] + ["head"]
+        seen = {}
+        for kind, passes_of, e in zip(kinds, layers, est):
+            fwd, bwd = min(m.forward_s for m in passes_of), min(m.backward_s for m in passes_of)
+            saved = passes_of[0].activation_bytes
+            seen.setdefault(kind, []).append((1e3 * (fwd + bwd), 1e3 * (e["fwd_s"] + e["bwd_s"]), saved,
+                                              e["activation_bytes"]))
+        for kind, items in seen.items():
+            prof = statistics.median(p for p, _, _, _ in items)
+            ana = statistics.median(a for _, a, _, _ in items)
+            saved = statistics.median(sv for _, _, sv, _ in items)
+            asaved = statistics.median(a for _, _, _, a in items)
+            terr, berr = 100 * (ana - prof) / prof, 100 * (asaved - saved) / saved if saved else 0.0
+            worst_time, worst_bytes = max(worst_time, abs(terr)), max(worst_bytes, abs(berr))
+            rows.append([name, f"b={b} s={seq}", kind, str(len(items)), f"{prof:.1f}", f"{ana:.1f}", f"{terr:+.1f}",
+                         str(int(saved)), str(int(asaved)), f"{berr:+.2f}"])
+    print("\nper distinct layer (median over the alike ones): fwd + bwd ms and saved bytes, analytic (cpu spec, GEMMs "
+          "calibrated on the GPT's FIT) vs profiled (the fastest of the passes)")
+    print("\n".join(render_table(["model", "shape", "layer", "n", "ms prof", "ms ana", "time err %", "saved prof B",
+                                  "saved ana B", "bytes err %"], rows)))
+    return worst_bytes, worst_time
 
 
 def launch_rounds(rounds: int = 3, model: str | None = None) -> float:
@@ -207,6 +283,12 @@ def main() -> None:
         time_worst = layer_times(LLAMA_GRID)
         print(f"calibrated: {FIT} (GPT shapes; the Llama family is not refitted); predicted: {LLAMA_GRID}")
         print(f"RESULT llama_activation_bytes_worst_error_pct={worst:.2f} llama_layer_time_worst_error_pct={time_worst:.1f}")
+        return
+    if "--family" in sys.argv and sys.argv[sys.argv.index("--family") + 1] == "today":
+        worst_bytes, worst_time = today()
+        print(f"calibrated: {FIT} (GPT shapes); predicted: every layer of {TODAY_GRID}")
+        print(f"RESULT today_activation_bytes_worst_error_pct={worst_bytes:.2f} "
+              f"today_layer_time_worst_error_pct={worst_time:.1f}")
         return
     if "--times-only" in sys.argv:  # iterate on the time model without the activation and launch parts
         print(f"RESULT layer_time_worst_error_pct={layer_times():.1f}")

@@ -249,3 +249,91 @@ def test_todays_models_train_as_pipelines_on_2_and_4_ranks(tmp_path, monkeypatch
         assert sorted(ranks) == list(range(stages)) and len(ranks[0]["parts"]) == stages + 1
         for r in ranks.values():
             assert r["losses"][0] == pytest.approx(want_first, rel=1e-5), stages
+
+
+def with_mtp_weights(model, path, seed: int = 7) -> dict:
+    """DeepSeek-V3's released layout: MTP layer 1's tensors under model.layers.{L}.* in a second safetensors file
+    (enorm, hnorm, eh_proj, shared_head.norm, a decoder layer's weights with experts one by one, and copies of
+    the table and head), the index listing both files.  The tensors, by name."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    cfg, L = model.config, model.config.num_hidden_layers
+    torch.manual_seed(seed)
+    layer = DeepseekV3DecoderLayer(cfg, L)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    state = {}
+    for name, t in layer.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):  # the checkpoint's experts one by one, as released
+            for i, w in enumerate(t):
+                gate, up = w.chunk(2)
+                state[f"mlp.experts.{i}.gate_proj.weight"], state[f"mlp.experts.{i}.up_proj.weight"] = gate, up
+        elif name.endswith("experts.down_proj"):
+            for i, w in enumerate(t):
+                state[f"mlp.experts.{i}.down_proj.weight"] = w
+        else:
+            state[name] = t
+    h = cfg.hidden_size
+    state.update({"enorm.weight": 1 + 0.1 * torch.randn(h), "hnorm.weight": 1 + 0.1 * torch.randn(h),
+                  "eh_proj.weight": 0.2 * torch.randn(h, 2 * h), "shared_head.norm.weight": 1 + 0.1 * torch.randn(h),
+                  "embed_tokens.weight": model.model.embed_tokens.weight.detach().clone(),
+                  "shared_head.head.weight": model.lm_head.weight.detach().clone()})
+    tensors = {f"model.layers.{L}.{k}": v.detach().clone().contiguous() for k, v in state.items()}
+    save_file(tensors, str(path / "mtp.safetensors"))
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    (path / "model.safetensors").rename(path / "main.safetensors")
+    weight_map = {**{n: "main.safetensors" for n in names}, **{n: "mtp.safetensors" for n in tensors}}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return {**tensors, "layer": layer}
+
+
+def test_deepseek_v3_mtp_layers_come_from_the_checkpoint_and_train_as_megatron_writes_them(tmp_path):
+    """A tiny DeepSeek-V3 directory with MTP layer 1's weights where released checkpoints keep them: the pipeline
+    (mtp=True) builds the layer from them and its loss equals transformers' model run by hand with the same
+    tensors: the main causal-LM loss plus 0.3 x the MTP layer's, which predicts two tokens ahead from the
+    embedding of the next token and the last decoder layer's output (megatron-core's procedure)."""
+    import torch.nn.functional as F
+
+    model, path = saved(tmp_path, "deepseek_v3")
+    mtp = with_mtp_weights(model, path)
+    L = model.config.num_hidden_layers
+    layers = hf.pipeline_layers(path, mtp=True)
+    assert len(layers) == L + 3
+    got = SequentialLayers(layers, hf.mtp_causal_lm_loss(1, 0.3))(TOKENS, TOKENS).item()
+    # by hand: the model's last hidden states before its final norm, then the MTP layer
+    with torch.no_grad():
+        out = model(TOKENS, labels=TOKENS, output_hidden_states=True)
+        # hidden_states: the embeddings, then each layer's output, the last one after the final norm; so the last
+        # layer is run again on its input
+        h = model.model.layers[-1](out.hidden_states[L - 1], **_layer_kwargs(model))
+        h = h[0] if isinstance(h, tuple) else h
+        main = out.loss.item()
+        p = lambda name: mtp[f"model.layers.{L}.{name}"]  # noqa: E731
+        rms = lambda x, w: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps))  # noqa: E731
+        e = model.model.embed_tokens(torch.cat((TOKENS[:, 1:], torch.zeros_like(TOKENS[:, :1])), dim=1))
+        x = F.linear(torch.cat((rms(e, p("enorm.weight")), rms(h, p("hnorm.weight"))), dim=-1), p("eh_proj.weight"))
+        layer = mtp["layer"]
+        y = layer(x, **_layer_kwargs(model))
+        y = y[0] if isinstance(y, tuple) else y
+        logits = model.lm_head(rms(y, p("shared_head.norm.weight")))
+        two_ahead = F.cross_entropy(logits[:, :-2].reshape(-1, logits.shape[-1]), TOKENS[:, 2:].reshape(-1))
+    assert got == pytest.approx(main + 0.3 * two_ahead.item(), rel=1e-5)
+    with pytest.raises(HFPipelineError, match="no weights under model.layers.3."):
+        hf.pipeline_layers(saved(tmp_path / "plain", "deepseek_v3")[1], mtp=True)
+    with pytest.raises(HFPipelineError, match="declares no multi-token-prediction"):
+        hf.pipeline_layers(saved(tmp_path, "llama")[1], mtp=True)
+
+
+def _layer_kwargs(model):
+    """What the model hands a decoder layer for TOKENS: positions, rotary (cos, sin), no mask (sdpa, causal)."""
+    b, s = TOKENS.shape
+    position_ids = torch.arange(s)[None].expand(b, -1)
+    x = torch.zeros(b, s, model.config.hidden_size)
+    return {"attention_mask": None, "position_ids": position_ids,
+            "position_embeddings": model.model.rotary_emb(x, position_ids)}

@@ -15,6 +15,9 @@ the whole model).  ``partition_method="analytic"`` takes ``cost_model=hf.cost_mo
 family's description read from the model's config.  ``hf.save_pretrained(checkpoint_dir, path, out)``
 turns a pipeline checkpoint back into a ``save_pretrained`` directory.
 
+DeepSeek-V3's multi-token-prediction layers, which transformers' model ignores, are read from the checkpoint with
+``pipeline_layers(path, mtp=True)`` and trained with ``loss_fn=hf.mtp_causal_lm_loss(depth)`` (``hf.mtp``).
+
 HF models run PP x DP with ZeRO-0/1.  DeepSpeed's AutoTP inside the pipeline is out of scope (the
 ``llama`` family of ``ds_pipe_ext.models`` runs megatron-core TP/SP instead); padded batches and HF's
 gradient checkpointing are refused.
@@ -24,8 +27,9 @@ from __future__ import annotations
 
 from .export import save_pretrained
 from .layers import causal_lm_loss, hf_key_map
+from .mtp import mtp_causal_lm_loss
 from .pipeline import as_source, cost_model, pipeline_layers
 from .source import ARCHITECTURES, HFPipelineError, HFSource
 
 __all__ = ["ARCHITECTURES", "HFPipelineError", "HFSource", "as_source", "causal_lm_loss", "cost_model", "hf_key_map",
-           "pipeline_layers", "save_pretrained"]
+           "mtp_causal_lm_loss", "pipeline_layers", "save_pretrained"]

@@ -39,19 +39,25 @@ class HFEmbeddingPipe(nn.Module):
     """input_ids (b, s) -> hidden states (b, s, h): the token embedding (+ learned positions and dropout: GPT-2)."""
 
     tensor_parallel = False  # whole HF weights: PipelineModule refuses a model-parallel axis
-    def __init__(self, source: HFSource):
+    def __init__(self, source: HFSource, mtp: int = 0):
         super().__init__()
         arch = source.arch
         self.embed_tokens = source.part(arch.embed)
         self.positions = source.part(arch.positions) if arch.positions else None
         self.dropout = source.part(arch.dropout) if arch.dropout else None
+        self.mtp = mtp  # DeepSeek-V3's MTP layers: the shifted ids' embeddings travel with the hidden states (hf.mtp)
 
-    def forward(self, inputs) -> torch.Tensor:
+    def forward(self, inputs):
         input_ids = _no_padding(inputs)
         x = self.embed_tokens(input_ids)
         if self.positions is not None:
             x = x + self.positions(torch.arange(input_ids.shape[1], device=input_ids.device))[None]
-        return self.dropout(x) if self.dropout is not None else x
+        x = self.dropout(x) if self.dropout is not None else x
+        if not self.mtp:
+            return x
+        from .mtp import shifted_ids
+
+        return (x, *(self.embed_tokens(shifted_ids(input_ids, k)) for k in range(1, self.mtp + 1)))
 
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
@@ -73,15 +79,17 @@ class HFDecoderLayerPipe(nn.Module):
     """Decoder layer ``index``: hidden states in, hidden states out."""
 
     tensor_parallel = False  # whole HF weights: PipelineModule refuses a model-parallel axis
-    def __init__(self, source: HFSource, index: int):
+    def __init__(self, source: HFSource, index: int, layer: nn.Module | None = None):
         super().__init__()
-        self.layer = source.part(f"{source.arch.layers}.{index}")
+        self.layer = layer if layer is not None else source.part(f"{source.arch.layers}.{index}")
         self.rotary = source.rotary()
         self.config = source.config
         kind = attention_type(source, index)
         self.sliding, self.attends = kind == "sliding_attention", kind in ATTENTION_TYPES
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden):
+        if isinstance(hidden, tuple):  # MTP's travelling embeddings pass through (hf.mtp)
+            return (self.forward(hidden[0]), *hidden[1:])
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         b, s = hidden.shape[:2]
@@ -117,7 +125,9 @@ class HFHeadPipe(nn.Module):
         self.norm = source.part(source.arch.norm)
         self.lm_head = source.part(source.arch.head)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden) -> torch.Tensor:
+        if isinstance(hidden, tuple):  # the MTP layers' outputs (normed there) after the main states, one product
+            return self.lm_head(torch.cat((self.norm(hidden[0]), *hidden[1:]), dim=1))
         return self.lm_head(self.norm(hidden))
 
 
