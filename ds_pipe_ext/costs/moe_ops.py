@@ -22,7 +22,7 @@ import math
 from dataclasses import replace
 
 from ..arch import Experts
-from .analytic import linear, mlp_fc2, mlp_gate_up, swiglu
+from .analytic import linear, mlp_fc1, mlp_fc2, mlp_gate_up, relu2, swiglu
 from .op_cost import AnalyticError, OpCost, Shape
 
 ROUTER_BYTES_PER_TOKEN_EXPERT = 12  # fp32 gates, the fp32 masks of the renormalisation, the bool/int choice mask
@@ -44,8 +44,10 @@ def _experts(op: OpCost, local: int) -> OpCost:
                    bwd_allocs=op.bwd_allocs[:1] + op.bwd_allocs[1:] * local)
 
 
-def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 1.0) -> list[OpCost]:
-    """The routed experts of one block (``shp.f`` is one expert's SwiGLU width) on one rank of ``ep``."""
+def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 1.0,
+               activation: str = "swiglu") -> list[OpCost]:
+    """The routed experts of one block (``shp.f`` is one expert's width; SwiGLU experts, or squared-ReLU ones:
+    ``activation="relu2"``, up and down alone) on one rank of ``ep``."""
     if experts.count % ep:
         raise AnalyticError(f"ep = {ep} does not divide the {experts.count} experts; choose ep dividing them")
     if shp.t > 1:
@@ -66,11 +68,17 @@ def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 
     dispatch = OpCost("dispatch", "vector", fwd_bytes=(k * T * h + slots * h) * e, bwd_bytes=(k * T * h + slots * h) * e,
                       activation_bytes=slots * INDEX_BYTES + k * T * INDEX_BYTES, fwd_allocs=(slots * h * e,),
                       bwd_allocs=(T * h * e,))
-    gate_up = _experts(linear("expert_gate_up", slots, h, 2 * f, shp, bias=experts.bias), local)
-    gate_up = replace(gate_up, gemm_dim=float(min(ep * C, h, 2 * f)))
+    width = f if activation == "relu2" else 2 * f  # the first matrix: up alone, or gate and up
+    gate_up = _experts(linear("expert_up" if activation == "relu2" else "expert_gate_up", slots, h, width, shp,
+                              bias=experts.bias), local)
+    gate_up = replace(gate_up, gemm_dim=float(min(ep * C, h, width)))
     n = slots * f
-    act = OpCost("expert_swiglu", "vector", fwd_flops=6.0 * n, bwd_flops=12.0 * n, fwd_bytes=3 * n * e,
-                 bwd_bytes=5 * n * e, activation_bytes=2 * n * e)
+    if activation == "relu2":  # ReLU keeps its output, the square reads it back (analytic.relu2)
+        act = OpCost("expert_relu2", "vector", fwd_flops=2.0 * n, bwd_flops=4.0 * n, fwd_bytes=4 * n * e,
+                     bwd_bytes=5 * n * e, activation_bytes=n * e, kernels=(2, 3))
+    else:
+        act = OpCost("expert_swiglu", "vector", fwd_flops=6.0 * n, bwd_flops=12.0 * n, fwd_bytes=3 * n * e,
+                     bwd_bytes=5 * n * e, activation_bytes=2 * n * e)
     down = _experts(linear("expert_down", slots, f, h, shp, bias=experts.bias), local)
     down = replace(down, gemm_dim=float(min(ep * C, f, h)))
     combine = OpCost("combine", "vector", fwd_flops=2.0 * k * T * h, bwd_flops=4.0 * k * T * h,
@@ -84,13 +92,14 @@ def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 
     return [router, gating, dispatch, exchange[0], gate_up, act, down, exchange[1], combine]
 
 
-def shared_mlp(shp: Shape, experts: Experts) -> list[OpCost]:
+def shared_mlp(shp: Shape, experts: Experts, activation: str = "swiglu") -> list[OpCost]:
     """The always-on shared experts (one SwiGLU MLP ``shared_ffn`` wide), scaled by a sigmoid gate where
     ``shared_gate``, and added to the routed output.  They read the same input as the router: in fp32 the
     router's copy is that tensor, saved once."""
     wide = replace(shp, f=experts.shared_ffn)
-    ops = [replace(op, name=f"shared_{op.name}") for op in
-           (mlp_gate_up(wide, bias=False), swiglu(wide), mlp_fc2(wide, bias=False))]
+    mlp = ((mlp_fc1(wide, bias=False), relu2(wide)) if activation == "relu2" else
+           (mlp_gate_up(wide, bias=False), swiglu(wide)))
+    ops = [replace(op, name=f"shared_{op.name}") for op in (*mlp, mlp_fc2(wide, bias=False))]
     T, h, e = shp.tokens, shp.h, shp.e
     if experts.shared_gate:
         gate = replace(linear("shared_gate", T, h, 1, shp, bias=False), activation_bytes=0)  # input saved above
@@ -105,11 +114,14 @@ def moe_block(block_ops: list[OpCost], shp: Shape, experts: Experts, *, ep: int 
     """A dense SwiGLU block's ops (``analytic.transformer_block``) with its MLP replaced by routed experts
     (and shared ones)."""
     names = [op.name for op in block_ops]
-    i = names.index("fc1_gate_up")
-    if names[i:i + 3] != ["fc1_gate_up", "swiglu", "fc2"]:
-        raise AnalyticError(f"a Mixture-of-Experts block needs SwiGLU experts; the block's MLP is {names[i:i + 3]}")
-    routed = routed_mlp(shp, experts, ep=ep, imbalance=imbalance)
-    shared = shared_mlp(shp, experts) if experts.shared_ffn else []
+    first = "fc1_gate_up" if "fc1_gate_up" in names else "fc1"
+    i = names.index(first)
+    activation = {"swiglu": "swiglu", "relu2": "relu2"}.get(names[i + 1])
+    if activation is None or names[i + 2] != "fc2":
+        raise AnalyticError(f"a Mixture-of-Experts block needs SwiGLU or squared-ReLU experts; the block's MLP is "
+                            f"{names[i:i + 3]}")
+    routed = routed_mlp(shp, experts, ep=ep, imbalance=imbalance, activation=activation)
+    shared = shared_mlp(shp, experts, activation) if experts.shared_ffn else []
     if shared and shp.e == 4:
         routed[0] = replace(routed[0], activation_bytes=0)  # the shared MLP's saved input is the same tensor
     return block_ops[:i] + routed + shared + block_ops[i + 3:]

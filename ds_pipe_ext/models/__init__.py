@@ -93,7 +93,7 @@ LLAMA = _family("llama", LlamaConfig, load_llama_config, from_hf_llama, ".llama"
 MOE = _family("moe", MoEConfig, load_moe_config, from_hf_moe, ".moe", "moe_layer_specs", "SequentialMoE",
               loss_fn=_moe_loss_fn, expert_parallel=True)
 HYBRID = _family("hybrid", HybridConfig, load_hybrid_config, from_hf_nemotron_h, ".hybrid", "hybrid_layer_specs",
-                 "SequentialHybrid")
+                 "SequentialHybrid", expert_parallel=True)
 
 __all__ = ["GPT", "HYBRID", "HybridConfig", "LLAMA", "MOE", "MoEConfig", "GPTConfig", "LlamaConfig", "ModelFamily", "family_of", "get_family", "load_model",
            "register_family"]

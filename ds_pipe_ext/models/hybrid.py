@@ -5,6 +5,7 @@
     M  MambaLayer       x + Mamba2Mixer(RMSNorm(x))
     *  AttentionLayer   x + attention(RMSNorm(x)): grouped-query, causal, no positions (the Llama family's)
     -  MLPLayer         x + down(relu(up(RMSNorm(x)))^2)
+    E  MoELayer         x + routed squared-ReLU experts and shared ones(RMSNorm(x)) (DeepSpeed's MoE layer)
 
 Hidden states are sequence-first, (s, b, h), as in the other families; a Mamba-2 layer turns them batch-first
 for its scan and back.  Each layer is one kind, so a pipeline split sees each kind's own cost (a Mamba-2
@@ -80,15 +81,40 @@ class MLPLayer(nn.Module):
         return x + self.down(F.relu(self.up(self.norm(x))).square())
 
 
+class MoELayer(nn.Module):
+    """x + routed(RMSNorm(x)): squared-ReLU experts over DeepSpeed's MoE layer and shared ones (``moe.RoutedMLP``);
+    its router's balance loss is not added (Nemotron-H balances with the router's bias)."""
+
+    profile_each = True  # dropless, its busiest expert sets its time (moe.MoEBlock's reason)
+
+    def __init__(self, cfg: HybridConfig, impl: LayerImpl = LOCAL, *, ep: int = 1, reference: bool = False):
+        super().__init__()
+        from .moe import RoutedMLP
+
+        _refuse_sequence_parallel(impl)
+        if impl.tp_size > 1:
+            raise ValueError("hybrid family: tensor parallelism of MoE (E) layers is not supported; use tp = 1")
+        self.norm = impl.rms_norm(cfg.hidden, cfg.rms_norm_eps)
+        self.mlp = RoutedMLP(cfg, ep, reference=reference)
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _, counts = self.mlp(self.norm(x))
+        self.tokens_per_expert = counts.detach()
+        return x + y
+
+
 LAYERS = {"mamba": MambaLayer, "attention": AttentionLayer, "mlp": MLPLayer}
 
 
-def hybrid_layer_specs(cfg: HybridConfig, impl: LayerImpl = LOCAL, *, selective_recompute: bool = False) -> list:
+def hybrid_layer_specs(cfg: HybridConfig, impl: LayerImpl = LOCAL, *, selective_recompute: bool = False,
+                       ep: int = 1, reference: bool = False) -> list:
     """[embedding, one layer a letter of the pattern, final norm + head]: layers + 2 pipeline layers."""
     if cfg.tie_embeddings:
         raise ValueError(f"model config {cfg.name!r}: tie_embeddings = true is not built for the hybrid family "
                          f"(Nemotron-H ties none)")
-    blocks = [LayerSpec(AttentionLayer, cfg, impl, True) if kind == "attention" and selective_recompute
+    blocks = [LayerSpec(MoELayer, cfg, impl, ep=ep, reference=reference) if kind == "moe"
+              else LayerSpec(AttentionLayer, cfg, impl, True) if kind == "attention" and selective_recompute
               else LayerSpec(LAYERS[kind], cfg, impl) for kind in cfg.kinds]
     return [LayerSpec(LlamaEmbedding, cfg, impl), *blocks, LayerSpec(LlamaHead, cfg, impl)]
 
@@ -113,11 +139,19 @@ def from_hf_state_dict(hf: dict, cfg: HybridConfig) -> dict:
         if kind == "mamba":
             out.update({dst + "mixer." + k: v for k, v in mixer.items()})
         elif kind == "attention":
-            import torch
-
             out[dst + "attn.qkv.weight"] = torch.cat([mixer["q_proj.weight"], mixer["k_proj.weight"],
                                                       mixer["v_proj.weight"]])
             out[dst + "attn.o_proj.weight"] = mixer["o_proj.weight"]
+        elif kind == "moe":  # transformers' stacked experts, one by one in DeepSpeed's layer
+            moe = dst + "mlp.moe.deepspeed_moe."
+            out[moe + "gate.wg.weight"] = mixer["gate.weight"]
+            out[moe + "gate.e_score_correction_bias"] = mixer["gate.e_score_correction_bias"]
+            for j in range(cfg.experts):
+                out[f"{moe}experts.deepspeed_experts.{j}.up.weight"] = mixer["experts.up_proj"][j]
+                out[f"{moe}experts.deepspeed_experts.{j}.down.weight"] = mixer["experts.down_proj"][j]
+            if cfg.shared_ffn_hidden:
+                out[dst + "mlp.shared.up.weight"] = mixer["shared_experts.up_proj.weight"]
+                out[dst + "mlp.shared.down.weight"] = mixer["shared_experts.down_proj.weight"]
         else:
             out[dst + "up.weight"], out[dst + "down.weight"] = mixer["up_proj.weight"], mixer["down_proj.weight"]
     last = len(cfg.kinds) + 1

@@ -3,8 +3,9 @@ Face ``config.json`` (``model_type`` nemotron_h).
 
 A hybrid model is a pattern of one-kind layers (``hybrid_pattern``): ``M`` a Mamba-2 mixer, ``*`` grouped-query
 attention without positions, ``-`` a squared-ReLU MLP; each behind an RMSNorm and a residual; the Llama family's
-embedding and head around them.  Refused by name: ``E`` (MoE) layers, which Hugging Face's pipeline runs
-(``hf.pipeline_layers``) but this family does not build yet, and activations other than Nemotron-H's.
+embedding and head around them; ``E`` a MoE layer (squared-ReLU experts over DeepSpeed's MoE layer, DeepSeek-V3's
+sigmoid router, shared experts).  Refused by name: activations other than Nemotron-H's, a latent projection around
+the experts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..arch import MLP, Block, Mamba2, ModelDescription
+from ..arch import MLP, Block, Experts, Mamba2, ModelDescription
 from .config import ModelConfigError, load_family_config
 from .hybrid_pattern import block_kinds, to_pattern
 from .llama_config import LlamaConfig, attention_of
@@ -30,14 +31,24 @@ class HybridConfig(LlamaConfig):
     chunk: int = 128
     time_step_min: float = 0.0  # dt's lower clamp after softplus (Nemotron-H: 0.001)
     rotary_positions: bool = False  # Nemotron-H's attention layers take no positions
+    # E (MoE) layers (Nemotron-H's newer models): routed squared-ReLU experts over DeepSpeed's MoE layer, picked by
+    # DeepSeek-V3's sigmoid router (group-limited, a bias steering the choice, the routed output scaled), beside
+    # shared squared-ReLU experts; no balance loss (the router's bias balances, as in Hugging Face's model)
+    experts: int = 0
+    top_k: int = 1
+    expert_ffn_hidden: int = 0
+    shared_ffn_hidden: int = 0
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    capacity_factor: float = 0.0  # 0: dropless
 
     def __post_init__(self) -> None:
         super().__post_init__()
         where = f"model config {self.name!r}"
         kinds = block_kinds(pattern=self.pattern, layers=self.layers, where=where)
         if "moe" in kinds:
-            raise ModelConfigError(f"{where}: the pattern has E (MoE) layers, which the hybrid family does not "
-                                   f"build yet; run the Hugging Face checkpoint through hf.pipeline_layers")
+            self._check_experts(where)
         for f in ("mamba_heads", "mamba_head_dim", "ssm_state", "n_groups", "conv_kernel", "chunk"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -45,6 +56,34 @@ class HybridConfig(LlamaConfig):
         if self.mamba_heads % self.n_groups:
             raise ModelConfigError(f"{where}: n_groups ({self.n_groups}) must divide mamba_heads "
                                    f"({self.mamba_heads})")
+
+    def _check_experts(self, where: str) -> None:
+        for f in ("experts", "top_k", "expert_ffn_hidden", "router_groups", "router_topk_groups"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ModelConfigError(f"{where}: the pattern has E (MoE) layers: {f} = {v!r}; a positive integer "
+                                       f"is required")
+        if self.top_k > self.experts:
+            raise ModelConfigError(f"{where}: top_k ({self.top_k}) exceeds experts ({self.experts})")
+        if self.experts % self.router_groups or self.experts // self.router_groups < 2:
+            raise ModelConfigError(f"{where}: router_groups ({self.router_groups}) must divide experts "
+                                   f"({self.experts}) into groups of 2 or more (a group is scored by its two best)")
+        if self.top_k > self.experts // self.router_groups * self.router_topk_groups:
+            raise ModelConfigError(f"{where}: top_k ({self.top_k}) exceeds the experts of the router_topk_groups "
+                                   f"({self.router_topk_groups}) groups it chooses among")
+
+    # what the moe family's routed layer reads of a config (models.moe.RoutedMLP)
+    router = "sigmoid"
+    router_bias = False
+    expert_bias = False
+    swiglu_limit = 0.0
+    shared_gate = False
+    norm_topk_prob = True
+    expert_activation = "relu2"
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.expert_ffn_hidden
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -63,6 +102,10 @@ class HybridConfig(LlamaConfig):
 def _describe(cfg: HybridConfig) -> ModelDescription:
     by_kind = {"mamba": Block(None, None, mamba=cfg.mamba), "attention": Block(attention_of(cfg), None),
                "mlp": Block(None, MLP(cfg.ffn, "relu2"))}
+    if cfg.experts:
+        by_kind["moe"] = Block(None, MLP(cfg.expert_ffn_hidden, "relu2"), Experts(
+            cfg.experts, cfg.top_k, shared_ffn=cfg.shared_ffn_hidden, capacity_factor=float(cfg.capacity_factor),
+            router="sigmoid", groups=cfg.router_groups, topk_groups=cfg.router_topk_groups))
     return ModelDescription(name=cfg.name, hidden=cfg.hidden, vocab=cfg.padded_vocab, seq_len=cfg.seq_len,
                             blocks=tuple(by_kind[k] for k in cfg.kinds), positions="none", norm="rmsnorm",
                             tied_head=cfg.tie_embeddings, dropout=False, linear_bias=False,
@@ -91,7 +134,23 @@ def from_hf_nemotron_h(data: dict, *, name: str) -> HybridConfig:
         "kv_channels": 0 if head_dim * heads == data["hidden_size"] else head_dim, "pattern": to_pattern(kinds),
         "mamba_heads": data["mamba_num_heads"], "mamba_head_dim": data["mamba_head_dim"],
         "ssm_state": data["ssm_state_size"], "n_groups": data["n_groups"], "conv_kernel": data.get("conv_kernel", 4),
-        "chunk": data.get("chunk_size", 128), "time_step_min": float(data.get("time_step_min", 0.0))}, name=name)
+        "chunk": data.get("chunk_size", 128), "time_step_min": float(data.get("time_step_min", 0.0)),
+        **(_hf_experts(data, where) if "moe" in kinds else {})}, name=name)
+
+
+def _hf_experts(data: dict, where: str) -> dict:
+    """Nemotron-H's MoE fields as the family's; a latent projection around the experts is refused by name."""
+    if data.get("moe_latent_size"):
+        raise ModelConfigError(f"{where}: moe_latent_size = {data['moe_latent_size']}: a latent projection around "
+                               f"the experts is not built; run the checkpoint through hf.pipeline_layers")
+    if not data.get("norm_topk_prob", True):
+        raise ModelConfigError(f"{where}: norm_topk_prob = false: DeepSpeed's top-k gating renormalises the chosen "
+                               f"weights; run the checkpoint through hf.pipeline_layers")
+    return {"experts": data.get("n_routed_experts"), "top_k": data.get("num_experts_per_tok"),
+            "expert_ffn_hidden": data.get("moe_intermediate_size"),
+            "shared_ffn_hidden": data.get("moe_shared_expert_intermediate_size") or 0,
+            "router_groups": data.get("n_group") or 1, "router_topk_groups": data.get("topk_group") or 1,
+            "routed_scaling_factor": float(data.get("routed_scaling_factor") or 1.0)}
 
 
 def load_hybrid_config(name_or_path: str | Path, **overrides) -> HybridConfig:

@@ -169,6 +169,28 @@ class ClampedSwiGLU(torch.autograd.Function):
         return out, None, None
 
 
+class Relu2MLP(nn.Module):
+    """down(relu(up(x))^2), no gate and no biases: Nemotron-H's MLP layers' and MoE experts' (the hybrid family)."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.relu(self.up(x)).square())
+
+
+def expert_mlp(cfg, ffn: int) -> nn.Module:
+    """One expert (or the shared experts, ``ffn`` wide) of ``cfg``'s kind: SwiGLU, gpt-oss's clamped SwiGLU with
+    biases, or the squared ReLU (``expert_activation = "relu2"``: Nemotron-H)."""
+    if getattr(cfg, "expert_activation", "swiglu") == "relu2":
+        return Relu2MLP(cfg.hidden, ffn)
+    if getattr(cfg, "expert_bias", False) or getattr(cfg, "swiglu_limit", 0.0):
+        return ClampedSwiGLUMLP(cfg.hidden, ffn, bias=cfg.expert_bias, limit=cfg.swiglu_limit)
+    return LlamaMLP(cfg, LOCAL, ffn)
+
+
 class RoutedMLP(nn.Module):
     """Routed experts (DeepSpeed's MoE layer) plus optional shared experts: x -> (y, aux loss, tokens per expert)."""
 
@@ -180,9 +202,7 @@ class RoutedMLP(nn.Module):
         expert_seed = int(torch.randint(0, 2**31 - 1, (), device="cpu"))
         dropless = cfg.capacity_factor == 0
         self.top_k, self.reference = cfg.top_k, reference
-        expert = (ClampedSwiGLUMLP(cfg.hidden, cfg.expert_ffn, bias=cfg.expert_bias, limit=cfg.swiglu_limit)
-                  if cfg.expert_bias or cfg.swiglu_limit else LlamaMLP(cfg, LOCAL, cfg.expert_ffn))
-        self.moe = MoE(cfg.hidden, expert, num_experts=cfg.experts, ep_size=ep,
+        self.moe = MoE(cfg.hidden, expert_mlp(cfg, cfg.expert_ffn), num_experts=cfg.experts, ep_size=ep,
                        k=cfg.top_k, capacity_factor=cfg.capacity_factor or 1.0,
                        eval_capacity_factor=cfg.capacity_factor or 1.0, min_capacity=0, noisy_gate_policy=None,
                        drop_tokens=not dropless, use_rts=False, top2_2nd_expert_sampling=False)
@@ -205,7 +225,8 @@ class RoutedMLP(nn.Module):
                 if not p.is_meta:  # a shape-only build (meta device) has no values to set
                     with torch.no_grad():
                         p.copy_(torch.randn(p.shape, generator=g, device="cpu") * INIT_STD)
-        self.shared = LlamaMLP(cfg, LOCAL, cfg.shared_ffn_hidden) if cfg.shared_ffn_hidden else None
+        self.shared = (expert_mlp(cfg, cfg.shared_ffn_hidden) if getattr(cfg, "expert_activation", "") == "relu2"
+                       else LlamaMLP(cfg, LOCAL, cfg.shared_ffn_hidden)) if cfg.shared_ffn_hidden else None
         self.shared_gate = nn.Linear(cfg.hidden, 1, bias=False) if cfg.shared_gate else None
         if reference and not dropless:
             raise ModelConfigError("the reference routing is dropless; set capacity_factor = 0 to compare with it")
