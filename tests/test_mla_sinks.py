@@ -86,7 +86,7 @@ def test_sinks_attention_equals_transformers_gpt_oss_in_a_window_and_without(win
 def test_clamped_swiglu_expert_equals_transformers_gpt_oss_expert():
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    from ds_pipe_ext.models.moe import ClampedSwiGLUMLP
+    from ds_pipe_ext.models.experts import ClampedSwiGLUMLP
 
     hf = transformers.GptOssConfig(hidden_size=16, intermediate_size=12, num_local_experts=1, swiglu_limit=0.5)
     theirs = GptOssExperts(hf)

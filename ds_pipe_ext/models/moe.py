@@ -36,6 +36,7 @@ from ..pipe.sequential import SequentialLayers
 from .config import ModelConfigError
 from .layers import INIT_STD, LOCAL, LayerImpl, lm_loss
 from .llama import LlamaAttention, LlamaEmbedding, LlamaHead, LlamaMLP
+from .experts import expert_mlp, shared_mlp
 from .mla import MLAttention
 from .sinks import SinkAttention
 from .moe_config import MoEConfig
@@ -121,76 +122,6 @@ def reference_routing(logits: torch.Tensor, k: int, *, topk_gating: bool = False
     return chosen, weights, aux
 
 
-class ClampedSwiGLUMLP(nn.Module):
-    """gpt-oss's expert: [gate; up] = x W + b, gate clamped above and up both ways at ``limit`` (0: no clamp),
-    out = ((up + 1) x gate x sigmoid(1.702 gate)) W_down + b (transformers' ``GptOssExperts``, whose gate_up
-    interleaves gate and up columns where this keeps them in halves)."""
-
-    ALPHA = 1.702
-
-    def __init__(self, hidden: int, ffn: int, *, bias: bool, limit: float):
-        super().__init__()
-        self.gate_up = nn.Linear(hidden, 2 * ffn, bias=bias)
-        self.down = nn.Linear(ffn, hidden, bias=bias)
-        self.limit = float(limit)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(ClampedSwiGLU.apply(self.gate_up(x), self.limit, self.ALPHA))
-
-
-class ClampedSwiGLU(torch.autograd.Function):
-    """gpt-oss's activation of [gate; up], keeping only its input for backward (as ``llama.SwiGLU``; written out,
-    the clamps, the sigmoid and the products keep five more f-wide tensors)."""
-
-    @staticmethod
-    def forward(ctx, gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
-        ctx.save_for_backward(gate_up)
-        ctx.limit, ctx.alpha = limit, alpha
-        gate, up = gate_up.chunk(2, dim=-1)
-        if limit:
-            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-        return (up + 1) * gate * torch.sigmoid(gate * alpha)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (gate_up,) = ctx.saved_tensors
-        limit, alpha = ctx.limit, ctx.alpha
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = torch.empty_like(gate_up)
-        d_gate, d_up = out.chunk(2, dim=-1)
-        g = gate.clamp(max=limit) if limit else gate
-        u = up.clamp(-limit, limit) if limit else up
-        sig = torch.sigmoid(g * alpha)
-        torch.mul(g, sig, out=d_up).mul_(grad)  # d up = grad x glu
-        d_gate.copy_(sig).mul_(1 - sig).mul_(g * alpha).add_(sig).mul_(u + 1).mul_(grad)
-        if limit:  # clamp passes the gradient where the input lies within its bounds (as torch.clamp's)
-            d_gate.mul_(gate <= limit)
-            d_up.mul_((up >= -limit) & (up <= limit))
-        return out, None, None
-
-
-class Relu2MLP(nn.Module):
-    """down(relu(up(x))^2), no gate and no biases: Nemotron-H's MLP layers' and MoE experts' (the hybrid family)."""
-
-    def __init__(self, hidden: int, ffn: int):
-        super().__init__()
-        self.up = nn.Linear(hidden, ffn, bias=False)
-        self.down = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.relu(self.up(x)).square())
-
-
-def expert_mlp(cfg, ffn: int) -> nn.Module:
-    """One expert (or the shared experts, ``ffn`` wide) of ``cfg``'s kind: SwiGLU, gpt-oss's clamped SwiGLU with
-    biases, or the squared ReLU (``expert_activation = "relu2"``: Nemotron-H)."""
-    if getattr(cfg, "expert_activation", "swiglu") == "relu2":
-        return Relu2MLP(cfg.hidden, ffn)
-    if getattr(cfg, "expert_bias", False) or getattr(cfg, "swiglu_limit", 0.0):
-        return ClampedSwiGLUMLP(cfg.hidden, ffn, bias=cfg.expert_bias, limit=cfg.swiglu_limit)
-    return LlamaMLP(cfg, LOCAL, ffn)
-
-
 class RoutedMLP(nn.Module):
     """Routed experts (DeepSpeed's MoE layer) plus optional shared experts: x -> (y, aux loss, tokens per expert)."""
 
@@ -225,8 +156,7 @@ class RoutedMLP(nn.Module):
                 if not p.is_meta:  # a shape-only build (meta device) has no values to set
                     with torch.no_grad():
                         p.copy_(torch.randn(p.shape, generator=g, device="cpu") * INIT_STD)
-        self.shared = (expert_mlp(cfg, cfg.shared_ffn_hidden) if getattr(cfg, "expert_activation", "") == "relu2"
-                       else LlamaMLP(cfg, LOCAL, cfg.shared_ffn_hidden)) if cfg.shared_ffn_hidden else None
+        self.shared = shared_mlp(cfg, cfg.shared_ffn_hidden) if cfg.shared_ffn_hidden else None
         self.shared_gate = nn.Linear(cfg.hidden, 1, bias=False) if cfg.shared_gate else None
         if reference and not dropless:
             raise ModelConfigError("the reference routing is dropless; set capacity_factor = 0 to compare with it")
