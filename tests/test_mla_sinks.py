@@ -20,19 +20,29 @@ def _randomise(module, scale=0.3):
             p.copy_(torch.randn_like(p) * scale)
 
 
-def test_mla_equals_transformers_deepseek_v3_attention():
+# DeepSeek-V3's published yarn (x40 of 4,096; mscale 1 and 1) at this test's scale; gpt-oss's (x32, beta 32 / 1,
+# not truncated)
+DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                 "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False}
+
+
+@pytest.mark.parametrize("yarn", [None, DEEPSEEK_YARN], ids=["plain rotary", "deepseek's yarn"])
+def test_mla_equals_transformers_deepseek_v3_attention(yarn):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention,
                                                                       DeepseekV3RotaryEmbedding)
 
     from ds_pipe_ext.models.mla import MLAttention
 
     cfg = load_model("moe-tiny", kv_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
-                     qk_rope_head_dim=8, v_head_dim=12, rope_theta=500.0)
+                     qk_rope_head_dim=8, v_head_dim=12, rope_theta=500.0, rope_scaling=yarn)
     hf = transformers.DeepseekV3Config(hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
                                        num_key_value_heads=cfg.heads, q_lora_rank=24, kv_lora_rank=32,
                                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_interleave=False,
-                                       rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-                                       rms_norm_eps=cfg.rms_norm_eps, attention_bias=False)
+                                       rope_parameters={"rope_type": "default", "rope_theta": 500.0, **(yarn or {})},
+                                       rms_norm_eps=cfg.rms_norm_eps, attention_bias=False,
+                                       max_position_embeddings=cfg.seq_len)
     hf._attn_implementation = "sdpa"
     theirs = DeepseekV3Attention(hf, layer_idx=0)
     _randomise(theirs)
@@ -48,19 +58,20 @@ def test_mla_equals_transformers_deepseek_v3_attention():
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
 
 
-@pytest.mark.parametrize("window", [None, 6])
-def test_sinks_attention_equals_transformers_gpt_oss_in_a_window_and_without(window):
+@pytest.mark.parametrize("window, yarn", [(None, None), (6, None), (6, GPT_OSS_YARN)],
+                         ids=["full", "window", "window, gpt-oss's yarn"])
+def test_sinks_attention_equals_transformers_gpt_oss_in_a_window_and_without(window, yarn):
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding
 
     from ds_pipe_ext.models.sinks import SinkAttention
 
     cfg = load_model("moe-tiny", qkv_bias=True, attention_sinks=True, sliding_window=6, window_pattern="WFWF",
-                     rope_theta=500.0)
+                     rope_theta=500.0, rope_scaling=yarn)
     hf = transformers.GptOssConfig(hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
                                    num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, sliding_window=6,
                                    layer_types=["sliding_attention" if window else "full_attention"],
-                                   num_hidden_layers=1, attention_bias=True,
-                                   rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+                                   num_hidden_layers=1, attention_bias=True, max_position_embeddings=cfg.seq_len,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 500.0, **(yarn or {})})
     hf._attn_implementation = "eager"
     theirs = GptOssAttention(hf, layer_idx=0)
     _randomise(theirs)

@@ -37,7 +37,7 @@ from ..arch import attention_backend
 from ..layout import Layout
 from ..pipe.sequential import SequentialLayers
 from .layers import LOCAL, LayerImpl, head_output, lm_loss, mark_sections
-from .llama_config import LlamaConfig, rotary_inv_freq
+from .llama_config import LlamaConfig, rotary_attention_factor, rotary_inv_freq
 
 
 class LlamaEmbedding(nn.Module):
@@ -61,11 +61,14 @@ class Rotary(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.register_buffer("inv_freq", torch.tensor(rotary_inv_freq(cfg), dtype=torch.float32), persistent=False)
+        self.attention_factor = rotary_attention_factor(cfg)  # yarn's; 1 otherwise
 
     def forward(self, s: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(s, device=self.inv_freq.device, dtype=torch.float32)
         freqs = torch.outer(positions, self.inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
+        if self.attention_factor != 1.0:
+            return (angles.cos() * self.attention_factor).to(dtype), (angles.sin() * self.attention_factor).to(dtype)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 

@@ -8,7 +8,7 @@ What the family models, and what it refuses by name rather than cost wrongly:
     scaling), optional q/k/v biases (Qwen2), heads wider than hidden / heads and an RMSNorm over each
     query and key head (Qwen3), an optional sliding window on every layer (Mistral 7B v0.1), a head tied
     to the embedding or not, the vocabulary padded to a multiple (Megatron's make_vocab_size_divisible_by).
-    Described but not built: the yarn rope scaling (plan and estimate take it; a build refuses it).
+    The yarn rope scaling (DeepSeek-V3's and gpt-oss's) too.
     Refused: other rope scalings (linear, dynamic, longrope), biases on o_proj or the MLP, attention
     dropout, per-layer window patterns.
 """
@@ -28,17 +28,26 @@ ROPE_SCALINGS = ("default", "llama3", "yarn")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """A rotary frequency scaling.  "llama3" (Llama 3.1's, built): wavelengths longer than
+    """A rotary frequency scaling.  "llama3" (Llama 3.1's): wavelengths longer than
     ``original_max_position_embeddings / low_freq_factor`` are stretched by ``factor``, shorter than ``... /
     high_freq_factor`` kept, and those between interpolated (transformers' ``_compute_llama3_parameters``).
-    "yarn" (DeepSeek-V3's and gpt-oss's context extension): described, so that their published configs plan and
-    estimate (a scaling changes no cost), and refused where a layer would be built (``rotary_inv_freq``)."""
+    "yarn" (Peng et al. 2023; DeepSeek-V3's and gpt-oss's context extension): frequencies interpolated by
+    ``factor`` below the ``beta_slow`` rotation bound, kept above ``beta_fast``'s, ramped between (rounded outward
+    where ``truncate``); cos and sin scaled by the attention factor (0.1 ln(factor) + 1, or DeepSeek's ratio of
+    mscale terms); DeepSeek-V3's softmax scale times mscale(factor, mscale_all_dim)^2 (``attention_scale``).
+    transformers' ``_compute_yarn_parameters`` and ``yarn_apply_mscale`` are the references."""
 
     factor: float
     original_max_position_embeddings: int
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
     rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_SCALINGS[1:]:
@@ -156,7 +165,10 @@ def rope_scaling_from(data: dict | None, where: str) -> RopeScaling | None:
     missing = [k for k in keys if data.get(k) is None]
     if missing:
         raise ModelConfigError(f"{where}: rope scaling {kind} lacks {missing}")
-    return RopeScaling(**{k: data[k] for k in keys}, rope_type=kind)
+    optional = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate") \
+        if kind == "yarn" else ()
+    return RopeScaling(**{k: data[k] for k in keys}, **{k: data[k] for k in optional if data.get(k) is not None},
+                       rope_type=kind)
 
 
 @lru_cache(maxsize=64)
@@ -175,6 +187,50 @@ def attention_of(cfg: LlamaConfig) -> Attention:
                      head_dim=cfg.head_dim if wide else None, qk_norm=cfg.qk_norm)
 
 
+def _yarn_inv_freq(r: RopeScaling, dim: int, base: float) -> list[float]:
+    """yarn's frequencies of a ``dim``-wide rotary part (transformers' ``_compute_yarn_parameters``)."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(r.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    out = []
+    for j, i in enumerate(range(0, dim, 2)):
+        extrapolated = 1.0 / base ** (i / dim)
+        keep = 1 - min(max((j - low) / (high - low), 0.0), 1.0)  # 1: the frequency kept, 0: interpolated
+        out.append(extrapolated / r.factor * (1 - keep) + extrapolated * keep)
+    return out
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rotary_attention_factor(cfg) -> float:
+    """What cos and sin are scaled by: yarn's attention factor, 1 otherwise."""
+    r = cfg.rope_scaling
+    if r is None or r.rope_type != "yarn":
+        return 1.0
+    if r.attention_factor is not None:
+        return float(r.attention_factor)
+    if r.mscale and r.mscale_all_dim:
+        return _yarn_mscale(r.factor, r.mscale) / _yarn_mscale(r.factor, r.mscale_all_dim)
+    return _yarn_mscale(r.factor)
+
+
+def attention_scale(cfg, head_width: int) -> float:
+    """The softmax's scale: 1 / sqrt(width), times DeepSeek's yarn mscale(factor, mscale_all_dim)^2 where set."""
+    scale = head_width ** -0.5
+    r = cfg.rope_scaling
+    if r is not None and r.rope_type == "yarn" and r.mscale_all_dim:
+        scale *= _yarn_mscale(r.factor, r.mscale_all_dim) ** 2
+    return scale
+
+
 def rotary_inv_freq(cfg: LlamaConfig) -> list[float]:
     """The rotary frequencies of one head (head_dim / 2 of them), scaled as ``cfg.rope_scaling`` says."""
     d = cfg.head_dim
@@ -183,10 +239,7 @@ def rotary_inv_freq(cfg: LlamaConfig) -> list[float]:
     if r is None:
         return inv
     if r.rope_type == "yarn":
-        raise ModelConfigError(f"model config {cfg.name!r}: the yarn rope scaling is described (plan, estimate) but "
-                               f"not built for training; train at the pre-training context without it (DeepSeek-V3 "
-                               f"pre-trained at 4,096 tokens: rope_scaling unset, seq_len 4096), or load the "
-                               f"checkpoint through transformers (the hf path)")
+        return _yarn_inv_freq(r, d, cfg.rope_theta)
     low_wavelen = r.original_max_position_embeddings / r.low_freq_factor
     high_wavelen = r.original_max_position_embeddings / r.high_freq_factor
     out = []

@@ -27,6 +27,7 @@ from torch import nn
 from .config import ModelConfigError
 from .layers import LayerImpl, RMSNorm, normal_init
 from .llama import Rotary, rotate
+from .llama_config import attention_scale
 
 
 class MLAttention(nn.Module):
@@ -57,6 +58,7 @@ class MLAttention(nn.Module):
         self.kv_up = impl.column_linear(cfg.kv_lora_rank, cfg.heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = impl.row_linear(cfg.heads * self.v_dim, cfg.hidden, bias=False)
         self.rotary = Rotary(_RopeShape(cfg))
+        self.scale = attention_scale(cfg, self.nope + self.rope)  # DeepSeek-V3's yarn mscale^2 where set
         self.copy_to_tp = impl.copy_to_tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,15 +81,14 @@ class MLAttention(nn.Module):
             y = self._core(q, k, v)
         return self.o_proj(y[..., : self.v_dim].permute(2, 0, 1, 3).reshape(s, b, n * self.v_dim))
 
-    @staticmethod
-    def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
 
 
 class _RopeShape:
     """What ``llama.Rotary`` reads of a config, for MLA's rotary part (``qk_rope_head_dim`` wide)."""
 
     def __init__(self, cfg):
-        self.name, self.head_dim = cfg.name, cfg.qk_rope_head_dim
+        self.name, self.head_dim, self.seq_len = cfg.name, cfg.qk_rope_head_dim, cfg.seq_len
         self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
 
