@@ -28,6 +28,23 @@ from .op_cost import AnalyticError, OpCost, Shape
 ROUTER_BYTES_PER_TOKEN_EXPERT = 12  # fp32 gates, the fp32 masks of the renormalisation, the bool/int choice mask
 INDEX_BYTES = 8  # int64 slot and expert indices
 
+# The kernels each part launches in eager mode, forward and backward, counted in DeepSpeed 0.19's
+# ``moe/sharded_moe.py`` (its sparse-routes path, which MOELayer takes) and ``moe/experts.py``; on a GPU each costs
+# at least a launch and its host dispatch (``estimate.layer_floor_s``).  Gating (``topkgating``): the softmax, top-k,
+# the choice mask (zeros, scatter), the counts, the load-balancing loss (two means, a product, its scalars), the
+# capacity (dropless: the max, read back by ``int(C)``), the locations (cumsum, -1), the renormalisation (product,
+# sum, clamp, division), the routes (gathers, where, products) and their stacking; backward the gathers', the
+# division's, the sum's, the softmax's and the loss's gradients.  Dispatch (``_route_slots``, ``_sparse_encode``):
+# the flat slots (product, add, full, where), the inverse map (full, arange, scatter), the padded input (zeros,
+# cat) and the index_select; backward index_select's (zeros, index_add).  Each local expert: its chunk made
+# contiguous, the first GEMM, the activation, the second GEMM (SwiGLU: two kernels forward, ten in-place
+# passes backward, ``llama.SwiGLU``); the outputs' cat.  Combine (``_sparse_decode``): zeros, cat, index_select, the
+# fp32 product with the gates, the sum over routes, the cast; backward the same in reverse and the gates' gradient.
+GATING_KERNELS = (30, 15)
+DISPATCH_KERNELS = (10, 2)
+COMBINE_KERNELS = (6, 7)
+EXPERT_COPY_KERNELS = (1, 1)  # a local expert's chunk made contiguous (and its gradient's cat), each way
+
 
 def slots_per_expert(tokens: int, experts: Experts, imbalance: float = 1.0) -> int:
     """C: the slots DeepSpeed pads each expert to for ``tokens`` routed tokens."""
@@ -38,10 +55,12 @@ def slots_per_expert(tokens: int, experts: Experts, imbalance: float = 1.0) -> i
 
 
 def _experts(op: OpCost, local: int) -> OpCost:
-    """``op`` with its weights held ``local`` times (one copy per local expert); its work already covers
-    every slot."""
+    """``op`` with its weights held ``local`` times (one copy per local expert) and its kernels launched ``local``
+    times (one GEMM an expert); its work already covers every slot (one tall GEMM's price, as the written-out
+    attention's batched products are priced)."""
     return replace(op, weight_bytes=op.weight_bytes * local, weights=op.weights * local,
-                   bwd_allocs=op.bwd_allocs[:1] + op.bwd_allocs[1:] * local)
+                   bwd_allocs=op.bwd_allocs[:1] + op.bwd_allocs[1:] * local,
+                   kernels=tuple(c * local for c in op.kernels))
 
 
 def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 1.0,
@@ -61,29 +80,34 @@ def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 
     router = replace(router, activation_bytes=T * h * 4)  # DeepSpeed routes an fp32 copy of its input
     gating = OpCost("gating", "vector", fwd_flops=8.0 * T * E, bwd_flops=8.0 * T * E, fwd_bytes=6 * T * E * 4,
                     bwd_bytes=6 * T * E * 4,
-                    activation_bytes=ROUTER_BYTES_PER_TOKEN_EXPERT * T * E + k * T * INDEX_BYTES)
+                    activation_bytes=ROUTER_BYTES_PER_TOKEN_EXPERT * T * E + k * T * INDEX_BYTES,
+                    kernels=GATING_KERNELS)
     if experts.router == "sigmoid":  # models/routers.py: the scores, the chosen ids, the chosen scores' log input
         gating = replace(gating, fwd_flops=gating.fwd_flops + 4.0 * T * E, fwd_bytes=gating.fwd_bytes + 4 * T * E * 4,
                          activation_bytes=gating.activation_bytes + 4 * T * E + k * T * (INDEX_BYTES + 4))
     dispatch = OpCost("dispatch", "vector", fwd_bytes=(k * T * h + slots * h) * e, bwd_bytes=(k * T * h + slots * h) * e,
                       activation_bytes=slots * INDEX_BYTES + k * T * INDEX_BYTES, fwd_allocs=(slots * h * e,),
-                      bwd_allocs=(T * h * e,))
+                      bwd_allocs=(T * h * e,), kernels=DISPATCH_KERNELS)
     width = f if activation == "relu2" else 2 * f  # the first matrix: up alone, or gate and up
     gate_up = _experts(linear("expert_up" if activation == "relu2" else "expert_gate_up", slots, h, width, shp,
                               bias=experts.bias), local)
     gate_up = replace(gate_up, gemm_dim=float(min(ep * C, h, width)))
     n = slots * f
+    # each local expert launches its own kernels (DeepSpeed's Experts loops over them), its chunk's copy with them
+    copies = tuple(c * local for c in EXPERT_COPY_KERNELS)
     if activation == "relu2":  # ReLU keeps its output, the square reads it back (analytic.relu2)
         act = OpCost("expert_relu2", "vector", fwd_flops=2.0 * n, bwd_flops=4.0 * n, fwd_bytes=4 * n * e,
-                     bwd_bytes=5 * n * e, activation_bytes=n * e, kernels=(2, 3))
+                     bwd_bytes=5 * n * e, activation_bytes=n * e, kernels=(2 * local + copies[0], 3 * local + copies[1]))
     else:
         act = OpCost("expert_swiglu", "vector", fwd_flops=6.0 * n, bwd_flops=12.0 * n, fwd_bytes=3 * n * e,
-                     bwd_bytes=5 * n * e, activation_bytes=2 * n * e)
+                     bwd_bytes=5 * n * e, activation_bytes=2 * n * e,
+                     kernels=(2 * local + copies[0], 10 * local + copies[1]))
     down = _experts(linear("expert_down", slots, f, h, shp, bias=experts.bias), local)
     down = replace(down, gemm_dim=float(min(ep * C, f, h)))
     combine = OpCost("combine", "vector", fwd_flops=2.0 * k * T * h, bwd_flops=4.0 * k * T * h,
                      fwd_bytes=(k * T * h + T * h) * e, bwd_bytes=(2 * k * T * h + T * h) * e,
-                     activation_bytes=k * T * h * e + k * T * 4, fwd_allocs=(T * h * e,), bwd_allocs=(slots * h * e,))
+                     activation_bytes=k * T * h * e + k * T * 4, fwd_allocs=(T * h * e,), bwd_allocs=(slots * h * e,),
+                     kernels=COMBINE_KERNELS)
     if ep == 1:
         return [router, gating, dispatch, gate_up, act, down, combine]
     moved = slots * h * e  # each all-to-all moves the rank's slots, forward and (their gradients) backward
