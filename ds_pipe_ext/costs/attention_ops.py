@@ -98,7 +98,11 @@ def mtp_layer(shp: Shape, block_ops: list[OpCost], *, norm) -> list[OpCost]:
 
 def mtp_lookups(shp: Shape, depth: int) -> OpCost:
     """The embedding layer's lookups of the ids shifted by 1 .. ``depth`` (the table is the layer's own; each
-    keeps its ids for the backward's scatter into the table's gradient)."""
+    keeps its ids for the backward).  Each lookup's backward is a dense gradient of the whole table, as the main
+    lookup's (``edge_ops.embedding``): zeroed, its rows added, then summed into the others' (read two, write one)."""
     T, h, e = shp.tokens, shp.h, shp.e
-    return OpCost("mtp_lookups", "vector", fwd_bytes=2 * depth * T * h * e, bwd_bytes=2 * depth * T * h * e,
-                  row_ops=depth * T, activation_bytes=depth * T * 8, kernels=(2 * depth, 2 * depth))
+    table = (-(-shp.V // shp.t)) * h * e
+    return OpCost("mtp_lookups", "vector", fwd_bytes=2 * depth * T * h * e,
+                  bwd_bytes=depth * (2 * T * h * e + table + 3 * table), bwd_fill_bytes=depth * table,
+                  row_ops=depth * T, activation_bytes=depth * T * 8, bwd_allocs=(table,) * depth,
+                  kernels=(2 * depth, 13 * depth), bwd_sync=True)

@@ -142,7 +142,8 @@ class LlamaAttention(nn.Module):
         d = self.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         # (s, b, n * d) -> (b, n, s, d).  v is copied so that the kernel keeps v alone, not all of qkv;
-        # q/k norms keep their inputs, views of qkv, which hold all of it anyway: no copy then
+        # q/k norms keep their inputs, views of qkv, which hold all of it anyway: no copy then (nor without
+        # rotary positions, a hybrid's attention: the kernel keeps q and k as views of qkv)
         q, k = q.view(s, b, self.heads, d), k.view(s, b, self.kv_heads, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -151,7 +152,7 @@ class LlamaAttention(nn.Module):
             cos, sin = self.rotary(s, x.dtype)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         v = v.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)
-        if self.q_norm is None:
+        if self.q_norm is None and self.rotary is not None:  # without rotary q and k are views of qkv too
             v = v.contiguous()
         if self.selective_recompute and torch.is_grad_enabled():
             y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, use_reentrant=False)
