@@ -101,11 +101,11 @@ def test_tensor_parallel_moe_layers_are_refused():
 
 
 def moe_reference(cfg, weights_path, steps: int, *, dp: int, micro_batch: int, gas: int, seed: int = 1234,
-                  lr: float = 3e-4, of_dp: int | None = None, clip: float | None = None):
+                  lr: float = 3e-4, of_dp: int | None = None, clip: float | None = 1.0):
     """What PP x DP x EP computes, in one process: each DP rank's stream, each micro-batch routed (and its
     load-balancing loss taken) on its own tokens as the ranks do; the step's gradient is the mean over
     the dp x gas micro-batches, and every expert is counted once in the gradient norm; ``clip``: the
-    gradient clipped to that norm (DeepSpeed's gradient_clipping), the norm before it recorded."""
+    gradient clipped to that norm (DeepSpeed's default gradient_clipping, 1.0), the norm before it recorded."""
     model = MOE.sequential(MOE.layer_specs(cfg, reference=True), MOE.loss_fn(cfg), base_seed=None, recompute=False)
     model.load_state_dict(torch.load(weights_path))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)

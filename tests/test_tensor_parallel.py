@@ -155,8 +155,9 @@ def auto_recompute_cap() -> float:
     return sum(least) / 2
 
 
-def serial_reference(cfg, weights_path, steps, *, micro_batch=4, gas=4, seed=1234, lr=3e-4):
-    """What train.py computes in one process: same data stream as DP rank 0, mean of the micro-batch losses."""
+def serial_reference(cfg, weights_path, steps, *, micro_batch=4, gas=4, seed=1234, lr=3e-4, clip=1.0):
+    """What train.py computes in one process: same data stream as DP rank 0, mean of the micro-batch losses; the
+    gradient clipped to norm ``clip`` (DeepSpeed's default gradient_clipping), its norm before the clip recorded."""
     from ds_pipe_ext.models import family_of
     from ds_pipe_ext.train.data import SyntheticTokens
 
@@ -175,6 +176,8 @@ def serial_reference(cfg, weights_path, steps, *, micro_batch=4, gas=4, seed=123
             (loss / gas).backward()
             micro.append(loss.item())
         norms.append(float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters()))))
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         losses.append(sum(micro) / gas)
         opt.step()
     return losses, norms
