@@ -125,17 +125,21 @@ def simulated_rules(model: str = "llama3-8b", stages=(4, 8), micro_batches: int 
         splits = {"analytic (ours)": plan.run_split(lay),
                   "uniform (DeepSpeed)": ds_utils.partition_uniform(len(costs), p),
                   "parameters (DeepSpeed)": ds_utils.partition_balanced([c.param_bytes for c in costs], p)}
+        blocks = len(costs) - 2  # the blocks between embedding and head (an MTP layer counted as one)
         if family_of(cfg).name == "hybrid":  # Megatron-core's MambaModel: the layers evenly, no accounting
-            if cfg.layers % p == 0:
-                splits["Megatron-core even split"] = even_blocks(cfg.layers, p)
+            if blocks % p == 0:
+                splits["Megatron-core even split"] = even_blocks(blocks, p)
             else:
-                splits[f"Megatron-core even split: not applicable ({p} stages do not divide {cfg.layers} layers)"] = None
+                splits[f"Megatron-core even split: not applicable ({p} stages do not divide {blocks} layers)"] = None
         else:
             try:
-                splits["Megatron accounting = Llama 3 rule"] = megatron_accounting(cfg.layers, p)
+                splits["Megatron accounting = Llama 3 rule"] = megatron_accounting(blocks, p)
             except PartitionError as e:
                 splits[f"Megatron accounting: not applicable ({e})"] = None
-        splits["first/last stage one fewer, as Megatron runs it"] = fewer_at_the_ends(cfg.layers, p)
+        try:
+            splits["first/last stage one fewer, as Megatron runs it"] = fewer_at_the_ends(blocks, p)
+        except PartitionError as e:
+            splits[f"first/last stage one fewer: not applicable ({e})"] = None
         best = plan.evaluate(lay, splits["analytic (ours)"], check_memory=False).step_s
         for name, parts in splits.items():
             if parts is None:
