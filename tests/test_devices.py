@@ -33,6 +33,9 @@ CPU_BY_DESIGN = {
     ("models/gpt.py", "__init__"): "a module's buffer at construction; the module is moved as a whole",
     ("models/moe.py", "__init__"): "MoELoss's placeholders: a stage without the loss only reports their names",
     ("models/mamba2.py", "__init__"): "a module's parameters at construction; the module is moved as a whole",
+    ("models/mtp.py", "__init__"): "MTPLoss's placeholders: a stage without the loss only reports their names",
+    ("models/routers.py", "__init__"): "a gate's buffer at construction; the module is moved as a whole",
+    ("models/sinks.py", "__init__"): "a module's parameter and mask buffer at construction; the module is moved as a whole",
 }
 
 

@@ -312,7 +312,8 @@ def test_analytic_costs_under_expert_parallelism():
     assert two[2]["fwd_flops"] == one[2]["fwd_flops"] and two[1] == one[1]  # the dense block is untouched
     slots = 4 * math.ceil(2 * 2 * 32 / 4)  # E x C at imbalance 1
     assert two[2]["comm_bytes"] == 4 * slots * cfg.hidden * 2 and one[2]["comm_bytes"] == 0
-    assert two[2]["fwd_s"] > one[2]["fwd_s"]
+    # the all-to-alls are the added time (a rank's experts launch half the kernels, which a GPU's host dispatches)
+    assert two[2]["class_s"]["communication"] > 0 == one[2]["class_s"]["communication"]
     model = replace(MOE.cost_model(cfg), expert_parallel=2)
     costs = model.layer_costs(torch.zeros(2, 32, dtype=torch.long), tp=1, device=get_device("h100"), dtype="bf16")
     assert costs[2].expert_param_bytes == two[2]["expert_params"] * 2

@@ -55,7 +55,7 @@ class HFEmbeddingPipe(nn.Module):
         x = self.dropout(x) if self.dropout is not None else x
         if not self.mtp:
             return x
-        from .mtp import shifted_ids
+        from ..models.mtp import shifted_ids
 
         return (x, *(self.embed_tokens(shifted_ids(input_ids, k)) for k in range(1, self.mtp + 1)))
 

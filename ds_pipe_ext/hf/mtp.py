@@ -52,14 +52,6 @@ def check_mtp(source: HFSource) -> int:
     return depth
 
 
-def shifted_ids(ids: torch.Tensor, k: int) -> torch.Tensor:
-    """``ids`` (b, s) shifted left by ``k``, the last k positions 0 (megatron's roll, k times)."""
-    out = torch.zeros_like(ids)
-    if k < ids.shape[1]:
-        out[:, : ids.shape[1] - k] = ids[:, k:]
-    return out
-
-
 class HFMTPPipe(nn.Module):
     """MTP layer ``k`` (1-based) of ``depth``: (h, e_k .. e_D, h_1 .. h_k-1) -> (h, e_k+1 .. e_D, h_1 .. h_k)."""
 
