@@ -22,6 +22,8 @@ The bias is a buffer, as in Hugging Face's model: nothing here updates it (DeepS
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -51,12 +53,35 @@ def chosen_log_scores(scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tenso
     return logits.scatter(1, chosen, scores.gather(1, chosen).log())
 
 
-def make_sigmoid_gate(model_dim: int, num_experts: int, *, k: int, groups: int, topk_groups: int, **gate_kwargs):
-    """A ``SigmoidGroupGate`` (DeepSpeed imported only here: a config loads without it)."""
+@lru_cache(maxsize=1)
+def _gate_class():
+    """Our gates' base: a DeepSpeed ``TopKGate`` whose ``route`` (of the subclass) picks the logits handed to
+    DeepSpeed's ``topkgating`` (DeepSpeed imported only here: a config loads without it)."""
     from deepspeed.moe.sharded_moe import TopKGate, topkgating
 
-    class SigmoidGroupGate(TopKGate):
-        """DeepSeek-V3's router as a gate of DeepSpeed's MoE layer (see the module's docstring)."""
+    class RoutedGate(TopKGate):
+        what = "this router"
+
+        def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+            raise NotImplementedError
+
+        def forward(self, input: torch.Tensor, used_token: torch.Tensor = None, sparse_routes: bool = False,
+                    use_tutel: bool = False):
+            if use_tutel:
+                raise ValueError(f"{self.what} runs DeepSpeed's own dispatch; turn tutel off")
+            _, logits = self.route(input)
+            capacity = self.capacity_factor if self.training else self.eval_capacity_factor
+            return topkgating(logits, self.k, capacity, self.min_capacity, self.drop_tokens, self.ep_group,
+                              sparse_routes=sparse_routes)
+
+    return RoutedGate
+
+
+def make_sigmoid_gate(model_dim: int, num_experts: int, *, k: int, groups: int, topk_groups: int, **gate_kwargs):
+    """A ``SigmoidGroupGate``: DeepSeek-V3's router as a gate of DeepSpeed's MoE layer (the module's docstring)."""
+
+    class SigmoidGroupGate(_gate_class()):
+        what = "the sigmoid router"
 
         def __init__(self) -> None:
             super().__init__(model_dim, num_experts, k, **gate_kwargs)
@@ -70,37 +95,20 @@ def make_sigmoid_gate(model_dim: int, num_experts: int, *, k: int, groups: int, 
                                                 groups=self.groups, topk_groups=self.topk_groups)
             return chosen, chosen_log_scores(scores, chosen)
 
-        def forward(self, input: torch.Tensor, used_token: torch.Tensor = None, sparse_routes: bool = False,
-                    use_tutel: bool = False):
-            if use_tutel:
-                raise ValueError("the sigmoid router runs DeepSpeed's own dispatch; turn tutel off")
-            _, logits = self.route(input)
-            capacity = self.capacity_factor if self.training else self.eval_capacity_factor
-            return topkgating(logits, self.k, capacity, self.min_capacity, self.drop_tokens, self.ep_group,
-                              sparse_routes=sparse_routes)
-
     return SigmoidGroupGate()
 
 
 def make_biased_gate(model_dim: int, num_experts: int, *, k: int, **gate_kwargs):
     """DeepSpeed's softmax top-k gate with a bias on its router's linear (gpt-oss's router)."""
-    from deepspeed.moe.sharded_moe import TopKGate, topkgating
 
-    class BiasedSoftmaxGate(TopKGate):
+    class BiasedSoftmaxGate(_gate_class()):
+        what = "the biased router"
+
         def __init__(self) -> None:
             super().__init__(model_dim, num_experts, k, **gate_kwargs)
             self.wg = torch.nn.Linear(model_dim, num_experts, bias=True)
 
         def route(self, tokens: torch.Tensor) -> tuple[None, torch.Tensor]:
             return None, F.linear(tokens.float(), self.wg.weight.float(), self.wg.bias.float())
-
-        def forward(self, input: torch.Tensor, used_token: torch.Tensor = None, sparse_routes: bool = False,
-                    use_tutel: bool = False):
-            if use_tutel:
-                raise ValueError("the biased router runs DeepSpeed's own dispatch; turn tutel off")
-            _, logits = self.route(input)
-            capacity = self.capacity_factor if self.training else self.eval_capacity_factor
-            return topkgating(logits, self.k, capacity, self.min_capacity, self.drop_tokens, self.ep_group,
-                              sparse_routes=sparse_routes)
 
     return BiasedSoftmaxGate()
