@@ -77,5 +77,29 @@ def check_loss_chunk(cfg) -> None:
                                f"loss) or a positive number of tokens a chunk")
 
 
+def check_router_groups(cfg, where: str, *, sigmoid: bool) -> None:
+    """The router's groups (``router_groups``, ``router_topk_groups``) against ``experts`` and ``top_k``; the
+    sigmoid router (``models.routers``) scores a group by its two best experts and chooses among the experts of its
+    ``router_topk_groups`` best groups."""
+    for f in ("router_groups", "router_topk_groups"):
+        v = getattr(cfg, f)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ModelConfigError(f"{where}: {f} = {v!r}; it must be a positive integer")
+    if cfg.experts % cfg.router_groups:
+        raise ModelConfigError(f"{where}: router_groups (n_group {cfg.router_groups}) must divide experts "
+                               f"({cfg.experts}): each group holds experts / n_group of them")
+    if cfg.router_topk_groups > cfg.router_groups:
+        raise ModelConfigError(f"{where}: router_topk_groups ({cfg.router_topk_groups}) exceeds router_groups "
+                               f"({cfg.router_groups})")
+    if not sigmoid:
+        return
+    if cfg.experts // cfg.router_groups < 2:
+        raise ModelConfigError(f"{where}: the sigmoid router scores a group by its two best experts; "
+                               f"router_groups ({cfg.router_groups}) leaves fewer than 2 experts a group")
+    if cfg.top_k > cfg.experts // cfg.router_groups * cfg.router_topk_groups:
+        raise ModelConfigError(f"{where}: top_k ({cfg.top_k}) exceeds the experts of the router_topk_groups "
+                               f"({cfg.router_topk_groups}) groups it chooses among")
+
+
 def available_models() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))

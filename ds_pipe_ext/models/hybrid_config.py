@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..arch import MLP, Block, Experts, Mamba2, ModelDescription
-from .config import ModelConfigError, load_family_config
+from .config import ModelConfigError, check_router_groups, load_family_config
 from .hybrid_pattern import block_kinds, to_pattern
 from .llama_config import LlamaConfig, attention_of
 
@@ -58,19 +58,14 @@ class HybridConfig(LlamaConfig):
                                    f"({self.mamba_heads})")
 
     def _check_experts(self, where: str) -> None:
-        for f in ("experts", "top_k", "expert_ffn_hidden", "router_groups", "router_topk_groups"):
+        for f in ("experts", "top_k", "expert_ffn_hidden"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ModelConfigError(f"{where}: the pattern has E (MoE) layers: {f} = {v!r}; a positive integer "
                                        f"is required")
         if self.top_k > self.experts:
             raise ModelConfigError(f"{where}: top_k ({self.top_k}) exceeds experts ({self.experts})")
-        if self.experts % self.router_groups or self.experts // self.router_groups < 2:
-            raise ModelConfigError(f"{where}: router_groups ({self.router_groups}) must divide experts "
-                                   f"({self.experts}) into groups of 2 or more (a group is scored by its two best)")
-        if self.top_k > self.experts // self.router_groups * self.router_topk_groups:
-            raise ModelConfigError(f"{where}: top_k ({self.top_k}) exceeds the experts of the router_topk_groups "
-                                   f"({self.router_topk_groups}) groups it chooses among")
+        check_router_groups(self, where, sigmoid=True)
 
     # what the moe family's routed layer reads of a config (models.moe.RoutedMLP)
     router = "sigmoid"

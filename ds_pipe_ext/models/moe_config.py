@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..arch import MLA, MLP, Attention, Block, Experts, ModelDescription
-from .config import ModelConfigError, config_from_dict, load_family_config
+from .config import ModelConfigError, check_router_groups, config_from_dict, load_family_config
 from .llama_config import LlamaConfig, attention_of, from_hf_llama
 
 ROUTERS = ("softmax", "sigmoid")  # models/routers.py
@@ -96,22 +96,7 @@ class MoEConfig(LlamaConfig):
             raise ModelConfigError(f"{where}: norm_topk_prob must be true or false")
         if self.router not in ROUTERS:
             raise ModelConfigError(f"{where}: router = {self.router!r}; use one of {list(ROUTERS)}")
-        for f in ("router_groups", "router_topk_groups"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ModelConfigError(f"{where}: {f} = {v!r}; it must be a positive integer")
-        if self.experts % self.router_groups:
-            raise ModelConfigError(f"{where}: router_groups (n_group {self.router_groups}) must divide experts "
-                                   f"({self.experts}): each group holds experts / n_group of them")
-        if self.router_topk_groups > self.router_groups:
-            raise ModelConfigError(f"{where}: router_topk_groups ({self.router_topk_groups}) exceeds router_groups "
-                                   f"({self.router_groups})")
-        if self.router == "sigmoid" and self.experts // self.router_groups < 2:
-            raise ModelConfigError(f"{where}: the sigmoid router scores a group by its two best experts; "
-                                   f"router_groups ({self.router_groups}) leaves fewer than 2 experts a group")
-        if self.router == "sigmoid" and self.top_k > self.experts // self.router_groups * self.router_topk_groups:
-            raise ModelConfigError(f"{where}: top_k ({self.top_k}) exceeds the experts of the router_topk_groups "
-                                   f"({self.router_topk_groups}) groups it chooses among")
+        check_router_groups(self, where, sigmoid=self.router == "sigmoid")
         self._check_mla(where)
         self._check_gpt_oss(where)
         scale = self.routed_scaling_factor
