@@ -94,7 +94,7 @@ def collectives_on(monkeypatch):
 
 def test_the_grad_norm_reduces_on_the_gradients_device(collectives_on):
     from ds_pipe_ext.layout import Layout
-    from ds_pipe_ext.train.build import global_grad_norm
+    from ds_pipe_ext.train.grad_norm import global_grad_norm
 
     model = torch.nn.Linear(8, 8, device=META)
     for p in model.parameters():

@@ -138,7 +138,7 @@ def test_mtp_trains_as_a_pipeline_with_the_layer_on_either_stage(tmp_path, monke
     torch.save(MOE.sequential(MOE.layer_specs(cfg), MOE.loss_fn(cfg), base_seed=99, recompute=False).state_dict(), init)
     steps, mb, gas = 3, 2, 2
     # DeepSpeed's default gradient_clipping (1.0) clips these steps (norms of 1.3-1.7): by the whole model's norm
-    # (train.build.clip_by_the_whole_pipeline), as the reference does
+    # (train.grad_norm.clip_by_the_whole_pipeline), as the reference does
     want_losses, want_norms = moe_reference(cfg, init, steps, dp=1, micro_batch=mb, gas=gas)
     assert want_norms[0] > 1.0
     ds = write_config(tmp_path / "ds.json", pipeline={"stages": 2, "partition_method": "parts:0,3,7"},

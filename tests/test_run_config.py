@@ -175,7 +175,7 @@ def test_only_the_newest_complete_checkpoints_are_kept(tmp_path):
 
 @pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 300_001])
 def test_squared_l2_matches_float64(n):
-    from ds_pipe_ext.train.build import squared_l2
+    from ds_pipe_ext.train.grad_norm import squared_l2
 
     g = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3.0
     want = float(g.double().pow(2).sum())

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..arch import MLA
-from .analytic import fused_attention, linear, out_proj, rms_norm, rotary, tp_exit_comm
+from .analytic import fused_attention, linear, rms_norm, rotary, tp_exit_comm
 from .op_cost import OpCost, Shape
 
 
@@ -79,11 +79,6 @@ def sink_softmax(op: OpCost, shp: Shape) -> OpCost:
                    bwd_bytes=op.bwd_bytes * grow, activation_bytes=op.activation_bytes * grow,
                    fwd_allocs=tuple(x * grow for x in op.fwd_allocs), bwd_allocs=tuple(x * grow for x in op.bwd_allocs),
                    weight_bytes=shp.a / shp.t * shp.e, weights=(shp.a // shp.t,))
-
-
-def with_out_bias(shp: Shape) -> OpCost:
-    """The out projection with a bias (gpt-oss's), its all-reduce or reduce-scatter as ``analytic.out_proj``'s."""
-    return out_proj(shp, bias=True)
 
 
 def mtp_layer(shp: Shape, block_ops: list[OpCost], *, norm) -> list[OpCost]:

@@ -162,7 +162,7 @@ def _attention_variant(ops: list, shp: A.Shape, att) -> list:
     if att.sinks:
         ops = [attention_ops.sink_softmax(op, shp) if op.name == "softmax" else op for op in ops]
     if att.out_bias:
-        ops = [attention_ops.with_out_bias(shp) if op.name == "out_proj" else op for op in ops]
+        ops = [A.out_proj(shp, bias=True) if op.name == "out_proj" else op for op in ops]
     return ops
 
 
