@@ -15,6 +15,7 @@ S, B = 24, 2
 
 
 def _randomise(module, scale=0.3):
+    torch.manual_seed(0)  # the same weights whatever ran before in this process
     with torch.no_grad():
         for p in module.parameters():
             p.copy_(torch.randn_like(p) * scale)
