@@ -15,8 +15,9 @@ writer of the sections a layout decides) and prints as Megatron-LM arguments.
     schedule                  a pipeline schedule name (``simulate.schedules.parse_schedule``), or
                               "none": no pipeline engine (data parallel; pp is 1).  Left out: 1f1b
                               with pp > 1, none with pp 1 (a one-stage pipeline is asked for by name)
-    ep                        expert-parallel degree: divides dp and the experts (a Mixture-of-Experts
-                              model; tp 1 beside it, no ZeRO-3: DeepSpeed's native MoE layer)
+    ep                        expert-parallel degree: divides tp x dp and the experts (a Mixture-of-Experts
+                              model, DeepSpeed's native MoE layer: no ZeRO-3, no SP; an EP group is ep
+                              consecutive ranks of a stage, TP ranks first: ``expert_dp`` below)
     offload                   ZeRO's optimizer states in CPU memory (ZeRO-Offload, stage >= 1), and under
                               ZeRO-3 its parameters too
     overlap_comm              gradient reduction overlapped with the backward (DeepSpeed's
@@ -82,10 +83,10 @@ class LayoutError(ValueError):
     """A layout that cannot run; the message names the setting to change."""
 
 
-def expert_degrees(dp: int, experts: int) -> list[int]:
-    """The EP degrees a layout of ``dp`` data-parallel ranks admits for ``experts`` experts a block (those
+def expert_degrees(ranks: int, experts: int) -> list[int]:
+    """The EP degrees a stage of ``ranks`` ranks (tp x dp) admits for ``experts`` experts a block (those
     dividing both, ``check``'s rule); [1] for a dense model."""
-    return [d for d in range(1, dp + 1) if dp % d == 0 and experts % d == 0] if experts else [1]
+    return [d for d in range(1, ranks + 1) if ranks % d == 0 and experts % d == 0] if experts else [1]
 
 
 def _positive(name: str, value) -> None:
@@ -123,13 +124,10 @@ class Layout:
             raise LayoutError(f"runtime = {self.runtime!r}: use one of {', '.join(RUNTIMES)}")
         if self.sp and self.tp == 1:
             raise LayoutError("sequence parallelism needs tensor parallelism: set tp > 1 or turn sp off")
-        if self.dp % self.ep:
-            raise LayoutError(f"ep = {self.ep} does not divide dp = {self.dp}: DeepSpeed builds each expert-parallel "
-                              f"group from consecutive ranks of a stage's data-parallel group; choose ep dividing dp")
-        if self.ep > 1 and self.tp > 1:
-            raise LayoutError(f"ep = {self.ep} with tp = {self.tp}: tensor and expert parallelism together are not "
-                              f"supported (DeepSpeed drops and re-gathers the TP-duplicated tokens around the "
-                              f"all-to-all, which is not modelled); use tp = 1 or ep = 1")
+        if (self.tp * self.dp) % self.ep:
+            raise LayoutError(f"ep = {self.ep} does not divide tp x dp = {self.tp * self.dp}: DeepSpeed builds each "
+                              f"expert-parallel group from ep consecutive ranks of a stage (its tp x dp ranks, TP "
+                              f"fastest); choose ep dividing tp x dp")
         if self.schedule is None:
             object.__setattr__(self, "schedule", "1f1b" if self.pp > 1 else NO_PIPELINE)
         if self.schedule == NO_PIPELINE:
@@ -173,6 +171,14 @@ class Layout:
         """Whether DeepSpeed's ZeRO-3 runs it: its gathers and prefetch, and its own linear (which keeps the
         input it is handed, where torch's may keep a copy: ``costs.estimate.EstimateRequest.zero3_linear``)."""
         return self.zero == 3 and self.runtime == "deepspeed"
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks of a stage holding the same experts (DeepSpeed's expert-data-parallel group, Megatron's expert
+        data parallelism at expert TP 1): a stage's tp x dp ranks over ep.  Under TP each TP rank runs its own
+        share of every expert's slots (DeepSpeed drops the TP-duplicated tokens), so an expert's gradient sums
+        over the TP ranks as over the data-parallel ones."""
+        return self.tp * self.dp // self.ep
 
     @property
     def pipelined(self) -> bool:
@@ -244,9 +250,14 @@ class Layout:
             if e.count % self.ep:
                 raise LayoutError(f"ep = {self.ep} does not divide the {e.count} experts of model {name!r}: each "
                                   f"expert-parallel rank holds experts / ep of them; choose ep dividing {e.count}")
-        if experts and t > 1:
-            raise LayoutError(f"tp = {t} on model {name!r}: tensor parallelism of a Mixture-of-Experts model is "
-                              f"not supported; use tp = 1 (and ep to split the experts)")
+        if experts and self.sp:
+            raise LayoutError(f"sp on model {name!r}: DeepSpeed's MoE layer takes the TP ranks to hold the same "
+                              f"tokens (it splits their slots among them), which sequence parallelism breaks; "
+                              f"turn sp off (TP without SP splits a Mixture-of-Experts model)")
+        if experts and t > 1 and self.runtime == "megatron":
+            raise LayoutError(f"tp = {t} on model {name!r} with the megatron runtime: Megatron-LM runs a "
+                              f"Mixture-of-Experts model's TP with sequence parallelism and its own token "
+                              f"dispatcher, which is not modelled; use the deepspeed runtime or tp = 1")
         if experts and self.zero == 3:
             raise LayoutError(f"ZeRO-3 on model {name!r}: DeepSpeed's native MoE layer refuses ZeRO-3 (\"Native "
                               f"DeepSpeed MoE is not supported with ZeRO Stage 3\"; its AutoEP is another path); "

@@ -58,8 +58,8 @@ def test_layout_derives_world_batch_and_chunks():
     ({"pp": 4, "micro_batches": 7, "schedule": "dualpipev"}, "at least 2 x stages"),
     ({"zero": 0, "offload": True}, "offload moves ZeRO's partitioned states"),
     ({"zero": 3, "offload": True, "schedule": "1f1b"}, "ZeRO-0 or 1 under a pipeline"),
-    ({"ep": 2}, "ep = 2 does not divide dp = 1: DeepSpeed builds each expert-parallel group"),
-    ({"ep": 2, "dp": 2, "tp": 2}, "tensor and expert parallelism together are not supported"),
+    ({"ep": 2}, "ep = 2 does not divide tp x dp = 1: DeepSpeed builds each expert-parallel group"),
+    ({"ep": 4, "tp": 2}, "ep = 4 does not divide tp x dp = 2"),
     ({"runtime": "jax"}, "runtime = 'jax'"),
 ])
 def test_a_layout_that_cannot_run_is_refused_when_built(kwargs, match):

@@ -108,10 +108,34 @@ def test_analytic_costs_name_the_experts():
     assert [r["expert_params"] > 0 for r in rows] == [False, False, True, True, True, False]
 
 
+def test_analytic_routed_experts_under_tensor_parallelism():
+    """Under TP 2 every rank routes the same 32 tokens, runs half of every expert's 16 slots (DeepSpeed's
+    drop_tokens) and gathers the experts' output back over TP; the experts' weights stay whole."""
+    from ds_pipe_ext.costs.moe_ops import routed_mlp, slots_per_expert
+    from ds_pipe_ext.costs.op_cost import Shape
+
+    experts = load_model("moe-tiny").describe().blocks[1].experts
+    shape = dict(b=1, s=32, h=64, a=4, f=96, V=512, e=4)
+    one = {op.name: op for op in routed_mlp(Shape(**shape), experts)}
+    two = {op.name: op for op in routed_mlp(Shape(**shape, t=2), experts, ep=2)}
+    for name in ("expert_gate_up", "expert_swiglu", "expert_down"):
+        assert two[name].fwd_flops == one[name].fwd_flops / 2 and two[name].activation_bytes == one[name].activation_bytes / 2
+    assert two["expert_gate_up"].weight_bytes == one["expert_gate_up"].weight_bytes / 2  # E / ep experts, whole
+    assert two["router"] == one["router"] and two["combine"] == one["combine"]
+    gather = two["tp_gather_slots"]
+    assert (gather.comm_type, gather.comm_fwd_bytes, gather.comm_bwd_bytes) == ("all-gather", 4 * 16 * 64 * 4,
+                                                                                4 * 16 * 64 * 4)
+    assert two["dispatch_all_to_all"].comm_fwd_bytes == 4 * 8 * 64 * 4  # this TP rank's half of the slots
+    assert "tp_gather_slots" not in one
+    assert slots_per_expert(30, experts, tp=2) == 16 and slots_per_expert(30, experts) == 15  # dropless: padded to tp
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"dp": 2, "ep": 2, "model": "llama-tiny"}, "expert parallelism needs a Mixture-of-Experts model"),
     ({"dp": 3, "ep": 3}, r"ep = 3 does not divide the 4 experts of model 'moe-tiny'"),
-    ({"tp": 2}, "tensor parallelism of a Mixture-of-Experts model is not supported"),
+    ({"tp": 2, "sp": True}, "DeepSpeed's MoE layer takes the TP ranks to hold the same tokens"),
+    ({"tp": 2, "runtime": "megatron"}, "Megatron-LM runs a Mixture-of-Experts model's TP with sequence parallelism"),
+    ({"tp": 2, "ep": 4}, "ep = 4 does not divide tp x dp = 2"),
     ({"dp": 2, "zero": 3}, "Native DeepSpeed MoE is not supported with ZeRO Stage 3"),
 ])
 def test_expert_parallel_layouts_the_model_refuses(kwargs, match):
@@ -122,6 +146,8 @@ def test_expert_parallel_layouts_the_model_refuses(kwargs, match):
         Layout(**kwargs).check(model)
     ok = Layout(dp=4, ep=4, zero=2)
     ok.check(load_model("moe-tiny"))  # 4 experts over 4 ranks: one each
+    Layout(pp=2, tp=2, ep=2).check(load_model("moe-tiny"))  # EP over the TP ranks (Megatron's expert TP 1)
+    assert Layout(tp=2, dp=2, ep=2).expert_dp == 2 and Layout(tp=2, dp=2).expert_dp == 4
     assert ok.name == "pp1-tp1-dp4-ep4-z2-mb1-none" and Layout(dp=4).name == "pp1-tp1-dp4-z0-mb1-none"
 
 

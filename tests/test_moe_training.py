@@ -95,9 +95,18 @@ def test_what_deepspeed_moe_cannot_train_is_named(fields, match):
         MOE.layer_specs(load_model("moe-tiny", **fields))
 
 
-def test_tensor_parallel_moe_layers_are_refused():
-    with pytest.raises(ModelConfigError, match="tensor parallelism of a Mixture-of-Experts model"):
-        MOE.layer_specs(load_model("moe-tiny"), MOE.tensor_parallel(2, False))
+def test_sequence_parallel_moe_layers_and_slots_tp_cannot_split_are_refused():
+    with pytest.raises(ModelConfigError, match="sequence parallelism of a Mixture-of-Experts model"):
+        MOE.layer_specs(load_model("moe-tiny"), MOE.tensor_parallel(2, True))
+    from ds_pipe_ext.models.moe import RoutedMLP
+
+    cfg = load_model("moe-tiny", capacity_factor=1.25, top_k=2)
+    layer = RoutedMLP(cfg)
+    layer.tp = 2  # as built under TP 2: DeepSpeed would split each expert's slots over 2 ranks
+    x = torch.zeros(1, 36, cfg.hidden)  # ceil(36 / 4 x 1.25 x 2) = 23 slots an expert
+    with pytest.raises(ModelConfigError, match=r"= 23 slots an expert, which tp = 2 does not divide"):
+        layer._check_tp_capacity(x)
+    layer._check_tp_capacity(torch.zeros(1, 32, cfg.hidden))  # 20 slots: 10 a TP rank
 
 
 def moe_reference(cfg, weights_path, steps: int, *, dp: int, micro_batch: int, gas: int, seed: int = 1234,
@@ -163,6 +172,9 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
                          moe={"ep_size": 2}, zero_optimization={"stage": 1}, **common)
     zero2 = write_config(tmp_path / "zero2.json", pipeline=None, moe={"ep_size": 2}, zero_optimization={"stage": 2},
                          **common)
+    tp2 = {ep: write_config(tmp_path / f"tp2-ep{ep}.json", pipeline={"stages": 2, "partition_method": "parts:0,3,6"},
+                            tensor_parallel={"size": 2, "sequence_parallel": False}, moe={"ep_size": ep}, **common)
+           for ep in (1, 2)}
     modes = ["none", "full", "selective", "full", "selective", "none"]  # saved without recompute, resumed with
     per_layer = write_config(tmp_path / "per-layer.json", pipeline={"stages": 2, "partition_method": "parts:0,3,6"},
                              moe={"ep_size": 2}, **{**common, "train": {**common["train"], "recompute": modes}})
@@ -177,7 +189,9 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
             "--run", f"other ep: --load {ckpt} --steps 1 --deepspeed_config {ep1}",
             "--run", f"zero1: --init-from {init} --steps 1 --deepspeed_config {zero1} --instrument {tmp_path / 'z1'}",
             "--run", f"plan: --steps 1 --deepspeed_config {plan}",
-            "--run", f"zero2: --init-from {init} --steps 1 --deepspeed_config {zero2}"]
+            "--run", f"zero2: --init-from {init} --steps 1 --deepspeed_config {zero2}",
+            "--run", f"tp2 ep2: --init-from {init} --deepspeed_config {tp2[2]}",
+            "--run", f"tp2 ep1: --init-from {init} --deepspeed_config {tp2[1]}"]
     proc, ranks = launch(4, ds, "--steps", str(steps), *runs, out_dir=tmp_path, cwd=tmp_path,
                          script="tests/models_in_turn.py", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -261,6 +275,17 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
     assert got["zero2"]["mode"] == "data-parallel zero=2" and got["zero2"]["dp"] == 4
     rank0 = moe_reference(cfg, init, 1, dp=1, micro_batch=mb, gas=gas, of_dp=4)[0][0]  # rank 0's stream of 4
     assert got["zero2"]["losses"][0] == pytest.approx(rank0, rel=1e-5)
+    # TP 2 x PP 2 (one data-parallel replica): each TP rank runs half of every expert's slots, the experts
+    # over EP 2 (the TP pair: ep consecutive ranks) or whole on both TP ranks (EP 1: their gradients summed
+    # over the pair); against one process on the one replica's stream
+    one_replica = moe_reference(cfg, init, steps, dp=1, micro_batch=mb, gas=gas)
+    for name in ("tp2 ep2", "tp2 ep1"):
+        tp_run = got[name]
+        assert tp_run["dp"] == 1 and tp_run["parts"] == [0, 3, 6], name
+        assert tp_run["losses"][0] == pytest.approx(one_replica[0][0], rel=1e-5), name
+        assert tp_run["grad_norms"][0] == pytest.approx(one_replica[1][0], rel=1e-5), name
+        assert tp_run["losses"] == pytest.approx(one_replica[0], rel=1e-4), name
+        assert tp_run["grad_norms"] == pytest.approx(one_replica[1], rel=1e-4), name
     planned = got["plan"]
     assert "parts:" + ",".join(map(str, planned["parts"])) == emitted["pipeline"]["partition_method"]
     assert planned["dp"] == 2 and math.isfinite(planned["losses"][0])

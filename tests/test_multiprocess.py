@@ -166,7 +166,7 @@ BAD_CONFIGS = {  # what each refusal says
     # expert parallelism wider than a stage's data-parallel group (the MoE family's other refusals:
     # tests/test_moe.py, raised by the same Layout check at the same point)
     "experts": ({"moe": {"ep_size": 2}, "train": {"model": "moe-tiny"}},
-                "ep = 2 does not divide dp = 1: DeepSpeed builds each expert-parallel group"),
+                "ep = 2 does not divide tp x dp = 1: DeepSpeed builds each expert-parallel group"),
 }
 
 

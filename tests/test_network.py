@@ -85,25 +85,43 @@ def test_tp2_dp8_pp4():
     assert p["tied"] == Placement(2, 2, 1, 1)
 
 
-def test_ep8_across_two_nodes_follows_deepspeeds_expert_groups():
+def test_ep8_under_tp2_stays_in_a_node_as_deepspeeds_moe_layer_groups_it():
     groups = rank_groups(1, 2, 8, ep=8)
-    assert groups["ep"][0] == [0, 2, 4, 6, 8, 10, 12, 14]  # DeepSpeed's E + D order: ep members of a DP group
-    assert sorted(groups["expert_dp"]) == [[r] for r in range(16)]
+    assert groups["ep"][:2] == [list(range(8)), list(range(8, 16))]  # ep consecutive ranks: TP ranks first
+    assert sorted(groups["expert_dp"]) == [[r, r + 8] for r in range(8)]
     p = _placed(1, 2, 8, ep=8)
-    assert p["ep"] == Placement(8, 2, 4, 4)
-    assert H100.ep_placement(2, 8) == Placement(8, 2, 4, 4)
+    assert p["ep"] == Placement(8, 1, 8, 8) == H100.ep_placement(2, 8)
+    assert p["expert_dp"] == Placement(2, 2, 1, 1)
+
+
+def deepspeeds_expert_groups(pp: int, tp: int, dp: int, ep: int) -> tuple[list, list]:
+    """(EP groups, expert-data-parallel groups) as DeepSpeed's MoE layer makes them (``_create_process_groups``
+    without expert tensor parallelism -> ``groups._create_expert_and_data_parallel``; ``ensure_expert_groups`` calls
+    the same), its process groups recorded instead of made."""
+    from unittest import mock
+
+    import deepspeed.utils.groups as G
+
+    made = []
+    with mock.patch.object(G.dist, "is_initialized", lambda: True), \
+            mock.patch.object(G.dist, "get_world_size", lambda group=None: pp * tp * dp), \
+            mock.patch.object(G.dist, "get_rank", lambda group=None: 0), \
+            mock.patch.object(G.dist, "new_group", lambda ranks, **kw: made.append(list(ranks))), \
+            mock.patch.object(G, "log_dist", lambda *a, **k: None), \
+            mock.patch.multiple(G, _EXPERT_PARALLEL_GROUP={}, _EXPERT_DATA_PARALLEL_GROUP={},
+                                _EXPERT_PARALLEL_GROUP_RANKS={}, _EXPERT_DATA_PARALLEL_GROUP_RANKS={}):
+        G._create_expert_and_data_parallel(ep, pp_size=pp)
+    return made[pp * ep:], made[:pp * ep]  # it makes the expert-data-parallel groups first
 
 
 def test_rank_groups_are_deepspeeds():
-    import deepspeed.utils.groups as G
-
     from ds_pipe_ext.parallel.topology import deepspeed_groups
 
-    for pp, tp, dp, ep in ((4, 2, 8, 4), (1, 1, 16, 8), (2, 4, 4, 2)):
+    for pp, tp, dp, ep in ((4, 2, 8, 4), (1, 1, 16, 8), (2, 4, 4, 2), (2, 2, 1, 2), (1, 4, 2, 8)):
         ours = rank_groups(pp, tp, dp, ep)
         for axis, groups in deepspeed_groups(Layout(pp=pp, tp=tp, dp=dp)).items():
             assert sorted(map(sorted, ours[axis])) == sorted(map(sorted, groups))
-        ep_groups, edp_groups = G._get_expert_parallel_ranks(pp * tp * dp, tp, ep, pp)
+        ep_groups, edp_groups = deepspeeds_expert_groups(pp, tp, dp, ep)
         assert sorted(map(sorted, ours["ep"])) == sorted(map(sorted, ep_groups))
         assert sorted(map(sorted, ours["expert_dp"])) == sorted(map(sorted, edp_groups))
 

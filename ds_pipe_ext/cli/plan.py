@@ -101,8 +101,10 @@ def _search(args, cfg, model, runtime: str = "deepspeed"):
 
     layouts, dropped = enumerate_layouts(cfg, args.gpus, gpus_per_node=model.cluster.gpus_per_node,
                                          global_batch=model.global_batch)
-    if runtime != "deepspeed":  # Megatron-LM shards optimizer states (its distributed optimizer), not more
-        layouts = [replace(lay, runtime=runtime) for lay in layouts if lay.zero <= 1]
+    if runtime != "deepspeed":  # Megatron-LM shards optimizer states (its distributed optimizer), not more; its
+        # MoE layers' TP (with SP and its own dispatcher) is not modelled (``Layout.check``)
+        routed = bool(as_description(cfg).experts)
+        layouts = [replace(lay, runtime=runtime) for lay in layouts if lay.zero <= 1 and not (routed and lay.tp > 1)]
     bar = None
     if not args.json and len(layouts) > 500:
         from tqdm import tqdm

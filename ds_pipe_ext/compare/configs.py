@@ -73,14 +73,14 @@ def comparison_configs(world: int, *, global_batch: int, micro_batch: int, tp: i
         dp = rest // pp
         for zero in ((0, 1) if dp > 1 else (0,)):  # ZeRO-1 over one replica partitions nothing
             for method in ("profiled", "uniform"):
-                for ep in expert_degrees(dp, experts):
+                for ep in expert_degrees(tp * dp, experts):
                     name = (f"pipe-{method}-pp{pp}" + (f"-tp{tp}" if tp > 1 else "") + f"-dp{dp}"
                             + (f"-ep{ep}" if ep > 1 else "") + f"-z{zero}")
                     m = _accumulation(global_batch, micro_batch, dp, name)
                     out.append(CompareConfig(name, Layout(pp=pp, tp=tp, dp=dp, zero=zero, micro_batch=micro_batch,
                                                           micro_batches=m, schedule="1f1b", ep=ep), method))
     for zero in (1, 2, 3):
-        for ep in expert_degrees(rest, experts) if zero < 3 else [1]:
+        for ep in expert_degrees(world, experts) if zero < 3 else [1]:
             name = f"zero{zero}" + (f"-tp{tp}" if tp > 1 else "") + (f"-ep{ep}" if ep > 1 else "")
             out.append(CompareConfig(name, Layout(tp=tp, dp=rest, zero=zero, micro_batch=micro_batch, ep=ep,
                                                   micro_batches=_accumulation(global_batch, micro_batch, rest, name))))

@@ -1,5 +1,5 @@
-"""CPU shims for megatron-core's tensor/sequence-parallel layers, DeepSpeed's start-up and glibc's
-malloc.  Active only without CUDA.
+"""CPU shims for megatron-core's tensor/sequence-parallel layers, DeepSpeed's MoE layer under TP, DeepSpeed's
+start-up and glibc's malloc.  Active only without CUDA.
 
 megatron-core 0.16 allocates sequence-parallel all-gather buffers (and a few others)
 with ``device=torch.cuda.current_device()``, which fails on a CPU-only torch.  Rather
@@ -7,6 +7,12 @@ than patch ``torch.cuda`` for the whole process (DeepSpeed and torch would see i
 ``install()`` replaces the module-level name ``torch`` in just the megatron modules
 that do this with a proxy whose ``cuda.current_device()`` is the CPU.  Everything
 else on the proxy is torch itself.
+
+DeepSpeed's MoE layer under TP gathers the experts' output over the TP group into a flat buffer
+(``moe.mappings._gather_tokens``: ``all_gather_into_tensor`` of an (E, C/t, h) input into t x its elements), which
+NCCL takes and gloo refuses ("invalid tensor size": it wants the output shaped t x the input's first dimension).
+``install()`` gives that module a ``deepspeed`` whose ``comm.all_gather_into_tensor`` hands gloo the same buffer
+viewed in that shape; the bytes and their order are NCCL's.
 
 Nothing else from megatron that needs CUDA is used on CPU: not ``TransformerLayer``,
 not the CUDA RNG tracker (dropout inside TP regions uses torch's default generator),
@@ -41,8 +47,39 @@ class _CpuTorch(types.ModuleType):
         return getattr(torch, name)
 
 
+class _Forward(types.ModuleType):
+    """A module that is ``target`` except for the names given."""
+
+    def __init__(self, target, **names):
+        super().__init__(target.__name__)
+        self._target = target
+        self.__dict__.update(names)
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+
+def _gloo_all_gather_into_tensor(output, input_, group=None, async_op=False):
+    import deepspeed.comm as ds_comm
+
+    if output.dim() == 1 and input_.dim() > 1:  # DeepSpeed's flat buffer, seen as gloo wants it
+        output = output.view(-1, *input_.shape[1:])
+    return ds_comm.all_gather_into_tensor(output, input_, group=group, async_op=async_op)
+
+
+def _deepspeed_for_gloo():
+    import deepspeed
+    import deepspeed.comm
+
+    return _Forward(deepspeed, comm=_Forward(deepspeed.comm, all_gather_into_tensor=_gloo_all_gather_into_tensor))
+
+
+MOE_MAPPINGS = "deepspeed.moe.mappings"
+
+
 def install() -> bool:
-    """Patch the megatron modules if CUDA is absent; returns whether anything was patched.  Idempotent."""
+    """Patch the megatron modules and DeepSpeed's MoE mappings if CUDA is absent; returns whether anything was
+    patched.  Idempotent."""
     if torch.cuda.is_available():
         return False
     proxy = _CpuTorch()
@@ -50,15 +87,24 @@ def install() -> bool:
         module = importlib.import_module(name)
         if not isinstance(getattr(module, "torch", None), _CpuTorch):
             module.torch = proxy
+    mappings = importlib.import_module(MOE_MAPPINGS)
+    if not isinstance(mappings.deepspeed, _Forward):
+        mappings.deepspeed = _deepspeed_for_gloo()
     return True
 
 
 def uninstall() -> None:
-    """Give the megatron modules back their ``torch`` (tests restore what they patch)."""
+    """Give the megatron modules back their ``torch`` and DeepSpeed's mappings their ``deepspeed`` (tests restore
+    what they patch)."""
     for name in PATCHED_MODULES:
         module = importlib.import_module(name)
         if isinstance(getattr(module, "torch", None), _CpuTorch):
             module.torch = torch
+    mappings = importlib.import_module(MOE_MAPPINGS)
+    if isinstance(mappings.deepspeed, _Forward):
+        import deepspeed
+
+        mappings.deepspeed = deepspeed
 
 
 def installed() -> bool:

@@ -376,7 +376,7 @@ def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = 
     if not lay.pipelined:
         order = tuple((kind, mb) for mb in range(lay.micro_batches) for kind in ("F", "B"))
         return [RankStep(ops, order, e, zero, dp=lay.dp, dp_rank=dp_rank, checkpoint_bytes=checkpoint(0, len(ops)),
-                         offload=lay.offload, fused_adam=fused_adam, ep=lay.ep)]
+                         offload=lay.offload, fused_adam=fused_adam, ep=lay.ep, tp=lay.tp)]
     spec = lay.schedule_spec
     if not walks_schedule(spec):
         raise NotImplementedError(f"the peak rule walks one model chunk a rank with whole backwards; "
@@ -395,5 +395,5 @@ def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = 
                               output_bytes=logits if last else boundary, input_bytes=boundary if s else 0.0,
                               flat_grad_bytes=zero.bf16_accum_bytes or (e if e < 4 and lay.zero == 0 else 0),
                               checkpoint_bytes=checkpoint(parts[s], parts[s + 1]), offload=lay.offload,
-                              fused_adam=fused_adam, ep=lay.ep))
+                              fused_adam=fused_adam, ep=lay.ep, tp=lay.tp))
     return steps

@@ -9,7 +9,13 @@
 * Work per rank does not depend on EP: a rank holds E / ep experts and EP's all-to-all hands each ep x C
   slots, E x C in all, as at ep 1.  Weights are E / ep experts.  Under EP, dispatch and combine are each
   an all-to-all of the rank's E x C x h slots over the EP group, forward and again backward
-  (``device_spec.ring_time``; inside a node while tp x ep GPUs fit one).
+  (``device_spec.ring_time``; inside a node while ep GPUs fit one).
+* Under TP (``shp.t``) every TP rank holds the same tokens and routes them alike; DeepSpeed drops the
+  duplicates (``drop_tokens``: each TP rank keeps 1/t of every expert's slots, C padded to a multiple of t
+  dropless), so the all-to-alls and the experts take E x C / t slots a rank, and the experts' output is
+  gathered back over the TP group (``gather_tokens``: an all-gather of the E x C slots forward; the drop's
+  backward, the same all-gather of their gradients).  Experts stay whole (expert TP 1, Megatron's default
+  for its MoE layers); the shared experts split as a dense MLP.
 * Saved for backward (what ``saved_tensors_hooks`` count on the layer, tests/test_moe_training.py): the
   router's fp32 input (T h x 4 bytes) and its gates and masks (about 12 bytes per token and expert), the
   dispatched slots (E C h), each expert's gate_up output and SwiGLU output (E C 3 f), the gathered expert
@@ -46,12 +52,13 @@ COMBINE_KERNELS = (6, 7)
 EXPERT_COPY_KERNELS = (1, 1)  # a local expert's chunk made contiguous (and its gradient's cat), each way
 
 
-def slots_per_expert(tokens: int, experts: Experts, imbalance: float = 1.0) -> int:
-    """C: the slots DeepSpeed pads each expert to for ``tokens`` routed tokens."""
+def slots_per_expert(tokens: int, experts: Experts, imbalance: float = 1.0, tp: int = 1) -> int:
+    """C: the slots DeepSpeed pads each expert to for ``tokens`` routed tokens (dropless under TP: to a
+    multiple of ``tp``, which DeepSpeed's ``drop_tokens`` splits them over)."""
     mean = experts.top_k * tokens / experts.count
     if experts.capacity_factor:
         return max(math.ceil(experts.capacity_factor * mean), 1)
-    return max(math.ceil(imbalance * mean), 1)
+    return math.ceil(max(math.ceil(imbalance * mean), 1) / tp) * tp
 
 
 def _experts(op: OpCost, local: int) -> OpCost:
@@ -69,13 +76,15 @@ def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 
     ``activation="relu2"``, up and down alone) on one rank of ``ep``."""
     if experts.count % ep:
         raise AnalyticError(f"ep = {ep} does not divide the {experts.count} experts; choose ep dividing them")
-    if shp.t > 1:
-        raise AnalyticError("tensor parallelism of a Mixture-of-Experts model is not supported; use tp = 1")
     if imbalance < 1:
         raise AnalyticError(f"imbalance = {imbalance}: the largest expert load is at least the mean (>= 1)")
-    T, h, f, E, k, e = shp.tokens, shp.h, shp.f, experts.count, experts.top_k, shp.e
-    C = slots_per_expert(T, experts, imbalance)
+    T, h, f, E, k, e, t = shp.tokens, shp.h, shp.f, experts.count, experts.top_k, shp.e, shp.t
+    C = slots_per_expert(T, experts, imbalance, t)
+    if C % t:
+        raise AnalyticError(f"{C} slots an expert do not split over tp = {t} (DeepSpeed's drop_tokens); choose a "
+                            f"capacity_factor whose ceil(capacity_factor x k x tokens / E) tp divides")
     slots, local = E * C, E // ep
+    mine = slots // t  # the slots this TP rank's share sends through the all-to-all and its experts
     router = linear("router", T, h, E, shp, bias=experts.router_bias)
     router = replace(router, activation_bytes=T * h * 4)  # DeepSpeed routes an fp32 copy of its input
     gating = OpCost("gating", "vector", fwd_flops=8.0 * T * E, bwd_flops=8.0 * T * E, fwd_bytes=6 * T * E * 4,
@@ -89,10 +98,10 @@ def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 
                       activation_bytes=slots * INDEX_BYTES + k * T * INDEX_BYTES, fwd_allocs=(slots * h * e,),
                       bwd_allocs=(T * h * e,), kernels=DISPATCH_KERNELS)
     width = f if activation == "relu2" else 2 * f  # the first matrix: up alone, or gate and up
-    gate_up = _experts(linear("expert_up" if activation == "relu2" else "expert_gate_up", slots, h, width, shp,
+    gate_up = _experts(linear("expert_up" if activation == "relu2" else "expert_gate_up", mine, h, width, shp,
                               bias=experts.bias), local)
-    gate_up = replace(gate_up, gemm_dim=float(min(ep * C, h, width)))
-    n = slots * f
+    gate_up = replace(gate_up, gemm_dim=float(min(ep * C // t, h, width)))
+    n = mine * f
     # each local expert launches its own kernels (DeepSpeed's Experts loops over them), its chunk's copy with them
     copies = tuple(c * local for c in EXPERT_COPY_KERNELS)
     if activation == "relu2":  # ReLU keeps its output, the square reads it back (analytic.relu2)
@@ -102,18 +111,24 @@ def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 
         act = OpCost("expert_swiglu", "vector", fwd_flops=6.0 * n, bwd_flops=12.0 * n, fwd_bytes=3 * n * e,
                      bwd_bytes=5 * n * e, activation_bytes=2 * n * e,
                      kernels=(2 * local + copies[0], 10 * local + copies[1]))
-    down = _experts(linear("expert_down", slots, f, h, shp, bias=experts.bias), local)
-    down = replace(down, gemm_dim=float(min(ep * C, f, h)))
+    down = _experts(linear("expert_down", mine, f, h, shp, bias=experts.bias), local)
+    down = replace(down, gemm_dim=float(min(ep * C // t, f, h)))
     combine = OpCost("combine", "vector", fwd_flops=2.0 * k * T * h, bwd_flops=4.0 * k * T * h,
                      fwd_bytes=(k * T * h + T * h) * e, bwd_bytes=(2 * k * T * h + T * h) * e,
                      activation_bytes=k * T * h * e + k * T * 4, fwd_allocs=(T * h * e,), bwd_allocs=(slots * h * e,),
                      kernels=COMBINE_KERNELS)
+    experts_ops = [gate_up, act, down]
+    if t > 1:  # the experts' output gathered over TP (a copy into the gathered E x C rows); the drop's backward
+        gathered = slots * h * e
+        experts_ops.append(OpCost("tp_gather_slots", "vector", fwd_bytes=2 * gathered, bwd_bytes=2 * gathered,
+                                  comm_fwd_bytes=gathered, comm_bwd_bytes=gathered, comm_type="all-gather",
+                                  fwd_allocs=(gathered,), bwd_allocs=(gathered,), kernels=(2, 2)))
     if ep == 1:
-        return [router, gating, dispatch, gate_up, act, down, combine]
-    moved = slots * h * e  # each all-to-all moves the rank's slots, forward and (their gradients) backward
+        return [router, gating, dispatch, *experts_ops, combine]
+    moved = mine * h * e  # each all-to-all moves the rank's slots, forward and (their gradients) backward
     exchange = [OpCost(name, "vector", comm_fwd_bytes=moved, comm_bwd_bytes=moved, comm_type="all-to-all")
                 for name in ("dispatch_all_to_all", "combine_all_to_all")]
-    return [router, gating, dispatch, exchange[0], gate_up, act, down, exchange[1], combine]
+    return [router, gating, dispatch, exchange[0], *experts_ops[:3], exchange[1], *experts_ops[3:], combine]
 
 
 def shared_mlp(shp: Shape, experts: Experts, activation: str = "swiglu") -> list[OpCost]:

@@ -99,8 +99,9 @@ class ClusterNetwork:
         return _tp_placement(tp, self.gpus_per_node)
 
     def ep_placement(self, tp: int, ep: int) -> "Placement":
-        """An expert-parallel group: ``ep`` members of a DP group (ranks ``tp`` apart), DeepSpeed's order."""
-        return _ep_placement(tp, ep, self.gpus_per_node)
+        """An expert-parallel group: ``ep`` consecutive ranks of a stage (``parallel.topology.rank_groups``), TP
+        ranks first; ``tp`` does not move it."""
+        return _tp_placement(ep, self.gpus_per_node)
 
 
 # NCCL 2.30.7's search speeds, GB/s a channel (src/graph/search.cc): the speeds it tries, fastest first, for
@@ -121,12 +122,6 @@ def search_speeds(net: "ClusterNetwork", *, inter: bool) -> tuple:
 @lru_cache(maxsize=256)
 def _tp_placement(tp: int, per_node: int) -> "Placement":
     return worst_placement(tuple(tuple(range(s, s + tp)) for s in range(0, tp * per_node, tp)), per_node)
-
-
-@lru_cache(maxsize=256)
-def _ep_placement(tp: int, ep: int, per_node: int) -> "Placement":
-    starts = {(i + j * ep * tp) % (per_node * tp * ep) for i in range(tp) for j in range(per_node)}
-    return worst_placement(tuple(tuple(range(s, s + tp * ep, tp)) for s in sorted(starts)), per_node)
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,8 @@ class RankStep:
     checkpoint_bytes: tuple | None = None
     offload: bool = False  # ZeRO-Offload: optimizer states (and ZeRO-3's partitions) and Adam in host memory
     fused_adam: bool = False  # a fused Adam (DeepSpeed's FusedAdam, apex) makes no temporaries; torch's unfused does
-    ep: int = 1  # expert parallelism: the experts' states partition over dp / ep ranks (``expert_parallel_states``)
+    ep: int = 1  # expert parallelism: the experts' states partition over tp x dp / ep ranks (``expert_parallel_states``)
+    tp: int = 1
 
 
 @dataclass
@@ -270,7 +271,7 @@ def step_peak(rank: RankStep) -> PeakMemory:
     if expert and z.stage:
         dense = [n for layer in rank.layers for op in layer if not is_expert_op(op) for n in op.weights]
         states = expert_parallel_states(dense, expert, dp=dp, ep=rank.ep, stage=z.stage, element_bytes=e,
-                                        rank=rank.dp_rank)
+                                        rank=rank.dp_rank, tp=rank.tp)
     elif z.bf16_optimizer:
         states = bf16_optimizer_states(numels, dp=dp, accum_bytes=z.bf16_accum_bytes)
     else:

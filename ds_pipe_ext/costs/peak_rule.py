@@ -31,7 +31,8 @@ class PipelinePeakRule:
     dp: int = 1
     element_bytes: int = 4
     fused_adam: bool = False  # the optimizer step makes no temporaries
-    ep: int = 1  # expert parallelism: the experts' states partition over dp / ep ranks
+    ep: int = 1  # expert parallelism: the experts' states partition over tp x dp / ep ranks
+    tp: int = 1
 
     def _states(self, costs: list) -> list:
         """Per layer, its states at the step by ZeRO's rule; under BF16_Optimizer ZeRO-1's master weights and
@@ -39,9 +40,11 @@ class PipelinePeakRule:
         apart)."""
         e = self.element_bytes
         if not self.zero.bf16_optimizer:
-            return layer_states_by_rule(costs, stage=self.zero.stage, dp=self.dp, element_bytes=e, ep=self.ep)
+            return layer_states_by_rule(costs, stage=self.zero.stage, dp=self.dp, element_bytes=e, ep=self.ep,
+                                        tp=self.tp)
         return [replace(r, grad_bytes=r.param_bytes if c.grad_bytes > 0 else 0)
-                for c, r in zip(costs, layer_states_by_rule(costs, stage=1, dp=self.dp, element_bytes=e, ep=self.ep))]
+                for c, r in zip(costs, layer_states_by_rule(costs, stage=1, dp=self.dp, element_bytes=e, ep=self.ep,
+                                                                      tp=self.tp))]
 
     def step_bytes(self, costs: list) -> list[float]:
         """Per layer, what its stage holds for it at the optimizer step: the states as at the step (ZeRO's
@@ -62,9 +65,10 @@ class PipelinePeakRule:
                 adam = 8.0 * max(layer_tensors(c, e), default=0)
             elif a:  # the flat fp32 partition
                 adam = 8.0 * params / self.dp
-            else:  # the flat fp32 partitions: the dense one over dp, the experts' over dp / ep
+            else:  # the flat fp32 partitions: the dense one over dp, the experts' over tp x dp / ep
                 experts = c.expert_param_bytes / e
-                adam = 8.0 * ((params - experts) / self.dp + experts * self.ep / self.dp) if z else 8.0 * params
+                adam = (8.0 * ((params - experts) / self.dp + experts * self.ep / (self.tp * self.dp)) if z
+                        else 8.0 * params)
             out.append(float(ruled.static_bytes) + flat + adam)
         return out
 

@@ -142,27 +142,34 @@ def bf16_accumulation_bytes(param_numels: list[int], *, dp: int, accum_bytes: in
 
 
 def expert_parallel_states(dense_numels: list[int], expert_numels: list[int], *, dp: int, ep: int, stage: int,
-                           element_bytes: int = 4, rank: int | None = None) -> ModelStates:
+                           element_bytes: int = 4, rank: int | None = None, tp: int = 1) -> ModelStates:
     """``zero_model_states`` of a rank holding DeepSpeed MoE experts: DeepSpeed keeps them in their own
     parameter groups, each partitioned (and padded) over its own group: dense parameters over the dp
-    ranks, a rank's experts over the dp / ep ranks that hold the same experts (its expert-data-parallel
-    group, data-parallel ranks ep apart).  Gradients in fp32 under ZeRO-1/2: the most held over the
-    groups' steps (``_fp32_grads_over_group_steps``), not the sum of the groups' partitions."""
-    if dp % ep:
-        raise ValueError(f"ep = {ep} does not divide dp = {dp}")
+    ranks, a rank's experts over the tp x dp / ep ranks of its stage that hold the same experts (its
+    expert-data-parallel group, ``Layout.expert_dp``: ranks ep apart).  ``rank``: the data-parallel rank (at TP
+    rank 0).  Gradients in fp32 under ZeRO-1/2: the most held over the groups' steps
+    (``_fp32_grads_over_group_steps``), not the sum of the groups' partitions."""
+    expert_dp = _expert_dp(tp, dp, ep)
     dense = zero_model_states(dense_numels, dp=dp, stage=stage, element_bytes=element_bytes, rank=rank)
     if not expert_numels:
         return dense
-    experts = zero_model_states(expert_numels, dp=dp // ep, stage=stage, element_bytes=element_bytes,
-                                rank=None if rank is None else rank // ep)
+    expert_rank = None if rank is None else rank * tp // ep
+    experts = zero_model_states(expert_numels, dp=expert_dp, stage=stage, element_bytes=element_bytes,
+                                rank=expert_rank)
     summed = ModelStates(*(getattr(dense, k) + getattr(experts, k) for k in ("param_bytes", "grad_bytes",
                                                                              "optimizer_bytes")))
     if stage not in (1, 2) or element_bytes != 4:
         return summed
     ranks = range(dp) if rank is None else (rank,)
-    grads = max(_fp32_grads_over_group_steps([(dense_numels, dp, r), (expert_numels, dp // ep, r // ep)])
+    grads = max(_fp32_grads_over_group_steps([(dense_numels, dp, r), (expert_numels, expert_dp, r * tp // ep)])
                 for r in ranks)
     return replace(summed, grad_bytes=4 * grads)
+
+
+def _expert_dp(tp: int, dp: int, ep: int) -> int:
+    if (tp * dp) % ep:
+        raise ValueError(f"ep = {ep} does not divide tp x dp = {tp * dp}")
+    return tp * dp // ep
 
 
 def overlapping_partition(param_numels: list[int], dp: int, rank: int) -> int:
@@ -225,17 +232,17 @@ def state_bytes_per_param(stage: int, dp: int, element_bytes: int = 4) -> float:
     return sum(state_bytes_by_kind(stage, dp, element_bytes))
 
 
-def layer_states_by_rule(costs: list, *, stage: int, dp: int, element_bytes: int = 4, ep: int = 1) -> list:
+def layer_states_by_rule(costs: list, *, stage: int, dp: int, element_bytes: int = 4, ep: int = 1,
+                         tp: int = 1) -> list:
     """``LayerCost`` records whose parameter, gradient and optimizer bytes follow this rule for ZeRO
     ``stage`` over ``dp`` ranks (``state_bytes_by_kind``), from their parameters (``param_bytes`` in
     ``element_bytes`` each).  A frozen layer (no gradient bytes) keeps only its weights, partitioned
     under ZeRO-3.  The states are Adam's, whatever the profile's ``optimizer_bytes_per_param`` said.
     Expert parameters (``expert_param_bytes``, this rank's experts) follow the same rule over their
-    expert-data-parallel group, dp / ep ranks: DeepSpeed partitions each MoE parameter group over it."""
-    if dp % ep:
-        raise ValueError(f"ep = {ep} does not divide dp = {dp}")
+    expert-data-parallel group, tp x dp / ep ranks: DeepSpeed partitions each MoE parameter group over it."""
+    expert_dp = _expert_dp(tp, dp, ep)
     dense = state_bytes_by_kind(stage, dp, element_bytes)
-    experts = state_bytes_by_kind(stage, dp // ep, element_bytes) if ep > 1 else dense
+    experts = state_bytes_by_kind(stage, expert_dp, element_bytes) if expert_dp != dp else dense
     return [_by_rule(c, dense, experts, element_bytes) for c in costs]
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import LOCAL
+from .layers import LOCAL, LayerImpl
 from .llama import LlamaMLP
 
 
@@ -85,9 +85,9 @@ def expert_mlp(cfg, ffn: int) -> nn.Module:
     return LlamaMLP(cfg, LOCAL, ffn)
 
 
-def shared_mlp(cfg, ffn: int) -> nn.Module:
+def shared_mlp(cfg, ffn: int, impl: LayerImpl = LOCAL) -> nn.Module:
     """The always-on shared experts (one MLP ``ffn`` wide): squared ReLU for Nemotron-H, else SwiGLU (gpt-oss has
-    none)."""
+    none), split over TP as a dense MLP (``impl``; megatron-core's SharedExpertMLP)."""
     if getattr(cfg, "expert_activation", "swiglu") == "relu2":
         return Relu2MLP(cfg.hidden, ffn)
-    return LlamaMLP(cfg, LOCAL, ffn)
+    return LlamaMLP(cfg, impl, ffn)

@@ -12,6 +12,12 @@
 * DeepSpeed's ``Experts`` deep-copies one expert into every local slot, so all experts would start equal
   and a routing error could not change the loss.  Each expert is re-initialised from a seed drawn once
   per layer (the same on every rank) plus its global id: the same weights under any EP degree.
+* Under TP (no SP) every TP rank holds the same tokens and routes them alike.  DeepSpeed's MoE layer drops
+  the duplicates (each TP rank sends 1/tp of every expert's slots through the all-to-all and its experts) and
+  gathers the experts' output back over TP; its expert groups are ep consecutive ranks of a stage, TP ranks
+  first (``parallel.topology.rank_groups``), so an expert's gradient sums over the TP ranks that computed its
+  slots and averages over data parallelism.  Experts stay whole (Megatron's expert TP 1); the shared experts,
+  attention and dense MLPs split as the Llama family's.
 * Routing is configured so a one-process reference can reproduce it exactly: no noisy gate, no random
   token selection, no sampled second expert.  ``capacity_factor`` 0 is dropless (DeepSpeed pads every
   expert to the largest expert load, all-reduced over the EP group); > 0 drops tokens beyond
@@ -80,6 +86,19 @@ def global_expert_names(model: nn.Module) -> dict[str, str]:
     return names
 
 
+def _tell_deepspeed_megatrons_tp() -> None:
+    """DeepSpeed's MoE layer asks its model-parallel unit (``groups.mpu``) for the TP group it drops and gathers
+    slots over, forward and backward; the engine sets it, but a layer profiled before the engine exists has none.
+    megatron's parallel_state answers the same questions with the same groups
+    (``parallel.topology.check_agreement``) until the engine sets its own."""
+    from deepspeed.utils import groups
+
+    if groups.mpu is None:
+        from megatron.core import parallel_state
+
+        groups.mpu = parallel_state
+
+
 def check_moe_config(cfg: MoEConfig) -> None:
     """What DeepSpeed's MoE layer cannot run, named before any layer is built."""
     # DeepSpeed's top-2 and top-k gates divide by the chosen gates' sum, top-1 not; our gates call its top-k
@@ -125,7 +144,7 @@ def reference_routing(logits: torch.Tensor, k: int, *, topk_gating: bool = False
 class RoutedMLP(nn.Module):
     """Routed experts (DeepSpeed's MoE layer) plus optional shared experts: x -> (y, aux loss, tokens per expert)."""
 
-    def __init__(self, cfg: MoEConfig, ep: int = 1, *, reference: bool = False):
+    def __init__(self, cfg: MoEConfig, ep: int = 1, *, reference: bool = False, impl: LayerImpl = LOCAL):
         super().__init__()
         from deepspeed.moe.layer import MoE
 
@@ -156,12 +175,16 @@ class RoutedMLP(nn.Module):
                 if not p.is_meta:  # a shape-only build (meta device) has no values to set
                     with torch.no_grad():
                         p.copy_(torch.randn(p.shape, generator=g, device="cpu") * INIT_STD)
-        self.shared = shared_mlp(cfg, cfg.shared_ffn_hidden) if cfg.shared_ffn_hidden else None
+        self.tp = impl.tp_size
+        self.shared = shared_mlp(cfg, cfg.shared_ffn_hidden, impl) if cfg.shared_ffn_hidden else None
         self.shared_gate = nn.Linear(cfg.hidden, 1, bias=False) if cfg.shared_gate else None
         if reference and not dropless:
             raise ModelConfigError("the reference routing is dropless; set capacity_factor = 0 to compare with it")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.tp > 1:
+            self._check_tp_capacity(x)
+            _tell_deepspeed_megatrons_tp()
         if self.reference:
             y, aux, counts = self._reference(x)
         elif self.moe.ep_size > 1 and self.moe.deepspeed_moe.ep_group is None:
@@ -174,6 +197,21 @@ class RoutedMLP(nn.Module):
             shared = self.shared(x)
             y = y + (shared * torch.sigmoid(self.shared_gate(x)) if self.shared_gate is not None else shared)
         return y, aux, counts
+
+    def _check_tp_capacity(self, x: torch.Tensor) -> None:
+        """DeepSpeed splits every expert's C slots over the TP ranks; dropless it pads C to a multiple of tp, with a
+        capacity factor it asserts deep in the all-to-all.  Named here instead."""
+        gate = self.moe.deepspeed_moe.gate
+        if not gate.drop_tokens:
+            return
+        tokens, experts = x.numel() // x.shape[-1], self.moe.num_experts
+        slots = max(math.ceil(tokens / experts * gate.capacity_factor * self.top_k), gate.min_capacity)
+        if slots % self.tp:
+            raise ModelConfigError(
+                f"capacity_factor {gate.capacity_factor} gives ceil({tokens} tokens / {experts} experts x "
+                f"{gate.capacity_factor} x top_k {self.top_k}) = {slots} slots an expert, which tp = {self.tp} does not "
+                f"divide (DeepSpeed splits them over the TP ranks); choose a capacity_factor giving a multiple of "
+                f"{self.tp}, or capacity_factor = 0 (dropless)")
 
     def _alone(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A layer built for EP run on one rank with no collective, as the profiler runs it: DeepSpeed's own
@@ -241,7 +279,7 @@ class MoEBlock(nn.Module):
         else:
             self.attn = LlamaAttention(cfg, impl, selective_recompute)
         self.post_attention_norm = impl.rms_norm(cfg.hidden, cfg.rms_norm_eps)
-        self.mlp = RoutedMLP(cfg, ep, reference=reference) if routed else LlamaMLP(cfg, impl)
+        self.mlp = RoutedMLP(cfg, ep, reference=reference, impl=impl) if routed else LlamaMLP(cfg, impl)
         self.routed = routed
         self.capacity_factor, self.top_k, self.experts = cfg.capacity_factor, cfg.top_k, cfg.experts
         # the last forward's, for the instrumentation (instrument/experts.py)
@@ -317,9 +355,9 @@ def moe_layer_specs(cfg: MoEConfig, impl: LayerImpl = LOCAL, *, selective_recomp
     """[embedding, L blocks (the first ``dense_layers`` dense), D multi-token-prediction layers, final norm + head]
     (L + D + 2 layers)."""
     check_moe_config(cfg)
-    if impl.tp_size > 1:
-        raise ModelConfigError("tensor parallelism of a Mixture-of-Experts model is not supported; use tp = 1 "
-                               "(and ep to split the experts)")
+    if impl.sequence_parallel:
+        raise ModelConfigError("sequence parallelism of a Mixture-of-Experts model is not supported: DeepSpeed's MoE "
+                               "layer takes the TP ranks to hold the same tokens; turn sp off (TP splits it without)")
     blocks = [LayerSpec(MoEBlock, cfg, impl, selective_recompute, routed=cfg.is_moe_block(i), ep=ep,
                         reference=reference, index=i) for i in range(cfg.layers)]
     mtp = [LayerSpec(MoEMTPLayer, cfg, impl, selective_recompute, k=k, ep=ep, reference=reference)

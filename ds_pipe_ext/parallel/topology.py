@@ -21,9 +21,10 @@ class TopologyError(LayoutError):
 def rank_groups(pp: int, tp: int, dp: int, ep: int = 1) -> dict[str, list[list[int]]]:
     """Every process group of a PP x TP x DP (x EP) layout, without DeepSpeed or a process group: ranks ordered
     (pipe, data, model), TP fastest, as ``PipeModelDataParallelTopology`` orders them; the expert groups as
-    DeepSpeed's ``groups._get_expert_parallel_ranks`` builds them by default (expert parallel before data,
-    ``use_data_before_expert_parallel_=False``): an EP group is ``ep`` consecutive members of a DP group, an
-    expert-data-parallel group the members ``ep`` apart.  ``tied``: the first and last stage's ranks at the
+    DeepSpeed's MoE layer builds them by default (``groups._create_expert_and_data_parallel`` without expert
+    tensor parallelism, expert parallel before data): an EP group is ``ep`` consecutive ranks of a stage, an
+    expert-data-parallel group the stage's ranks ``ep`` apart.  Under TP the consecutive ranks are TP ranks
+    first, as Megatron folds its TP ranks into EP at expert TP 1; without TP, consecutive members of a DP group.  ``tied``: the first and last stage's ranks at the
     same data and model index (DeepSpeed's tied-weight groups); ``pp``: the pipeline's ranks of one data and
     model index, neighbours ``tp x dp`` apart."""
     def rank(p: int, d: int, t: int) -> int:
@@ -35,10 +36,11 @@ def rank_groups(pp: int, tp: int, dp: int, ep: int = 1) -> dict[str, list[list[i
               "pp": [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
               "tied": [[rank(0, d, t), rank(pp - 1, d, t)] for d in range(dp) for t in range(tp)] if pp > 1 else []}
     if ep > 1:
-        if dp % ep:
-            raise TopologyError(f"ep {ep} must divide dp {dp}")
-        groups["ep"] = [g[i:i + ep] for g in dp_groups for i in range(0, dp, ep)]
-        groups["expert_dp"] = [g[i::ep] for g in dp_groups for i in range(ep)]
+        if (tp * dp) % ep:
+            raise TopologyError(f"ep {ep} must divide tp x dp {tp * dp}")
+        stages = [list(range(p * dp * tp, (p + 1) * dp * tp)) for p in range(pp)]
+        groups["ep"] = [s[i:i + ep] for s in stages for i in range(0, tp * dp, ep)]
+        groups["expert_dp"] = [s[i::ep] for s in stages for i in range(ep)]
     return groups
 
 

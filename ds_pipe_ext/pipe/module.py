@@ -271,7 +271,8 @@ class PipelineModule(_DeepSpeedPipelineModule):
         # costs' element size (16 bits: with fp32 masters)
         element = DTYPE_BYTES[self._costs_dtype(source)]
         return layer_states_by_rule(costs, stage=self._ext_zero_stage, dp=ds_engine.data_parallel_degree(self),
-                                    element_bytes=element, ep=self._ext_expert_parallel)
+                                    element_bytes=element, ep=self._ext_expert_parallel,
+                                    tp=ds_engine.tensor_parallel_degree(self))
 
     def _source_costs(self, source: str, specs: list) -> list:
         inputs, labels = self._ext_profile_batch

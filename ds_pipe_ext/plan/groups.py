@@ -19,7 +19,7 @@ def placements(cluster, pp: int, tp: int, dp: int, ep: int) -> dict:
     "pp_pair" (neighbouring stages); a kind the layout lacks is one rank."""
     from ..parallel.topology import rank_groups
 
-    groups = rank_groups(pp, tp, dp, ep if ep > 1 and dp % ep == 0 else 1)
+    groups = rank_groups(pp, tp, dp, ep if ep > 1 and (tp * dp) % ep == 0 else 1)
     pairs = [(g[i], g[i + 1]) for g in groups["pp"] for i in range(len(g) - 1)]
     one = cluster.worst([[0]])
     out = {axis: cluster.worst(groups[axis]) if groups.get(axis) else one

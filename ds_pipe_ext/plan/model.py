@@ -262,7 +262,7 @@ class PlanModel(RankUpdate):
         if not walks_schedule(lay.schedule_spec):
             return None
         return PipelinePeakRule(self.zero_of(lay), lay.dp, self.e,
-                                fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, ep=lay.ep)
+                                fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, ep=lay.ep, tp=lay.tp)
 
     def _memory_lists(self, lay: Layout, costs) -> dict:
         """The partitioner's memory lists for ``lay``: the peak rule's where it applies, else the states at
@@ -319,7 +319,8 @@ class PlanModel(RankUpdate):
         costs = self.costs_of(lay)
         if lay.num_chunks == 1:
             return [0, len(costs)]
-        states = tuple(layer_states_by_rule(list(costs), stage=lay.zero, dp=lay.dp, element_bytes=self.e, ep=lay.ep))
+        states = tuple(layer_states_by_rule(list(costs), stage=lay.zero, dp=lay.dp, element_bytes=self.e, ep=lay.ep,
+                                            tp=lay.tp))
         dualpipev = lay.schedule_spec.kind == "dualpipev"  # it balances each rank's pair by time alone
         return list(_analytic_split(states, lay.num_chunks, lay.micro_batches, lay.recompute == "full",
                                lay.schedule_spec.name, self.step_model,

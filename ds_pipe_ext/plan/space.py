@@ -1,6 +1,6 @@
 """The layouts a cluster admits: pp x tp x dp = N, ZeRO, micro-batch, recompute, SP, schedule, and for a
-Mixture-of-Experts model the expert-parallel degree (dividing dp and the experts; DeepSpeed's MoE layer
-runs ZeRO 0-2 and no TP beside it).
+Mixture-of-Experts model the expert-parallel degree (dividing tp x dp and the experts; DeepSpeed's MoE layer
+runs ZeRO 0-2, and TP without SP beside it).
 
 What DeepSpeed can run decides the space: ZeRO 0 or 1 under a pipeline (its PipelineEngine refuses
 ZeRO-2/3), ZeRO 1, 2 or 3 without one; 1F1B, GPipe and DualPipeV as its engine runs them.  Megatron's
@@ -74,13 +74,13 @@ def enumerate_layouts(cfg, gpus: int, *, gpus_per_node: int, global_batch: int,
             if experts and 3 in zeros:  # DeepSpeed's native MoE refuses ZeRO-3 (AutoEP is its path there)
                 dropped["refused: native DeepSpeed MoE is not supported with ZeRO Stage 3"] += 1
                 zeros = tuple(z for z in zeros if z != 3)
-            eps = expert_degrees(dp, experts)
+            eps = expert_degrees(tp * dp, experts)
             for mb in mbs:
                 m = global_batch // (mb * dp)
                 for schedule in _schedules(pp, m, layers):
                     for zero in zeros:
                         for recompute in RECOMPUTE:
-                            for sp in ((False, True) if tp > 1 else (False,)):
+                            for sp in ((False, True) if tp > 1 and not experts else (False,)):
                                 for ep in eps:
                                     out.append(Layout(pp=pp, tp=tp, dp=dp, sp=sp, zero=zero, micro_batch=mb,
                                                       micro_batches=m, recompute=recompute, schedule=schedule,

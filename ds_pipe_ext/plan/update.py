@@ -43,7 +43,7 @@ class RankUpdate:
         ``overlap_comm`` half of it hides under the rank's last backward and half under its first
         forward, ``hide_under`` = (forward s, backward s) of a micro-batch on the rank (None: all of it
         hides, the least it can cost: the bounds' case).  ``expert_params``: of ``params``, a rank's experts,
-        whose gradients reduce over their expert-data-parallel group (dp / ep ranks) and whose optimizer
+        whose gradients reduce over their expert-data-parallel group (tp x dp / ep ranks) and whose optimizer
         states partition over it.  ``zero3_exposed_s``: ZeRO-3's traffic a micro-batch leaves exposed
         (``zero3_exposed_s``), where the prefetch chain prices it, in place of the serial formula.
         ``tied_params``: a tied embedding's parameters on this rank, whose gradients DeepSpeed's pipeline
@@ -51,14 +51,15 @@ class RankUpdate:
         ``tensors``: the element count of each of the rank's parameter tensors (``engine_passes_s``)."""
         if lay.runtime == "megatron":
             return self._megatron_update_s(lay, params, hide_under)
-        experts = expert_params if lay.ep > 1 else 0.0  # at ep 1 the experts reduce with the rest
+        # at ep 1 without TP the experts reduce with the rest; under TP over the stage's tp x dp / ep ranks
+        experts = expert_params if lay.expert_dp != lay.dp else 0.0
         dense = params - experts
         sharded = lay.zero >= 1 or self.bf16_optimizer(lay)  # BF16_Optimizer partitions its fp32 states like ZeRO-1
-        owned = dense / (lay.dp if sharded else 1) + experts / (lay.dp // lay.ep if sharded else 1)
+        owned = dense / (lay.dp if sharded else 1) + experts / (lay.expert_dp if sharded else 1)
         if zero3_exposed_s is not None:
             comm = lay.micro_batches * zero3_exposed_s
         else:
-            comm = self._dp_comm_s(lay, dense, lay.dp) + self._dp_comm_s(lay, experts, lay.dp // lay.ep)
+            comm = self._dp_comm_s(lay, dense, lay.dp) + self._dp_comm_s(lay, experts, lay.expert_dp)
         if tied_params:
             comm += self.device.group_time("all-reduce", tied_params * self.grad_reduce_bytes(lay),
                                            self.placements(lay)["tied"])
@@ -68,7 +69,7 @@ class RankUpdate:
 
     def _dp_comm_s(self, lay: Layout, params: float, n: int) -> float:
         """DeepSpeed's data-parallel collectives of ``params`` parameters' gradients over ``n`` ranks (the
-        dp group; a rank's experts: their expert-data-parallel group of dp / ep)."""
+        dp group; a rank's experts: their expert-data-parallel group of tp x dp / ep)."""
         m, grads = lay.micro_batches, params * self.e
         if n <= 1 or not params:
             return 0.0

@@ -144,10 +144,6 @@ def load_full_state(model: torch.nn.Module, path: str, *, tp: int, pipelined: bo
     full = torch.load(path, map_location=first.device if first is not None else "cpu", weights_only=True)
     if pipelined:  # a PipelineModule names its layers "<i>.…"
         full = {k.removeprefix("layers."): v for k, v in full.items()}
-    if tp > 1:
-        from ..models.tensor_parallel import shard_like
-
-        full = shard_like(full, model)
     from ..models.moe import global_expert_names
 
     experts = global_expert_names(model)  # EP: this rank's experts are a slice of the model's
@@ -155,6 +151,10 @@ def load_full_state(model: torch.nn.Module, path: str, *, tp: int, pipelined: bo
     missing = [k for k in model.state_dict() if k not in full and not k.endswith("_extra_state")]
     if missing:
         raise ConfigError(f"--init-from {path}: no weights for {missing[:3]}...; it must come from the same model")
+    if tp > 1:  # by this rank's names: an expert under EP is named by its local index
+        from ..models.tensor_parallel import shard_like
+
+        full = shard_like(full, model)
     model.load_state_dict({k: full.get(k, v) for k, v in model.state_dict().items()})
 
 
@@ -192,10 +192,15 @@ def compile_layers(model: torch.nn.Module, *, pipelined: bool) -> int:
     return len(layers)
 
 
-def build_engine(cfg: RunConfig, model: torch.nn.Module, layout: Layout):
+def build_engine(cfg: RunConfig, model: torch.nn.Module, layout: Layout, *, boundary_grads: int = 1):
+    """``boundary_grads``: the tensors a stage boundary carries that need a gradient (the moe family's hidden
+    states and its routers' summed loss).  DeepSpeed's pipeline splits only the first over TP and asserts the rest
+    need none, so with more its split of the boundary is turned off (each TP rank sends the whole tensors)."""
     import deepspeed
 
     ds = cfg.deepspeed_config()
+    if cfg.pipelined and layout.tp > 1 and boundary_grads > 1:
+        ds["pipeline"].update(pipe_partitioned=False, grad_partitioned=False)
     optimizer = None
     if "optimizer" not in ds:
         optimizer = make_adamw(optimizer_groups(model), lr=cfg.train.lr, offload=layout.offload)
@@ -313,7 +318,7 @@ def build(cfg: RunConfig) -> Built:
         from ..compat.engine import ensure_expert_groups
 
         ensure_expert_groups(layout.ep, layout.pp)
-    engine = build_engine(cfg, model, layout)
+    engine = build_engine(cfg, model, layout, boundary_grads=2 if experts else 1)
     if layout.ep > 1:
         from ..models.moe import check_expert_groups
 

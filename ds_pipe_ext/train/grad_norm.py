@@ -45,7 +45,8 @@ def clip_by_the_whole_pipeline(engine, model, layout: Layout, norms: list, *, dt
 
 def global_grad_norm(model, layout: Layout) -> float:
     """L2 norm of the whole model's gradient: TP shards summed, TP-replicated and DP-replicated copies once
-    (an expert's gradient lives on dp / ep ranks of a stage, a dense parameter's on all dp)."""
+    (an expert's gradient lives on tp x dp / ep ranks of a stage, ``Layout.expert_dp``; a dense parameter's on
+    all dp)."""
     tp_rank = 0
     if layout.tp > 1:
         from megatron.core import parallel_state
@@ -57,11 +58,12 @@ def global_grad_norm(model, layout: Layout) -> float:
     dense = torch.zeros((), dtype=torch.float64, device=device)
     experts = torch.zeros((), dtype=torch.float64, device=device)
     for p in model.parameters():
-        if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
-            if getattr(p, "allreduce", True) is False:  # DeepSpeed's mark on expert parameters
-                experts += squared_l2(p.grad)
-            else:
-                dense += squared_l2(p.grad)
-    total = torch.stack((dense / layout.dp, experts / (layout.dp // layout.ep)))
+        if p.grad is None:
+            continue
+        if getattr(p, "allreduce", True) is False:  # DeepSpeed's mark on expert parameters: whole on every TP rank
+            experts += squared_l2(p.grad)
+        elif getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+            dense += squared_l2(p.grad)
+    total = torch.stack((dense / layout.dp, experts / layout.expert_dp))
     dist.all_reduce(total)
     return float(total.sum().sqrt())
