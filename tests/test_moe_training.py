@@ -145,7 +145,8 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
     and loss terms in the run directory) and resumed for the third (its loss within 1e-6 of the
     uninterrupted run's); a resume under another split moves the full states (the same losses), one under
     another EP degree is refused naming the saved one; the ZeRO-1 rule on every rank; the ds.json `plan` emits for EP 2, trained as emitted; and ZeRO-2
-    without a pipeline (DP 4 x EP 2) against one process."""
+    without a pipeline (DP 4 x EP 2) against one process; PP 2 x TP 2 at EP 2 and 1 (ZeRO-0 and ZeRO-1) against one
+    process."""
     from ds_pipe_ext.cli import main
     from ds_pipe_ext.runner import launch, write_config
 
@@ -175,6 +176,9 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
     tp2 = {ep: write_config(tmp_path / f"tp2-ep{ep}.json", pipeline={"stages": 2, "partition_method": "parts:0,3,6"},
                             tensor_parallel={"size": 2, "sequence_parallel": False}, moe={"ep_size": ep}, **common)
            for ep in (1, 2)}
+    tp2_zero1 = write_config(tmp_path / "tp2-zero1.json", pipeline={"stages": 2, "partition_method": "parts:0,3,6"},
+                             tensor_parallel={"size": 2, "sequence_parallel": False}, moe={"ep_size": 1},
+                             zero_optimization={"stage": 1}, **common)
     modes = ["none", "full", "selective", "full", "selective", "none"]  # saved without recompute, resumed with
     per_layer = write_config(tmp_path / "per-layer.json", pipeline={"stages": 2, "partition_method": "parts:0,3,6"},
                              moe={"ep_size": 2}, **{**common, "train": {**common["train"], "recompute": modes}})
@@ -191,7 +195,8 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
             "--run", f"plan: --steps 1 --deepspeed_config {plan}",
             "--run", f"zero2: --init-from {init} --steps 1 --deepspeed_config {zero2}",
             "--run", f"tp2 ep2: --init-from {init} --deepspeed_config {tp2[2]}",
-            "--run", f"tp2 ep1: --init-from {init} --deepspeed_config {tp2[1]}"]
+            "--run", f"tp2 ep1: --init-from {init} --deepspeed_config {tp2[1]}",
+            "--run", f"tp2 zero1: --init-from {init} --deepspeed_config {tp2_zero1}"]
     proc, ranks = launch(4, ds, "--steps", str(steps), *runs, out_dir=tmp_path, cwd=tmp_path,
                          script="tests/models_in_turn.py", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -286,6 +291,8 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
         assert tp_run["grad_norms"][0] == pytest.approx(one_replica[1][0], rel=1e-5), name
         assert tp_run["losses"] == pytest.approx(one_replica[0], rel=1e-4), name
         assert tp_run["grad_norms"] == pytest.approx(one_replica[1], rel=1e-4), name
+    # ZeRO-1: the experts' states partitioned over their expert-data-parallel group, the TP pair at EP 1
+    assert got["tp2 zero1"]["losses"] == pytest.approx(one_replica[0], rel=1e-4)
     planned = got["plan"]
     assert "parts:" + ",".join(map(str, planned["parts"])) == emitted["pipeline"]["partition_method"]
     assert planned["dp"] == 2 and math.isfinite(planned["losses"][0])
