@@ -48,6 +48,16 @@ data-parallel run), in ``compat.comm``:
 DeepSpeed ``comm/torch.py``, in ``compat.cpu_shims``:
     ``build_shm_op``     the JIT build of the shared-memory op, skipped on CPU
 
+DeepSpeed ``utils/groups.py``, in ``compat.engine``:
+    ``_create_expert_and_data_parallel``   the expert groups, made on every rank before the engine
+    ``_release_process_group_references``  forgotten between builds in one process
+    ``mpu``              the model-parallel unit its MoE layer reads: megatron's ``parallel_state`` for a routed
+                         layer profiled under TP before the engine sets its grid
+
+DeepSpeed ``moe/mappings.py``, in ``compat.cpu_shims`` (CPU only):
+    the module-level name ``deepspeed``, whose ``comm.all_gather_into_tensor`` gets DeepSpeed's flat buffer
+    viewed as gloo requires it
+
 glibc's malloc, in ``compat.cpu_shims`` (CPU only):
     ``mallopt`` M_MMAP_THRESHOLD and M_TRIM_THRESHOLD, fixed so that a step's page faults do not
     depend on what the process allocated before (``DS_PIPE_EXT_GLIBC_MALLOC=default`` opts out)

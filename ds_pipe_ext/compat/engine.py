@@ -172,6 +172,19 @@ def ensure_expert_groups(ep: int, pp: int) -> None:
         groups._create_expert_and_data_parallel(ep, pp_size=pp)
 
 
+def tell_deepspeed_megatrons_tp() -> None:
+    """DeepSpeed's MoE layer asks its model-parallel unit (``groups.mpu``) for the TP group it drops and gathers
+    slots over, forward and backward; the engine sets it, but a layer profiled before the engine exists has none.
+    megatron's ``parallel_state`` answers the same questions with the same groups
+    (``parallel.topology.check_agreement``) until the engine sets its own grid."""
+    from deepspeed.utils import groups
+
+    if groups.mpu is None:
+        from megatron.core import parallel_state
+
+        groups.mpu = parallel_state
+
+
 def forget_deepspeed_groups() -> None:
     """Let the next engine in this process make DeepSpeed's groups afresh: its model-parallel unit (a
     pipeline engine leaves its grid as ``groups.mpu``, which a data-parallel engine after it would read)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec
 from torch import nn
 
+from ..compat.engine import tell_deepspeed_megatrons_tp
 from ..pipe.sequential import SequentialLayers
 from .config import ModelConfigError
 from .layers import INIT_STD, LOCAL, LayerImpl, lm_loss
@@ -84,19 +85,6 @@ def global_expert_names(model: nn.Module) -> dict[str, str]:
                 i, rest = key.split(".", 1)
                 names[f"{prefix}{key}"] = f"{prefix}{first + int(i)}.{rest}"
     return names
-
-
-def _tell_deepspeed_megatrons_tp() -> None:
-    """DeepSpeed's MoE layer asks its model-parallel unit (``groups.mpu``) for the TP group it drops and gathers
-    slots over, forward and backward; the engine sets it, but a layer profiled before the engine exists has none.
-    megatron's parallel_state answers the same questions with the same groups
-    (``parallel.topology.check_agreement``) until the engine sets its own."""
-    from deepspeed.utils import groups
-
-    if groups.mpu is None:
-        from megatron.core import parallel_state
-
-        groups.mpu = parallel_state
 
 
 def check_moe_config(cfg: MoEConfig) -> None:
@@ -184,7 +172,7 @@ class RoutedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.tp > 1:
             self._check_tp_capacity(x)
-            _tell_deepspeed_megatrons_tp()
+            tell_deepspeed_megatrons_tp()  # profiled before the engine: no model-parallel unit yet
         if self.reference:
             y, aux, counts = self._reference(x)
         elif self.moe.ep_size > 1 and self.moe.deepspeed_moe.ep_group is None:
