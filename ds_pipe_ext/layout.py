@@ -27,6 +27,7 @@ writer of the sections a layout decides) and prints as Megatron-LM arguments.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 
 from .arch import as_description
@@ -87,6 +88,15 @@ def expert_degrees(ranks: int, experts: int) -> list[int]:
     """The EP degrees a stage of ``ranks`` ranks (tp x dp) admits for ``experts`` experts a block (those
     dividing both, ``check``'s rule); [1] for a dense model."""
     return [d for d in range(1, ranks + 1) if ranks % d == 0 and experts % d == 0] if experts else [1]
+
+
+def capacity_slots(experts, tokens: int) -> int:
+    """The slots DeepSpeed's capacity gives each expert for ``tokens`` routed tokens (``sharded_moe._capacity``:
+    ceil(tokens / experts x capacity_factor x top_k)); 0 for a dropless layer (its slots follow the loads, padded
+    to a multiple of tp)."""
+    if not experts.capacity_factor:
+        return 0
+    return math.ceil(tokens / experts.count * experts.capacity_factor * experts.top_k)
 
 
 def _positive(name: str, value) -> None:
@@ -234,10 +244,11 @@ class Layout:
         return cls(pp=pp, tp=tp, dp=world_size // (pp * tp), **rest)
 
     # -- the model's rules -------------------------------------------------------------------
-    def check(self, model) -> None:
+    def check(self, model, *, capacity: bool = True) -> None:
         """Every rule the model sets: TP divides every block's heads, key/value heads and ffn, the hidden
-        and the (padded) vocabulary; SP divides the sequence; every chunk gets a layer.  ``model``: an
-        ``arch.ModelDescription`` or a config that describes itself."""
+        and the (padded) vocabulary, and (``capacity``) each expert's capacity slots at this micro-batch; SP
+        divides the sequence; every chunk gets a layer.  ``model``: an ``arch.ModelDescription`` or a config that
+        describes itself."""
         desc = as_description(model)
         self.check_widths(desc)
         name, t = desc.name, self.tp
@@ -258,6 +269,13 @@ class Layout:
             raise LayoutError(f"tp = {t} on model {name!r} with the megatron runtime: Megatron-LM runs a "
                               f"Mixture-of-Experts model's TP with sequence parallelism and its own token "
                               f"dispatcher, which is not modelled; use the deepspeed runtime or tp = 1")
+        for e in experts if t > 1 and capacity else ():
+            slots = capacity_slots(e, self.micro_batch * desc.seq_len)
+            if slots % t:
+                raise LayoutError(f"tp = {t} on model {name!r}: capacity_factor {e.capacity_factor} gives {slots} slots "
+                                  f"an expert at micro-batch {self.micro_batch}, which DeepSpeed splits over the TP "
+                                  f"ranks and tp does not divide; choose a micro-batch or capacity_factor giving a "
+                                  f"multiple of {t}, or capacity_factor = 0 (dropless)")
         if experts and self.zero == 3:
             raise LayoutError(f"ZeRO-3 on model {name!r}: DeepSpeed's native MoE layer refuses ZeRO-3 (\"Native "
                               f"DeepSpeed MoE is not supported with ZeRO Stage 3\"; its AutoEP is another path); "

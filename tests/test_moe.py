@@ -151,6 +151,24 @@ def test_expert_parallel_layouts_the_model_refuses(kwargs, match):
     assert ok.name == "pp1-tp1-dp4-ep4-z2-mb1-none" and Layout(dp=4).name == "pp1-tp1-dp4-z0-mb1-none"
 
 
+def test_tensor_parallelism_must_split_each_experts_capacity_slots():
+    """DeepSpeed splits each expert's ceil(tokens / E x capacity_factor x k) slots over the TP ranks: at 32 tokens,
+    4 experts, top-2 and a factor of 1.05 that is 17 at micro-batch 1 (refused at TP 2) and 34 at 2; the planner
+    keeps only the micro-batches whose slots split."""
+    from ds_pipe_ext.layout import Layout, LayoutError
+    from ds_pipe_ext.plan.space import enumerate_layouts
+
+    model = load_model("moe-tiny", capacity_factor=1.05)
+    with pytest.raises(LayoutError, match=r"capacity_factor 1.05 gives 17 slots an expert at micro-batch 1"):
+        Layout(tp=2).check(model)
+    Layout(tp=2, micro_batch=2).check(model)
+    Layout(dp=2, micro_batch=1).check(model)  # no TP: nothing to split
+    layouts, dropped = enumerate_layouts(model, 2, gpus_per_node=8, global_batch=4)
+    assert {lay.micro_batch for lay in layouts if lay.tp == 2} == {2, 4}
+    assert {lay.micro_batch for lay in layouts if lay.tp == 1} == {1, 2, 4}
+    assert dropped["refused: an expert's capacity slots that TP does not split"] == 1
+
+
 def test_an_expert_parallel_layout_round_trips_through_its_ds_json():
     from ds_pipe_ext.layout import Layout
 

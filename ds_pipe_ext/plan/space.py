@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..arch import as_description
-from ..layout import NO_PIPELINE, RECOMPUTE, Layout, LayoutError, expert_degrees
+from ..layout import NO_PIPELINE, RECOMPUTE, Layout, LayoutError, capacity_slots, expert_degrees
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 
@@ -49,7 +49,9 @@ def enumerate_layouts(cfg, gpus: int, *, gpus_per_node: int, global_batch: int,
     if global_batch < 1:
         raise PlanError(f"--global-batch {global_batch}: give a positive number of samples per step")
     layers = cfg.num_pipeline_layers
-    experts = as_description(cfg).experts
+    desc = as_description(cfg)
+    experts = desc.experts
+    routed = list(dict.fromkeys(b.experts for b in desc.blocks if b.experts is not None))
     dropped: Counter = Counter()
     out: list[Layout] = []
     for tp in _divisors(gpus):
@@ -57,7 +59,7 @@ def enumerate_layouts(cfg, gpus: int, *, gpus_per_node: int, global_batch: int,
             dropped["indivisible: TP leaves the node"] += 1
             continue
         try:  # the model's TP rules, from the one owner (pp 1: no rule about layers yet)
-            Layout(tp=tp, dp=gpus // tp, schedule=NO_PIPELINE).check(cfg)
+            Layout(tp=tp, dp=gpus // tp, schedule=NO_PIPELINE).check(cfg, capacity=False)  # per micro-batch below
         except LayoutError as e:
             dropped[f"indivisible: {e}"] += 1
             continue
@@ -70,6 +72,12 @@ def enumerate_layouts(cfg, gpus: int, *, gpus_per_node: int, global_batch: int,
             if not mbs:
                 dropped["indivisible: dp x micro-batch does not divide the global batch"] += 1
                 continue
+            if tp > 1 and routed:  # DeepSpeed splits each expert's capacity slots over the TP ranks
+                split = [b for b in mbs if all(capacity_slots(e, b * desc.seq_len) % tp == 0 for e in routed)]
+                dropped["refused: an expert's capacity slots that TP does not split"] += len(mbs) - len(split)
+                if not split:
+                    continue
+                mbs = split
             zeros = (0,) if dp == 1 else ((0, 1) if pp > 1 else (1, 2, 3))
             if experts and 3 in zeros:  # DeepSpeed's native MoE refuses ZeRO-3 (AutoEP is its path there)
                 dropped["refused: native DeepSpeed MoE is not supported with ZeRO Stage 3"] += 1
