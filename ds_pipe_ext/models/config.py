@@ -77,14 +77,19 @@ def check_loss_chunk(cfg) -> None:
                                f"loss) or a positive number of tokens a chunk")
 
 
+def check_positive_ints(cfg, names, where: str) -> None:
+    """Each field of ``names`` a positive integer (not a bool), or an error naming the first that is not."""
+    for f in names:
+        v = getattr(cfg, f)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ModelConfigError(f"{where}: {f} = {v!r}; it must be a positive integer")
+
+
 def check_router_groups(cfg, where: str, *, sigmoid: bool) -> None:
     """The router's groups (``router_groups``, ``router_topk_groups``) against ``experts`` and ``top_k``; the
     sigmoid router (``models.routers``) scores a group by its two best experts and chooses among the experts of its
     ``router_topk_groups`` best groups."""
-    for f in ("router_groups", "router_topk_groups"):
-        v = getattr(cfg, f)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ModelConfigError(f"{where}: {f} = {v!r}; it must be a positive integer")
+    check_positive_ints(cfg, ("router_groups", "router_topk_groups"), where)
     if cfg.experts % cfg.router_groups:
         raise ModelConfigError(f"{where}: router_groups (n_group {cfg.router_groups}) must divide experts "
                                f"({cfg.experts}): each group holds experts / n_group of them")

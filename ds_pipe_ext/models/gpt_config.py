@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..arch import MLP, Attention, Block, ModelDescription
 from .config import (ATTENTION_SETTINGS, CONFIG_DIR, ModelConfigError, available_models, check_loss_chunk,
-                     config_from_dict, hf_config_path)
+                     check_positive_ints, config_from_dict, hf_config_path)
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,8 @@ class GPTConfig:
     attention: str = "auto"
 
     def __post_init__(self) -> None:
-        for f in ("vocab_size", "hidden", "layers", "heads", "seq_len"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ModelConfigError(f"model config {self.name!r}: {f} = {v!r}; it must be a positive integer")
+        check_positive_ints(self, ("vocab_size", "hidden", "layers", "heads", "seq_len"),
+                            f"model config {self.name!r}")
         if isinstance(self.ffn_hidden, bool) or not isinstance(self.ffn_hidden, int) or self.ffn_hidden < 0:
             raise ModelConfigError(f"model config {self.name!r}: ffn_hidden = {self.ffn_hidden!r}; use 0 (=4*hidden) or a positive integer")
         if self.hidden % self.heads:

@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..arch import MLP, Block, Experts, Mamba2, ModelDescription
-from .config import ModelConfigError, check_router_groups, load_family_config
+from .config import ModelConfigError, check_positive_ints, check_router_groups, load_family_config
 from .hybrid_pattern import block_kinds, to_pattern
 from .llama_config import LlamaConfig, attention_of
 
@@ -49,10 +49,8 @@ class HybridConfig(LlamaConfig):
         kinds = block_kinds(pattern=self.pattern, layers=self.layers, where=where)
         if "moe" in kinds:
             self._check_experts(where)
-        for f in ("mamba_heads", "mamba_head_dim", "ssm_state", "n_groups", "conv_kernel", "chunk"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ModelConfigError(f"{where}: {f} = {v!r}; it must be a positive integer")
+        check_positive_ints(self, ("mamba_heads", "mamba_head_dim", "ssm_state", "n_groups", "conv_kernel", "chunk"),
+                            where)
         if self.mamba_heads % self.n_groups:
             raise ModelConfigError(f"{where}: n_groups ({self.n_groups}) must divide mamba_heads "
                                    f"({self.mamba_heads})")

@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..arch import MLP, Attention, Block, ModelDescription
-from .config import ModelConfigError, check_loss_chunk, config_from_dict, load_family_config
+from .config import ModelConfigError, check_loss_chunk, check_positive_ints, config_from_dict, load_family_config
 
 ROPE_SCALINGS = ("default", "llama3", "yarn")
 
@@ -86,10 +86,8 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         where = f"model config {self.name!r}"
-        for f in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "seq_len", "vocab_pad_to"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ModelConfigError(f"{where}: {f} = {v!r}; it must be a positive integer")
+        check_positive_ints(self, ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "seq_len",
+                                   "vocab_pad_to"), where)
         check_loss_chunk(self)
         kc = self.kv_channels
         if isinstance(kc, bool) or not isinstance(kc, int) or kc < 0:

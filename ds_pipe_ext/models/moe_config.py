@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..arch import MLA, MLP, Attention, Block, Experts, ModelDescription
-from .config import ModelConfigError, check_router_groups, config_from_dict, load_family_config
+from .config import ModelConfigError, check_positive_ints, check_router_groups, config_from_dict, load_family_config
 from .llama_config import LlamaConfig, attention_of, from_hf_llama
 
 ROUTERS = ("softmax", "sigmoid")  # models/routers.py
@@ -70,10 +70,7 @@ class MoEConfig(LlamaConfig):
             raise ModelConfigError(f"model config {self.name!r}: loss_chunk_tokens = {self.loss_chunk_tokens} is not "
                                    f"built for Mixture-of-Experts models (their loss adds the router's); use 0")
         where = f"model config {self.name!r}"
-        for f in ("experts", "top_k"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ModelConfigError(f"{where}: {f} = {v!r}; it must be a positive integer")
+        check_positive_ints(self, ("experts", "top_k"), where)
         if self.top_k > self.experts:
             raise ModelConfigError(f"{where}: top_k ({self.top_k}) exceeds experts ({self.experts}); each token "
                                    f"goes to top_k distinct experts: lower top_k or add experts")
