@@ -21,6 +21,7 @@ The pipeline's layers are the embedding, each block, and the head, in that order
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 NORMS = ("layernorm", "rmsnorm")
@@ -191,6 +192,18 @@ class Experts:
             raise DescriptionError(f"experts: n_group ({self.groups}) must divide the experts ({self.count})")
         if self.topk_groups > self.groups:
             raise DescriptionError(f"experts: topk_group ({self.topk_groups}) exceeds n_group ({self.groups})")
+
+    def capacity_slots(self, tokens: int) -> int:
+        """``capacity_slots`` of these experts."""
+        return capacity_slots(tokens, self.count, self.top_k, self.capacity_factor)
+
+
+def capacity_slots(tokens: int, experts: int, top_k: int, capacity_factor: float) -> int:
+    """The slots DeepSpeed's capacity gives each expert for ``tokens`` routed tokens (``sharded_moe._capacity``:
+    ceil(tokens / experts x capacity_factor x top_k)); 0 for a dropless layer (its slots follow the loads)."""
+    if not capacity_factor:
+        return 0
+    return math.ceil(tokens / experts * capacity_factor * top_k)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ writer of the sections a layout decides) and prints as Megatron-LM arguments.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields, replace
 
 from .arch import as_description
@@ -88,15 +87,6 @@ def expert_degrees(ranks: int, experts: int) -> list[int]:
     """The EP degrees a stage of ``ranks`` ranks (tp x dp) admits for ``experts`` experts a block (those
     dividing both, ``check``'s rule); [1] for a dense model."""
     return [d for d in range(1, ranks + 1) if ranks % d == 0 and experts % d == 0] if experts else [1]
-
-
-def capacity_slots(experts, tokens: int) -> int:
-    """The slots DeepSpeed's capacity gives each expert for ``tokens`` routed tokens (``sharded_moe._capacity``:
-    ceil(tokens / experts x capacity_factor x top_k)); 0 for a dropless layer (its slots follow the loads, padded
-    to a multiple of tp)."""
-    if not experts.capacity_factor:
-        return 0
-    return math.ceil(tokens / experts.count * experts.capacity_factor * experts.top_k)
 
 
 def _positive(name: str, value) -> None:
@@ -270,7 +260,7 @@ class Layout:
                               f"Mixture-of-Experts model's TP with sequence parallelism and its own token "
                               f"dispatcher, which is not modelled; use the deepspeed runtime or tp = 1")
         for e in experts if t > 1 and capacity else ():
-            slots = capacity_slots(e, self.micro_batch * desc.seq_len)
+            slots = e.capacity_slots(self.micro_batch * desc.seq_len)
             if slots % t:
                 raise LayoutError(f"tp = {t} on model {name!r}: capacity_factor {e.capacity_factor} gives {slots} slots "
                                   f"an expert at micro-batch {self.micro_batch}, which DeepSpeed splits over the TP "

@@ -55,9 +55,9 @@ EXPERT_COPY_KERNELS = (1, 1)  # a local expert's chunk made contiguous (and its 
 def slots_per_expert(tokens: int, experts: Experts, imbalance: float = 1.0, tp: int = 1) -> int:
     """C: the slots DeepSpeed pads each expert to for ``tokens`` routed tokens (dropless under TP: to a
     multiple of ``tp``, which DeepSpeed's ``drop_tokens`` splits them over)."""
-    mean = experts.top_k * tokens / experts.count
     if experts.capacity_factor:
-        return max(math.ceil(experts.capacity_factor * mean), 1)
+        return max(experts.capacity_slots(tokens), 1)
+    mean = experts.top_k * tokens / experts.count
     return math.ceil(max(math.ceil(imbalance * mean), 1) / tp) * tp
 
 

@@ -29,7 +29,6 @@ parity tests' one-process model, independent of DeepSpeed's dispatch, all-to-all
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec
 from torch import nn
 
+from ..arch import capacity_slots
 from ..compat.engine import tell_deepspeed_megatrons_tp
 from ..pipe.sequential import SequentialLayers
 from .config import ModelConfigError
@@ -193,7 +193,7 @@ class RoutedMLP(nn.Module):
         if not gate.drop_tokens:
             return
         tokens, experts = x.numel() // x.shape[-1], self.moe.num_experts
-        slots = max(math.ceil(tokens / experts * gate.capacity_factor * self.top_k), gate.min_capacity)
+        slots = max(capacity_slots(tokens, experts, self.top_k, gate.capacity_factor), gate.min_capacity)
         if slots % self.tp:
             raise ModelConfigError(
                 f"capacity_factor {gate.capacity_factor} gives ceil({tokens} tokens / {experts} experts x "
@@ -282,7 +282,7 @@ class MoEBlock(nn.Module):
         y, layer_aux, counts = self.mlp(self.post_attention_norm(x))
         self.tokens_per_expert = counts.detach()
         if self.capacity_factor:  # DeepSpeed's capacity: ceil(tokens / E x capacity_factor x k); the rest dropped
-            capacity = math.ceil(x.shape[0] * x.shape[1] / self.experts * self.capacity_factor * self.top_k)
+            capacity = capacity_slots(x.shape[0] * x.shape[1], self.experts, self.top_k, self.capacity_factor)
             self.dropped_tokens = int((self.tokens_per_expert - capacity).clamp(min=0).sum())
         return x + y, aux + layer_aux.to(aux.dtype), *travelling
 

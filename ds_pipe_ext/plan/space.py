@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..arch import as_description
-from ..layout import NO_PIPELINE, RECOMPUTE, Layout, LayoutError, capacity_slots, expert_degrees
+from ..layout import NO_PIPELINE, RECOMPUTE, Layout, LayoutError, expert_degrees
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 
@@ -73,7 +73,7 @@ def enumerate_layouts(cfg, gpus: int, *, gpus_per_node: int, global_batch: int,
                 dropped["indivisible: dp x micro-batch does not divide the global batch"] += 1
                 continue
             if tp > 1 and routed:  # DeepSpeed splits each expert's capacity slots over the TP ranks
-                split = [b for b in mbs if all(capacity_slots(e, b * desc.seq_len) % tp == 0 for e in routed)]
+                split = [b for b in mbs if all(e.capacity_slots(b * desc.seq_len) % tp == 0 for e in routed)]
                 dropped["refused: an expert's capacity slots that TP does not split"] += len(mbs) - len(split)
                 if not split:
                     continue
