@@ -40,7 +40,7 @@ def _loss_fn(cfg, impl=None):
 
 
 def _family(name: str, config_type: type, load_config, from_hf, specs_module: str, specs_name: str,
-            sequential_name: str, loss_fn=_loss_fn, expert_parallel: bool = False):
+            sequential_name: str, loss_fn=_loss_fn, expert_parallel: bool = False, boundary_grads: int = 1):
     """A family whose layers come from ``specs_module.specs_name`` and are costed from their description."""
 
     def specs_fn(cfg, impl=None, *, selective_recompute: bool = False, **options):
@@ -73,7 +73,8 @@ def _family(name: str, config_type: type, load_config, from_hf, specs_module: st
     return register_family(ModelFamily(
         name=name, config_type=config_type, load_config=load_config, layer_specs=specs_fn, loss_fn=loss_fn,
         sequential=sequential, tensor_parallel=_tensor_parallel, cost_model=cost_model,
-        profile=profile, calibrate=calibrate, from_hf=from_hf, expert_parallel=expert_parallel))
+        profile=profile, calibrate=calibrate, from_hf=from_hf, expert_parallel=expert_parallel,
+        boundary_grads=boundary_grads))
 
 
 def _moe_loss_fn(cfg, impl=None):
@@ -91,7 +92,7 @@ GPT = _family("gpt", GPTConfig, load_model_config, from_hf_gpt2, ".gpt", "gpt_la
 LLAMA = _family("llama", LlamaConfig, load_llama_config, from_hf_llama, ".llama", "llama_layer_specs",
                 "SequentialLlama")
 MOE = _family("moe", MoEConfig, load_moe_config, from_hf_moe, ".moe", "moe_layer_specs", "SequentialMoE",
-              loss_fn=_moe_loss_fn, expert_parallel=True)
+              loss_fn=_moe_loss_fn, expert_parallel=True, boundary_grads=2)
 HYBRID = _family("hybrid", HybridConfig, load_hybrid_config, from_hf_nemotron_h, ".hybrid", "hybrid_layer_specs",
                  "SequentialHybrid", expert_parallel=True)
 

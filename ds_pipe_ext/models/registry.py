@@ -41,6 +41,10 @@ class ModelFamily:
     calibrate: Callable
     from_hf: Callable | None = None  # a Hugging Face config.json's dict, name= -> the family's config
     expert_parallel: bool = False  # layer_specs takes ep= (DeepSpeed's MoE layers)
+    # the tensors a stage boundary carries that need a gradient, at least (the moe family: its hidden states, its
+    # routers' summed loss, and MTP's embeddings where it has them): DeepSpeed's pipeline splits only the first over
+    # TP (``train.build.build_engine``)
+    boundary_grads: int = 1
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -193,9 +193,9 @@ def compile_layers(model: torch.nn.Module, *, pipelined: bool) -> int:
 
 
 def build_engine(cfg: RunConfig, model: torch.nn.Module, layout: Layout, *, boundary_grads: int = 1):
-    """``boundary_grads``: the tensors a stage boundary carries that need a gradient (the moe family's hidden
-    states and its routers' summed loss).  DeepSpeed's pipeline splits only the first over TP and asserts the rest
-    need none, so with more its split of the boundary is turned off (each TP rank sends the whole tensors)."""
+    """``boundary_grads``: the tensors a stage boundary carries that need a gradient (``ModelFamily.boundary_grads``).
+    DeepSpeed's pipeline splits only the first over TP and asserts the rest need none, so with more its split of
+    the boundary is turned off (each TP rank sends the whole tensors)."""
     import deepspeed
 
     ds = cfg.deepspeed_config()
@@ -313,12 +313,12 @@ def build(cfg: RunConfig) -> Built:
         manifest = checkpoint.check(cfg.options.load, vocabulary=checkpoint.vocabulary_of(model_cfg),
                                     trust=cfg.options.trust_checkpoint)
     model = build_model(cfg, model_cfg, layout)
-    experts = family_of(model_cfg).expert_parallel
-    if experts:  # every rank, stages without MoE layers too (a hang otherwise)
+    family = family_of(model_cfg)
+    if family.expert_parallel:  # every rank, stages without MoE layers too (a hang otherwise)
         from ..compat.engine import ensure_expert_groups
 
         ensure_expert_groups(layout.ep, layout.pp)
-    engine = build_engine(cfg, model, layout, boundary_grads=2 if experts else 1)
+    engine = build_engine(cfg, model, layout, boundary_grads=family.boundary_grads)
     if layout.ep > 1:
         from ..models.moe import check_expert_groups
 
