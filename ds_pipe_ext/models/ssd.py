@@ -71,34 +71,49 @@ class _RecomputedScan(torch.autograd.Function):
 
 
 def _scan(x, dt, A, B, C, chunk: int, state=None):
+    """The chunked scan, laid out for batched products without copies: the heads of a group sit side by side in x's
+    last two dims, so a group's (chunk, heads x head_dim) block is a strided matrix that ``bmm`` reads in place, and
+    B and C (one per group) enter their products once a group, not once a head.  The loop over groups is short
+    (``n_groups`` / TP: 1 to 8); unbind, whose backward is one stack, where indexing's would zero a whole buffer
+    per slice."""
     b, l, h, p = x.shape
-    n = B.shape[-1]
+    g, n = B.shape[2], B.shape[3]
+    per_group = h // g
     pad = (-l) % chunk
     if pad:
         x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
         dt = F.pad(dt, (0, 0, 0, pad))
-    chunks = (l + pad) // chunk
-    B, C = _per_head(B, h), _per_head(C, h)
-    xs = (x * dt[..., None]).view(b, chunks, chunk, h, p)  # the input each step adds, dt_t * x_t
-    B, C = B.view(b, chunks, chunk, h, n), C.view(b, chunks, chunk, h, n)
-    log_decay = (dt * A).view(b, chunks, chunk, h).cumsum(dim=2)  # sum of log-decays from the chunk's start to t
+    chunks, q = (l + pad) // chunk, chunk
+    bc = b * chunks
+    xs = (x * dt[..., None]).reshape(bc, q, h, p)  # the input each step adds, dt_t * x_t
+    Bs, Cs = B.reshape(bc, q, g, n).unbind(2), C.reshape(bc, q, g, n).unbind(2)
+    log_decay = (dt * A).view(bc, q, h).transpose(1, 2).cumsum(dim=2)  # (bc, h, t): log-decay from the chunk's start
+    last = log_decay[:, :, -1:]
 
     # inside each chunk: y_t = sum_{s <= t} exp(cum_t - cum_s) (C_t . B_s) dt_s x_s
-    between = log_decay[:, :, :, None, :] - log_decay[:, :, None, :, :]  # (b, c, t, s, h)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
-    weights = torch.exp(between.masked_fill(~causal[:, :, None], float("-inf")))
-    weights = weights * torch.einsum("bcthn,bcshn->bctsh", C, B)
-    y = torch.einsum("bctsh,bcshp->bcthp", weights, xs)
-
+    causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
+    between = (log_decay[:, :, :, None] - log_decay[:, :, None, :]).masked_fill(~causal, float("-inf"))
+    decay = torch.exp(between).unflatten(1, (g, per_group))  # (bc, g, heads of a group, t, s)
     # each chunk's own contribution to the state at its end: sum_s exp(cum_last - cum_s) dt_s x_s B_s^T
-    to_end = torch.exp(log_decay[:, :, -1:, :] - log_decay)  # (b, c, s, h)
-    added = torch.einsum("bcsh,bcshp,bcshn->bchpn", to_end, xs, B)
+    to_end = torch.exp(last - log_decay).transpose(1, 2)  # (bc, s, h)
+    xs_to_end = (xs * to_end[..., None]).reshape(bc, q, g, per_group * p)
+    heads_first = xs.transpose(1, 2).unflatten(1, (g, per_group))  # (bc, g, heads of a group, s, p): a view
+    inside, added = [], []
+    for Cg, Bg, decay_g, xs_g, end_g in zip(Cs, Bs, decay.unbind(1), heads_first.unbind(1), xs_to_end.unbind(2)):
+        scores = Cg @ Bg.transpose(1, 2)  # (bc, t, s): C_t . B_s, once for the group's heads
+        inside.append((decay_g * scores[:, None]) @ xs_g)  # (bc, heads of a group, t, p)
+        added.append(end_g.transpose(1, 2) @ Bg)  # (bc, heads of a group x p, n)
+    added = torch.stack(added, dim=1).view(b, chunks, h, p, n)
+
     # across chunks: the state entering each chunk, carried from the one before, read by every step of it
     state = x.new_zeros(b, h, p, n) if state is None else state
+    carry = torch.exp(last).view(b, chunks, h, 1, 1)
     entering = []
-    for c in range(chunks):
+    for carry_c, added_c in zip(carry.unbind(1), added.unbind(1)):
         entering.append(state)
-        state = torch.exp(log_decay[:, c, -1])[..., None, None] * state + added[:, c]
-    entering = torch.stack(entering, dim=1)  # (b, c, h, p, n)
-    y = y + torch.einsum("bcthn,bchpn,bcth->bcthp", C, entering, torch.exp(log_decay))
-    return y.reshape(b, chunks * chunk, h, p)[:, :l], state
+        state = carry_c * state + added_c
+    entering = torch.stack(entering, dim=1).view(bc, g, per_group * p, n)
+    from_before = torch.stack([Cg @ e.transpose(1, 2) for Cg, e in zip(Cs, entering.unbind(1))], dim=2)
+    y = (from_before.view(bc, q, h, p) * torch.exp(log_decay).transpose(1, 2)[..., None]
+         + torch.cat(inside, dim=1).transpose(1, 2))
+    return y.reshape(b, chunks * q, h, p)[:, :l], state
