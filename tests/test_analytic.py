@@ -314,3 +314,21 @@ def test_the_cpu_calibration_fits_the_rate_an_embedding_zeroes_its_table_at():
     assert fitted.fill_bandwidth == pytest.approx(8e9, rel=0.01)
     # a spec with no fill rate of its own (a GPU's, at the memory bandwidth) keeps it
     assert fit_device(replace(spec, fill_bandwidth=0.0), [([table], 0.0, 0.125)], dtype="fp32").fill_bandwidth == 0.0
+
+
+def test_a_calibrated_cpu_spec_still_prices_what_runs_on_the_cpu():
+    """The fitted spec keeps its name: the shape it prices has the CPU's float dropout masks and dense window
+    masks, not a GPU's (a calibrated "cpu" was once renamed, and every check of the name read it as a GPU)."""
+    from ds_pipe_ext.costs.calibrate import fit_device
+    from ds_pipe_ext.costs.estimate import EstimateRequest, shape_for
+    from ds_pipe_ext.costs.hardware import DeviceSpec
+    from ds_pipe_ext.models import load_model
+
+    spec = DeviceSpec("cpu", {"fp32": 40e9}, {"fp32": 2.5e9}, 20e9, 20e9, 20e9, 24 * 2**30, gpus_per_node=1,
+                      matrix_efficiency=1.0, attention_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0)
+    gemm = A.OpCost("fc1", "matrix", fwd_flops=4e9, bwd_flops=8e9)
+    fitted = fit_device(spec, [([gemm], 0.2, 0.4)], dtype="fp32")
+    assert fitted.name == "cpu" and fitted.matrix_efficiency == pytest.approx(0.5, rel=0.1)
+    cfg, req = load_model("tiny"), EstimateRequest(1, 32, dtype="fp32")
+    assert shape_for(cfg, req, fitted) == shape_for(cfg, req, spec)
+    assert shape_for(cfg, req, fitted).m == 4 and shape_for(cfg, req, fitted).dense_window_mask

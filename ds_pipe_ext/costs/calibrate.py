@@ -81,7 +81,9 @@ def calibrate(device: DeviceSpec, layers: list[tuple[list[OpCost], float, float]
     the others keep the spec's values) by least squares on log time: a coarse grid over
     [0.01, 10] x the spec's peaks, then a finer one around the best point, each at most its ``ceilings``.  With
     ``attention_as_matrix`` the per-head matmuls share the GEMMs' factor (one fewer unknown).
-    Communication is not fitted (one rank has none).
+    Communication is not fitted (one rank has none).  The spec keeps its name: what runs where (a CPU's dropout
+    masks, its dense window masks, its attention kernels: ``estimate.shape_for``) is keyed on it, and a fitted
+    "cpu" is still this CPU.
     """
     unknown = set(fit) - set(CLASSES)
     if unknown:
@@ -100,8 +102,7 @@ def calibrate(device: DeviceSpec, layers: list[tuple[list[OpCost], float, float]
             best["attention"] = best["matrix"]
     return replace(device, matrix_efficiency=best["matrix"], attention_efficiency=best["attention"],
                    vector_efficiency=best["vector"], memory_efficiency=best["memory"],
-                   fresh_page_bandwidth=device.fresh_page_bandwidth * best["memory"],
-                   name=f"{device.name}-calibrated")
+                   fresh_page_bandwidth=device.fresh_page_bandwidth * best["memory"])
 
 
 # the GEMM sizes at which a CPU's matmul efficiency halves that fit_device tries
