@@ -77,8 +77,8 @@ def test_a_hybrid_description_is_costed_block_by_block():
     shp = shape_for(desc, EstimateRequest(2, 64, dtype="fp32"), runs_on="cpu")
     layers = layer_ops(desc, shp, device="cpu")
     names = [[op.name for op in ops] for _, _, ops in layers[1:-1]]
-    assert names[0] == ["norm", "mamba_in_proj", "mamba_conv1d", "mamba_conv_silu", "mamba_dt", "mamba_ssd_scan",
-                        "mamba_gated_norm", "mamba_out_proj", "residual"]
+    assert names[0] == ["norm", "mamba_in_proj", "mamba_conv1d", "mamba_conv_silu", "mamba_dt", "mamba_ssd_products",
+                        "mamba_ssd_passes", "mamba_gated_norm", "mamba_out_proj", "residual"]  # the torch scan
     assert names[1] == ["ln_2", "fc1", "relu2", "fc2", "mlp_dropout", "residual_2"]
     assert names[3][0] == "ln_1" and names[3][-1] == "residual_1" and "fc1" not in names[3]
     assert any(n.startswith("expert_") for n in names[6]) and "qkv" not in names[6]
@@ -93,3 +93,76 @@ def test_tensor_parallelism_must_divide_a_hybrids_mamba_groups():
     Layout(tp=2, dp=1).check(hybrid("M-M*-M"))  # (the MoE family refuses TP: no E layer here)
     with pytest.raises(LayoutError, match=r"tensor parallel degree 4 does not divide the Mamba-2 n_groups \(2\)"):
         Layout(tp=4, dp=1).check(hybrid("M-M-M"))
+
+
+class _PassCounter:
+    """What a run of torch ops reads and writes, op by op at dispatch (each tensor's distinct elements; views
+    free, a factory's input unread), products apart: the count the analytic passes are checked against."""
+
+    VIEWS = {"view", "_unsafe_view", "transpose", "unbind", "select", "slice", "expand", "unflatten", "as_strided",
+             "t", "permute", "unsqueeze", "detach", "alias", "squeeze", "split", "split_with_sizes", "reshape",
+             "_reshape_alias", "lift_fresh", "empty", "empty_like", "narrow"}
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.passes = self.products = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                counter.add(func.overloadpacket.__name__, args, kwargs, out)
+                return out
+
+        self.mode = Mode()
+
+    @staticmethod
+    def _bytes(t) -> int:
+        import math
+
+        return math.prod(n for n, st in zip(t.shape, t.stride()) if st) * t.element_size() if t.numel() else 0
+
+    def add(self, name, args, kwargs, out):
+        from torch.utils._pytree import tree_flatten
+
+        if name in self.VIEWS:
+            return
+        ins = [] if name.startswith("new_") or name in ("zeros", "ones", "full") else \
+            [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        moved = sum(map(self._bytes, ins)) + sum(self._bytes(t) for t in tree_flatten(out)[0]
+                                                 if isinstance(t, torch.Tensor))
+        if name in ("bmm", "mm"):
+            self.products += moved
+        else:
+            self.passes += moved
+
+
+@pytest.mark.parametrize("b, s, heads, head_dim, groups, state, chunk", [
+    (1, 256, 16, 64, 2, 64, 64), (2, 100, 8, 8, 1, 16, 16), (3, 96, 12, 8, 3, 24, 32)])
+def test_the_torch_scans_passes_are_what_its_code_moves(b, s, heads, head_dim, groups, state, chunk):
+    """``torch_scan_ops``' elementwise bytes against a dispatch-level count of ``ssd_scan`` forward and backward
+    (the mixer's D skip, which the op also carries, added by hand): within 10%."""
+    from ds_pipe_ext.costs.mamba_ops import torch_scan_ops
+    from ds_pipe_ext.models.ssd import ssd_scan
+
+    torch.manual_seed(0)
+    x = torch.randn(b, s, heads, head_dim, requires_grad=True)
+    dt = (torch.rand(b, s, heads) * 0.1 + 0.01).requires_grad_()
+    A = (-torch.rand(heads) - 0.5).requires_grad_()
+    B, C = (torch.randn(b, s, groups, state, requires_grad=True) for _ in range(2))
+    forward, backward = _PassCounter(), _PassCounter()
+    with forward.mode, torch.no_grad():
+        ssd_scan(x, dt, A, B, C, chunk)
+    y = ssd_scan(x, dt, A, B, C, chunk)[0]
+    with backward.mode:
+        y.backward(torch.ones_like(y))
+    skip = 5 * b * s * heads * head_dim * 4
+    passes = torch_scan_ops(_scan_shape(b, s), heads=heads, head_dim=head_dim, state=state, groups=groups, chunk=chunk,
+                            activation_bytes=0)[1]
+    assert passes.fwd_bytes == pytest.approx(forward.passes + skip, rel=0.1)
+    assert passes.bwd_bytes == pytest.approx(backward.passes + 3 * skip, rel=0.1)
+
+
+def _scan_shape(b: int, s: int) -> A.Shape:
+    return A.Shape(b=b, s=s, h=64, a=1, f=1, V=1, e=4)

@@ -30,8 +30,8 @@ def _layer_time(ops: list[OpCost], device: DeviceSpec, dtype: str, backward: boo
         peak = device.vector_flops[dtype] if op.kind == "vector" else device.matrix_flops[dtype]
         # the fitted factor in place of its class's own, times what the op's shape lets it reach
         size = device.shape_factor(op, dtype=dtype, backward=backward)
-        total = total + np.maximum(flops / (peak * eff[op.kind] * size),
-                                   moved / (device.hbm_bandwidth * eff["memory"]))
+        compute = device.measured_kernels_s(op, flops / (peak * eff[op.kind] * size), backward=backward)
+        total = total + np.maximum(compute, moved / (device.hbm_bandwidth * eff["memory"]))
         # page faults scale with the memory factor: both are the memory system's speed against the
         # micro-benchmark's (on a shared machine, what the neighbours leave of it)
         total = total + device.fresh_alloc_time(op.bwd_allocs if backward else op.fwd_allocs) / eff["memory"]

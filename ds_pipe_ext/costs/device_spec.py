@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from .gpu_pricing import GpuKernels
 from .network import ClusterNetwork, Placement, system_for
 from .op_cost import DTYPE_BYTES, AnalyticError, OpCost
@@ -55,6 +57,14 @@ class DeviceSpec:
     # (0.67-0.75 measured here, at any size; its backward, whose outputs are the input and weight widths,
     # does not).  Measured by ``measure_cpu``; 1: not measured (Megatron pads vocabularies to 128 on GPUs).
     misaligned_output_efficiency: float = 1.0
+    # exponentials/s of an elementwise exp on a CPU (SLEEF's vector exp: 8-10 times an add's time here); an op's
+    # ``fwd_exps`` / ``bwd_exps`` are priced at it beside its FLOPs.  0: in its FLOPs (a GPU's special-function
+    # units keep up with its memory).  Measured by ``measure_cpu``.
+    exp_rate: float = 0.0
+    # seconds per output element and tap of a depthwise conv1d's backward on a CPU (oneDNN's: 1.5-1.9 ns here,
+    # ten times its forward's FLOPs at the vector rate); an op's ``conv_taps`` take at least that.  0: its FLOPs.
+    # Measured by ``measure_cpu``.
+    depthwise_conv_backward_s: float = 0.0
     # Measured collectives, {kind: [latency_s, bus bandwidth]} for "all-reduce", "all-gather",
     # "reduce-scatter" and "p2p"; None: the ring formulas on the link bandwidth.  CPU ranks talk
     # through gloo at a tenth of a memory copy's speed (``cpu_comm.measure_cpu_ranks``).
@@ -114,6 +124,7 @@ class DeviceSpec:
                                                   attention_backend=attention_backend), 0.0
         else:
             compute = flops / (peak * self.efficiency(op.kind) * self.shape_factor(op, dtype=dtype, backward=backward))
+            compute = self.measured_kernels_s(op, compute, backward=backward)
             filled = op.bwd_fill_bytes if backward else 0.0
             memory = ((moved - filled) / self.hbm_bandwidth
                       + filled / (self.fill_bandwidth or self.hbm_bandwidth)) / self.memory_efficiency
@@ -134,6 +145,16 @@ class DeviceSpec:
         return {"compute_s": compute, "memory_s": memory, "comm_s": comm, "fresh_s": fresh, "random_s": random,
                 "accumulate_s": accumulate, "time_s": max(compute, memory) + accumulate + random + fresh + comm,
                 "intensity": flops / moved if moved else float("inf")}
+
+    def measured_kernels_s(self, op: OpCost, compute_s, *, backward: bool):
+        """An op's compute time (``compute_s``, seconds or an array of them) with what a CPU spec measured
+        apart from its FLOP rates: its exponentials, and a depthwise conv's backward."""
+        exps = op.bwd_exps if backward else op.fwd_exps
+        if exps and self.exp_rate:
+            compute_s = compute_s + exps / self.exp_rate
+        if backward and op.conv_taps and self.depthwise_conv_backward_s:
+            compute_s = np.maximum(compute_s, op.conv_taps * self.depthwise_conv_backward_s)
+        return compute_s
 
     def grad_accumulate_s(self, op: OpCost, *, dtype: str, execution: str = "eager") -> float:
         """Autograd adding an op's weight gradients into those the micro-batch before left, on the roofline

@@ -14,6 +14,14 @@ the norm run in fp32: their inputs' fp32 copies are kept too (counted from the c
 FLOPs: the linears 2 T k n (backward twice); the conv 2 T C K; the scan per chunk C^T B (2 Q^2 G N), the decay
 weights (Q^2 H), their product with x dt (2 Q^2 H P), each chunk's state (2 Q H P N) and its read-out
 (2 Q H P N), the carry (2 H P N a chunk); its backward recomputes the forward, then twice it.
+
+The scan runs as one of two things.  ``mamba_ssm``'s fused kernels (a GPU with the optional extra, what Megatron
+runs) keep the chunk's intermediates on chip: one op, its inputs and output its only traffic.  ``models.ssd``'s
+torch code (a CPU; a GPU without the extra) runs its products as batched GEMMs of the chunk's size and, between
+them, elementwise passes over whole tensors: the decay weights (b x chunks x Q x Q x H), x dt and its copies
+(T x H x P) and the chunks' states (b x chunks x H x P x N), each written and read back from memory
+(``torch_scan_ops``; counted from the code, checked against a dispatch-level count of what runs,
+tests/test_mamba_costs.py).
 """
 
 from __future__ import annotations
@@ -31,8 +39,9 @@ def _local(n: int, t: int, what: str) -> int:
 
 
 def mamba2_mixer(shp: Shape, *, heads: int, head_dim: int, state: int, groups: int, conv_kernel: int, chunk: int,
-                 bias: bool = False, conv_bias: bool = True) -> list[OpCost]:
-    """The mixer's ops in execution order (no norm or residual around it: the block adds them)."""
+                 bias: bool = False, conv_bias: bool = True, torch_scan: bool = False) -> list[OpCost]:
+    """The mixer's ops in execution order (no norm or residual around it: the block adds them); ``torch_scan``:
+    the scan as ``models.ssd``'s torch code runs it (a CPU), else as ``mamba_ssm``'s fused kernels."""
     t, e, T = shp.t, shp.e, shp.b * shp.s
     H, G = _local(heads, t, "mamba heads"), _local(groups, t, "n_groups")
     P, N, K, Q = head_dim, state, conv_kernel, chunk
@@ -46,29 +55,76 @@ def mamba2_mixer(shp: Shape, *, heads: int, head_dim: int, state: int, groups: i
     conv_op = OpCost("mamba_conv1d", "vector", fwd_flops=2.0 * T * conv * K, bwd_flops=4.0 * T * conv * K,
                      fwd_bytes=2 * T * conv * e + sum(conv_w) * e, bwd_bytes=3 * T * conv * e + 2 * sum(conv_w) * e,
                      activation_bytes=T * proj * e,  # its input is a view of in_proj's whole output
-                     weight_bytes=sum(conv_w) * e, weights=conv_w, kernels=(1, 3))
+                     weight_bytes=sum(conv_w) * e, weights=conv_w, kernels=(1, 3),
+                     conv_taps=shp.b * (shp.s + K - 1) * conv * K)  # its output keeps the K - 1 padded steps
     silu = OpCost("mamba_conv_silu", "vector", fwd_flops=4.0 * T * conv, bwd_flops=8.0 * T * conv,
                   fwd_bytes=2 * T * conv * e, bwd_bytes=3 * T * conv * e,
+                  fwd_exps=T * conv, bwd_exps=T * conv,  # the sigmoid, recomputed by silu_backward
                   activation_bytes=shp.b * (shp.s + K - 1) * conv * e)  # the conv's output, padding included
     dt = OpCost("mamba_dt", "vector", fwd_flops=6.0 * T * H, bwd_flops=8.0 * T * H, fwd_bytes=6 * T * H * e,
                 bwd_bytes=6 * T * H * e, activation_bytes=(2 if up else 3) * T * H * e, weights=(H, H, H),
-                weight_bytes=3 * H * e,
+                weight_bytes=3 * H * e, fwd_exps=2 * T * H, bwd_exps=T * H,  # softplus: exp and log1p; its sigmoid
                 kernels=(3, 3))  # + dt_bias, softplus, clamp (in 16-bit the scan keeps the clamp's fp32 copy); it holds
     # dt_bias, A_log and D, the mixer's per-head weights
     scan_flops = (chunks * shp.b * (2.0 * Q * Q * G * N + Q * Q * H + 2.0 * Q * Q * H * P + 4.0 * Q * H * P * N)
                   + 2.0 * chunks * shp.b * H * P * N)
     scan_in = T * (conv + H)
-    scan = OpCost("mamba_ssd_scan", "attention", fwd_flops=scan_flops, bwd_flops=3.0 * scan_flops,
-                  fwd_bytes=(scan_in + T * inner) * f32 + T * inner * e,
-                  bwd_bytes=(2 * scan_in + 2 * T * inner) * f32,
-                  # x, B and C: views of SiLU's output in fp32, their fp32 copies (and dt's) in 16-bit
-                  activation_bytes=scan_in * f32 if up else T * conv * e,
-                  kernels=(8 + 4 * chunks, 24 + 8 * chunks))
+    # x, B and C: views of SiLU's output in fp32, their fp32 copies (and dt's) in 16-bit
+    kept = scan_in * f32 if up else T * conv * e
+    if torch_scan:
+        scan = torch_scan_ops(shp, heads=H, head_dim=P, state=N, groups=G, chunk=Q, activation_bytes=kept)
+    else:
+        scan = [OpCost("mamba_ssd_scan", "attention", fwd_flops=scan_flops, bwd_flops=3.0 * scan_flops,
+                       fwd_bytes=(scan_in + T * inner) * f32 + T * inner * e,
+                       bwd_bytes=(2 * scan_in + 2 * T * inner) * f32, activation_bytes=kept,
+                       kernels=(8 + 4 * chunks, 24 + 8 * chunks))]
+    # the norm as models.mamba2.GroupedGatedRMSNorm runs it, eagerly everywhere: forward silu(z), its product
+    # with y, the square, the mean, the product by the reciprocal RMS and by the weight, 12 passes' reads and
+    # writes of T x I fp32 elements (in 16-bit, y's and z's fp32 copies and the cast back besides); backward 32
+    # (each product's two gradients, the broadcasts' sums, silu_backward): counted at dispatch
+    casts = (2 * (e + f32) + f32 + e) * T * inner if up else 0
     gated_norm = OpCost("mamba_gated_norm", "vector", fwd_flops=8.0 * T * inner, bwd_flops=16.0 * T * inner,
-                        fwd_bytes=3 * T * inner * f32 + T * inner * e, bwd_bytes=6 * T * inner * f32,
+                        fwd_bytes=12 * T * inner * f32 + casts, bwd_bytes=32 * T * inner * f32 + casts,
+                        fwd_exps=T * inner, bwd_exps=T * inner,
                         # y, SiLU(z), y SiLU(z), the RMS per group, the output; in 16-bit z's fp32 copy too, and
                         # the output kept in 16-bit
                         activation_bytes=4 * T * inner * f32 + T * G * f32 + (T * inner * e if up else 0),
                         weights=(inner,), weight_bytes=inner * e, kernels=(8, 14))
     out_proj = linear("mamba_out_proj", T, inner, shp.h, shp, bias=bias)
-    return [in_proj, conv_op, silu, dt, scan, gated_norm, out_proj]
+    return [in_proj, conv_op, silu, dt, *scan, gated_norm, out_proj]
+
+
+def torch_scan_ops(shp: Shape, *, heads: int, head_dim: int, state: int, groups: int, chunk: int,
+                   activation_bytes: float) -> list[OpCost]:
+    """``models.ssd``'s scan as its torch code runs it, fp32 (this rank's heads and groups): its batched products,
+    then its elementwise passes.  In elements, with T = b c Q padded tokens: the decay weights D = T H Q, x dt's
+    kind X = T H P, the chunks' states S = b c H P N, a group's scores W = b c G Q^2, the log-decays L = T H.
+
+    Forward, each pass's reads and writes (counted from ``ssd._scan``): x dt, x dt's decay to the chunk's end, its
+    per-group copy that matmul makes of a strided operand, the read-outs' stack, their decay, the inside terms'
+    cat and the final add: 15 X; the decay's differences, mask, exp and product with the scores: 7 D (and 2 W);
+    the states' stack, the carry (a multiply and an add a chunk) and the entering states' stack: 9 S; the
+    log-decays' cumsum, exps and broadcasts: about 10 L.  The backward recomputes that forward, then autograd's
+    passes: each product's and exp's gradients (the operands read with the incoming gradient, a gradient
+    written), the reductions of the broadcast operands, the unbinds' stacks, the accumulation of x dt's three
+    uses: 17 D, 28 X, 11 S and about 30 L."""
+    b, s, H, P, N, G, Q = shp.b, shp.s, heads, head_dim, state, groups, chunk
+    chunks = math.ceil(s / Q)
+    T = b * chunks * Q
+    D, X, S, W, L = T * H * Q, T * H * P, b * chunks * H * P * N, b * chunks * G * Q * Q, T * H
+    f32 = 4
+    products = chunks * b * (2.0 * Q * Q * G * N + 2.0 * Q * Q * H * P + 4.0 * Q * H * P * N)
+    # each product's operands and output: scores (C, B -> W), inside (weights, x dt -> X), the states
+    # (x dt, B -> S), the read-out (C, states -> X)
+    operands = 2 * T * G * N + W + D + 2 * X + X + T * G * N + S + T * G * N + S + X
+    pad = (T - b * s) and 2 * (b * s * (H * P + 2 * G * N + H))  # the last chunk's padded copies of x, B, C, dt
+    skip = 5 * T * H * P  # the mixer's D skip, y + D x (mamba_ssm's kernel fuses it): a product and an add
+    forward = 15 * X + 7 * D + 2 * W + 9 * S + 10 * L + pad + skip
+    flops = 3.0 * D + 6.0 * X + 3.0 * S  # a flop a pass, the exps apart
+    exps = D + 3 * L  # the decay weights, the decays to each chunk's end, from its start, across it
+    return [OpCost("mamba_ssd_products", "matrix", fwd_flops=products, bwd_flops=3.0 * products,
+                   fwd_bytes=operands * f32, bwd_bytes=3 * operands * f32, gemm_dim=min(Q, P, N)),
+            OpCost("mamba_ssd_passes", "vector", fwd_flops=flops, bwd_flops=3.0 * flops, fwd_bytes=forward * f32,
+                   fwd_exps=exps, bwd_exps=exps,  # the backward's recomputed forward; exp's gradient is its output
+                   bwd_bytes=(forward + 17 * D + 28 * X + 11 * S + 30 * L + pad + 2 * skip) * f32, activation_bytes=activation_bytes,
+                   kernels=(24 + 3 * chunks, 80 + 8 * chunks))]

@@ -124,6 +124,11 @@ class OpCost:
     bwd_fill_bytes: float = 0.0  # of bwd_bytes, those a write-only pass moves (zeroing a gradient buffer)
     random_elems: float = 0.0  # random numbers drawn forward (a dropout mask)
     row_ops: float = 0.0  # rows of a large table touched at random, each way (an embedding's lookups)
+    # exponentials computed forward and backward (SiLU's sigmoid, softplus, a written-out softmax, the scan's
+    # decays): a CPU prices them at its measured exp rate, beside the op's other FLOPs
+    fwd_exps: float = 0.0
+    bwd_exps: float = 0.0
+    conv_taps: float = 0.0  # output elements x taps of a depthwise conv (its CPU backward is measured apart)
     # what outlives the op's own moment in the backward: bytes its backward makes (or keeps) that stay alive
     # until an op with ``bwd_release`` has run back (the written-out attention's dV, and V's storage, which
     # q and k share, until Q K^T's backward)
