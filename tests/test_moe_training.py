@@ -11,11 +11,12 @@ import math
 import pytest
 import torch
 
-from ds_pipe_ext.models import get_family, load_model
+from ds_pipe_ext.models import family_of, get_family, load_model
 from ds_pipe_ext.models.config import ModelConfigError
 from ds_pipe_ext.train.data import SyntheticTokens
 
 MOE = get_family("moe")
+HYBRID = get_family("hybrid")
 
 
 def flat_grad(model) -> torch.Tensor:
@@ -109,13 +110,38 @@ def test_sequence_parallel_moe_layers_and_slots_tp_cannot_split_are_refused():
     layer._check_tp_capacity(torch.zeros(1, 32, cfg.hidden))  # 20 slots: 10 a TP rank
 
 
+# a hybrid model whose two stages (parts 0, 3, 6) each hold an E layer: Mamba-2 with 2 groups and attention with 2
+# key/value heads (TP 2 splits both), 4 dropless experts a layer
+HYBRID_MOE = """family = "hybrid"
+vocab_size = 512
+hidden = 64
+layers = 4
+pattern = "ME*E"
+heads = 4
+kv_heads = 2
+ffn_hidden = 128
+seq_len = 32
+mamba_heads = 4
+mamba_head_dim = 16
+ssm_state = 16
+n_groups = 2
+chunk = 8
+experts = 4
+top_k = 2
+expert_ffn_hidden = 32
+shared_ffn_hidden = 32
+"""
+
+
 def moe_reference(cfg, weights_path, steps: int, *, dp: int, micro_batch: int, gas: int, seed: int = 1234,
                   lr: float = 3e-4, of_dp: int | None = None, clip: float | None = 1.0):
     """What PP x DP x EP computes, in one process: each DP rank's stream, each micro-batch routed (and its
     load-balancing loss taken) on its own tokens as the ranks do; the step's gradient is the mean over
     the dp x gas micro-batches, and every expert is counted once in the gradient norm; ``clip``: the
     gradient clipped to that norm (DeepSpeed's default gradient_clipping, 1.0), the norm before it recorded."""
-    model = MOE.sequential(MOE.layer_specs(cfg, reference=True), MOE.loss_fn(cfg), base_seed=None, recompute=False)
+    family = family_of(cfg)
+    model = family.sequential(family.layer_specs(cfg, reference=True), family.loss_fn(cfg), base_seed=None,
+                              recompute=False)
     model.load_state_dict(torch.load(weights_path))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
     streams = [SyntheticTokens(cfg.vocab_size, micro_batch, cfg.seq_len, seed=seed + 1000, dp_rank=r, dp=of_dp or dp)
@@ -146,7 +172,7 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
     uninterrupted run's); a resume under another split moves the full states (the same losses), one under
     another EP degree is refused naming the saved one; the ZeRO-1 rule on every rank; the ds.json `plan` emits for EP 2, trained as emitted; and ZeRO-2
     without a pipeline (DP 4 x EP 2) against one process; PP 2 x TP 2 at EP 2 and 1 (ZeRO-0 and ZeRO-1) against one
-    process."""
+    process, and a hybrid model's E layers at PP 2 x TP 2 x EP 2 against one process."""
     from ds_pipe_ext.cli import main
     from ds_pipe_ext.runner import launch, write_config
 
@@ -176,6 +202,16 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
     tp2 = {ep: write_config(tmp_path / f"tp2-ep{ep}.json", pipeline={"stages": 2, "partition_method": "parts:0,3,6"},
                             tensor_parallel={"size": 2, "sequence_parallel": False}, moe={"ep_size": ep}, **common)
            for ep in (1, 2)}
+    # a hybrid model's E layers under TP 2 (and a Mamba-2 layer, attention) in both stages, experts over EP 2
+    hybrid_cfg = tmp_path / "hybrid-moe.toml"
+    hybrid_cfg.write_text(HYBRID_MOE)
+    hybrid = load_model(str(hybrid_cfg))
+    hybrid_init = tmp_path / "hybrid-init.pt"
+    torch.save(HYBRID.sequential(HYBRID.layer_specs(hybrid), HYBRID.loss_fn(hybrid), base_seed=5,
+                                 recompute=False).state_dict(), hybrid_init)
+    hybrid_tp2 = write_config(tmp_path / "hybrid-tp2.json", pipeline={"stages": 2, "partition_method": "parts:0,3,6"},
+                              tensor_parallel={"size": 2, "sequence_parallel": False}, moe={"ep_size": 2},
+                              **{**common, "train": {"model": str(hybrid_cfg), "steps": steps}})
     tp2_zero1 = write_config(tmp_path / "tp2-zero1.json", pipeline={"stages": 2, "partition_method": "parts:0,3,6"},
                              tensor_parallel={"size": 2, "sequence_parallel": False}, moe={"ep_size": 1},
                              zero_optimization={"stage": 1}, **common)
@@ -196,7 +232,8 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
             "--run", f"zero2: --init-from {init} --steps 1 --deepspeed_config {zero2}",
             "--run", f"tp2 ep2: --init-from {init} --deepspeed_config {tp2[2]}",
             "--run", f"tp2 ep1: --init-from {init} --deepspeed_config {tp2[1]}",
-            "--run", f"tp2 zero1: --init-from {init} --deepspeed_config {tp2_zero1}"]
+            "--run", f"tp2 zero1: --init-from {init} --deepspeed_config {tp2_zero1}",
+            "--run", f"hybrid tp2: --init-from {hybrid_init} --deepspeed_config {hybrid_tp2}"]
     proc, ranks = launch(4, ds, "--steps", str(steps), *runs, out_dir=tmp_path, cwd=tmp_path,
                          script="tests/models_in_turn.py", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -293,6 +330,12 @@ def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
         assert tp_run["grad_norms"] == pytest.approx(one_replica[1], rel=1e-4), name
     # ZeRO-1: the experts' states partitioned over their expert-data-parallel group, the TP pair at EP 1
     assert got["tp2 zero1"]["losses"] == pytest.approx(one_replica[0], rel=1e-4)
+    # the hybrid family's E layers under TP 2 x EP 2, beside a TP-split Mamba-2 layer and attention: one process
+    want = moe_reference(hybrid, hybrid_init, steps, dp=1, micro_batch=mb, gas=gas)
+    assert got["hybrid tp2"]["parts"] == [0, 3, 6] and got["hybrid tp2"]["dp"] == 1
+    assert got["hybrid tp2"]["losses"][0] == pytest.approx(want[0][0], rel=1e-5)
+    assert got["hybrid tp2"]["grad_norms"][0] == pytest.approx(want[1][0], rel=1e-5)
+    assert got["hybrid tp2"]["losses"] == pytest.approx(want[0], rel=1e-4)
     planned = got["plan"]
     assert "parts:" + ",".join(map(str, planned["parts"])) == emitted["pipeline"]["partition_method"]
     assert planned["dp"] == 2 and math.isfinite(planned["losses"][0])

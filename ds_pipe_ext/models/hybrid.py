@@ -11,7 +11,8 @@ Hidden states are sequence-first, (s, b, h), as in the other families; a Mamba-2
 for its scan and back.  Each layer is one kind, so a pipeline split sees each kind's own cost (a Mamba-2
 layer, an attention layer and an MLP layer differ several-fold in time and in what they keep).  Tensor
 parallelism: attention and the MLP through the ``LayerImpl`` as in the Llama family, the mixer as Megatron-core's
-``MambaMixer`` splits it (``mamba2``); sequence parallelism is refused (a scan needs its whole sequence).
+``MambaMixer`` splits it (``mamba2``), an E layer as the moe family's routed blocks (``moe.RoutedMLP``); sequence
+parallelism is refused (a scan needs its whole sequence).
 """
 
 from __future__ import annotations
@@ -92,10 +93,10 @@ class MoELayer(nn.Module):
         from .moe import RoutedMLP
 
         _refuse_sequence_parallel(impl)
-        if impl.tp_size > 1:
-            raise ValueError("hybrid family: tensor parallelism of MoE (E) layers is not supported; use tp = 1")
         self.norm = impl.rms_norm(cfg.hidden, cfg.rms_norm_eps)
-        self.mlp = RoutedMLP(cfg, ep, reference=reference)
+        # under TP as the moe family's routed blocks: DeepSpeed's layer splits each expert's slots over the TP
+        # ranks (the experts whole on each), the shared experts column- and row-parallel
+        self.mlp = RoutedMLP(cfg, ep, reference=reference, impl=impl)
         self.tokens_per_expert: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
