@@ -128,3 +128,54 @@ def traced_peak_bytes(run: Callable[[], object]) -> int:
         live += fields.alloc_size
         peak = max(peak, live)
     return peak
+
+
+# ops that move no data: views, and allocations whose contents are not read
+_NO_TRAFFIC = {"view", "_unsafe_view", "transpose", "unbind", "select", "slice", "expand", "unflatten", "as_strided",
+               "t", "permute", "unsqueeze", "squeeze", "detach", "alias", "split", "split_with_sizes", "reshape",
+               "_reshape_alias", "lift_fresh", "narrow", "empty", "empty_like", "empty_strided", "new_empty"}
+_UNREAD_INPUTS = {"zeros", "ones", "full", "zeros_like", "ones_like", "new_zeros", "new_ones", "new_full"}
+# the products and the kernels priced by FLOPs or measured apart (a fused attention, a convolution)
+PRODUCT_OPS = {"mm", "bmm", "addmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+               "_scaled_dot_product_flash_attention_for_cpu_backward", "convolution", "convolution_backward",
+               "mkldnn_convolution"}
+
+
+def _distinct_bytes(t: torch.Tensor) -> int:
+    """The bytes a tensor's elements span once each (a broadcast dimension, stride 0, counted once)."""
+    if not t.numel():
+        return 0
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        n *= size if stride else 1
+    return n * t.element_size()
+
+
+def eager_traffic(run: Callable[[], object]) -> dict[str, int]:
+    """Bytes each aten op ``run()`` dispatches reads and writes, by op name: every input's and output's distinct
+    elements (views free; a factory's input unread), as an eager CPU or GPU runs them one kernel an op.  What the
+    analytic ops' ``fwd_bytes`` / ``bwd_bytes`` are checked against where they count an eager code's passes
+    (``PRODUCT_OPS``: the products and kernels priced otherwise, kept apart under their own names)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    moved: dict[str, int] = {}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name not in _NO_TRAFFIC:
+                ins = [] if name in _UNREAD_INPUTS else tree_flatten((args, kwargs))[0]
+                tensors = [x for x in (*ins, *tree_flatten(out)[0]) if isinstance(x, torch.Tensor)]
+                moved[name] = moved.get(name, 0) + sum(map(_distinct_bytes, tensors))
+            return out
+
+    with Count():
+        run()
+    return moved
+
+
+def elementwise_traffic(run: Callable[[], object]) -> int:
+    """``eager_traffic``'s bytes outside ``PRODUCT_OPS``: the elementwise passes, reductions and copies."""
+    return sum(b for name, b in eager_traffic(run).items() if name not in PRODUCT_OPS)
