@@ -24,11 +24,12 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     fresh anonymous 64 MiB mapping (what glibc returns above its mmap threshold) against filling a
     warm buffer; the difference is the page faults.  Zeroing a warm 256 MiB buffer (``fill_bandwidth``),
     drawing a dropout mask of 2^20 elements (``random_rate``) and looking up rows of a table beyond the
-    caches at random (``row_op_s``) and their backward's row adds (``row_add_s``), and a forward GEMM whose
-    output width breaks 64-byte row alignment (4,097 against 4,096 columns: ``misaligned_output_efficiency``);
+    caches at random (``row_op_s``) and their backward's row adds (``row_add_s``), a forward GEMM whose
+    output width breaks 64-byte row alignment (4,097 against 4,096 columns: ``misaligned_output_efficiency``),
     an exp over the vector peak's cache-resident buffer (``exp_rate``), and a depthwise conv1d's backward
-    (1,024 channels, 256 steps, 4 taps, less its forward: ``depthwise_conv_backward_s``, per element and tap).  Faults are charged above the threshold the
-    training processes run with (``training_mmap_threshold``: train.py fixes it at 1 GiB).
+    (1,024 channels, 256 steps, 4 taps, less its forward: ``depthwise_conv_backward_s``, per output element
+    and tap).  Faults are charged above the threshold the training processes run with
+    (``training_mmap_threshold``: train.py fixes it at 1 GiB).
     """
     import torch
 
@@ -160,6 +161,7 @@ def fastest_of(specs: list[DeviceSpec]) -> DeviceSpec:
     return replace(specs[0], matrix_flops={"fp32": best("matrix_flops"), "bf16": best("matrix_flops")},
                    vector_flops={"fp32": best("vector_flops"), "bf16": best("vector_flops")},
                    hbm_bandwidth=best("hbm_bandwidth"), fill_bandwidth=best("fill_bandwidth"),
-                   random_rate=best("random_rate"), row_op_s=min(s.row_op_s for s in specs), exp_rate=best("exp_rate"),
-                   depthwise_conv_backward_s=min(s.depthwise_conv_backward_s for s in specs),
-                   row_add_s=min(s.row_add_s for s in specs), fresh_page_bandwidth=best("fresh_page_bandwidth"))
+                   random_rate=best("random_rate"), row_op_s=min(s.row_op_s for s in specs),
+                   row_add_s=min(s.row_add_s for s in specs), fresh_page_bandwidth=best("fresh_page_bandwidth"),
+                   exp_rate=best("exp_rate"),
+                   depthwise_conv_backward_s=min(s.depthwise_conv_backward_s for s in specs))

@@ -126,5 +126,6 @@ def torch_scan_ops(shp: Shape, *, heads: int, head_dim: int, state: int, groups:
                    fwd_bytes=operands * f32, bwd_bytes=3 * operands * f32, gemm_dim=min(Q, P, N)),
             OpCost("mamba_ssd_passes", "vector", fwd_flops=flops, bwd_flops=3.0 * flops, fwd_bytes=forward * f32,
                    fwd_exps=exps, bwd_exps=exps,  # the backward's recomputed forward; exp's gradient is its output
-                   bwd_bytes=(forward + 17 * D + 28 * X + 11 * S + 30 * L + pad + 2 * skip) * f32, activation_bytes=activation_bytes,
-                   kernels=(24 + 3 * chunks, 80 + 8 * chunks))]
+                   # the recomputed forward, autograd's passes, the padding's and the skip's gradients
+                   bwd_bytes=(forward + 17 * D + 28 * X + 11 * S + 30 * L + pad + 2 * skip) * f32,
+                   activation_bytes=activation_bytes, kernels=(24 + 3 * chunks, 80 + 8 * chunks))]
