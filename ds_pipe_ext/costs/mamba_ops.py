@@ -121,11 +121,17 @@ def torch_scan_ops(shp: Shape, *, heads: int, head_dim: int, state: int, groups:
     skip = 5 * T * H * P  # the mixer's D skip, y + D x (mamba_ssm's kernel fuses it): a product and an add
     forward = 15 * X + 7 * D + 2 * W + 9 * S + 10 * L + pad + skip
     flops = 3.0 * D + 6.0 * X + 3.0 * S  # a flop a pass, the exps apart
-    exps = D + 3 * L  # the decay weights, the decays to each chunk's end, from its start, across it
+    # the exps run as kernels of their own, compute-bound where the other passes are memory-bound: an op apart, so
+    # that their times add (the decay weights, the decays to each chunk's end, from its start, across it), forward
+    # and again in the backward's recomputed forward (exp's gradient is its output)
+    exps = D + 3 * L
+    exp_bytes = 2 * exps
     return [OpCost("mamba_ssd_products", "matrix", fwd_flops=products, bwd_flops=3.0 * products,
                    fwd_bytes=operands * f32, bwd_bytes=3 * operands * f32, gemm_dim=min(Q, P, N)),
-            OpCost("mamba_ssd_passes", "vector", fwd_flops=flops, bwd_flops=3.0 * flops, fwd_bytes=forward * f32,
-                   fwd_exps=exps, bwd_exps=exps,  # the backward's recomputed forward; exp's gradient is its output
+            OpCost("mamba_ssd_exps", "vector", fwd_exps=exps, bwd_exps=exps, fwd_bytes=exp_bytes * f32,
+                   bwd_bytes=exp_bytes * f32, kernels=(4, 4)),
+            OpCost("mamba_ssd_passes", "vector", fwd_flops=flops, bwd_flops=3.0 * flops,
+                   fwd_bytes=(forward - exp_bytes) * f32,
                    # the recomputed forward, autograd's passes, the padding's and the skip's gradients
-                   bwd_bytes=(forward + 17 * D + 28 * X + 11 * S + 30 * L + pad + 2 * skip) * f32,
-                   activation_bytes=activation_bytes, kernels=(24 + 3 * chunks, 80 + 8 * chunks))]
+                   bwd_bytes=(forward - exp_bytes + 17 * D + 28 * X + 11 * S + 30 * L + pad + 2 * skip) * f32,
+                   activation_bytes=activation_bytes, kernels=(20 + 3 * chunks, 76 + 8 * chunks))]
