@@ -66,14 +66,14 @@ def mamba2_mixer(shp: Shape, *, heads: int, head_dim: int, state: int, groups: i
                 weight_bytes=3 * H * e, fwd_exps=2 * T * H, bwd_exps=T * H,  # softplus: exp and log1p; its sigmoid
                 kernels=(3, 3))  # + dt_bias, softplus, clamp (in 16-bit the scan keeps the clamp's fp32 copy); it holds
     # dt_bias, A_log and D, the mixer's per-head weights
-    scan_flops = (chunks * shp.b * (2.0 * Q * Q * G * N + Q * Q * H + 2.0 * Q * Q * H * P + 4.0 * Q * H * P * N)
-                  + 2.0 * chunks * shp.b * H * P * N)
     scan_in = T * (conv + H)
     # x, B and C: views of SiLU's output in fp32, their fp32 copies (and dt's) in 16-bit
     kept = scan_in * f32 if up else T * conv * e
     if torch_scan:
         scan = torch_scan_ops(shp, heads=H, head_dim=P, state=N, groups=G, chunk=Q, activation_bytes=kept)
-    else:
+    else:  # the products, the decay weights (Q^2 H a chunk) and the carry (2 H P N a chunk) in one kernel
+        scan_flops = (scan_product_flops(shp.b, chunks, heads=H, head_dim=P, state=N, groups=G, chunk=Q)
+                      + chunks * shp.b * (Q * Q * H + 2.0 * H * P * N))
         scan = [OpCost("mamba_ssd_scan", "attention", fwd_flops=scan_flops, bwd_flops=3.0 * scan_flops,
                        fwd_bytes=(scan_in + T * inner) * f32 + T * inner * e,
                        bwd_bytes=(2 * scan_in + 2 * T * inner) * f32, activation_bytes=kept,
@@ -92,6 +92,15 @@ def mamba2_mixer(shp: Shape, *, heads: int, head_dim: int, state: int, groups: i
                         weights=(inner,), weight_bytes=inner * e, kernels=(8, 14))
     out_proj = linear("mamba_out_proj", T, inner, shp.h, shp, bias=bias)
     return [in_proj, conv_op, silu, dt, *scan, gated_norm, out_proj]
+
+
+def scan_product_flops(b: int, chunks: int, *, heads: int, head_dim: int, state: int, groups: int,
+                       chunk: int) -> float:
+    """The scan's products, forward: per chunk C^T B once a group (2 Q^2 G N), the weighted scores by x dt
+    (2 Q^2 H P), each chunk's state (2 Q H P N) and its read-out (2 Q H P N)."""
+    Q = chunk
+    return chunks * b * (2.0 * Q * Q * groups * state + 2.0 * Q * Q * heads * head_dim
+                         + 4.0 * Q * heads * head_dim * state)
 
 
 def torch_scan_ops(shp: Shape, *, heads: int, head_dim: int, state: int, groups: int, chunk: int,
@@ -113,7 +122,7 @@ def torch_scan_ops(shp: Shape, *, heads: int, head_dim: int, state: int, groups:
     T = b * chunks * Q
     D, X, S, W, L = T * H * Q, T * H * P, b * chunks * H * P * N, b * chunks * G * Q * Q, T * H
     f32 = 4
-    products = chunks * b * (2.0 * Q * Q * G * N + 2.0 * Q * Q * H * P + 4.0 * Q * H * P * N)
+    products = scan_product_flops(b, chunks, heads=H, head_dim=P, state=N, groups=G, chunk=Q)
     # each product's operands and output: scores (C, B -> W), inside (weights, x dt -> X), the states
     # (x dt, B -> S), the read-out (C, states -> X)
     operands = 2 * T * G * N + W + D + 2 * X + X + T * G * N + S + T * G * N + S + X
