@@ -42,6 +42,37 @@ def test_the_scan_grads_are_the_recurrences():
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
 
 
+def test_the_scan_holds_where_decays_underflow():
+    """Decays of e^-800 across a chunk (exp's arguments clamped where the result is no normal float, the scores
+    masked above the diagonal where the clamped weights are 1): the recurrence's values and gradients, no nan."""
+    x, dt, A, B, C, _ = inputs(2, 24, 4, 3, 2, 5)
+    args = [t.double().requires_grad_() for t in (x, dt + 1.0, A * 50, B, C)]
+    y = ssd_scan(*args, 8)[0]
+    want = ssd_recurrence(*args)[0]
+    torch.testing.assert_close(y, want, rtol=1e-10, atol=1e-12)
+    got = torch.autograd.grad(y.square().sum(), args)
+    for g, w in zip(got, torch.autograd.grad(want.square().sum(), args)):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kernel, bias", [(4, True), (3, False)])
+def test_the_causal_conv_is_conv1ds_first_steps(kernel, bias):
+    """``causal_depthwise_conv`` (shifted multiply-adds in the (b, l, channels) layout) against ``nn.Conv1d``
+    padded by K - 1 and cut to the first l outputs, as Hugging Face's torch path runs it: values and gradients."""
+    from ds_pipe_ext.models.mamba2 import causal_depthwise_conv
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv1d(6, 6, kernel, groups=6, padding=kernel - 1, bias=bias).double()
+    x = torch.randn(2, 9, 6, dtype=torch.float64, requires_grad=True)
+    got = causal_depthwise_conv(x, conv.weight, conv.bias)
+    want = conv(x.transpose(1, 2))[..., :9].transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    params = [x, *conv.parameters()]
+    for g, w in zip(torch.autograd.grad(got.square().sum(), params), torch.autograd.grad(want.square().sum(), params)):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
 def test_heads_must_split_into_groups():
     with pytest.raises(ValueError, match="6 heads do not split into n_groups = 4"):
         Mamba2Mixer(Mamba2Shape(hidden=16, heads=6, head_dim=4, state=4, groups=4))

@@ -26,7 +26,7 @@ def test_the_mixers_saved_bytes_and_weights_are_counted(hidden, heads, head_dim,
     saved, _ = saved_activation_bytes(lambda: mixer(x), list(mixer.parameters()))
     shp = A.Shape(b=b, s=s, h=hidden, a=1, f=1, V=1, e=4)
     ops = mamba2_mixer(shp, heads=heads, head_dim=head_dim, state=state, groups=groups, conv_kernel=kernel,
-                       chunk=chunk)
+                       chunk=chunk, torch_code=True)  # the conv and the scan as they run here
     analytic = sum(op.activation_bytes for op in ops)
     assert analytic == pytest.approx(saved, rel=0.03)
     assert abs(analytic - saved) <= 2 * heads * 4  # all but A = -exp(A_log), which two ops keep
@@ -85,7 +85,7 @@ def test_a_hybrid_description_is_costed_block_by_block():
     assert any(n.startswith("expert_") for n in names[6]) and "qkv" not in names[6]
     mixer = sum(op.activation_bytes for op in layers[1][2][1:-1])
     assert mixer == sum(op.activation_bytes for op in mamba2_mixer(shp, heads=8, head_dim=16, state=16, groups=2,
-                                                                   conv_kernel=4, chunk=16))
+                                                                   conv_kernel=4, chunk=16, torch_code=True))
 
 
 def test_tensor_parallelism_must_divide_a_hybrids_mamba_groups():
@@ -123,3 +123,28 @@ def test_the_torch_scans_passes_are_what_its_code_moves(b, s, heads, head_dim, g
 
 def _scan_shape(b: int, s: int) -> A.Shape:
     return A.Shape(b=b, s=s, h=64, a=1, f=1, V=1, e=4)
+
+
+@pytest.mark.parametrize("b, s, channels, kernel, bias", [(1, 256, 1280, 4, True), (2, 100, 96, 4, True),
+                                                         (3, 64, 40, 3, False)])
+def test_the_torch_convs_passes_are_what_its_code_moves(b, s, channels, kernel, bias):
+    """``torch_conv_op``'s bytes and saved bytes against a dispatch-level count of ``causal_depthwise_conv`` and
+    the profiler's saved tensors: within 3%."""
+    from ds_pipe_ext.costs.mamba_ops import torch_conv_op
+    from ds_pipe_ext.models.mamba2 import causal_depthwise_conv
+
+    x = torch.randn(b, s, channels, requires_grad=True)
+    w = torch.randn(channels, 1, kernel, requires_grad=True)
+    bb = torch.randn(channels, requires_grad=True) if bias else None
+    params = [w] + ([bb] if bias else [])
+    with torch.no_grad():
+        forward = elementwise_traffic(lambda: causal_depthwise_conv(x, w, bb))
+    y = causal_depthwise_conv(x, w, bb)
+    grad = torch.ones_like(y)
+    backward = elementwise_traffic(lambda: y.backward(grad))
+    saved, _ = saved_activation_bytes(lambda: causal_depthwise_conv(x, w, bb), params)
+    op = torch_conv_op(_scan_shape(b, s), channels=channels, kernel=kernel, bias=bias,
+                       weights=tuple(p.numel() for p in params))
+    assert op.fwd_bytes == pytest.approx(forward, rel=0.03)
+    assert op.bwd_bytes == pytest.approx(backward, rel=0.03)
+    assert op.activation_bytes == saved

@@ -129,7 +129,7 @@ def block_ops(desc, block, shp: A.Shape, *, expert_imbalance: float = 1.0, devic
         return [A.NORMS[desc.norm]("norm", shp),
                 *mamba2_mixer(shp, heads=m.heads, head_dim=m.head_dim, state=m.state, groups=m.groups,
                               conv_kernel=m.conv_kernel, chunk=m.chunk, bias=desc.linear_bias,
-                              torch_scan=device == "cpu"),
+                              torch_code=device == "cpu"),
                 A.residual_add("residual", shp)]
     att, mlp = block.attention, block.mlp
     shaped = replace(shp, a=att.heads if att else shp.a, f=mlp.ffn if mlp else shp.f,

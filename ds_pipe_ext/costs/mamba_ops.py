@@ -4,9 +4,10 @@ Notation: T = b s tokens; on a rank H = heads / t heads of P = head_dim, I = H P
 groups of N = state, C = I + 2 G N conv channels, Q the chunk, K the conv's kernel; c = ceil(s / Q) chunks.
 
 What autograd keeps (fp32: counted from the code and checked against the profiler's saved tensors,
-tests/test_mamba_costs.py): in_proj's input (h) and, through the conv's transposed view of it, its whole output
-(I + C + H); the conv's output with its K - 1 padded steps, which SiLU keeps; SiLU's output, of which the scan
-keeps x, B and C as views; dt three times (dt + dt_bias, softplus, the clamp); the scan nothing else (its
+tests/test_mamba_costs.py): in_proj's input (h) and, through the views of z (torch code) or the conv kernel's
+input, its whole output (I + C + H); the conv's input padded with K - 1 steps (torch code; the kernel: its
+output, padding included), and the conv's output, which SiLU keeps; SiLU's output, of which the scan keeps x, B
+and C as views; dt three times (dt + dt_bias, softplus, the clamp); the scan nothing else (its
 intermediates are recomputed in the backward, as ``mamba_ssm``'s fused scan recomputes them); the gated norm
 y, SiLU(z), y SiLU(z), its reciprocal RMS per group and its output; out_proj's input.  In 16-bit the scan and
 the norm run in fp32: their inputs' fp32 copies are kept too (counted from the code; no 16-bit check yet).
@@ -39,9 +40,10 @@ def _local(n: int, t: int, what: str) -> int:
 
 
 def mamba2_mixer(shp: Shape, *, heads: int, head_dim: int, state: int, groups: int, conv_kernel: int, chunk: int,
-                 bias: bool = False, conv_bias: bool = True, torch_scan: bool = False) -> list[OpCost]:
-    """The mixer's ops in execution order (no norm or residual around it: the block adds them); ``torch_scan``:
-    the scan as ``models.ssd``'s torch code runs it (a CPU), else as ``mamba_ssm``'s fused kernels."""
+                 bias: bool = False, conv_bias: bool = True, torch_code: bool = False) -> list[OpCost]:
+    """The mixer's ops in execution order (no norm or residual around it: the block adds them); ``torch_code``:
+    the conv and the scan as ``models.mamba2``'s and ``models.ssd``'s torch code runs them (a CPU), else as
+    ``causal_conv1d``'s and ``mamba_ssm``'s kernels."""
     t, e, T = shp.t, shp.e, shp.b * shp.s
     H, G = _local(heads, t, "mamba heads"), _local(groups, t, "n_groups")
     P, N, K, Q = head_dim, state, conv_kernel, chunk
@@ -52,15 +54,20 @@ def mamba2_mixer(shp: Shape, *, heads: int, head_dim: int, state: int, groups: i
     chunks = math.ceil(shp.s / Q)
     in_proj = linear("mamba_in_proj", T, shp.h, proj, shp, bias=bias)
     conv_w = (conv * K, conv) if conv_bias else (conv * K,)
-    conv_op = OpCost("mamba_conv1d", "vector", fwd_flops=2.0 * T * conv * K, bwd_flops=4.0 * T * conv * K,
-                     fwd_bytes=2 * T * conv * e + sum(conv_w) * e, bwd_bytes=3 * T * conv * e + 2 * sum(conv_w) * e,
-                     activation_bytes=T * proj * e,  # its input is a view of in_proj's whole output
-                     weight_bytes=sum(conv_w) * e, weights=conv_w, kernels=(1, 3),
-                     conv_taps=shp.b * (shp.s + K - 1) * conv * K)  # its output keeps the K - 1 padded steps
+    padded = shp.b * (shp.s + K - 1) * conv  # K - 1 steps longer
+    if torch_code:  # models.mamba2.causal_depthwise_conv: x padded, then K shifted multiply-adds
+        conv_op = torch_conv_op(shp, channels=conv, kernel=K, bias=conv_bias, weights=conv_w)
+        silu_keeps = T * conv  # its input, the conv's output
+    else:  # causal_conv1d's kernel, handed a view of in_proj's output (which it keeps, all of it)
+        conv_op = OpCost("mamba_conv1d", "vector", fwd_flops=2.0 * T * conv * K, bwd_flops=4.0 * T * conv * K,
+                         fwd_bytes=2 * T * conv * e + sum(conv_w) * e,
+                         bwd_bytes=3 * T * conv * e + 2 * sum(conv_w) * e, activation_bytes=T * proj * e,
+                         weight_bytes=sum(conv_w) * e, weights=conv_w, kernels=(1, 3), conv_taps=padded * K)
+        silu_keeps = padded
     silu = OpCost("mamba_conv_silu", "vector", fwd_flops=4.0 * T * conv, bwd_flops=8.0 * T * conv,
                   fwd_bytes=2 * T * conv * e, bwd_bytes=3 * T * conv * e,
                   fwd_exps=T * conv, bwd_exps=T * conv,  # the sigmoid, recomputed by silu_backward
-                  activation_bytes=shp.b * (shp.s + K - 1) * conv * e)  # the conv's output, padding included
+                  activation_bytes=silu_keeps * e)
     dt = OpCost("mamba_dt", "vector", fwd_flops=6.0 * T * H, bwd_flops=8.0 * T * H, fwd_bytes=6 * T * H * e,
                 bwd_bytes=6 * T * H * e, activation_bytes=(2 if up else 3) * T * H * e, weights=(H, H, H),
                 weight_bytes=3 * H * e, fwd_exps=2 * T * H, bwd_exps=T * H,  # softplus: exp and log1p; its sigmoid
@@ -69,7 +76,7 @@ def mamba2_mixer(shp: Shape, *, heads: int, head_dim: int, state: int, groups: i
     scan_in = T * (conv + H)
     # x, B and C: views of SiLU's output in fp32, their fp32 copies (and dt's) in 16-bit
     kept = scan_in * f32 if up else T * conv * e
-    if torch_scan:
+    if torch_code:
         scan = torch_scan_ops(shp, heads=H, head_dim=P, state=N, groups=G, chunk=Q, activation_bytes=kept)
     else:  # the products, the decay weights (Q^2 H a chunk) and the carry (2 H P N a chunk) in one kernel
         scan_flops = (scan_product_flops(shp.b, chunks, heads=H, head_dim=P, state=N, groups=G, chunk=Q)
@@ -83,15 +90,33 @@ def mamba2_mixer(shp: Shape, *, heads: int, head_dim: int, state: int, groups: i
     # writes of T x I fp32 elements (in 16-bit, y's and z's fp32 copies and the cast back besides); backward 32
     # (each product's two gradients, the broadcasts' sums, silu_backward): counted at dispatch
     casts = (2 * (e + f32) + f32 + e) * T * inner if up else 0
+    # z for SiLU: in fp32 a view of in_proj's whole output, which the torch conv does not keep (the kernel does)
+    z_view = T * proj * e if torch_code and not up else 0
     gated_norm = OpCost("mamba_gated_norm", "vector", fwd_flops=8.0 * T * inner, bwd_flops=16.0 * T * inner,
                         fwd_bytes=12 * T * inner * f32 + casts, bwd_bytes=32 * T * inner * f32 + casts,
                         fwd_exps=T * inner, bwd_exps=T * inner,
                         # y, SiLU(z), y SiLU(z), the RMS per group, the output; in 16-bit z's fp32 copy too, and
                         # the output kept in 16-bit
-                        activation_bytes=4 * T * inner * f32 + T * G * f32 + (T * inner * e if up else 0),
+                        activation_bytes=(4 * T * inner * f32 + T * G * f32 + (T * inner * e if up else 0)
+                                          + z_view),
                         weights=(inner,), weight_bytes=inner * e, kernels=(8, 14))
     out_proj = linear("mamba_out_proj", T, inner, shp.h, shp, bias=bias)
     return [in_proj, conv_op, silu, dt, *scan, gated_norm, out_proj]
+
+
+def torch_conv_op(shp: Shape, *, channels: int, kernel: int, bias: bool, weights: tuple) -> OpCost:
+    """``models.mamba2.causal_depthwise_conv`` as eager torch runs it, in elements of T x C (C channels, T = b s
+    tokens; counted at dispatch, tests/test_mamba_costs.py).  Forward: the padded copy (2), the first tap's
+    multiply (2), K - 1 multiply-adds (3 each): 3 K + 1.  Backward, per tap: addcmul's scaled gradient (2), the
+    input's gradient (grad x tap, 2), the tap's (grad x input, 3, and its sum, 1), the slice's gradient written
+    into a zeroed padded buffer (2); K - 1 adds of those (3 each), the padding's slice (2) and the bias's sum (1):
+    13 K + 1, less 3 without a bias (the first tap a plain multiply).  It keeps x padded (b (s + K - 1) C) and
+    the taps."""
+    e, K, TC = shp.e, kernel, shp.b * shp.s * channels
+    return OpCost("mamba_conv1d", "vector", fwd_flops=2.0 * TC * K, bwd_flops=4.0 * TC * K,
+                  fwd_bytes=(3 * K + 1) * TC * e, bwd_bytes=(13 * K + (1 if bias else -2)) * TC * e,
+                  activation_bytes=shp.b * (shp.s + K - 1) * channels * e,
+                  weight_bytes=sum(weights) * e, weights=weights, kernels=(K + 1, 5 * K + 2))
 
 
 def scan_product_flops(b: int, chunks: int, *, heads: int, head_dim: int, state: int, groups: int,
