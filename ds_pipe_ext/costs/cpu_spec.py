@@ -26,9 +26,8 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     drawing a dropout mask of 2^20 elements (``random_rate``) and looking up rows of a table beyond the
     caches at random (``row_op_s``) and their backward's row adds (``row_add_s``), a forward GEMM whose
     output width breaks 64-byte row alignment (4,097 against 4,096 columns: ``misaligned_output_efficiency``),
-    an exp over the vector peak's cache-resident buffer (``exp_rate``), and a depthwise conv1d's backward
-    (1,024 channels, 256 steps, 4 taps, less its forward: ``depthwise_conv_backward_s``, per output element
-    and tap).  Faults are charged above the threshold the training processes run with
+    and an exp over the vector peak's cache-resident buffer (``exp_rate``; arguments in float32's normal range,
+    as the code keeps them).  Faults are charged above the threshold the training processes run with
     (``training_mmap_threshold``: train.py fixes it at 1 GiB).
     """
     import torch
@@ -40,7 +39,7 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     steady_host_allocator()
     threads = torch.get_num_threads()
     mmap_min = training_mmap_threshold()  # what train.py's ranks map afresh (steady_host_allocator)
-    path = Path(cache_dir) / f"cpu-spec-v14-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
+    path = Path(cache_dir) / f"cpu-spec-v15-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
     # the ranks of a launch on a fresh machine: one measures, the others read
     return measured_once(path, lambda: _measure_cpu_now(mmap_min, seconds), parse=lambda d: DeviceSpec(**d),
                          dump=asdict)
@@ -134,21 +133,12 @@ def _measure_cpu_now(mmap_min: float, seconds: float) -> DeviceSpec:
     misaligned = (seconds_per_call(lambda: torch.nn.functional.linear(inputs, aligned)) * 4097 / 4096
                   / seconds_per_call(lambda: torch.nn.functional.linear(inputs, ragged)))
     exps = small.numel() / seconds_per_call(lambda: torch.exp(small, out=small_out), batch=20)
-    channels, steps, taps = 1024, 256, 4
-    conv = torch.nn.Conv1d(channels, channels, taps, groups=channels, padding=taps - 1)
-    conv_in = torch.randn(1, channels, steps, requires_grad=True)
-    conv_grad = torch.ones(1, channels, steps + taps - 1)
-    with torch.no_grad():
-        conv_forward = seconds_per_call(lambda: conv(conv_in))
-    conv_both = seconds_per_call(lambda: conv(conv_in).backward(conv_grad))
-    conv_backward = max(conv_both - conv_forward, 0.0) / (channels * (steps + taps - 1) * taps)
     ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     spec = DeviceSpec("cpu", {"fp32": mm, "bf16": mm}, {"fp32": vec, "bf16": vec}, bw, bw, bw, ram, gpus_per_node=1,
                       matrix_efficiency=1.0, attention_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0,
                       comm_efficiency=1.0, fresh_page_bandwidth=faults, fresh_alloc_min_bytes=mmap_min,
                       fill_bandwidth=fill, random_rate=random, row_op_s=row_op, row_add_s=row_add,
-                      misaligned_output_efficiency=min(misaligned, 1.0), exp_rate=exps,
-                      depthwise_conv_backward_s=conv_backward)
+                      misaligned_output_efficiency=min(misaligned, 1.0), exp_rate=exps)
     return spec
 
 
@@ -163,5 +153,4 @@ def fastest_of(specs: list[DeviceSpec]) -> DeviceSpec:
                    hbm_bandwidth=best("hbm_bandwidth"), fill_bandwidth=best("fill_bandwidth"),
                    random_rate=best("random_rate"), row_op_s=min(s.row_op_s for s in specs),
                    row_add_s=min(s.row_add_s for s in specs), fresh_page_bandwidth=best("fresh_page_bandwidth"),
-                   exp_rate=best("exp_rate"),
-                   depthwise_conv_backward_s=min(s.depthwise_conv_backward_s for s in specs))
+                   exp_rate=best("exp_rate"))

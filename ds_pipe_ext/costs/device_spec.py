@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import numpy as np
-
 from .gpu_pricing import GpuKernels
 from .network import ClusterNetwork, Placement, system_for
 from .op_cost import DTYPE_BYTES, AnalyticError, OpCost
@@ -61,10 +59,6 @@ class DeviceSpec:
     # ``fwd_exps`` / ``bwd_exps`` are priced at it beside its FLOPs.  0: in its FLOPs (a GPU's special-function
     # units keep up with its memory).  Measured by ``measure_cpu``.
     exp_rate: float = 0.0
-    # seconds per output element and tap of a depthwise conv1d's backward on a CPU (oneDNN's: 1.5-1.9 ns here,
-    # ten times its forward's FLOPs at the vector rate); an op's ``conv_taps`` take at least that.  0: its FLOPs.
-    # Measured by ``measure_cpu``.
-    depthwise_conv_backward_s: float = 0.0
     # Measured collectives, {kind: [latency_s, bus bandwidth]} for "all-reduce", "all-gather",
     # "reduce-scatter" and "p2p"; None: the ring formulas on the link bandwidth.  CPU ranks talk
     # through gloo at a tenth of a memory copy's speed (``cpu_comm.measure_cpu_ranks``).
@@ -148,12 +142,10 @@ class DeviceSpec:
 
     def measured_kernels_s(self, op: OpCost, compute_s, *, backward: bool):
         """An op's compute time (``compute_s``, seconds or an array of them) with what a CPU spec measured
-        apart from its FLOP rates: its exponentials, and a depthwise conv's backward."""
+        apart from its FLOP rates: its exponentials."""
         exps = op.bwd_exps if backward else op.fwd_exps
         if exps and self.exp_rate:
             compute_s = compute_s + exps / self.exp_rate
-        if backward and op.conv_taps and self.depthwise_conv_backward_s:
-            compute_s = np.maximum(compute_s, op.conv_taps * self.depthwise_conv_backward_s)
         return compute_s
 
     def grad_accumulate_s(self, op: OpCost, *, dtype: str, execution: str = "eager") -> float:

@@ -62,7 +62,7 @@ def mamba2_mixer(shp: Shape, *, heads: int, head_dim: int, state: int, groups: i
         conv_op = OpCost("mamba_conv1d", "vector", fwd_flops=2.0 * T * conv * K, bwd_flops=4.0 * T * conv * K,
                          fwd_bytes=2 * T * conv * e + sum(conv_w) * e,
                          bwd_bytes=3 * T * conv * e + 2 * sum(conv_w) * e, activation_bytes=T * proj * e,
-                         weight_bytes=sum(conv_w) * e, weights=conv_w, kernels=(1, 3), conv_taps=padded * K)
+                         weight_bytes=sum(conv_w) * e, weights=conv_w, kernels=(1, 3))
         silu_keeps = padded
     silu = OpCost("mamba_conv_silu", "vector", fwd_flops=4.0 * T * conv, bwd_flops=8.0 * T * conv,
                   fwd_bytes=2 * T * conv * e, bwd_bytes=3 * T * conv * e,

@@ -128,7 +128,6 @@ class OpCost:
     # decays): a CPU prices them at its measured exp rate, beside the op's other FLOPs
     fwd_exps: float = 0.0
     bwd_exps: float = 0.0
-    conv_taps: float = 0.0  # output elements x taps of a depthwise conv (its CPU backward is measured apart)
     # what outlives the op's own moment in the backward: bytes its backward makes (or keeps) that stay alive
     # until an op with ``bwd_release`` has run back (the written-out attention's dV, and V's storage, which
     # q and k share, until Q K^T's backward)
