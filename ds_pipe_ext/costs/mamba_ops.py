@@ -54,7 +54,6 @@ def mamba2_mixer(shp: Shape, *, heads: int, head_dim: int, state: int, groups: i
     chunks = math.ceil(shp.s / Q)
     in_proj = linear("mamba_in_proj", T, shp.h, proj, shp, bias=bias)
     conv_w = (conv * K, conv) if conv_bias else (conv * K,)
-    padded = shp.b * (shp.s + K - 1) * conv  # K - 1 steps longer
     if torch_code:  # models.mamba2.causal_depthwise_conv: x padded, then K shifted multiply-adds
         conv_op = torch_conv_op(shp, channels=conv, kernel=K, bias=conv_bias, weights=conv_w)
         silu_keeps = T * conv  # its input, the conv's output
@@ -63,7 +62,7 @@ def mamba2_mixer(shp: Shape, *, heads: int, head_dim: int, state: int, groups: i
                          fwd_bytes=2 * T * conv * e + sum(conv_w) * e,
                          bwd_bytes=3 * T * conv * e + 2 * sum(conv_w) * e, activation_bytes=T * proj * e,
                          weight_bytes=sum(conv_w) * e, weights=conv_w, kernels=(1, 3))
-        silu_keeps = padded
+        silu_keeps = shp.b * (shp.s + K - 1) * conv  # the kernel's output, its K - 1 padded steps included
     silu = OpCost("mamba_conv_silu", "vector", fwd_flops=4.0 * T * conv, bwd_flops=8.0 * T * conv,
                   fwd_bytes=2 * T * conv * e, bwd_bytes=3 * T * conv * e,
                   fwd_exps=T * conv, bwd_exps=T * conv,  # the sigmoid, recomputed by silu_backward

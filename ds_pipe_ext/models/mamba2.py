@@ -5,8 +5,9 @@
 
 The parameter names and layout are those of Hugging Face's ``NemotronHMamba2Mixer`` (and Megatron-core's
 ``MambaMixer``), so a checkpoint's tensors load as they are.  The conv and the scan are plain torch
-(``causal_depthwise_conv``, ``ssd.ssd_scan``) on any device; on CUDA, ``causal_conv1d``'s and ``mamba_ssm``'s kernels run them where those
-packages are installed, and ``kernel`` records which ran.  (No GPU run has exercised the kernel path yet.)
+(``causal_depthwise_conv``, ``ssd.ssd_scan``) on any device; on CUDA, ``causal_conv1d``'s and ``mamba_ssm``'s
+kernels run them where those packages are installed, and ``kernel`` records which ran.  (No GPU run has
+exercised the kernel path yet.)
 
 Tensor parallelism (``tp_group``) splits it as Megatron-core's ``MambaMixer`` does: each rank holds whole
 heads and whole groups (TP must divide ``n_groups``), so its share of z, x, B, C and dt, of the conv's channels,
