@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from ds_pipe_ext.costs.calibrate import fit_device  # noqa: E402
 from ds_pipe_ext.models.costs import calibration_points, profile_three_layers  # noqa: E402
 from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers  # noqa: E402
-from ds_pipe_ext.costs.cpu_spec import fastest_of, measure_cpu  # noqa: E402
+from ds_pipe_ext.costs.cpu_spec import measure_cpu, median_of  # noqa: E402
 from ds_pipe_ext.costs.hardware import get_device  # noqa: E402
 from ds_pipe_ext.costs.profiler import ProfileSettings  # noqa: E402
 from ds_pipe_ext.models import family_of, load_model  # noqa: E402
@@ -93,8 +93,9 @@ def layer_times(grid=GRID, fit=FIT, passes=PASSES) -> float:
     A shared machine's speed drifts by more than the target, within minutes (one morning: the same
     block 417 to 688 ms in three runs; the 1024^3 matmul 48 to 94 GFLOP/s over one run's passes).
     Neighbours only ever add time, so every shape is profiled once per pass, PASSES passes over
-    FIT + GRID in turn, each with the machine's micro-benchmarks, and the fastest of each is kept:
-    the machine's own speed, for the model and the profiles alike.
+    FIT + GRID in turn, each with the machine's micro-benchmarks; the fastest of each profile is kept
+    (the machine's own speed) and the median of each micro-benchmark (``cpu_spec.median_of``: a fresh
+    process's first pass copies faster than any later one, beside the profiles, does).
     """
     n_passes, passes = passes, {}
     specs = []
@@ -105,7 +106,7 @@ def layer_times(grid=GRID, fit=FIT, passes=PASSES) -> float:
             passes.setdefault((name, b, seq), []).append((cfg, [(m.forward_s, m.backward_s) for m in measured]))
         print(f"  pass {k + 1}/{n_passes} over {len(fit + grid)} shapes (matmul "
               f"{specs[-1].matrix_flops['fp32'] / 1e9:.0f} GFLOP/s)", flush=True)
-    cpu = fastest_of(specs)
+    cpu = median_of(specs)
 
     def fastest(key):
         cfg = passes[key][0][0]
@@ -122,7 +123,7 @@ def layer_times(grid=GRID, fit=FIT, passes=PASSES) -> float:
           f"{cpu.fill_bandwidth / 1e9:.1f} GB/s, a row op {cpu.row_op_s * 1e6:.2f} us (its backward's add "
           f"{cpu.row_add_s * 1e6:.2f} us), dropout draws {cpu.random_rate / 1e6:.0f} M/s, first touch "
           f"{cpu.fresh_page_bandwidth / 1e9:.2f} GB/s above {cpu.fresh_alloc_min_bytes / 2**20:.0f} MiB "
-          f"(the fastest of {n_passes} passes)")
+          f"(the median of {n_passes} passes)")
     print(f"calibrated on {fit}: GEMM efficiency {calibrated.matrix_efficiency:.3f} x the measured peak, halved at "
           f"a GEMM dimension of {calibrated.matrix_half_dim:.0f}; a gradient table zeroed at "
           f"{calibrated.fill_bandwidth / 1e9:.1f} GB/s", flush=True)
@@ -173,7 +174,7 @@ def today(grid=TODAY_GRID, passes=TODAY_PASSES) -> tuple[float, float]:
             cfg, measured = every_layer(load_model(name), b, seq)
             runs.setdefault((name, b, seq), []).append((cfg, measured))
         print(f"  pass {k + 1}/{passes}", flush=True)
-    cpu = fastest_of(specs)
+    cpu = median_of(specs)
     points = []
     for key in FIT:
         cfg = runs[key][0][0]
