@@ -348,3 +348,37 @@ def test_a_cpu_prices_exponentials_at_its_measured_rate():
     assert spec.op_time(silu, dtype="fp32", tp=1, backward=True)["compute_s"] == pytest.approx(2e-3 + 1e-3)
     plain = replace(spec, exp_rate=0.0)
     assert plain.op_time(silu, dtype="fp32", tp=1)["compute_s"] == pytest.approx(1e-3)
+
+
+def test_a_cpu_adds_each_ops_host_dispatch_in_series():
+    """On a CPU the host issues an op's kernels on the core that runs them: kernels x the measured host time, on
+    top of the roofline, forward and backward apart; nothing when compiled, or on a GPU spec (which prices its
+    host against its kernels instead)."""
+    from dataclasses import replace
+
+    from ds_pipe_ext.costs.hardware import DeviceSpec, get_device
+
+    spec = DeviceSpec("cpu", {"fp32": 40e9}, {"fp32": 2e9}, 20e9, 20e9, 20e9, 24 * 2**30, gpus_per_node=1,
+                      matrix_efficiency=1.0, attention_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0,
+                      host_op_s=1e-6, host_op_bwd_s=2e-6)
+    gating = A.OpCost("gating", "vector", fwd_flops=2e6, bwd_flops=4e6, kernels=(30, 15))
+    fwd, bwd = (spec.op_time(gating, dtype="fp32", tp=1, backward=b) for b in (False, True))
+    assert (fwd["host_s"], fwd["time_s"]) == (pytest.approx(30e-6), pytest.approx(1e-3 + 30e-6))
+    assert (bwd["host_s"], bwd["time_s"]) == (pytest.approx(30e-6), pytest.approx(2e-3 + 30e-6))
+    assert spec.op_time(gating, dtype="fp32", tp=1, execution="compiled")["host_s"] == 0.0
+    assert replace(spec, host_op_s=0.0).op_time(gating, dtype="fp32", tp=1)["time_s"] == pytest.approx(1e-3)
+    assert get_device("h200").op_time(gating, dtype="bf16", tp=1)["host_s"] == 0.0
+
+
+def test_deepspeeds_gates_are_counted_by_the_gate_that_runs():
+    """DeepSpeed's TopKGate runs top1gating, top2gating or topkgating by its k; our gates (models.routers) run
+    topkgating after their own ops, whatever k."""
+    from ds_pipe_ext.arch import Experts
+    from ds_pipe_ext.costs.moe_ops import GATING_KERNELS, ROUTER_KERNELS, gating_kernels
+
+    assert [gating_kernels(Experts(8, k)) for k in (1, 2, 4)] == [GATING_KERNELS[1], GATING_KERNELS[2],
+                                                                  GATING_KERNELS["k"]]
+    sigmoid = gating_kernels(Experts(16, 2, router="sigmoid", groups=4, topk_groups=2))
+    assert sigmoid == tuple(a + b for a, b in zip(GATING_KERNELS["k"], ROUTER_KERNELS["sigmoid"]))
+    assert gating_kernels(Experts(8, 1, router_bias=True)) == tuple(
+        a + b for a, b in zip(GATING_KERNELS["k"], ROUTER_KERNELS["bias"]))

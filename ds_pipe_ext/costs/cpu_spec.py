@@ -27,8 +27,9 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     drawing a dropout mask of 2^20 elements (``random_rate``) and looking up rows of a table beyond the
     caches at random (``row_op_s``) and their backward's row adds (``row_add_s``), a forward GEMM whose
     output width breaks 64-byte row alignment (4,097 against 4,096 columns: ``misaligned_output_efficiency``),
-    and an exp over the vector peak's cache-resident buffer (``exp_rate``; arguments in float32's normal range,
-    as the code keeps them).  Faults are charged above the threshold the training processes run with
+    an exp over the vector peak's cache-resident buffer (``exp_rate``; arguments in float32's normal range,
+    as the code keeps them), and what the host spends issuing a tiny op, forward and backward (``host_op_s``,
+    ``host_op_bwd_s``).  Faults are charged above the threshold the training processes run with
     (``training_mmap_threshold``: train.py fixes it at 1 GiB).
     """
     import torch
@@ -40,7 +41,7 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     steady_host_allocator()
     threads = torch.get_num_threads()
     mmap_min = training_mmap_threshold()  # what train.py's ranks map afresh (steady_host_allocator)
-    path = Path(cache_dir) / f"cpu-spec-v15-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
+    path = Path(cache_dir) / f"cpu-spec-v16-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
     # the ranks of a launch on a fresh machine: one measures, the others read
     return measured_once(path, lambda: _measure_cpu_now(mmap_min, seconds), parse=lambda d: DeviceSpec(**d),
                          dump=asdict)
@@ -134,13 +135,35 @@ def _measure_cpu_now(mmap_min: float, seconds: float) -> DeviceSpec:
     misaligned = (seconds_per_call(lambda: torch.nn.functional.linear(inputs, aligned)) * 4097 / 4096
                   / seconds_per_call(lambda: torch.nn.functional.linear(inputs, ragged)))
     exps = small.numel() / seconds_per_call(lambda: torch.exp(small, out=small_out), batch=20)
+    host_op, host_op_bwd = _host_op_s()
     ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     spec = DeviceSpec("cpu", {"fp32": mm, "bf16": mm}, {"fp32": vec, "bf16": vec}, bw, bw, bw, ram, gpus_per_node=1,
                       matrix_efficiency=1.0, attention_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0,
                       comm_efficiency=1.0, fresh_page_bandwidth=faults, fresh_alloc_min_bytes=mmap_min,
                       fill_bandwidth=fill, random_rate=random, row_op_s=row_op, row_add_s=row_add,
-                      misaligned_output_efficiency=min(misaligned, 1.0), exp_rate=exps)
+                      misaligned_output_efficiency=min(misaligned, 1.0), exp_rate=exps,
+                      host_op_s=host_op, host_op_bwd_s=host_op_bwd)
     return spec
+
+
+def _host_op_s(ops: int = 200, runs: int = 20) -> tuple[float, float]:
+    """(seconds an eager op costs the host forward, seconds an autograd node's op costs backward): a chain of
+    ``ops`` products on a 16-element tensor that requires grad, whose work is nothing beside its dispatch, its
+    output's allocation and (forward) the autograd node's recording; the fastest of ``runs``."""
+    import torch
+
+    leaf = torch.ones(16, requires_grad=True)
+    forward = backward = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        y = leaf
+        for _ in range(ops):
+            y = y * 1.0001
+        t1 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        t2 = time.perf_counter()
+        forward, backward = min(forward, (t1 - t0) / ops), min(backward, (t2 - t1) / ops)
+    return forward, backward
 
 
 def median_of(specs: list[DeviceSpec]) -> DeviceSpec:
@@ -154,4 +177,5 @@ def median_of(specs: list[DeviceSpec]) -> DeviceSpec:
     return replace(specs[0], matrix_flops={"fp32": median("matrix_flops"), "bf16": median("matrix_flops")},
                    vector_flops={"fp32": median("vector_flops"), "bf16": median("vector_flops")},
                    **{key: median(key) for key in ("hbm_bandwidth", "fill_bandwidth", "random_rate", "row_op_s",
-                                                   "row_add_s", "fresh_page_bandwidth", "exp_rate")})
+                                                   "row_add_s", "fresh_page_bandwidth", "exp_rate", "host_op_s",
+                                                   "host_op_bwd_s")})

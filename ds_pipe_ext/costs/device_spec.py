@@ -59,6 +59,12 @@ class DeviceSpec:
     # ``fwd_exps`` / ``bwd_exps`` are priced at it beside its FLOPs.  0: in its FLOPs (a GPU's special-function
     # units keep up with its memory).  Measured by ``measure_cpu``.
     exp_rate: float = 0.0
+    # seconds the host spends issuing one eager op (forward; a Python-level op in a custom backward too) and one
+    # autograd node's op (backward) on a CPU, where it runs on the same core as the work, in series: an op's
+    # ``kernels`` times it.  A layer of hundreds of small ops (a router's gating, DeepSpeed's per-expert loop)
+    # spends milliseconds on it.  Measured by ``measure_cpu``; 0: none (a GPU spec prices its host with its kernels)
+    host_op_s: float = 0.0
+    host_op_bwd_s: float = 0.0
     # Measured collectives, {kind: [latency_s, bus bandwidth]} for "all-reduce", "all-gather",
     # "reduce-scatter" and "p2p"; None: the ring formulas on the link bandwidth.  CPU ranks talk
     # through gloo at a tenth of a memory copy's speed (``cpu_comm.measure_cpu_ranks``).
@@ -136,8 +142,11 @@ class DeviceSpec:
         fresh = self.fresh_alloc_time(op.bwd_allocs if backward else op.fwd_allocs)
         random = op.random_elems / self.random_rate if self.random_rate and not backward else 0.0
         random += op.row_ops * (self.row_add_s if backward and self.row_add_s else self.row_op_s)
+        host = op.kernels[1 if backward else 0] * (self.host_op_bwd_s if backward else self.host_op_s) \
+            if self.gpu is None and execution == "eager" else 0.0
         return {"compute_s": compute, "memory_s": memory, "comm_s": comm, "fresh_s": fresh, "random_s": random,
-                "accumulate_s": accumulate, "time_s": max(compute, memory) + accumulate + random + fresh + comm,
+                "accumulate_s": accumulate, "host_s": host,
+                "time_s": max(compute, memory) + accumulate + random + fresh + comm + host,
                 "intensity": flops / moved if moved else float("inf")}
 
     def measured_kernels_s(self, op: OpCost, compute_s, *, backward: bool):

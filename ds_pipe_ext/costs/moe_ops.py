@@ -36,17 +36,20 @@ INDEX_BYTES = 8  # int64 slot and expert indices
 
 # The kernels each part launches in eager mode, forward and backward, counted in DeepSpeed 0.19's
 # ``moe/sharded_moe.py`` (its sparse-routes path, which MOELayer takes) and ``moe/experts.py``; on a GPU each costs
-# at least a launch and its host dispatch (``estimate.layer_floor_s``).  Gating (``topkgating``): the softmax, top-k,
-# the choice mask (zeros, scatter), the counts, the load-balancing loss (two means, a product, its scalars), the
-# capacity (dropless: the max, read back by ``int(C)``), the locations (cumsum, -1), the renormalisation (product,
-# sum, clamp, division), the routes (gathers, where, products) and their stacking; backward the gathers', the
-# division's, the sum's, the softmax's and the loss's gradients.  Dispatch (``_route_slots``, ``_sparse_encode``):
-# the flat slots (product, add, full, where), the inverse map (full, arange, scatter), the padded input (zeros,
-# cat) and the index_select; backward index_select's (zeros, index_add).  Each local expert: its chunk made
-# contiguous, the first GEMM, the activation, the second GEMM (SwiGLU: two kernels forward, ten in-place
-# passes backward, ``llama.SwiGLU``); the outputs' cat.  Combine (``_sparse_decode``): zeros, cat, index_select, the
-# fp32 product with the gates, the sum over routes, the cast; backward the same in reverse and the gates' gradient.
-GATING_KERNELS = (30, 15)
+# at least a launch and its host dispatch (``estimate.layer_floor_s``), on a CPU its dispatch (``host_op_s``).
+# Gating: the ops DeepSpeed's gate functions run beyond the router's GEMM, views left out, counted under a torch
+# dispatch mode on a block of the moe family (T 256): ``top1gating``, ``top2gating``, ``topkgating`` (the softmax,
+# the top k, the choice masks, the counts, the load-balancing loss, the capacity read back by ``int(C)``, the
+# locations, the renormalisation, the routes), and what our gates add before it (``models.routers``: the sigmoid
+# scores, the group-limited choice and the chosen scores' logs; or the router bias's softmax over the top k).
+# Dispatch (``_route_slots``, ``_sparse_encode``): the flat slots (product, add, full, where), the inverse map (full,
+# arange, scatter), the padded input (zeros, cat) and the index_select; backward index_select's (zeros, index_add).
+# Each local expert: its chunk made contiguous, the first GEMM, the activation, the second GEMM (SwiGLU: two
+# kernels forward, ten in-place passes backward, ``llama.SwiGLU``); the outputs' cat.  Combine (``_sparse_decode``):
+# zeros, cat, index_select, the fp32 product with the gates, the sum over routes, the cast; backward the same in
+# reverse and the gates' gradient.
+GATING_KERNELS = {1: (48, 9), 2: (59, 41), "k": (35, 24)}  # by top-k: top1gating, top2gating, topkgating
+ROUTER_KERNELS = {"sigmoid": (25, 5), "bias": (11, 1)}  # models.routers' gates, before DeepSpeed's topkgating
 DISPATCH_KERNELS = (10, 2)
 COMBINE_KERNELS = (6, 7)
 EXPERT_COPY_KERNELS = (1, 1)  # a local expert's chunk made contiguous (and its gradient's cat), each way
@@ -59,6 +62,42 @@ def slots_per_expert(tokens: int, experts: Experts, imbalance: float = 1.0, tp: 
         return max(experts.capacity_slots(tokens), 1)
     mean = experts.top_k * tokens / experts.count
     return math.ceil(max(math.ceil(imbalance * mean), 1) / tp) * tp
+
+
+def encode_bytes(T: int, k: int, slots: int, h: int, e: int, *, backward: bool = False) -> float:
+    """Bytes DeepSpeed's ``_sparse_encode`` moves placing T tokens in ``slots`` slots (``slots`` x h, ``e`` bytes an
+    element), as its code runs: forward, the slots' source map (a full, an arange, a scatter of the k T routes), the
+    input padded with a zero row (``cat``: read and written) and the slots' rows gathered (``index_select``).
+    Backward, autograd's ``index_select_backward``: a zeroed (T + 1) x h table, copied by the out-of-place
+    ``index_add`` (read, written), then each slot's row read and added into its token's (read, written)."""
+    if backward:
+        return (T + 1) * h * e * 3 + slots * h * e * 3
+    return (slots + 1 + 2 * k * T) * INDEX_BYTES + 2 * T * h * e + 2 * slots * h * e
+
+
+def decode_bytes(T: int, k: int, slots: int, h: int, e: int, *, backward: bool = False) -> float:
+    """Bytes DeepSpeed's ``_sparse_decode`` moves combining the k T routes from ``slots`` slots, as its code runs:
+    forward, the experts' output padded with a zero row (``cat``), each route's row gathered (``index_select``),
+    multiplied by its fp32 gate (read in ``e`` bytes, written in 4), summed over the k routes (4-byte reads, T x h
+    written), cast back where ``e`` is not 4.  Backward: the cast's, the product's two gradients (the routes' rows:
+    the output's gradient times the gates, written; the gates': the gradient times the saved rows, summed over h),
+    and ``index_select_backward`` (a zeroed (slots + 1) x h table, copied by the out-of-place ``index_add``, each
+    route's row added into its slot's)."""
+    R = k * T
+    cast = T * h * (4 + e) if e != 4 else 0
+    if backward:
+        routes = R * h * (4 + (4 + e if e != 4 else 0)) + R * h * (e + 4) + R * h * 4 + 2 * T * h * 4
+        return cast + routes + (slots + 1) * h * e * 3 + R * h * e * 3
+    return 2 * (slots + 1) * h * e + 2 * R * h * e + R * h * (e + 4) + R * h * 4 + T * h * 4 + cast
+
+
+def gating_kernels(experts: Experts) -> tuple[int, int]:
+    """The kernels a block's gate launches beyond its router's GEMM, forward and backward: DeepSpeed's ``TopKGate``
+    by its top-k, or one of ``models.routers``' gates (which hand DeepSpeed's ``topkgating`` their logits)."""
+    ours = "sigmoid" if experts.router == "sigmoid" else "bias" if experts.router_bias else None
+    if ours is None:
+        return GATING_KERNELS.get(experts.top_k, GATING_KERNELS["k"])
+    return tuple(a + b for a, b in zip(GATING_KERNELS["k"], ROUTER_KERNELS[ours]))
 
 
 def _experts(op: OpCost, local: int) -> OpCost:
@@ -90,11 +129,12 @@ def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 
     gating = OpCost("gating", "vector", fwd_flops=8.0 * T * E, bwd_flops=8.0 * T * E, fwd_bytes=6 * T * E * 4,
                     bwd_bytes=6 * T * E * 4,
                     activation_bytes=ROUTER_BYTES_PER_TOKEN_EXPERT * T * E + k * T * INDEX_BYTES,
-                    kernels=GATING_KERNELS)
+                    kernels=gating_kernels(experts))
     if experts.router == "sigmoid":  # models/routers.py: the scores, the chosen ids, the chosen scores' log input
         gating = replace(gating, fwd_flops=gating.fwd_flops + 4.0 * T * E, fwd_bytes=gating.fwd_bytes + 4 * T * E * 4,
                          activation_bytes=gating.activation_bytes + 4 * T * E + k * T * (INDEX_BYTES + 4))
-    dispatch = OpCost("dispatch", "vector", fwd_bytes=(k * T * h + slots * h) * e, bwd_bytes=(k * T * h + slots * h) * e,
+    dispatch = OpCost("dispatch", "vector", fwd_bytes=encode_bytes(T, k, slots, h, e),
+                      bwd_bytes=encode_bytes(T, k, slots, h, e, backward=True), bwd_fill_bytes=(T + 1) * h * e,
                       activation_bytes=slots * INDEX_BYTES + k * T * INDEX_BYTES, fwd_allocs=(slots * h * e,),
                       bwd_allocs=(T * h * e,), kernels=DISPATCH_KERNELS)
     width = f if activation == "relu2" else 2 * f  # the first matrix: up alone, or gate and up
@@ -114,10 +154,13 @@ def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 
     down = _experts(linear("expert_down", mine, f, h, shp, bias=experts.bias), local)
     down = replace(down, gemm_dim=float(min(ep * C // t, f, h)))
     combine = OpCost("combine", "vector", fwd_flops=2.0 * k * T * h, bwd_flops=4.0 * k * T * h,
-                     fwd_bytes=(k * T * h + T * h) * e, bwd_bytes=(2 * k * T * h + T * h) * e,
-                     activation_bytes=k * T * h * e + k * T * 4, fwd_allocs=(T * h * e,), bwd_allocs=(slots * h * e,),
-                     kernels=COMBINE_KERNELS)
-    experts_ops = [gate_up, act, down]
+                     fwd_bytes=decode_bytes(T, k, slots, h, e), bwd_bytes=decode_bytes(T, k, slots, h, e, backward=True),
+                     bwd_fill_bytes=(slots + 1) * h * e, activation_bytes=k * T * h * e + k * T * 4,
+                     fwd_allocs=(T * h * e,), bwd_allocs=(slots * h * e,), kernels=COMBINE_KERNELS)
+    # Experts.forward: the local experts' outputs concatenated; backward, their input chunks' gradients
+    outputs = OpCost("expert_outputs_cat", "vector", fwd_bytes=2 * mine * h * e, bwd_bytes=2 * mine * h * e,
+                     fwd_allocs=(mine * h * e,), bwd_allocs=(mine * h * e,), kernels=(1, 1))
+    experts_ops = [gate_up, act, down, outputs]
     if t > 1:  # the experts' output gathered over TP (a copy into the gathered E x C rows); the drop's backward
         gathered = slots * h * e
         experts_ops.append(OpCost("tp_gather_slots", "vector", fwd_bytes=2 * gathered, bwd_bytes=2 * gathered,
@@ -128,7 +171,7 @@ def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 
     moved = mine * h * e  # each all-to-all moves the rank's slots, forward and (their gradients) backward
     exchange = [OpCost(name, "vector", comm_fwd_bytes=moved, comm_bwd_bytes=moved, comm_type="all-to-all")
                 for name in ("dispatch_all_to_all", "combine_all_to_all")]
-    return [router, gating, dispatch, exchange[0], *experts_ops[:3], exchange[1], *experts_ops[3:], combine]
+    return [router, gating, dispatch, exchange[0], *experts_ops[:4], exchange[1], *experts_ops[4:], combine]
 
 
 def shared_mlp(shp: Shape, experts: Experts, activation: str = "swiglu") -> list[OpCost]:

@@ -138,7 +138,9 @@ class OpCost:
     # What a GPU runs for the op (``costs.gpu_pricing``): a GEMM's forward product (M, K, N) = (rows, inner,
     # output width); an attention core's (b, heads, kv_heads, s, keys, head dim, masked, dropout); the kernels an eager
     # forward and backward launch; and the bytes those kernels move where they differ from the op's
-    # modelled traffic (the fp32 loss's passes over the logits), as (forward, backward)
+    # modelled traffic (the fp32 loss's passes over the logits), as (forward, backward).  A CPU spec charges each
+    # kernel one op's host dispatch (``DeviceSpec.host_op_s``): an aten op is one kernel, near enough (CUDA's
+    # embedding backward's dozen kernels are three ops on a CPU: 0.07 ms at the measured rate)
     gemm: tuple = ()
     attn_shape: tuple = ()
     kernels: tuple = (1, 1)
