@@ -95,14 +95,11 @@ def mtp_lookups(shp: Shape, depth: int) -> OpCost:
     """The embedding layer's lookups of the ids shifted by 1 .. ``depth`` (the table is the layer's own; each
     keeps its ids for the backward).  Each lookup's backward is a dense gradient of the whole table, as the main
     lookup's (``edge_ops.embedding``): zeroed, its rows added, then summed into the others' in place (autograd's
-    input buffer: an ``add_``, read two, write one).  A GPU moves those three tables' bytes; a CPU's in-place add
-    takes a copy's time (its written lines were just read: no read for ownership), which the CPU spec's bandwidth
-    counts as two (``DeviceSpec.grad_accumulate_s``; add_ over two 19 MiB tables 0.84 of a copy's time here)."""
+    input buffer: an ``add_``, read two, write one; ``bwd_inplace_bytes``: a CPU takes a copy's time over them,
+    add_ over two 19 MiB tables 0.84 of a copy's time here)."""
     T, h, e = shp.tokens, shp.h, shp.e
     table = (-(-shp.V // shp.t)) * h * e
-    rows = 2 * T * h * e + table  # the output's gradient read, the zeroed table, before the sum
     return OpCost("mtp_lookups", "vector", fwd_bytes=2 * depth * T * h * e,
-                  bwd_bytes=depth * (rows + 2 * table), bwd_fill_bytes=depth * table,
-                  row_ops=depth * T, activation_bytes=depth * T * 8, bwd_allocs=(table,) * depth,
-                  kernels=(2 * depth, 13 * depth), gpu_bytes=(2 * depth * T * h * e, depth * (rows + 3 * table)),
-                  bwd_sync=True)
+                  bwd_bytes=depth * (2 * T * h * e + table + 3 * table), bwd_fill_bytes=depth * table,
+                  bwd_inplace_bytes=depth * 3 * table, row_ops=depth * T, activation_bytes=depth * T * 8,
+                  bwd_allocs=(table,) * depth, kernels=(2 * depth, 13 * depth), bwd_sync=True)

@@ -125,8 +125,8 @@ class DeviceSpec:
         else:
             compute = flops / (peak * self.efficiency(op.kind) * self.shape_factor(op, dtype=dtype, backward=backward))
             compute = self.measured_kernels_s(op, compute, backward=backward)
-            filled = op.bwd_fill_bytes if backward else 0.0
-            memory = ((moved - filled) / self.hbm_bandwidth
+            filled, in_place = (op.bwd_fill_bytes, op.bwd_inplace_bytes) if backward else (0.0, 0.0)
+            memory = ((moved - filled - in_place / 3) / self.hbm_bandwidth
                       + filled / (self.fill_bandwidth or self.hbm_bandwidth)) / self.memory_efficiency
             accumulate = self.grad_accumulate_s(op, dtype=dtype, execution=execution) if backward else 0.0
         comm_bytes = op.comm_bwd_bytes if backward else op.comm_fwd_bytes

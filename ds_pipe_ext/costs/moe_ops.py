@@ -84,11 +84,14 @@ def decode_bytes(T: int, k: int, slots: int, h: int, e: int, *, backward: bool =
     and ``index_select_backward`` (a zeroed (slots + 1) x h table, copied by the out-of-place ``index_add``, each
     route's row added into its slot's)."""
     R = k * T
-    cast = T * h * (4 + e) if e != 4 else 0
+
+    def cast(n: int) -> int:  # n elements cast between fp32 and ``e`` bytes: none in fp32
+        return n * (4 + e) if e != 4 else 0
+
     if backward:
-        routes = R * h * (4 + (4 + e if e != 4 else 0)) + R * h * (e + 4) + R * h * 4 + 2 * T * h * 4
-        return cast + routes + (slots + 1) * h * e * 3 + R * h * e * 3
-    return 2 * (slots + 1) * h * e + 2 * R * h * e + R * h * (e + 4) + R * h * 4 + T * h * 4 + cast
+        routes = R * h * 4 + cast(R * h) + R * h * (e + 4) + R * h * 4 + 2 * T * h * 4
+        return cast(T * h) + routes + (slots + 1) * h * e * 3 + R * h * e * 3
+    return 2 * (slots + 1) * h * e + 2 * R * h * e + R * h * (e + 4) + R * h * 4 + T * h * 4 + cast(T * h)
 
 
 def gating_kernels(experts: Experts) -> tuple[int, int]:
@@ -154,7 +157,8 @@ def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 
     down = _experts(linear("expert_down", mine, f, h, shp, bias=experts.bias), local)
     down = replace(down, gemm_dim=float(min(ep * C // t, f, h)))
     combine = OpCost("combine", "vector", fwd_flops=2.0 * k * T * h, bwd_flops=4.0 * k * T * h,
-                     fwd_bytes=decode_bytes(T, k, slots, h, e), bwd_bytes=decode_bytes(T, k, slots, h, e, backward=True),
+                     fwd_bytes=decode_bytes(T, k, slots, h, e),
+                     bwd_bytes=decode_bytes(T, k, slots, h, e, backward=True),
                      bwd_fill_bytes=(slots + 1) * h * e, activation_bytes=k * T * h * e + k * T * 4,
                      fwd_allocs=(T * h * e,), bwd_allocs=(slots * h * e,), kernels=COMBINE_KERNELS)
     # Experts.forward: the local experts' outputs concatenated; backward, their input chunks' gradients

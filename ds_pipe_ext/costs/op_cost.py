@@ -122,6 +122,9 @@ class OpCost:
     fwd_allocs: tuple = ()
     bwd_allocs: tuple = ()
     bwd_fill_bytes: float = 0.0  # of bwd_bytes, those a write-only pass moves (zeroing a gradient buffer)
+    # of bwd_bytes, those of in-place adds (``add_``: two read, one written where it was just read): a CPU moves
+    # them in a copy's time, which its spec's bandwidth counts as two of the three (no read for ownership)
+    bwd_inplace_bytes: float = 0.0
     random_elems: float = 0.0  # random numbers drawn forward (a dropout mask)
     row_ops: float = 0.0  # rows of a large table touched at random, each way (an embedding's lookups)
     # exponentials computed forward and backward (SiLU's sigmoid, softplus, a written-out softmax, the scan's
