@@ -25,19 +25,25 @@ Each part is real launches through ``ds_pipe_ext.runner.launch`` (a line per lau
   costs    gpt2-medium and llama3-8b in bf16, per distinct layer: the profile against an independent loop timing
            and against a second profile, the analytic model on the measured ``cuda`` spec, saved bytes and the
            layer's peak; the simulated step of ``profiled`` against ``uniform`` and ``parameters`` at 4 and 8 stages
+  today    Mixtral-8x7B, DeepSeek-V3, gpt-oss-20b and Nemotron-H-8B at their published widths, cut to one layer of
+           each kind (bf16): every distinct layer's profile against the analytic model on the device's datasheet
+           spec (its kernel table), saved bytes; each routed block taken apart (attention, routed MLP, DeepSpeed's
+           MoE layer, the experts alone on the slots their measured capacity gives, shared experts), each piece's
+           kernels and their device time under torch.profiler, priced at that capacity; no launch
 
 ``--cpu-dry-run`` runs the same plan on CPU ranks with ``tiny-tied`` (``tiny`` with gpt2-medium's tied head and
 dropout) in fp32, its train part's pipelines in bf16 as on a GPU (no offload; the layer part on the
 ``cpu`` spec; the ``oom`` part against a memory cap standing in for the device's memory): ``make test`` runs it,
 so the script cannot rot between GPU runs.
 
-    python bench/gpu_path.py [--parts train,compare,offload,hf,oom,layers] [--out DIR] [--cpu-dry-run]
+    python bench/gpu_path.py [--parts train,compare,offload,hf,oom,layers,today] [--out DIR] [--cpu-dry-run]
 
 Last line: RESULT device=... launches_ok=K/N oom_row=oom oom_exit_s=S zero_states_worst_error_pct=V
 pipeline_states_worst_error_pct=P
 [block_time_error_pct_datasheet=X block_time_error_pct_planner=Y timer_agreement_pct=Z activation_bytes_worst_error_pct=W]
 [profile_vs_loop_worst_pct=.. profile_repeat_worst_pct=.. analytic_vs_profile_worst_pct=.. analytic_peak_worst_pct=..
  profiled_vs_uniform_min=.. profiled_vs_parameters_min=..]
+[today_activation_bytes_worst_error_pct=.. today_moe_layer_worst_error_pct=.. today_<kind>_worst_error_pct=..]
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ from ds_pipe_ext.partition.report import render_table  # noqa: E402
 from ds_pipe_ext.pipe import schedules as _deepspeed_order  # noqa: E402,F401  (the engine's order, for the simulator)
 from ds_pipe_ext.runner import ROOT, launch  # noqa: E402
 
-PARTS = ("train", "compare", "offload", "hf", "oom", "layers", "costs", "speed", "pipe", "backends")
+PARTS = ("train", "compare", "offload", "hf", "oom", "layers", "costs", "speed", "pipe", "backends", "today")
 MiB = 2**20
 OOM_EXIT_LIMIT_S = 60
 
@@ -410,7 +416,8 @@ def layers_part(t: Target, out: Path) -> dict:
     from ds_pipe_ext.costs.profiler import profile_layers
     from ds_pipe_ext.costs.types import ProfileSettings
     from ds_pipe_ext.models.gpt_config import GPTConfig
-    from ds_pipe_ext.models.gpt import gpt_layer_specs, lm_loss
+    from ds_pipe_ext.models.gpt import gpt_layer_specs
+    from ds_pipe_ext.models.layers import LOCAL, loss_fn_for
 
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     if t.cuda:  # fp32 as train.py runs it (train.tf32)
@@ -431,7 +438,7 @@ def layers_part(t: Target, out: Path) -> dict:
         specs = gpt_layer_specs(cfg)
         tokens = torch.randint(0, cfg.vocab_size, (b, seq + 1), generator=torch.Generator().manual_seed(0))
         measured = profile_layers([specs[0], specs[1], specs[-1]], tokens[:, :-1], labels=tokens[:, 1:],
-                                  loss_fn=lm_loss, settings=ProfileSettings(warmup=3, repeats=10, cache_dir=None,
+                                  loss_fn=loss_fn_for(LOCAL, cfg), settings=ProfileSettings(warmup=3, repeats=10, cache_dir=None,
                                                                             progress=False),
                                   device=device, dtype=dtypes[dtype])
         req = EstimateRequest(micro_batch=b, seq=seq, dtype=dtype)
@@ -775,6 +782,233 @@ def costs_part(t: Target, out: Path) -> dict:
             "profiled_vs_parameters_min": min(float(r[-1]) for r in splits)}
 
 
+# (model, its overrides, micro-batch, sequence) of the today part: issue 77's and 78's families at their published
+# widths, each cut to one layer of every kind, bf16 on one GPU (DeepSeek-V3 with 64 of its 256 routed experts: a
+# rank's share under EP 4 and within one GPU's memory with the layer's optimizer step); on CPU ranks their bench
+# stand-ins, cut alike, in fp32
+TODAY_CASES = {True: [("mixtral-8x7b", {"layers": 1}, 1, 4096),
+                      ("deepseek-v3", {"layers": 2, "dense_layers": 1, "experts": 64}, 1, 4096),
+                      ("gpt-oss-20b", {"layers": 2, "window_pattern": "WF"}, 1, 4096),
+                      ("nemotron-h-8b", {"layers": 3, "pattern": "M*-"}, 1, 4096)],
+               False: [("bench-cpu-deepseek", {"layers": 2, "dense_layers": 1}, 1, 64),
+                       ("bench-cpu-gptoss", {"layers": 2, "window_pattern": "WF"}, 1, 64),
+                       ("hybrid-tiny", {"layers": 3, "pattern": "M*-"}, 1, 32)]}
+# a routed block's priced ops by the part of DeepSpeed's MoE layer (or the block) they belong to
+MOE_GROUPS = {"router + gating": ("router", "gating"), "dispatch": ("dispatch",),
+              "experts": ("expert_gate_up", "expert_swiglu", "expert_down", "expert_up", "expert_relu2",
+                          "expert_outputs_cat"),
+              "combine": ("combine",), "shared": ("shared_fc1_gate_up", "shared_swiglu", "shared_fc2", "shared_add")}
+
+
+def kernel_profile(step, device: str, n: int = 3) -> tuple[float, float, list]:
+    """(kernels launched, their summed device seconds, the six longest kernels by name with their ms) per call of
+    ``step`` under torch.profiler (CPU ranks: the aten ops the host ran, their CPU seconds)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    if device == "cuda":
+        kernels = [(e.name, e.device_time) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        kernels = [(e.name, e.cpu_time) for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+    by_name: dict = {}
+    for name, us in kernels:
+        by_name[name] = by_name.get(name, 0.0) + us / n
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:6]
+    return len(kernels) / n, sum(us for _, us in kernels) * 1e-6 / n, [[k[:90], round(v / 1e3, 3)] for k, v in top]
+
+
+def layer_kernels(specs: list, kinds: list[str], tokens: torch.Tensor, device: str, dtype: torch.dtype) -> dict:
+    """Per distinct kind of layer before the first routed one and the head (the routed blocks are taken apart by
+    ``routed_pieces``): the kernels its forward + backward launches and their device time, each layer fed the
+    previous layers' output as the pipeline feeds it."""
+    from ds_pipe_ext.costs.layers import build_for_profiling
+    from ds_pipe_ext.costs.probes import detach_input, tensors_of
+
+    found, x = {}, tokens.to(device)
+    for spec, kind in zip(specs[:-1], kinds[:-1]):
+        if " routed" in kind:
+            break
+        module, call = build_for_profiling(spec, device)
+        module.to(device=device, dtype=dtype)
+        if kind not in found:
+            def step(module=module, call=call, x=x):
+                outs = [t for t in tensors_of(call(detach_input(x))) if t.requires_grad]
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            found[kind] = kernel_profile(step, device)
+        with torch.no_grad():
+            x = call(x)
+        del module
+    return found
+
+
+def routed_pieces(block, cfg, b: int, seq: int, device: str, dtype: torch.dtype, timer) -> dict:
+    """A routed block taken apart as DeepSpeed runs it: fwd + bwd seconds of the block, its attention (with its
+    input norm), its routed MLP (the
+    MoE layer, the shared experts), the MoE layer alone, the experts alone on the slots DeepSpeed hands them,
+    the shared experts alone; and the MoE layer's kernels and their device time (host-bound where the wall
+    exceeds it)."""
+    from ds_pipe_ext.costs.gpu_timing import forward_backward_s
+    from ds_pipe_ext.costs.moe_ops import slots_per_expert
+
+    block.to(device=device, dtype=dtype)
+    mlp = block.mlp
+    moe = mlp.moe.deepspeed_moe
+    experts = moe.experts.deepspeed_experts
+    gen = torch.Generator().manual_seed(1)
+    h = torch.randn(seq, b, cfg.hidden, generator=gen).to(device=device, dtype=dtype).requires_grad_(True)
+    desc = next(d for d in cfg.describe().blocks if d.experts is not None)
+    slots = slots_per_expert(b * seq, desc.experts)
+    if not desc.experts.capacity_factor:  # dropless: C is the largest expert's load on this input
+        with torch.no_grad():
+            slots = int(mlp.moe(h)[2].max())
+    imbalance = slots / (desc.experts.top_k * b * seq / desc.experts.count)
+    chunk = torch.randn(1, 1, slots, cfg.hidden, generator=gen).to(device=device, dtype=dtype).requires_grad_(True)
+
+    def grads(out):
+        outs = [o for o in (out if isinstance(out, tuple) else (out,)) if torch.is_tensor(o) and o.requires_grad]
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    calls = {"block": lambda: block((h, torch.zeros((), device=device))),
+             "attention": lambda: block.attn(block.input_norm(h)),
+             "routed MLP": lambda: mlp(h)[0], "MoE layer": lambda: mlp.moe(h)[0],
+             "experts": lambda: torch.cat([e(chunk) for e in experts], dim=1)}
+    if mlp.shared is not None:
+        calls["shared"] = lambda: mlp.shared(h)
+    seconds = {k: sum(forward_backward_s(f, grads, timer)) for k, f in calls.items()}
+    kernels_of = {k: kernel_profile(lambda f=f: grads(f()), device) for k, f in calls.items()}
+    step = lambda: grads(mlp.moe(h)[0])  # noqa: E731
+    kernels, kernel_s, _ = kernels_of["MoE layer"]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    walls = []
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            step()
+        sync()
+        walls.append((time.perf_counter() - t0) / 5)
+    return {"seconds": seconds, "kernels": kernels_of, "slots": slots, "imbalance": imbalance,
+            "experts": len(experts), "moe_kernels": kernels,
+            "moe_kernel_s": kernel_s, "moe_wall_s": statistics.median(walls)}
+
+
+def today_part(t: Target, out: Path) -> dict:
+    """Issue 77's and 78's families (DeepSeek-V3, gpt-oss, Mixtral, Nemotron-H), every distinct layer at its
+    published width: the profile against the analytic model on this device's datasheet spec (its kernel table
+    where one is kept), saved bytes against the hooks'; then each routed block taken apart (``routed_pieces``)
+    beside the priced ops of each part, and the MoE layer's kernels counted against the priced count."""
+    from dataclasses import replace
+
+    from ds_pipe_ext.costs.estimate import (EstimateRequest, estimate_layers, layer_floor_s, layer_ops, op_rows,
+                                            shape_for)
+    from ds_pipe_ext.costs.gpu_timing import cuda_timer
+    from ds_pipe_ext.costs.hardware import get_device
+    from ds_pipe_ext.costs.layers import build_for_profiling
+    from ds_pipe_ext.costs.profiler import TORCH_DTYPES, profile_layers
+    from ds_pipe_ext.costs.types import ProfileSettings
+    from ds_pipe_ext.models import family_of
+
+    device, dtype = ("cuda", "bf16") if t.cuda else ("cpu", "fp32")
+    spec = get_device(spec_name(t), calibrated=False, cache_dir=str(out / "cache"))
+    timer = cuda_timer()
+    settings = ProfileSettings(warmup=2, repeats=5, cache_dir=None, progress=False)
+    rows, piece_rows, records, worst_time, worst_bytes, worst_moe = [], [], [], {}, 0.0, 0.0
+    for name, overrides, b, seq in TODAY_CASES[t.cuda]:
+        t0 = time.perf_counter()
+        cfg = replace(load_model(name, **overrides), seq_len=seq)
+        family = family_of(cfg)
+        specs, loss_fn = family.layer_specs(cfg), family.loss_fn(cfg)
+        tokens = torch.randint(0, cfg.vocab_size, (b, seq + 1), generator=torch.Generator().manual_seed(0))
+        measured = profile_layers(specs, tokens[:, :-1], labels=tokens[:, 1:], loss_fn=loss_fn, settings=settings,
+                                  device=device, dtype=TORCH_DTYPES[dtype])
+        req = EstimateRequest(micro_batch=b, seq=seq, dtype=dtype)
+        est = estimate_layers(cfg, req, spec)
+        shp = shape_for(cfg, req, spec)
+        ops_of = layer_ops(cfg, shp, device=spec.name)
+        desc = cfg.describe()
+        kinds = ["embedding"] + [blk.kind + (" routed" if blk.experts else "") + (f" w{blk.attention.window}" if
+                                 blk.attention and blk.attention.window else "") for blk in desc.blocks] + ["head+loss"]
+        assert len(kinds) == len(measured) == len(est), (len(kinds), len(measured), len(est))
+        kernels_of = layer_kernels(specs, kinds, tokens[:, :-1], device, TORCH_DTYPES[dtype])
+        seen = set()
+        for i, (kind, m, e) in enumerate(zip(kinds, measured, est)):
+            if kind in seen:
+                continue
+            seen.add(kind)
+            total, priced = m.forward_s + m.backward_s, e["fwd_s"] + e["bwd_s"]
+            err = 100 * (priced / total - 1)
+            berr = 100 * (e["activation_bytes"] / m.activation_bytes - 1) if m.activation_bytes else 0.0
+            worst_time[kind.split()[0]] = max(worst_time.get(kind.split()[0], 0.0), abs(err))
+            worst_bytes = max(worst_bytes, abs(berr))
+            rows.append([f"{name} b{b} s{seq} {dtype}", kind, f"{1e3 * m.forward_s:.2f}", f"{1e3 * m.backward_s:.2f}",
+                         f"{1e3 * priced:.2f}", f"{err:+.1f}", f"{m.activation_bytes / MiB:.1f}",
+                         f"{e['activation_bytes'] / MiB:.1f}", f"{berr:+.1f}",
+                         f"{m.peak_bytes / MiB:.0f}" if m.peak_bytes else "-",
+                         f"{kernels_of[kind][0]:.0f} ({1e3 * kernels_of[kind][1]:.2f})" if kind in kernels_of else "-"])
+            records.append(layer_record(name, b, seq, dtype, kind, [1e3 * total], overrides=overrides,
+                                        fwd_ms=1e3 * m.forward_s, bwd_ms=1e3 * m.backward_s,
+                                        saved_bytes=int(m.activation_bytes)))
+            if kind in kernels_of:  # its kernels, their device ms and the longest six
+                k, ks, top = kernels_of[kind]
+                records[-1]["kernels"] = [k, 1e3 * ks, top]
+            if " routed" not in kind or kind.startswith("mtp"):
+                continue
+            module, _ = build_for_profiling(specs[i], device)
+            got = routed_pieces(module, cfg, b, seq, device, TORCH_DTYPES[dtype], timer)
+            del module
+            req_c = replace(req, expert_imbalance=got["imbalance"])
+            ops = layer_ops(cfg, shape_for(cfg, req_c, spec), expert_imbalance=got["imbalance"], device=spec.name)[i][2]
+            _, host_fwd, host_bwd = layer_floor_s(ops, spec, req_c)  # an op takes at least its host dispatch
+            op_s = {op.name: max(r["fwd_s"], hf) + max(r["bwd_s"], hb)
+                    for op, r, hf, hb in zip(ops, op_rows(ops, spec, req_c), host_fwd, host_bwd)}
+            priced_of = {g: sum(op_s[n] for n in names if n in op_s) for g, names in MOE_GROUPS.items()}
+            priced_of["MoE layer"] = sum(v for g, v in priced_of.items() if g != "shared")
+            names = [op.name for op in ops]
+            priced_of["attention"] = sum(op_s[n] for n in names[:names.index("ln_2")] if n != "residual_1")
+            priced_of["routed MLP"] = priced_of["MoE layer"] + priced_of["shared"]
+            priced_of["block"] = sum(e_["fwd_s"] + e_["bwd_s"] for e_ in estimate_layers(cfg, req_c, spec)[i:i + 1])
+            routed = [op for op in ops if any(op.name in MOE_GROUPS[g] for g in MOE_GROUPS if g != "shared")]
+            priced_kernels = sum(sum(op.kernels) for op in routed)
+            for piece, s in got["seconds"].items():
+                p = priced_of.get(piece)
+                k, ks, _ = got["kernels"][piece]
+                piece_rows.append([name, piece, f"{1e3 * s:.2f}", f"{1e3 * p:.2f}" if p is not None else "-",
+                                   f"{100 * (p / s - 1):+.1f}" if p else "-", f"{k:.0f}", f"{1e3 * ks:.2f}"])
+            worst_moe = max(worst_moe, abs(100 * (priced_of["MoE layer"] / got["seconds"]["MoE layer"] - 1)))
+            piece_rows.append([name, f"MoE layer (E {got['experts']} x C {got['slots']}, imbalance "
+                               f"{got['imbalance']:.2f}): host wall", f"{1e3 * got['moe_wall_s']:.2f}", "", "",
+                               f"{priced_kernels} priced", ""])
+            records[-1]["pieces_ms"] = {k: 1e3 * v for k, v in got["seconds"].items()}
+            records[-1]["pieces_kernels"] = {k: [v[0], 1e3 * v[1], v[2]] for k, v in got["kernels"].items()}
+            records[-1]["slots"], records[-1]["imbalance"] = got["slots"], got["imbalance"]
+            records[-1]["moe_kernels"] = got["moe_kernels"]
+            records[-1]["moe_kernel_ms"] = 1e3 * got["moe_kernel_s"]
+            records[-1]["moe_wall_ms"] = 1e3 * got["moe_wall_s"]
+        del measured
+        if t.cuda:
+            torch.cuda.empty_cache()
+        print(f"  [today] {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    write_records(out, "today", records)
+    print(f"\ntoday's families on {spec.name} ({device}, {dtype}): every distinct layer profiled against the analytic "
+          f"model (datasheet spec{', its kernel table' if getattr(spec, 'gpu', None) is not None else ''})")
+    print("\n".join(render_table(["case", "layer", "fwd ms", "bwd ms", "analytic ms", "err %", "saved MiB (hooks)",
+                                  "saved MiB (analytic)", "err %", "allocator peak MiB", "kernels (their ms)"],
+                                 rows)))
+    print("\nrouted blocks taken apart: fwd + bwd ms measured (a loop of calls) against the priced ops of each part "
+          "(at the slots measured); the kernels each launches (torch.profiler) and their device ms")
+    print("\n".join(render_table(["model", "part", "measured ms", "priced ms", "err %", "kernels", "kernel ms"],
+                                  piece_rows)), flush=True)
+    return {"today_activation_bytes_worst_error_pct": round(worst_bytes, 2),
+            "today_moe_layer_worst_error_pct": round(worst_moe, 1),
+            **{f"today_{k}_worst_error_pct": round(v, 1) for k, v in worst_time.items()}}
+
+
 def reference_seconds(built, x: torch.Tensor, device: str, dtype: torch.dtype, timer, loss=None) -> float:
     """A layer's forward + backward, timed on its own by ``timer`` as a loop (the profiler's own figure is
     set against it)."""
@@ -864,6 +1098,8 @@ def main(argv=None) -> int:
             result |= costs_part(t, out)
         elif part == "backends":
             result |= backends_part(t, out)
+        elif part == "today":
+            result |= today_part(t, out)
         else:
             runs += handlers[part](t, out)
         print(f"{part}: {time.perf_counter() - t0:.0f} s", flush=True)

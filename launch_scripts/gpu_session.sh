@@ -11,6 +11,8 @@
 #                                              OUT's, else runs/gpu-keep's), then compare (ZeRO-0..3 bytes, the
 #                                              heaviest row's memory trace): ~7 min
 #   bash launch_scripts/gpu_session.sh rest    install; train, oom, hf: what a new kind of GPU checks once
+#   bash launch_scripts/gpu_session.sh today   install; issue 77/78's families layer by layer against the analytic
+#                                              model, their routed blocks taken apart (~4 min, estimated)
 #   bash launch_scripts/gpu_session.sh kernels install; bench/gpu_kernels.py (~2 minutes): the GPU's kernel table
 #                                              into ds_pipe_ext/costs/kernels/ and OUT/kernels/
 #   bash launch_scripts/gpu_session.sh PART..  install; those parts one after another
@@ -32,9 +34,9 @@ mkdir -p "$OUT/gpu-path"
 # host initialisation their models no longer pay, ~20-30 s a gpt3-1.3b or 4-block Llama launch): the deadline
 # check uses the second.  A gpt3-1.3b launch needed ~55 s to its first step, so oom's needs more than a minute.
 declare -A LIMIT=([train]=200 [compare]=200 [oom]=200 [costs]=200 [speed]=420 [layers]=150 [hf]=120 [offload]=300
-                  [kernels]=180 [pipe]=300 [backends]=120)
+                  [kernels]=180 [pipe]=300 [backends]=120 [today]=420)
 declare -A EXPECT=([train]=135 [compare]=185 [oom]=50 [costs]=80 [speed]=260 [layers]=40 [hf]=45 [offload]=240
-                   [kernels]=135 [pipe]=170 [backends]=60)
+                   [kernels]=135 [pipe]=170 [backends]=60 [today]=240)
 fits() {  # whether part $1 is expected to end before the deadline
   local left=$(( DEADLINE_S - ($(date +%s) - start) ))
   [ "${EXPECT[$1]}" -le "$left" ] && return 0

@@ -69,6 +69,10 @@ def test_the_gpu_check_runs_its_whole_plan_on_cpu_ranks(tmp_path):
     assert result["attention_backends_agree"] == "3/3" and float(result["chunked_loss_rel_err"]) < 1e-5
     # the costs part: profiled is the shortest simulated step of the three methods, at every depth
     assert float(result["profiled_vs_uniform_min"]) >= 1.0 and float(result["profiled_vs_parameters_min"]) >= 1.0
+    # the today part: every distinct layer of today's families against the analytic model, its routed blocks apart
+    assert float(result["today_activation_bytes_worst_error_pct"]) < 3 and "today_moe_layer_worst_error_pct" in result
+    today = json.loads((tmp_path / "today-records.json").read_text())["layers"]
+    assert {r["model"] for r in today if "pieces_ms" in r} == {"bench-cpu-deepseek", "bench-cpu-gptoss"}
     assert (tmp_path / "train" / "tiny-tied-bf16-pp1-z1" / "run" / "report.png").stat().st_size > 0
     # the report of a stage holding both tied ends: their module's parameters once, as the rank held them
     from ds_pipe_ext.instrument.report import build_report
