@@ -19,7 +19,8 @@ smaller (``make test`` runs it) and writes nothing into the package.
 - streaming: add, LayerNorm and softmax from 1 MiB to 1 GiB;
 - an empty op: the launch floor on the device and the dispatch on the host.
 
-Ends: RESULT device=... gemms=N attention=N bandwidth_fraction=... launch_us=... host_us=...
+Ends: RESULT device=... gemms=N attention=N bandwidth_fraction=... launch_us=... host_us=... host_op_us=...
+host_op_bwd_us=...
 """
 
 from __future__ import annotations
@@ -161,13 +162,14 @@ def measure_streaming(device, dtype, timer, scale: int) -> list[dict]:
     for mib in STREAM_MIB:
         n = max(mib * 2**20 // torch.tensor([], dtype=dtype).element_size() // scale, 1024)
         x = torch.randn(n // 1024, 1024, device=device, dtype=dtype)
-        y = torch.empty_like(x)
+        z, y = torch.randn_like(x), torch.empty_like(x)
         nbytes = x.nbytes
-        for op, fn, moved in (("add", lambda: torch.add(x, x, out=y), 3 * nbytes),
+        # two tensors read, one written (an add of x to itself reads x from memory once: 2 x nbytes, not 3)
+        for op, fn, moved in (("add", lambda: torch.add(x, z, out=y), 3 * nbytes),
                               ("layer_norm", lambda: F.layer_norm(x, (1024,)), 2 * nbytes),
                               ("softmax", lambda: torch.softmax(x, dim=-1), 2 * nbytes)):
             rows.append({"op": op, "bytes": moved, "seconds": timer(fn)})
-        del x, y
+        del x, y, z
     return rows
 
 
@@ -193,6 +195,29 @@ def measure_launch(device) -> tuple[float, float]:
         x.add_(1)
     host = (time.perf_counter() - t0) / n
     return host, host
+
+
+def measure_host_ops(device, ops: int = 200, runs: int = 20) -> tuple[float, float]:
+    """(seconds an eager op costs the host forward, seconds an autograd node's op costs backward), by the host
+    clock: a chain of ``ops`` products on a 16-element tensor on ``device`` that requires grad, whose kernels are
+    nothing beside the op's dispatch, its output's allocation and (forward) the autograd node's recording (as
+    ``costs.cpu_spec`` measures a CPU's); the fastest of ``runs``.  The empty in-place add of ``measure_launch``
+    records no autograd node and allocates nothing."""
+    leaf = torch.ones(16, device=device, requires_grad=True)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    forward = backward = float("inf")
+    for _ in range(runs):
+        sync()
+        t0 = time.perf_counter()
+        y = leaf
+        for _ in range(ops):
+            y = y * 1.0001
+        t1 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        t2 = time.perf_counter()
+        sync()
+        forward, backward = min(forward, (t1 - t0) / ops), min(backward, (t2 - t1) / ops)
+    return forward, backward
 
 
 def main(argv=None) -> int:
@@ -229,6 +254,7 @@ def main(argv=None) -> int:
     print(f"attention: {len(attention)} cases in {time.time() - t0:.0f} s", flush=True)
     streaming = measure_streaming(device, dtype, timer, scale)
     launch, host = measure_launch(device)
+    host_op, host_op_bwd = measure_host_ops(device)
     peak_bw = DEVICES[key].hbm_bandwidth if cuda else max(r["bytes"] / r["seconds"] for r in streaming)
     big = [r["bytes"] / r["seconds"] for r in streaming if r["op"] == "add" and r["bytes"] >= 3 * 64 * 2**20 // scale]
     fraction = min(statistics.median(big) / peak_bw, 1.0) if big else None
@@ -236,14 +262,15 @@ def main(argv=None) -> int:
              "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
              "source": f"bench/gpu_kernels.py on {name}, torch {torch.__version__}", "gemm": gemm,
              "attention": attention, "streaming": streaming, "bandwidth_fraction": fraction,
-             "launch_s": launch, "host_kernel_s": host}
+             "launch_s": launch, "host_kernel_s": host, "host_op_s": host_op, "host_op_bwd_s": host_op_bwd}
     KernelTable.from_json(table, "the measured table")  # what the cost model will read back
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1))
     print(f"wrote {out} in {time.time() - t0:.0f} s")
     print(f"RESULT device={key} gemms={len(gemm)} attention={len(attention)} "
           f"bandwidth_fraction={fraction if fraction is None else round(fraction, 3)} "
-          f"launch_us={1e6 * launch:.2f} host_us={1e6 * host:.2f}")
+          f"launch_us={1e6 * launch:.2f} host_us={1e6 * host:.2f} host_op_us={1e6 * host_op:.2f} "
+          f"host_op_bwd_us={1e6 * host_op_bwd:.2f}")
     return 0
 
 

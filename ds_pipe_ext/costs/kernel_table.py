@@ -39,6 +39,9 @@ class KernelTable:
     attention: list = field(default_factory=list)
     launch_s: float | None = None
     host_kernel_s: float | None = None
+    # an op's host cost with its autograd node, forward and backward (bench/gpu_kernels.py's chain of products)
+    host_op_s: float | None = None
+    host_op_bwd_s: float | None = None
     bandwidth_fraction: float | None = None
     meta: dict = field(default_factory=dict)
 
@@ -49,6 +52,7 @@ class KernelTable:
                         gemm=[dict(r) for r in data.get("gemm", [])],
                         attention=[dict(r) for r in data.get("attention", [])],
                         launch_s=data.get("launch_s"), host_kernel_s=data.get("host_kernel_s"),
+                        host_op_s=data.get("host_op_s"), host_op_bwd_s=data.get("host_op_bwd_s"),
                         bandwidth_fraction=data.get("bandwidth_fraction"),
                         meta={k: data[k] for k in ("date", "torch", "cuda", "device_name") if k in data})
             for r in table.gemm:
