@@ -170,6 +170,7 @@ class Experts:
     topk_groups: int = 1
     bias: bool = False  # the experts' linears carry biases (gpt-oss)
     router_bias: bool = False  # the router's linear carries one (gpt-oss)
+    swiglu_limit: float = 0.0  # gpt-oss's clamped SwiGLU (its gate and up clamped at the limit); 0: the plain one
 
     def __post_init__(self) -> None:
         _positive("experts", "count", self.count)
@@ -186,6 +187,9 @@ class Experts:
             raise DescriptionError(f"experts: capacity_factor = {self.capacity_factor!r}; 0 (dropless) or > 0")
         if self.router not in ROUTERS:
             raise DescriptionError(f"experts: router = {self.router!r}; use one of {', '.join(ROUTERS)}")
+        if not isinstance(self.swiglu_limit, (int, float)) or isinstance(self.swiglu_limit, bool) \
+                or self.swiglu_limit < 0:
+            raise DescriptionError(f"experts: swiglu_limit = {self.swiglu_limit!r}; 0 (the plain SwiGLU) or > 0")
         for name in ("groups", "topk_groups"):
             _positive("experts", name, getattr(self, name))
         if self.count % self.groups:

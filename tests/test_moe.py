@@ -5,6 +5,7 @@ Its layers, profile and analytic costs: tests/test_moe_training.py."""
 from dataclasses import replace
 
 import pytest
+import torch
 
 from ds_pipe_ext.arch import DescriptionError, Experts
 from ds_pipe_ext.costs.op_cost import AnalyticError
@@ -241,3 +242,45 @@ def test_deepspeeds_moe_layer_is_priced_with_the_kernels_its_code_launches():
         GATING_KERNELS[2], DISPATCH_KERNELS, COMBINE_KERNELS)  # Mixtral's top 2: DeepSpeed's top2gating
     assert one["expert_gate_up"].kernels == (8, 16) and two["expert_gate_up"].kernels == (4, 8)
     assert one["expert_swiglu"].kernels == (24, 88)  # 8 experts: 2 + a chunk's copy forward, 10 + 1 backward
+
+
+def test_an_experts_activation_is_priced_with_the_kernels_its_code_launches():
+    """Each expert activation's (forward, backward) kernels are what its autograd Function runs, counted here under
+    a dispatch mode (views and kernel-less allocations left out): the SwiGLU's, gpt-oss's with biases alone and with
+    its clamp; gpt-oss-20b's routed block prices its 32 experts with the clamped one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ds_pipe_ext.costs.estimate import block_ops, shape_for
+    from ds_pipe_ext.costs.moe_ops import EXPERT_ACTIVATIONS, EXPERT_COPY_KERNELS
+    from ds_pipe_ext.models.experts import ClampedSwiGLU
+    from ds_pipe_ext.models.llama import SwiGLU
+
+    no_kernel = ("split", "empty_like", "detach", "view", "slice", "alias")
+
+    class Kernels(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += not any(name in str(func) for name in no_kernel)
+            return func(*args, **(kwargs or {}))
+
+    def counted(activation):
+        x = torch.randn(4, 16, requires_grad=True)
+        grad = torch.ones(4, 8)
+        with Kernels() as fwd:
+            y = activation(x)
+        with Kernels() as bwd:
+            y.backward(grad)
+        return fwd.count, bwd.count
+
+    assert counted(SwiGLU.apply) == EXPERT_ACTIVATIONS["swiglu"][0]
+    assert counted(lambda x: ClampedSwiGLU.apply(x, 0.0, 1.702)) == EXPERT_ACTIVATIONS["gpt-oss"][0]
+    assert counted(lambda x: ClampedSwiGLU.apply(x, 7.0, 1.702)) == EXPERT_ACTIVATIONS["gpt-oss clamped"][0]
+    cfg = load_model("gpt-oss-20b")
+    desc = cfg.describe()
+    shp = shape_for(cfg, EstimateRequest(1, 4096), get_device("h200"))
+    act = {op.name: op for op in block_ops(desc, desc.blocks[0], shp, device="h200")}["expert_swiglu"]
+    clamped = EXPERT_ACTIVATIONS["gpt-oss clamped"][0]
+    assert act.kernels == tuple(32 * (k + c) for k, c in zip(clamped, EXPERT_COPY_KERNELS))

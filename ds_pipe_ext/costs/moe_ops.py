@@ -53,6 +53,22 @@ ROUTER_KERNELS = {"sigmoid": (25, 5), "bias": (11, 1)}  # models.routers' gates,
 DISPATCH_KERNELS = (10, 2)
 COMBINE_KERNELS = (6, 7)
 EXPERT_COPY_KERNELS = (1, 1)  # a local expert's chunk made contiguous (and its gradient's cat), each way
+# An expert's activation as eager code runs it, counted under a torch dispatch mode (views and allocations without a
+# kernel left out): (kernels forward, backward) and the traffic of each pass, (e-byte elements, 1-byte mask elements)
+# an element of one half.  The SwiGLU (``llama.SwiGLU``, as ``analytic.swiglu``); gpt-oss's (``experts.ClampedSwiGLU``,
+# every expert with biases or a limit): the + 1, three products and the sigmoid forward; backward the product and
+# the sigmoid again and eleven passes in place or out; with a limit the two clamps both ways, and backward the
+# clamps' three masks, their and, and two products by them
+EXPERT_ACTIVATIONS = {"swiglu": ((2, 10), ((5, 0), (26, 0))),
+                      "gpt-oss": ((5, 13), ((12, 0), (33, 0))),
+                      "gpt-oss clamped": ((7, 21), ((16, 0), (44, 8)))}
+
+
+def expert_activation(experts: Experts) -> str:
+    """Which activation the experts run (``models.experts.expert_mlp``'s choice)."""
+    if experts.swiglu_limit:
+        return "gpt-oss clamped"
+    return "gpt-oss" if experts.bias else "swiglu"
 
 
 def slots_per_expert(tokens: int, experts: Experts, imbalance: float = 1.0, tp: int = 1) -> int:
@@ -151,9 +167,11 @@ def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float = 
         act = OpCost("expert_relu2", "vector", fwd_flops=2.0 * n, bwd_flops=4.0 * n, fwd_bytes=4 * n * e,
                      bwd_bytes=5 * n * e, activation_bytes=n * e, kernels=(2 * local + copies[0], 3 * local + copies[1]))
     else:
+        kernels, (fwd, bwd) = EXPERT_ACTIVATIONS[expert_activation(experts)]
         act = OpCost("expert_swiglu", "vector", fwd_flops=6.0 * n, bwd_flops=12.0 * n, fwd_bytes=3 * n * e,
                      bwd_bytes=5 * n * e, activation_bytes=2 * n * e,
-                     kernels=(2 * local + copies[0], 10 * local + copies[1]))
+                     kernels=(kernels[0] * local + copies[0], kernels[1] * local + copies[1]),
+                     gpu_bytes=((fwd[0] * e + fwd[1]) * n, (bwd[0] * e + bwd[1]) * n))
     down = _experts(linear("expert_down", mine, f, h, shp, bias=experts.bias), local)
     down = replace(down, gemm_dim=float(min(ep * C // t, f, h)))
     combine = OpCost("combine", "vector", fwd_flops=2.0 * k * T * h, bwd_flops=4.0 * k * T * h,

@@ -195,7 +195,8 @@ class MoEConfig(LlamaConfig):
 def _describe_moe(cfg: MoEConfig) -> ModelDescription:
     experts = Experts(cfg.experts, cfg.top_k, shared_ffn=cfg.shared_ffn_hidden, shared_gate=cfg.shared_gate,
                       capacity_factor=float(cfg.capacity_factor), router=cfg.router, groups=cfg.router_groups,
-                      topk_groups=cfg.router_topk_groups, bias=cfg.expert_bias, router_bias=cfg.router_bias)
+                      topk_groups=cfg.router_topk_groups, bias=cfg.expert_bias, router_bias=cfg.router_bias,
+                      swiglu_limit=float(cfg.swiglu_limit))
     blocks = []
     for i in range(cfg.layers):
         attention = _attention_at(cfg, i)
