@@ -191,7 +191,25 @@ def test_a_gpu_embedding_backward_in_16_bit_holds_an_fp32_table_beside_its_gradi
     cpu = analytic_layer_costs(cfg, req, get_device("h200"), runs_on="cpu")
     table = cfg.vocab_size * cfg.hidden
     assert gpu[0].peak_bytes - cpu[0].peak_bytes == 4 * table == 2004 * 2**20
-    assert [c.peak_bytes for c in gpu[1:]] == [c.peak_bytes for c in cpu[1:]]  # only the embedding's backward
+    assert [c.peak_bytes for c in gpu[1:-1]] == [c.peak_bytes for c in cpu[1:-1]]  # the embedding's backward
+    # and the chunked head's loss: liger-kernel's on a GPU keeps the weight's gradient in bf16, not fp32
+    assert cpu[-1].activation_bytes - gpu[-1].activation_bytes == 2 * cfg.padded_vocab * cfg.hidden
+
+
+def test_a_gpu_chunked_head_keeps_what_liger_kernels_loss_keeps():
+    """liger-kernel's fused linear cross-entropy (the ``[gpu]`` extra) accumulates the head weight's gradient in the
+    weight's dtype (``accum_dtype`` None) and keeps it with the hidden states' for the backward: GPT-2 medium's bf16
+    head at 8 x 1,024 tokens saved 130.2 MiB on an H200 (docs/gpu-runs/h200-2026-11-30/call2/layers-records.json):
+    its norm's input, the two gradients; the CPU's own chunks keep the weight's in fp32."""
+    from ds_pipe_ext.models import load_model
+
+    cfg = load_model("gpt2-medium", tie_embeddings=False)
+    req = EstimateRequest(micro_batch=8, seq=1024, dtype="bf16")
+    gpu = analytic_layer_costs(cfg, req, get_device("h200"), runs_on="cuda")[-1]
+    cpu = analytic_layer_costs(cfg, req, get_device("h200"), runs_on="cpu")[-1]
+    tokens = 8 * 1024 * cfg.hidden * 2
+    assert gpu.activation_bytes == 2 * tokens + cfg.padded_vocab * cfg.hidden * 2 == 130.25 * 2**20
+    assert cpu.activation_bytes == 2 * tokens + cfg.padded_vocab * cfg.hidden * 4
 
 
 def test_a_16_bit_pipeline_without_zero_holds_bf16_optimizer_states():

@@ -14,8 +14,9 @@ A multi-token-prediction layer (``mtp_layer``, megatron-core's ``MultiTokenPredi
 concatenated and projected 2h -> h, the block, its final norm.  The lookups are the embedding layer's
 (``mtp_lookups``); the output head and the loss run in the head layer over 1 + D times the tokens.
 
-Attention with sinks (``sink_softmax``): the written-out core (``analytic.attention_logits``, ``softmax``,
-``attend``) whose softmax runs over s + 1 columns a row, the sink's; a sink weight per head.
+Attention with sinks (``sink_softmax``, ``sink_core``): the written-out core (``analytic.attention_logits``,
+``softmax``, ``attend``) whose softmax runs over s + 1 columns a row, the sink's; a sink weight per head; the
+passes the written-out code adds around the products (the repeated heads, the scale, the mask, the sink's column).
 """
 
 from __future__ import annotations
@@ -79,6 +80,30 @@ def sink_softmax(op: OpCost, shp: Shape) -> OpCost:
                    bwd_bytes=op.bwd_bytes * grow, activation_bytes=op.activation_bytes * grow,
                    fwd_allocs=tuple(x * grow for x in op.fwd_allocs), bwd_allocs=tuple(x * grow for x in op.bwd_allocs),
                    weight_bytes=shp.a / shp.t * shp.e, weights=(shp.a // shp.t,))
+
+
+def sink_core(ops: list[OpCost], shp: Shape, kv_heads: int) -> list[OpCost]:
+    """``ops`` with the written-out core's passes that ``models.sinks.SinkAttention._core`` adds to the eager
+    product, softmax and product (n scores, e bytes each): the key and value heads repeated for every query head
+    (their gradients summed back); the scores scaled, the mask cast and added, the sink's column concatenated
+    (6 n e bytes forward); backward the scale's product and the probabilities' slice, whose gradient is a zeroed
+    s x (s + 1) tensor the slice is copied into (5 n e).  The logits op keeps its GEMMs alone.  Saved tensors
+    and allocations stay the core's ops' own."""
+    n = shp.a * shp.s * shp.s * shp.b / shp.t
+    e, heads = shp.e, shp.sbA / shp.t  # a rank's q-shaped elements
+    kv = heads * (kv_heads or shp.a) / shp.a
+    repeat = OpCost("sink_repeat_kv", "vector", fwd_bytes=2 * (kv + heads) * e, bwd_bytes=2 * (heads + kv) * e,
+                    kernels=(2, 2))
+    mask = shp.s * shp.s * (4 + 2 * e)  # the fp32 mask read and cast, then read by the add
+    passes = OpCost("sink_scale_mask_concat", "vector", fwd_flops=2 * n, bwd_flops=n,
+                    fwd_bytes=6 * n * e + mask, bwd_bytes=5 * n * e, kernels=(4, 3))
+    out = []
+    for op in ops:
+        if op.name == "logits":
+            out += [repeat, replace(op, kernels=(1, 2)), passes]
+        else:
+            out.append(op)
+    return out
 
 
 def mtp_layer(shp: Shape, block_ops: list[OpCost], *, norm) -> list[OpCost]:

@@ -50,12 +50,14 @@ def embedding(shp: Shape, *, positions: bool = True) -> list[OpCost]:
     return ops
 
 
-def chunked_lm_head(shp: Shape, *, norm: str = "layernorm", chunk_tokens: int) -> list[OpCost]:
+def chunked_lm_head(shp: Shape, *, norm: str = "layernorm", chunk_tokens: int, fused: bool = False) -> list[OpCost]:
     """The head and its loss in token chunks (``models.linear_cross_entropy``, at tp 1): the same GEMMs, the
     loss's passes a chunk of fp32 logits at a time, and what the forward keeps for the backward is the two
-    gradients it made (hidden states' tokens x h, the weight's V x h in fp32), not the logits.  The GEMMs are
-    priced as the plain head's, forward and backward, though the chunked head runs its backward ones in its
-    forward: the layer's total is right, its split between the two is not."""
+    gradients it made (hidden states' tokens x h, the weight's V x h in fp32), not the logits.  ``fused``: on a
+    GPU, liger-kernel's fused linear cross-entropy in its place (the ``[gpu]`` extra), which accumulates the
+    weight's gradient in the weight's dtype (its ``accum_dtype`` None; an H200 record's saved bytes showed it).
+    The GEMMs are priced as the plain head's, forward and backward, though the chunked head runs its backward
+    ones in its forward: the layer's total is right, its split between the two is not."""
     # the head's product is made a chunk at a time inside the loss (no logits-sized output); its backward only
     # scales the two gradients the forward made
     head = replace(linear("lm_head", shp.tokens, shp.h, shp.V, shp, bias=False, saved_input_elems=0),
@@ -66,7 +68,7 @@ def chunked_lm_head(shp: Shape, *, norm: str = "layernorm", chunk_tokens: int) -
     # a chunk's fp32 logits: the GEMM's output cast (e + 4 + e), log-sum-exp (4), softmax in place (8), the
     # one-hot's subtraction and the scale (8), the cast back for the gradient GEMMs (4 + e); backward only
     # scales the two gradients (read and write each)
-    grads = shp.tokens * shp.h * shp.e + shp.V * shp.h * 4
+    grads = shp.tokens * shp.h * shp.e + shp.V * shp.h * (shp.e if fused else 4)
     xent = OpCost("cross_entropy", "vector", fwd_flops=8.0 * logits, bwd_flops=0.0,
                   fwd_bytes=(3 * shp.e + 28) * logits, bwd_bytes=2 * grads, activation_bytes=grads,
                   # alive at a chunk's peak: its fp32 logits, log-sum-exp's temporary of their size, and the two

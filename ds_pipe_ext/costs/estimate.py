@@ -108,7 +108,9 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
             built[block] = block_ops(desc, block, shp, expert_imbalance=expert_imbalance, device=device)
         layers.append(("Block", "block", built[block]))
     if chunked_head(desc, shp):
-        layers.append(("HeadPipe", "head", E.chunked_lm_head(shp, norm=desc.norm, chunk_tokens=desc.loss_chunk_tokens)))
+        fused = device not in (None, "cpu")  # a GPU runs liger-kernel's fused loss (models.linear_cross_entropy)
+        layers.append(("HeadPipe", "head", E.chunked_lm_head(shp, norm=desc.norm, chunk_tokens=desc.loss_chunk_tokens,
+                                                             fused=fused)))
     elif desc.mtp_layers:  # the head projects the MTP layers' outputs beside the main ones: 1 + D times the tokens
         wide = replace(shp, b=shp.b * (1 + desc.mtp_layers))
         head = E.lm_head(wide, norm=desc.norm)
@@ -162,6 +164,7 @@ def _attention_variant(ops: list, shp: A.Shape, att) -> list:
         ops = ops[:start] + attention_ops.mla_attention(shp, att.mla) + ops[end:]
     if att.sinks:
         ops = [attention_ops.sink_softmax(op, shp) if op.name == "softmax" else op for op in ops]
+        ops = attention_ops.sink_core(ops, shp, att.kv_heads)
     if att.out_bias:
         ops = [A.out_proj(shp, bias=True) if op.name == "out_proj" else op for op in ops]
     return ops
