@@ -23,7 +23,12 @@ Both are read from torch's and DeepSpeed's code; the records' bytes are then che
 Usage: python bench/gpu_fidelity.py [--runs docs/gpu-runs] [--json out.json]
 Ends: RESULT block_head_median_err_pct=... block_head_max_err_pct=... embedding_max_err_pct=...
       embedding_max_abs_err_ms=... step_median_err_pct=... step_max_err_pct=... memory_peak_max_err_pct=...
-      saved_bytes_max_err_pct=... fitted_records=N predicted_records=M  (fitted/predicted: the timing records)
+      saved_bytes_max_err_pct=... today_block_max_err_pct=... today_moe_layer_max_err_pct=...
+      fitted_records=N predicted_records=M  (fitted/predicted: the timing records)
+
+The `today` part's blocks (Mixtral-8x7B, DeepSeek-V3, gpt-oss-20b, Nemotron-H-8B, bf16, b 1 s 4,096) are priced by
+kind, and each routed block's loop-timed pieces (attention, routed MLP, DeepSpeed's MoE layer, the experts alone,
+the shared experts) by the ops each is made of, at the capacity measured on their input; none fitted anything.
 
 The `speed` part's steps (the logs' instrumented: a sync around each phase; the records' not) and the `pipe`
 part's (one-stage pipelines, ZeRO-0 or 1) are priced by `plan --only` of their layout, eager or compiled as
@@ -81,6 +86,18 @@ class LayerRecord:
         return (self.model, self.dtype, self.layer)
 
     @property
+    def fitted(self) -> bool:
+        """Whether a figure was fitted to this record: its key's, as those records ran (before the padded vocabulary
+        and the chunked loss)."""
+        return self.key in FITTED and self.overrides == AS_RECORDED_BEFORE
+
+    @property
+    def config(self) -> str:
+        """The overrides beyond the logs' config, for the table."""
+        extra = {k: v for k, v in self.overrides.items() if AS_RECORDED_BEFORE.get(k) != v}
+        return ",".join(f"{k}={v}" for k, v in extra.items())
+
+    @property
     def median_ms(self) -> float:
         return statistics.median(t for t, _ in self.timings)
 
@@ -111,9 +128,12 @@ def read_records(runs: Path) -> dict[tuple, LayerRecord]:
     found: dict[tuple, LayerRecord] = {}
 
     def add(case: str, layer: str, ms: float, where: str, **config) -> None:
+        if layer not in LAYERS:  # the `today` part's blocks by kind: it prices each against its own profile
+            return
         m = CASE.match(case)
-        rec = found.setdefault((m["model"], m["dtype"], layer),
-                               LayerRecord(m["model"], int(m["b"]), int(m["s"]), m["dtype"], layer, **config))
+        # records of one layer under different configs (a chunked loss, a cut model) are different records
+        key = (m["model"], m["dtype"], layer, json.dumps(config, sort_keys=True, default=str))
+        rec = found.setdefault(key, LayerRecord(m["model"], int(m["b"]), int(m["s"]), m["dtype"], layer, **config))
         rec.timings.append((ms, where))
 
     for log in sorted(runs.rglob("*.log")):
@@ -154,7 +174,7 @@ def read_saved(runs: Path) -> list[dict]:
                              "overrides": AS_RECORDED_BEFORE})
     for path in sorted(runs.rglob("*-records.json")):
         for r in json.loads(path.read_text()).get("layers", []):
-            if "saved_bytes" in r:
+            if "saved_bytes" in r and r["layer"] in LAYERS:
                 rows.append({"model": r["model"], "b": r["b"], "s": r["s"], "dtype": r["dtype"], "layer": r["layer"],
                              "saved_mib": r["saved_bytes"] / 2**20, "where": str(path.relative_to(runs)),
                              "overrides": {**AS_RECORDED_BEFORE, **r.get("overrides", {})}})
@@ -280,6 +300,62 @@ def predict_compare_mib(row: dict) -> float:
     return pred.get("peak_bytes", pred["total_bytes"]) / 2**20
 
 
+# a routed block's pieces (bench/gpu_path.py's today part) and the priced ops each is made of
+PIECE_OPS = {"router + gating": ("router", "gating"), "dispatch": ("dispatch",),
+             "experts": ("expert_gate_up", "expert_swiglu", "expert_down", "expert_up", "expert_relu2",
+                         "expert_outputs_cat"),
+             "combine": ("combine",), "shared": ("shared_fc1_gate_up", "shared_swiglu", "shared_fc2", "shared_add")}
+
+
+def layer_kinds(cfg) -> list[str]:
+    """Each pipeline layer's label as the today part writes it: the embedding, each block's kind (routed, its
+    window), the head."""
+    return (["embedding"] + [b.kind + (" routed" if b.experts else "") + (f" w{b.attention.window}" if b.attention
+                                                                          and b.attention.window else "")
+                             for b in cfg.describe().blocks] + ["head+loss"])
+
+
+def read_today(runs: Path) -> list[dict]:
+    """The today part's block records (every layer kind but the embedding and the head, which ``read_records``
+    reads), with the config each ran."""
+    rows = []
+    for path in sorted(runs.rglob("today-records.json")):
+        for r in json.loads(path.read_text()).get("layers", []):
+            if r["layer"] not in LAYERS:
+                rows.append({**r, "where": str(path.relative_to(runs))})
+    return rows
+
+
+def price_today(row: dict) -> dict:
+    """A today block record priced as it ran: the profile's block at a balanced router (its input was the
+    previous layer's output, whose expert loads were not recorded), the loop-timed pieces at the capacity
+    measured on theirs; ms."""
+    from ds_pipe_ext.costs.estimate import layer_floor_s, layer_ops, op_rows, shape_for
+
+    spec = get_device("h200")
+    cfg = load_model(row["model"], **row["overrides"])
+    cfg = replace(cfg, seq_len=row["s"])
+    i = layer_kinds(cfg).index(row["layer"])
+    req = EstimateRequest(micro_batch=row["b"], seq=row["s"], dtype=row["dtype"])
+    layer = estimate_layers(cfg, req, spec)[i]
+    out = {"layer_ms": 1e3 * (layer["fwd_s"] + layer["bwd_s"])}
+    if "imbalance" in row:  # pieces timed with the capacity measured (the first run's were not: left out)
+        req = replace(req, expert_imbalance=row["imbalance"])
+        ops = layer_ops(cfg, shape_for(cfg, req, spec), expert_imbalance=row["imbalance"], device=spec.name)[i][2]
+        _, host_fwd, host_bwd = layer_floor_s(ops, spec, req)  # an op takes at least its host dispatch
+        per_op = {op.name: 1e3 * (max(r["fwd_s"], hf) + max(r["bwd_s"], hb))
+                  for op, r, hf, hb in zip(ops, op_rows(ops, spec, req), host_fwd, host_bwd)}
+        names = [op.name for op in ops]
+        pieces = {g: sum(per_op.get(n, 0.0) for n in ns) for g, ns in PIECE_OPS.items()}
+        pieces["MoE layer"] = sum(v for g, v in pieces.items() if g != "shared")
+        pieces["routed MLP"] = pieces["MoE layer"] + pieces["shared"]
+        pieces["attention"] = sum(per_op[n] for n in names[:names.index("ln_2")] if n != "residual_1")
+        block = estimate_layers(cfg, req, spec)[i]
+        pieces["block"] = 1e3 * (block["fwd_s"] + block["bwd_s"])
+        out["pieces_ms"] = pieces
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", default=str(ROOT / "docs" / "gpu-runs"))
@@ -294,19 +370,20 @@ def main(argv=None) -> int:
         rec = records[key]
         pred = predict_ms(rec)
         err = error_pct(rec, pred)
-        fitted = key in FITTED
+        fitted = rec.fitted
         lo, hi = rec.spread
         rows.append((rec, pred, err, fitted))
         out.append({"model": rec.model, "b": rec.b, "s": rec.s, "dtype": rec.dtype, "layer": rec.layer,
                     "records": len(rec.timings), "measured_ms_median": rec.median_ms, "measured_ms_range": [lo, hi],
-                    "predicted_ms": pred, "error_pct": err, "fitted": FITTED.get(key, "")})
-    print(f"{'model':12s} {'dtype':5s} {'layer':10s} {'n':>2s} {'measured ms (range)':>24s} {'predicted':>9s} "
-          f"{'err %':>6s}  role")
+                    "overrides": rec.overrides, "predicted_ms": pred, "error_pct": err,
+                    "fitted": FITTED[rec.key] if fitted else ""})
+    print(f"{'model':14s} {'dtype':5s} {'layer':10s} {'n':>2s} {'measured ms (range)':>24s} {'predicted':>9s} "
+          f"{'err %':>6s}  role (config beyond the first records')")
     for rec, pred, err, fitted in rows:
         lo, hi = rec.spread
-        print(f"{rec.model:12s} {rec.dtype:5s} {rec.layer:10s} {len(rec.timings):2d} "
+        print(f"{rec.model:14s} {rec.dtype:5s} {rec.layer:10s} {len(rec.timings):2d} "
               f"{rec.median_ms:9.3f} ({lo:6.3f}-{hi:6.3f}) {pred:9.3f} {err:+6.1f}  "
-              f"{'fitted: ' + FITTED[rec.key] if fitted else 'predicted'}")
+              f"{'fitted: ' + FITTED[rec.key] if fitted else 'predicted'} {rec.config}".rstrip())
     predicted = [(rec, pred, err) for rec, pred, err, fitted in rows if not fitted]
     big = [abs(err) for rec, _, err in predicted if rec.layer != "embedding"]
     # an embedding's target: within 25% or 0.2 ms; both its worst figures are reported
@@ -354,6 +431,29 @@ def main(argv=None) -> int:
             case = f"{row['model']} b{row['b']} s{row['s']} {row['dtype']}"
             print(f"{row['where']:44s} {case:28s} {row['layer']:10s} {row['saved_mib']:12.1f} {pred:12.1f} "
                   f"{err:+6.1f}")
+    today_errs, piece_errs = [], []
+    today_rows = read_today(Path(args.runs))
+    if today_rows:
+        print("\nThe today part's blocks (issue 77's and 78's families at their published widths; predicted, nothing "
+              "fitted): the profile (one call between events) at a balanced router; then each routed block's pieces, "
+              "loop-timed, priced at the capacity measured on their input\n"
+              f"{'record':38s} {'model':14s} {'layer':24s} {'measured ms':>11s} {'predicted':>9s} {'err %':>6s}")
+        for row in today_rows:
+            priced = price_today(row)
+            err = 100.0 * (priced["layer_ms"] / row["ms"] - 1.0)
+            today_errs.append(abs(err))
+            out.append({**row, "predicted_ms": priced["layer_ms"], "error_pct": err})
+            print(f"{row['where']:38s} {row['model']:14s} {row['layer']:24s} {row['ms']:11.2f} "
+                  f"{priced['layer_ms']:9.2f} {err:+6.1f}")
+            for piece, ms in (row["pieces_ms"] if "imbalance" in row else {}).items():
+                pred = priced["pieces_ms"][piece]
+                kernels, kernel_ms = row["pieces_kernels"][piece][:2]
+                err = 100.0 * (pred / ms - 1.0)
+                if piece == "MoE layer":
+                    piece_errs.append(abs(err))
+                print(f"{'':38s} {'':14s} {'  ' + piece:24s} {ms:11.2f} {pred:9.2f} {err:+6.1f}  "
+                      f"{kernels:5.0f} kernels, {kernel_ms:6.2f} ms of them (C {row['slots']}, "
+                      f"{row['imbalance']:.2f} x the mean)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     print(f"RESULT block_head_median_err_pct={statistics.median(big) if big else 0:.1f} "
@@ -364,6 +464,8 @@ def main(argv=None) -> int:
           f"step_max_err_pct={max(step_errs) if step_errs else 0:.1f} "
           f"memory_peak_max_err_pct={max(memory_errs) if memory_errs else 0:.1f} "
           f"saved_bytes_max_err_pct={max(saved_errs) if saved_errs else 0:.1f} "
+          f"today_block_max_err_pct={max(today_errs) if today_errs else 0:.1f} "
+          f"today_moe_layer_max_err_pct={max(piece_errs) if piece_errs else 0:.1f} "
           f"fitted_records={n_fit} predicted_records={n_pred}")
     return 0
 
