@@ -637,6 +637,24 @@ def attention_backend_run(names: set[str]) -> str:
     return "eager"
 
 
+def liger_alignment(fused, weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, vocab: int,
+                    timer) -> dict:
+    """liger-kernel's fused loss (``fused(weight, hidden, labels, bias)``) over a padded head's real rows (what
+    ``layers.ChunkedLinearLoss`` hands it: ``vocab`` rows, misaligned GEMMs) against its padded rows with a bias of
+    -inf on the padded columns (no probability there, no gradient): the two losses and each one's forward +
+    backward ms by ``timer``."""
+    mask = torch.zeros(weight.shape[0], device=weight.device, dtype=weight.dtype)
+    mask[vocab:] = float("-inf")
+    w = weight.detach().requires_grad_(True)
+    h = hidden.detach().requires_grad_(True)
+    variants = {"real rows": lambda: fused(w[:vocab], h, labels), "padded, masked": lambda: fused(w, h, labels, mask)}
+    out = {}
+    for name, loss in variants.items():
+        out[f"{name} loss"] = loss().item()
+        out[f"{name} ms"] = 1e3 * timer(lambda loss=loss: loss().backward())
+    return out
+
+
 def backends_part(t: Target, out: Path) -> dict:
     """What runs where the cost model has to choose: each family's attention backend, as a block's forward and
     backward under torch.profiler shows it, beside what ``arch.attention_backend`` (the cost model's selector)
@@ -689,6 +707,11 @@ def backends_part(t: Target, out: Path) -> dict:
     liger = fused(w[:vocab], h.reshape(-1, hidden), labels.t().reshape(-1)).item() if fused is not None else None
     loss = {"plain": plain, "chunked": chunked, "liger": liger, "chunked_rel_err": abs(chunked / plain - 1),
             "liger_rel_err": abs(liger / plain - 1) if liger is not None else None}
+    if fused is not None:  # the real rows' GEMMs are misaligned: the padded rows, their columns masked, against them
+        from ds_pipe_ext.costs.gpu_timing import cuda_timer
+
+        loss["alignment"] = liger_alignment(fused, w, h.reshape(-1, hidden), labels.t().reshape(-1), vocab, cuda_timer())
+        print(f"liger over the real rows against the padded rows with their columns masked: {loss['alignment']}")
     fused_note = "not installed" if liger is None else f"{liger:.5f} (rel. {loss['liger_rel_err']:.2e})"
     print(f"\nhead + loss, {tokens} tokens x {vocab} words ({str(dtype).removeprefix('torch.')}): plain {plain:.5f}, "
           f"chunked {chunked:.5f} (rel. {loss['chunked_rel_err']:.2e}), liger {fused_note}", flush=True)

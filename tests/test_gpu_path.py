@@ -92,3 +92,28 @@ def test_a_lent_sessions_call_skips_the_parts_that_would_run_past_its_deadline(t
     skipped = [line.split("skipped ", 1)[1].split(":")[0] for line in proc.stdout.splitlines() if "skipped " in line]
     assert skipped == ["backends", "pipe", "compare"] and "before the 0 s deadline" in proc.stdout
     assert not (tmp_path / "pipe.log").exists()
+
+
+def test_the_chunked_losss_alignment_check_compares_the_real_rows_with_the_masked_padded_ones():
+    """The backends part's check for a GPU with liger-kernel, run here with a stand-in of liger's loss (the mean
+    cross-entropy of hidden x weight^T + bias): masking the padded columns with -inf gives the real rows' loss."""
+    import importlib.util
+
+    import torch
+    import torch.nn.functional as F
+
+    spec = importlib.util.spec_from_file_location("gpu_path", ROOT / "bench" / "gpu_path.py")
+    gpu_path_module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_path"] = gpu_path_module  # its dataclasses look their module up
+    spec.loader.exec_module(gpu_path_module)
+
+    def fused(weight, hidden, labels, bias=None):
+        logits = hidden @ weight.t() + (bias if bias is not None else 0)
+        return F.cross_entropy(logits.float(), labels)
+
+    g = torch.Generator().manual_seed(0)
+    weight, hidden = torch.randn(16, 8, generator=g), torch.randn(32, 8, generator=g)
+    labels = torch.randint(0, 13, (32,), generator=g)
+    got = gpu_path_module.liger_alignment(fused, weight, hidden, labels, 13, timer=lambda fn: (fn(), 1e-3)[1])
+    assert got["padded, masked loss"] == pytest.approx(got["real rows loss"], rel=1e-6)
+    assert got["real rows ms"] == got["padded, masked ms"] == 1.0
