@@ -16,11 +16,14 @@ smaller (``make test`` runs it) and writes nothing into the package.
 - attention: SDPA on each backend that runs (cuDNN, flash, memory-efficient; grouped-query on flash), causal,
   head dims 64 and 128, sequences 512-16,384, forward and backward; the GPT cores again with attention
   dropout 0.1 (d 64 at 1,024 and 2,048, d 128 at 2,048 and 4,096);
-- streaming: add, LayerNorm and softmax from 1 MiB to 1 GiB;
-- an empty op: the launch floor on the device and the dispatch on the host.
+- streaming: add, LayerNorm and softmax from 1 MiB to 1 GiB; the sinks core's passes over (heads, s, s) scores
+  against their aligned twins (a broadcast mask added, a column concatenated, softmax over rows of s + 1, a
+  slice's gradient): records, no price reads them yet;
+- an empty op: the launch floor on the device and the dispatch on the host; an op with its autograd node; a module
+  call and a Python autograd Function's, forward and backward (what DeepSpeed's expert loop wraps its kernels in).
 
 Ends: RESULT device=... gemms=N attention=N bandwidth_fraction=... launch_us=... host_us=... host_op_us=...
-host_op_bwd_us=...
+host_op_bwd_us=... module_call_us=F/B python_function_us=F/B
 """
 
 from __future__ import annotations
@@ -220,6 +223,73 @@ def measure_host_ops(device, ops: int = 200, runs: int = 20) -> tuple[float, flo
     return forward, backward
 
 
+class _Scaled(torch.autograd.Function):
+    """A product by a constant written as a Python autograd Function (as ``llama.SwiGLU`` and gpt-oss's activation
+    are): its forward and its backward each one kernel, the rest the Function's Python."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0001
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1.0001
+
+
+def measure_host_calls(device, calls: int = 100, runs: int = 20) -> dict:
+    """Seconds of host a call costs where eager code wraps its kernels in Python (DeepSpeed's expert loop: each
+    expert a module call whose activation is a Python autograd Function), forward and backward, by the host clock
+    over a chain of ``calls`` on 16-element tensors (the kernels nothing beside the host's work); the fastest of
+    ``runs``: an ``nn.Linear`` module's call (one GEMM forward, two backward) and a Python Function's (one kernel
+    each way)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    linear = torch.nn.Linear(16, 16, bias=False, device=device)
+    out = {}
+    for name, step in (("module_call", linear), ("python_function", _Scaled.apply)):
+        forward = backward = float("inf")
+        for _ in range(runs):
+            y = torch.ones(1, 16, device=device, requires_grad=True)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                y = step(y)
+            t1 = time.perf_counter()
+            y.sum().backward()
+            t2 = time.perf_counter()
+            sync()
+            forward, backward = min(forward, (t1 - t0) / calls), min(backward, (t2 - t1) / calls)
+        out[name] = {"fwd_s": forward, "bwd_s": backward}
+    return out
+
+
+def measure_odd_rows(device, dtype, timer, scale: int) -> list[dict]:
+    """The passes of a written-out attention core with a sink (``models.sinks``) over (heads, s, s) scores, against
+    their aligned twins: a mask of (s, s) added by broadcast, a column concatenated (rows of s + 1), the softmax
+    over rows of s + 1 and of s, the gradient of a slice (zeros, then a copy into them); bytes as each pass moves
+    them, seconds by ``timer``."""
+    heads, s = max(16 // scale, 1), max(4096 // scale, 64)
+    x, y = (torch.randn(heads, s, s, device=device, dtype=dtype) for _ in range(2))
+    mask = torch.randn(s, s, device=device, dtype=dtype)
+    col = torch.randn(heads, s, 1, device=device, dtype=dtype)
+    wide = torch.cat((x, col), dim=-1)
+    n, e = x.numel(), x.element_size()
+
+    def slice_grad():
+        z = torch.zeros_like(wide)
+        z[..., :-1].copy_(x)
+        return z
+
+    cases = (("broadcast_add", lambda: x + mask, 2 * n * e + mask.numel() * e),
+             ("add", lambda: x + y, 3 * n * e),
+             ("cat_column", lambda: torch.cat((x, col), dim=-1), 2 * n * e),
+             ("softmax_odd_rows", lambda: torch.softmax(wide, dim=-1), 2 * wide.numel() * e),
+             ("softmax_rows", lambda: torch.softmax(x, dim=-1), 2 * n * e),
+             ("slice_gradient", slice_grad, 3 * n * e))
+    rows = [{"op": op, "heads": heads, "s": s, "bytes": moved, "seconds": timer(fn)} for op, fn, moved in cases]
+    del x, y, wide
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="on the CPU at 64x smaller shapes; nothing in the package")
@@ -255,6 +325,8 @@ def main(argv=None) -> int:
     streaming = measure_streaming(device, dtype, timer, scale)
     launch, host = measure_launch(device)
     host_op, host_op_bwd = measure_host_ops(device)
+    host_calls = measure_host_calls(device)
+    odd_rows = measure_odd_rows(device, dtype, timer, scale)
     peak_bw = DEVICES[key].hbm_bandwidth if cuda else max(r["bytes"] / r["seconds"] for r in streaming)
     big = [r["bytes"] / r["seconds"] for r in streaming if r["op"] == "add" and r["bytes"] >= 3 * 64 * 2**20 // scale]
     fraction = min(statistics.median(big) / peak_bw, 1.0) if big else None
@@ -262,15 +334,22 @@ def main(argv=None) -> int:
              "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
              "source": f"bench/gpu_kernels.py on {name}, torch {torch.__version__}", "gemm": gemm,
              "attention": attention, "streaming": streaming, "bandwidth_fraction": fraction,
-             "launch_s": launch, "host_kernel_s": host, "host_op_s": host_op, "host_op_bwd_s": host_op_bwd}
+             "launch_s": launch, "host_kernel_s": host, "host_op_s": host_op, "host_op_bwd_s": host_op_bwd,
+             # measured for the expert loop's host and the sinks core's kernels; no price reads them yet
+             "host_calls": host_calls, "odd_rows": odd_rows}
     KernelTable.from_json(table, "the measured table")  # what the cost model will read back
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1))
     print(f"wrote {out} in {time.time() - t0:.0f} s")
+    for r in odd_rows:  # the sinks core's passes against their aligned twins
+        print(f"  {r['op']:18s} {r['bytes'] / 2**20:8.1f} MiB {r['bytes'] / r['seconds'] / 1e9:8.1f} GB/s")
     print(f"RESULT device={key} gemms={len(gemm)} attention={len(attention)} "
           f"bandwidth_fraction={fraction if fraction is None else round(fraction, 3)} "
           f"launch_us={1e6 * launch:.2f} host_us={1e6 * host:.2f} host_op_us={1e6 * host_op:.2f} "
-          f"host_op_bwd_us={1e6 * host_op_bwd:.2f}")
+          f"host_op_bwd_us={1e6 * host_op_bwd:.2f} "
+          f"module_call_us={1e6 * host_calls['module_call']['fwd_s']:.2f}/{1e6 * host_calls['module_call']['bwd_s']:.2f} "
+          f"python_function_us={1e6 * host_calls['python_function']['fwd_s']:.2f}/"
+          f"{1e6 * host_calls['python_function']['bwd_s']:.2f}")
     return 0
 
 

@@ -230,6 +230,12 @@ def test_the_kernels_bench_dry_run_writes_a_table_the_cost_model_reads(tmp_path)
     # the GPT cores again with attention dropout, priced from their own rows
     assert {(r["d"], r["dropout"]) for r in table.attention if r.get("dropout")} == {(64, 0.1), (128, 0.1)}
     assert table.attention_flops("math", "fp32", s=32, d=64, backward=True, dropout=True) > 0
+    # the host's costs beyond an op's, and the sinks core's passes beside their aligned twins
+    raw = json.loads(out.read_text())
+    assert table.host_op_s > 0 and table.host_op_bwd_s > 0
+    assert all(v["fwd_s"] > 0 and v["bwd_s"] > 0 for v in raw["host_calls"].values()) and len(raw["host_calls"]) == 2
+    assert [r["op"] for r in raw["odd_rows"]] == ["broadcast_add", "add", "cat_column", "softmax_odd_rows",
+                                                  "softmax_rows", "slice_gradient"]
     with pytest.raises(SystemExit, match="--out"):
         bench.main(["--dry-run"])
 
