@@ -2,17 +2,17 @@
 # A lent GPU session's prepared device calls (docs/GPU.md), from the project root, after
 # `bash launch_scripts/gpu_wheels.sh .whl` here and with `.whl` carried.  15 device-minutes hold two calls of
 # ~8 minutes; the parts are ordered by what the open work needs first:
-#   bash launch_scripts/gpu_session.sh one     install; on a GPU without a kernel table, kernels first (its table
-#                                              prices costs and layers); then speed (uninstrumented, each run's
-#                                              last step profiled), costs and layers: ~8 min on an H200
-#   bash launch_scripts/gpu_session.sh two     install; backends (which attention kernel each family runs, the
-#                                              chunked loss's bf16 parity; no launch), pipe (the speed models
-#                                              through DeepSpeed's pipeline engine, one stage, against speed's rows:
-#                                              OUT's, else runs/gpu-keep's), then compare (ZeRO-0..3 bytes, the
-#                                              heaviest row's memory trace): ~7 min
-#   bash launch_scripts/gpu_session.sh rest    install; train, oom, hf: what a new kind of GPU checks once
-#   bash launch_scripts/gpu_session.sh today   install; issue 77/78's families layer by layer against the analytic
-#                                              model, their routed blocks taken apart (~4 min, estimated)
+#   bash launch_scripts/gpu_session.sh one     install; on a GPU without a kernel table in the package, kernels
+#                                              first (a record: the rules price the GPU); then today (issue 77's
+#                                              families layer by layer, their routed blocks taken apart), backends
+#                                              (which attention kernel each family runs; the chunked loss's bf16
+#                                              parity and liger-kernel over the head's real rows against its padded
+#                                              rows masked; no launch) and layers: ~6 min on an H200
+#   bash launch_scripts/gpu_session.sh two     install; speed (uninstrumented, each run's last step profiled), pipe
+#                                              (the speed models through DeepSpeed's pipeline engine, one stage,
+#                                              against speed's rows), then compare (ZeRO-0..3 bytes, the heaviest
+#                                              row's memory trace) where the deadline leaves room: ~8 min
+#   bash launch_scripts/gpu_session.sh rest    install; train, oom, hf, costs: what a new kind of GPU checks once
 #   bash launch_scripts/gpu_session.sh kernels install; bench/gpu_kernels.py (~2 minutes): the GPU's kernel table
 #                                              into ds_pipe_ext/costs/kernels/ and OUT/kernels/
 #   bash launch_scripts/gpu_session.sh PART..  install; those parts one after another
@@ -36,7 +36,7 @@ mkdir -p "$OUT/gpu-path"
 declare -A LIMIT=([train]=200 [compare]=200 [oom]=200 [costs]=200 [speed]=420 [layers]=150 [hf]=120 [offload]=300
                   [kernels]=180 [pipe]=300 [backends]=120 [today]=420)
 declare -A EXPECT=([train]=135 [compare]=185 [oom]=50 [costs]=80 [speed]=260 [layers]=40 [hf]=45 [offload]=240
-                   [kernels]=135 [pipe]=170 [backends]=60 [today]=240)
+                   [kernels]=60 [pipe]=170 [backends]=60 [today]=200)
 fits() {  # whether part $1 is expected to end before the deadline
   local left=$(( DEADLINE_S - ($(date +%s) - start) ))
   [ "${EXPECT[$1]}" -le "$left" ] && return 0
@@ -74,9 +74,9 @@ part() {
   grep -E '^\s+\[|RESULT|^[a-z]+: [0-9]+ s' "$OUT/$1.log" | cut -c1-300
 }
 case ${1:-one} in
-  one) has_table || part kernels; part speed; part costs; part layers ;;
-  two) part backends; part pipe; part compare ;;
-  rest) part train; part oom; part hf ;;
+  one) has_table || part kernels; part today; part backends; part layers ;;
+  two) part speed; part pipe; part compare ;;
+  rest) part train; part oom; part hf; part costs ;;
   *) for p in "$@"; do part "$p"; done ;;
 esac
 elapsed done
