@@ -13,8 +13,8 @@
 #                                              against speed's rows), then compare (ZeRO-0..3 bytes, the heaviest
 #                                              row's memory trace) where the deadline leaves room: ~8 min
 #   bash launch_scripts/gpu_session.sh rest    install; train, oom, hf, costs: what a new kind of GPU checks once
-#   bash launch_scripts/gpu_session.sh kernels install; bench/gpu_kernels.py (~2 minutes): the GPU's kernel table
-#                                              into ds_pipe_ext/costs/kernels/ and OUT/kernels/
+#   bash launch_scripts/gpu_session.sh kernels install; bench/gpu_kernels.py (~1 minute): the GPU's kernel table
+#                                              into OUT/kernels/, a record (the package's tables price; it has none)
 #   bash launch_scripts/gpu_session.sh PART..  install; those parts one after another
 # A part that would run past DEADLINE_S (default 560: a 600 s call with room for the hand-back) is skipped with
 # a line saying so, and runs in a later call: nothing is cut off half-written.
@@ -43,11 +43,14 @@ fits() {  # whether part $1 is expected to end before the deadline
   elapsed "skipped $1: ~${EXPECT[$1]} s expected, $left s left before the ${DEADLINE_S} s deadline; run it in a later call"
   return 1
 }
-kernels() {  # the GPU's kernel table, kept in the package (the cost model reads it) and handed back
+kernels() {  # the GPU's kernel table, handed back as a record (the rules price the GPU: docs/CALIBRATION.md)
   elapsed "start kernels (limit ${LIMIT[kernels]} s)"
-  timeout -k 10 "${LIMIT[kernels]}" python3 bench/gpu_kernels.py > "$OUT/kernels.log" 2>&1
+  mkdir -p "$OUT/kernels"
+  local key
+  key=$(python3 -c "import torch; from ds_pipe_ext.costs.hardware import datasheet_name; \
+print(datasheet_name(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory) or 'gpu')")
+  timeout -k 10 "${LIMIT[kernels]}" python3 bench/gpu_kernels.py --out "$OUT/kernels/$key.json" > "$OUT/kernels.log" 2>&1
   elapsed "end kernels rc=$?"
-  mkdir -p "$OUT/kernels" && cp ds_pipe_ext/costs/kernels/*.json "$OUT/kernels/" 2>/dev/null
   grep -E 'RESULT|wrote' "$OUT/kernels.log" | cut -c1-300
 }
 has_table() {
