@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from ds_pipe_ext.costs.cpu_spec import host_op_s  # noqa: E402
 from ds_pipe_ext.costs.hardware import DEVICES, datasheet_name  # noqa: E402
 from ds_pipe_ext.costs.kernel_table import TABLE_DIR, KernelTable  # noqa: E402
 from ds_pipe_ext.runner import SMOKE_HELP  # noqa: E402
@@ -200,29 +201,6 @@ def measure_launch(device) -> tuple[float, float]:
     return host, host
 
 
-def measure_host_ops(device, ops: int = 200, runs: int = 20) -> tuple[float, float]:
-    """(seconds an eager op costs the host forward, seconds an autograd node's op costs backward), by the host
-    clock: a chain of ``ops`` products on a 16-element tensor on ``device`` that requires grad, whose kernels are
-    nothing beside the op's dispatch, its output's allocation and (forward) the autograd node's recording (as
-    ``costs.cpu_spec`` measures a CPU's); the fastest of ``runs``.  The empty in-place add of ``measure_launch``
-    records no autograd node and allocates nothing."""
-    leaf = torch.ones(16, device=device, requires_grad=True)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    forward = backward = float("inf")
-    for _ in range(runs):
-        sync()
-        t0 = time.perf_counter()
-        y = leaf
-        for _ in range(ops):
-            y = y * 1.0001
-        t1 = time.perf_counter()
-        y.backward(torch.ones_like(y))
-        t2 = time.perf_counter()
-        sync()
-        forward, backward = min(forward, (t1 - t0) / ops), min(backward, (t2 - t1) / ops)
-    return forward, backward
-
-
 class _Scaled(torch.autograd.Function):
     """A product by a constant written as a Python autograd Function (as ``llama.SwiGLU`` and gpt-oss's activation
     are): its forward and its backward each one kernel, the rest the Function's Python."""
@@ -324,7 +302,7 @@ def main(argv=None) -> int:
     print(f"attention: {len(attention)} cases in {time.time() - t0:.0f} s", flush=True)
     streaming = measure_streaming(device, dtype, timer, scale)
     launch, host = measure_launch(device)
-    host_op, host_op_bwd = measure_host_ops(device)
+    host_op, host_op_bwd = host_op_s(device)  # an op with its autograd node, as the cpu spec measures it
     host_calls = measure_host_calls(device)
     odd_rows = measure_odd_rows(device, dtype, timer, scale)
     peak_bw = DEVICES[key].hbm_bandwidth if cuda else max(r["bytes"] / r["seconds"] for r in streaming)

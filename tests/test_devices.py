@@ -24,7 +24,6 @@ FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", 
 CPU_BY_DESIGN = {
     ("costs/cpu_comm.py", "_worker"): "measures gloo between CPU ranks",
     ("costs/cpu_spec.py", "_measure_cpu_now"): "measures the CPU spec",
-    ("costs/cpu_spec.py", "_host_op_s"): "measures the CPU spec's host dispatch",
     ("parallel/probe.py", "_worker"): "a CPU probe with its own gloo group",
     ("train/data.py", "_sample"): "token samples on the host (a CPU generator); the engine moves each batch to its device",
     ("models/costs.py", "_tokens"): "a profile batch on the host; the profiler moves it to its device",

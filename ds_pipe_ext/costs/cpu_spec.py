@@ -135,7 +135,7 @@ def _measure_cpu_now(mmap_min: float, seconds: float) -> DeviceSpec:
     misaligned = (seconds_per_call(lambda: torch.nn.functional.linear(inputs, aligned)) * 4097 / 4096
                   / seconds_per_call(lambda: torch.nn.functional.linear(inputs, ragged)))
     exps = small.numel() / seconds_per_call(lambda: torch.exp(small, out=small_out), batch=20)
-    host_op, host_op_bwd = _host_op_s()
+    host_op, host_op_bwd = host_op_s()
     ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     spec = DeviceSpec("cpu", {"fp32": mm, "bf16": mm}, {"fp32": vec, "bf16": vec}, bw, bw, bw, ram, gpus_per_node=1,
                       matrix_efficiency=1.0, attention_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0,
@@ -146,15 +146,18 @@ def _measure_cpu_now(mmap_min: float, seconds: float) -> DeviceSpec:
     return spec
 
 
-def _host_op_s(ops: int = 200, runs: int = 20) -> tuple[float, float]:
-    """(seconds an eager op costs the host forward, seconds an autograd node's op costs backward): a chain of
-    ``ops`` products on a 16-element tensor that requires grad, whose work is nothing beside its dispatch, its
-    output's allocation and (forward) the autograd node's recording; the fastest of ``runs``."""
+def host_op_s(device="cpu", ops: int = 200, runs: int = 20) -> tuple[float, float]:
+    """(seconds an eager op costs the host forward, seconds an autograd node's op costs backward) on ``device``, by
+    the host clock: a chain of ``ops`` products on a 16-element tensor that requires grad, whose work is nothing
+    beside its dispatch, its output's allocation and (forward) the autograd node's recording; the fastest of
+    ``runs`` (a CUDA device synchronised around each run; bench/gpu_kernels.py measures a GPU's host so)."""
     import torch
 
-    leaf = torch.ones(16, requires_grad=True)
+    leaf = torch.ones(16, device=device, requires_grad=True)
+    sync = torch.cuda.synchronize if leaf.is_cuda else (lambda: None)
     forward = backward = float("inf")
     for _ in range(runs):
+        sync()
         t0 = time.perf_counter()
         y = leaf
         for _ in range(ops):
@@ -162,6 +165,7 @@ def _host_op_s(ops: int = 200, runs: int = 20) -> tuple[float, float]:
         t1 = time.perf_counter()
         y.backward(torch.ones_like(y))
         t2 = time.perf_counter()
+        sync()
         forward, backward = min(forward, (t1 - t0) / ops), min(backward, (t2 - t1) / ops)
     return forward, backward
 
