@@ -326,12 +326,30 @@ def read_today(runs: Path) -> list[dict]:
     return rows
 
 
+def price_pieces(cfg, req: EstimateRequest, spec, i: int) -> tuple[dict, int]:
+    """Layer ``i`` of ``cfg``, a routed block, priced by the parts ``bench/gpu_path.py``'s today part times (ms at
+    ``req``'s expert imbalance, each op at least its host dispatch), and the kernels its MoE layer's ops launch."""
+    from ds_pipe_ext.costs.estimate import layer_floor_s, layer_ops, op_rows, shape_for
+
+    ops = layer_ops(cfg, shape_for(cfg, req, spec), expert_imbalance=req.expert_imbalance, device=spec.name)[i][2]
+    _, host_fwd, host_bwd = layer_floor_s(ops, spec, req)
+    per_op = {op.name: 1e3 * (max(r["fwd_s"], hf) + max(r["bwd_s"], hb))
+              for op, r, hf, hb in zip(ops, op_rows(ops, spec, req), host_fwd, host_bwd)}
+    names = [op.name for op in ops]
+    pieces = {g: sum(per_op.get(n, 0.0) for n in ns) for g, ns in PIECE_OPS.items()}
+    pieces["MoE layer"] = sum(v for g, v in pieces.items() if g != "shared")
+    pieces["routed MLP"] = pieces["MoE layer"] + pieces["shared"]
+    pieces["attention"] = sum(per_op[n] for n in names[:names.index("ln_2")] if n != "residual_1")
+    block = estimate_layers(cfg, req, spec)[i]
+    pieces["block"] = 1e3 * (block["fwd_s"] + block["bwd_s"])
+    routed = {n for g, ns in PIECE_OPS.items() if g != "shared" for n in ns}
+    return pieces, sum(sum(op.kernels) for op in ops if op.name in routed)
+
+
 def price_today(row: dict) -> dict:
     """A today block record priced as it ran: the profile's block at a balanced router (its input was the
     previous layer's output, whose expert loads were not recorded), the loop-timed pieces at the capacity
     measured on theirs; ms."""
-    from ds_pipe_ext.costs.estimate import layer_floor_s, layer_ops, op_rows, shape_for
-
     spec = get_device("h200")
     cfg = load_model(row["model"], **row["overrides"])
     cfg = replace(cfg, seq_len=row["s"])
@@ -340,19 +358,7 @@ def price_today(row: dict) -> dict:
     layer = estimate_layers(cfg, req, spec)[i]
     out = {"layer_ms": 1e3 * (layer["fwd_s"] + layer["bwd_s"])}
     if "imbalance" in row:  # pieces timed with the capacity measured (the first run's were not: left out)
-        req = replace(req, expert_imbalance=row["imbalance"])
-        ops = layer_ops(cfg, shape_for(cfg, req, spec), expert_imbalance=row["imbalance"], device=spec.name)[i][2]
-        _, host_fwd, host_bwd = layer_floor_s(ops, spec, req)  # an op takes at least its host dispatch
-        per_op = {op.name: 1e3 * (max(r["fwd_s"], hf) + max(r["bwd_s"], hb))
-                  for op, r, hf, hb in zip(ops, op_rows(ops, spec, req), host_fwd, host_bwd)}
-        names = [op.name for op in ops]
-        pieces = {g: sum(per_op.get(n, 0.0) for n in ns) for g, ns in PIECE_OPS.items()}
-        pieces["MoE layer"] = sum(v for g, v in pieces.items() if g != "shared")
-        pieces["routed MLP"] = pieces["MoE layer"] + pieces["shared"]
-        pieces["attention"] = sum(per_op[n] for n in names[:names.index("ln_2")] if n != "residual_1")
-        block = estimate_layers(cfg, req, spec)[i]
-        pieces["block"] = 1e3 * (block["fwd_s"] + block["bwd_s"])
-        out["pieces_ms"] = pieces
+        out["pieces_ms"] = price_pieces(cfg, replace(req, expert_imbalance=row["imbalance"]), spec, i)[0]
     return out
 
 

@@ -816,13 +816,6 @@ TODAY_CASES = {True: [("mixtral-8x7b", {"layers": 1}, 1, 4096),
                False: [("bench-cpu-deepseek", {"layers": 2, "dense_layers": 1}, 1, 64),
                        ("bench-cpu-gptoss", {"layers": 2, "window_pattern": "WF"}, 1, 64),
                        ("hybrid-tiny", {"layers": 3, "pattern": "M*-"}, 1, 32)]}
-# a routed block's priced ops by the part of DeepSpeed's MoE layer (or the block) they belong to
-MOE_GROUPS = {"router + gating": ("router", "gating"), "dispatch": ("dispatch",),
-              "experts": ("expert_gate_up", "expert_swiglu", "expert_down", "expert_up", "expert_relu2",
-                          "expert_outputs_cat"),
-              "combine": ("combine",), "shared": ("shared_fc1_gate_up", "shared_swiglu", "shared_fc2", "shared_add")}
-
-
 def kernel_profile(step, device: str, n: int = 3) -> tuple[float, float, list]:
     """(kernels launched, their summed device seconds, the six longest kernels by name with their ms) per call of
     ``step`` under torch.profiler (CPU ranks: the aten ops the host ran, their CPU seconds)."""
@@ -928,8 +921,8 @@ def today_part(t: Target, out: Path) -> dict:
     beside the priced ops of each part, and the MoE layer's kernels counted against the priced count."""
     from dataclasses import replace
 
-    from ds_pipe_ext.costs.estimate import (EstimateRequest, estimate_layers, layer_floor_s, layer_ops, op_rows,
-                                            shape_for)
+    from bench.gpu_fidelity import layer_kinds, price_pieces  # the records' pricer prices the live table too
+    from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers
     from ds_pipe_ext.costs.gpu_timing import cuda_timer
     from ds_pipe_ext.costs.hardware import get_device
     from ds_pipe_ext.costs.layers import build_for_profiling
@@ -952,11 +945,7 @@ def today_part(t: Target, out: Path) -> dict:
                                   device=device, dtype=TORCH_DTYPES[dtype])
         req = EstimateRequest(micro_batch=b, seq=seq, dtype=dtype)
         est = estimate_layers(cfg, req, spec)
-        shp = shape_for(cfg, req, spec)
-        ops_of = layer_ops(cfg, shp, device=spec.name)
-        desc = cfg.describe()
-        kinds = ["embedding"] + [blk.kind + (" routed" if blk.experts else "") + (f" w{blk.attention.window}" if
-                                 blk.attention and blk.attention.window else "") for blk in desc.blocks] + ["head+loss"]
+        kinds = layer_kinds(cfg)
         assert len(kinds) == len(measured) == len(est), (len(kinds), len(measured), len(est))
         kernels_of = layer_kernels(specs, kinds, tokens[:, :-1], device, TORCH_DTYPES[dtype])
         seen = set()
@@ -985,19 +974,8 @@ def today_part(t: Target, out: Path) -> dict:
             module, _ = build_for_profiling(specs[i], device)
             got = routed_pieces(module, cfg, b, seq, device, TORCH_DTYPES[dtype], timer)
             del module
-            req_c = replace(req, expert_imbalance=got["imbalance"])
-            ops = layer_ops(cfg, shape_for(cfg, req_c, spec), expert_imbalance=got["imbalance"], device=spec.name)[i][2]
-            _, host_fwd, host_bwd = layer_floor_s(ops, spec, req_c)  # an op takes at least its host dispatch
-            op_s = {op.name: max(r["fwd_s"], hf) + max(r["bwd_s"], hb)
-                    for op, r, hf, hb in zip(ops, op_rows(ops, spec, req_c), host_fwd, host_bwd)}
-            priced_of = {g: sum(op_s[n] for n in names if n in op_s) for g, names in MOE_GROUPS.items()}
-            priced_of["MoE layer"] = sum(v for g, v in priced_of.items() if g != "shared")
-            names = [op.name for op in ops]
-            priced_of["attention"] = sum(op_s[n] for n in names[:names.index("ln_2")] if n != "residual_1")
-            priced_of["routed MLP"] = priced_of["MoE layer"] + priced_of["shared"]
-            priced_of["block"] = sum(e_["fwd_s"] + e_["bwd_s"] for e_ in estimate_layers(cfg, req_c, spec)[i:i + 1])
-            routed = [op for op in ops if any(op.name in MOE_GROUPS[g] for g in MOE_GROUPS if g != "shared")]
-            priced_kernels = sum(sum(op.kernels) for op in routed)
+            priced_ms, priced_kernels = price_pieces(cfg, replace(req, expert_imbalance=got["imbalance"]), spec, i)
+            priced_of = {piece: ms / 1e3 for piece, ms in priced_ms.items()}
             for piece, s in got["seconds"].items():
                 p = priced_of.get(piece)
                 k, ks, _ = got["kernels"][piece]
