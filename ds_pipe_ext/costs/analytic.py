@@ -223,15 +223,18 @@ def mlp_gate_up(shp: Shape, *, bias: bool = True) -> OpCost:
     return tp_entry_comm(op, shp)
 
 
+# eager (``models.llama.SwiGLU``): silu, then the product (2 kernels, 5 e bytes an element of the output);
+# backward ten in-place passes (26 e bytes); (kernels, e-byte elements moved an element) forward and backward
+SWIGLU_KERNELS, SWIGLU_PASSES = (2, 10), (5, 26)
+
+
 def swiglu(shp: Shape) -> OpCost:
     """SiLU(gate) * up: saves both halves (2 b s f/t elements); writes b s f/t.  Backward writes both halves'
     gradient (2 b s f/t) beside the sigmoid of the gate (``models.llama.SwiGLU``)."""
     n = shp.tokens * shp.f / shp.t
-    # eager (``models.llama.SwiGLU``): silu, then the product (2 kernels, 5 e bytes an element of the
-    # output); backward ten in-place passes (26 e bytes)
     return OpCost("swiglu", "vector", fwd_flops=6.0 * n, bwd_flops=12.0 * n, fwd_bytes=3 * n * shp.e,
                   bwd_bytes=5 * n * shp.e, activation_bytes=2 * n * shp.e, bwd_allocs=(2 * n * shp.e, n * shp.e),
-                  kernels=(2, 10), gpu_bytes=(5 * n * shp.e, 26 * n * shp.e))
+                  kernels=SWIGLU_KERNELS, gpu_bytes=tuple(p * n * shp.e for p in SWIGLU_PASSES))
 
 
 def gelu(shp: Shape) -> OpCost:

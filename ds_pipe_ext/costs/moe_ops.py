@@ -28,7 +28,7 @@ import math
 from dataclasses import replace
 
 from ..arch import Experts
-from .analytic import linear, mlp_fc1, mlp_fc2, mlp_gate_up, relu2, swiglu
+from .analytic import SWIGLU_KERNELS, SWIGLU_PASSES, linear, mlp_fc1, mlp_fc2, mlp_gate_up, relu2, swiglu
 from .op_cost import AnalyticError, OpCost, Shape
 
 ROUTER_BYTES_PER_TOKEN_EXPERT = 12  # fp32 gates, the fp32 masks of the renormalisation, the bool/int choice mask
@@ -59,7 +59,7 @@ EXPERT_COPY_KERNELS = (1, 1)  # a local expert's chunk made contiguous (and its 
 # every expert with biases or a limit): the + 1, three products and the sigmoid forward; backward the product and
 # the sigmoid again and eleven passes in place or out; with a limit the two clamps both ways, and backward the
 # clamps' three masks, their and, and two products by them
-EXPERT_ACTIVATIONS = {"swiglu": ((2, 10), ((5, 0), (26, 0))),
+EXPERT_ACTIVATIONS = {"swiglu": (SWIGLU_KERNELS, tuple((p, 0) for p in SWIGLU_PASSES)),
                       "gpt-oss": ((5, 13), ((12, 0), (33, 0))),
                       "gpt-oss clamped": ((7, 21), ((16, 0), (44, 8)))}
 
