@@ -32,12 +32,18 @@ ATTENTION_KERNELS = ("eager", "fused", "auto")
 ROUTERS = ("softmax", "sigmoid")
 
 
+def runs_on_gpu(device: str | None) -> bool:
+    """Whether ``device`` (a spec name) is a GPU's: "cpu" is the CPU, None is unknown and costed as written out,
+    as the analytic model always did; any other name is a GPU's."""
+    return device not in (None, "cpu")
+
+
 def attention_kernel(kernel: str, device: str | None) -> str:
     """The kernel a description's attention runs on ``device`` (a spec name: "cpu" is the CPU, any other a
     GPU; None: unknown, which costs "auto" as written out, as the analytic model always did)."""
     if kernel != "auto":
         return kernel
-    return "fused" if device not in (None, "cpu") else "eager"
+    return "fused" if runs_on_gpu(device) else "eager"
 
 
 def attention_backend(kernel: str, device: str | None, *, dtype: str = "bf16", head_dim: int = 64,
@@ -55,7 +61,7 @@ def attention_backend(kernel: str, device: str | None, *, dtype: str = "bf16", h
     kind = attention_kernel(kernel, device)
     if kind == "eager":
         return "eager"
-    if device in (None, "cpu"):
+    if not runs_on_gpu(device):
         return "cpu"
     if masked:
         return "flex"

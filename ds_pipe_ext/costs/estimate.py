@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..arch import as_description, attention_backend, attention_kernel
+from ..arch import as_description, attention_backend, attention_kernel, runs_on_gpu
 from . import analytic as A
 from .mamba_ops import mamba2_mixer
 from . import attention_ops
@@ -108,7 +108,7 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
             built[block] = block_ops(desc, block, shp, expert_imbalance=expert_imbalance, device=device)
         layers.append(("Block", "block", built[block]))
     if chunked_head(desc, shp):
-        fused = device not in (None, "cpu")  # a GPU runs liger-kernel's fused loss (models.linear_cross_entropy)
+        fused = runs_on_gpu(device)  # a GPU runs liger-kernel's fused loss (models.linear_cross_entropy)
         layers.append(("HeadPipe", "head", E.chunked_lm_head(shp, norm=desc.norm, chunk_tokens=desc.loss_chunk_tokens,
                                                              fused=fused)))
     elif desc.mtp_layers:  # the head projects the MTP layers' outputs beside the main ones: 1 + D times the tokens
@@ -193,7 +193,7 @@ def op_backend(op: A.OpCost, req: EstimateRequest, device: str | None) -> str | 
     if not op.attn_shape:
         return None
     _b, heads, kv, _s, _keys, d, masked, _dropout = op.attn_shape
-    if req.execution in MEGATRON and device not in (None, "cpu"):
+    if req.execution in MEGATRON and runs_on_gpu(device):
         return "cudnn"  # Megatron-core's fused attention: Transformer Engine's, on cuDNN's kernels
     return attention_backend("fused", device, dtype=req.dtype, head_dim=d, gqa=kv != heads, masked=bool(masked))
 
