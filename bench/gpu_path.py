@@ -639,12 +639,13 @@ def attention_backend_run(names: set[str]) -> str:
 
 def liger_alignment(fused, weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, vocab: int,
                     timer) -> dict:
-    """liger-kernel's fused loss (``fused(weight, hidden, labels, bias)``) over a padded head's real rows (what
-    ``layers.ChunkedLinearLoss`` hands it: ``vocab`` rows, misaligned GEMMs) against its padded rows with a bias of
-    -inf on the padded columns (no probability there, no gradient): the two losses and each one's forward +
+    """liger-kernel's fused loss (``fused(weight, hidden, labels, bias)``) over a padded head's real rows (``vocab``
+    rows: misaligned GEMMs) against its padded rows with a bias of -inf on the padded columns
+    (``padded_head_operands``, what ``layers.ChunkedLinearLoss`` hands it): the two losses and each one's forward +
     backward ms by ``timer``."""
-    mask = torch.zeros(weight.shape[0], device=weight.device, dtype=weight.dtype)
-    mask[vocab:] = float("-inf")
+    from ds_pipe_ext.models.linear_cross_entropy import padded_head_operands
+
+    mask = padded_head_operands(weight, vocab)[1]
     w = weight.detach().requires_grad_(True)
     h = hidden.detach().requires_grad_(True)
     variants = {"real rows": lambda: fused(w[:vocab], h, labels), "padded, masked": lambda: fused(w, h, labels, mask)}

@@ -64,6 +64,43 @@ def test_clear_errors():
         linear_cross_entropy(hidden, weight, labels, vocab_size=400)
 
 
+def test_the_fused_loss_gets_every_row_with_the_padded_columns_masked(monkeypatch):
+    """On CUDA the chunked head's loss is liger-kernel's (``ChunkedLinearLoss``): it is handed the padded weight, so
+    that its GEMMs stay aligned, and a bias of -inf on the padded columns.  Run here with a stand-in of liger's loss
+    (the mean cross-entropy of hidden x weight^T + bias) and hidden states that say they are on CUDA: the loss and
+    both gradients are the real rows' plain loss's, the padded rows get none."""
+    import ds_pipe_ext.models.linear_cross_entropy as lce
+    from ds_pipe_ext.models.layers import ChunkedLinearLoss
+
+    handed = {}
+
+    def fused(weight, hidden, labels, bias=None):
+        handed.update(rows=weight.shape[0], bias=bias)
+        logits = hidden @ weight.t() + (bias if bias is not None else 0)
+        return F.cross_entropy(logits.float(), labels, ignore_index=-100)
+
+    class OnCuda(torch.Tensor):  # only ChunkedLinearLoss's device test sees it
+        @property
+        def is_cuda(self):
+            return True
+
+    monkeypatch.setattr(lce, "liger_loss", lambda: fused)
+    hidden, weight, labels, vocab = _case()
+    ref = _plain(hidden, weight, labels, vocab)
+    ref_h, ref_w = torch.autograd.grad(ref, (hidden, weight))
+    got = ChunkedLinearLoss(vocab, 16)((hidden.as_subclass(OnCuda), weight), labels)
+    got_h, got_w = torch.autograd.grad(got, (hidden, weight))
+    assert handed["rows"] == 320 and handed["bias"][:vocab].eq(0).all() and handed["bias"][vocab:].eq(-torch.inf).all()
+    assert got.item() == pytest.approx(ref.item(), abs=1e-6)
+    assert torch.allclose(got_h, ref_h, atol=1e-6) and torch.allclose(got_w, ref_w, atol=1e-6)
+    assert not got_w[vocab:].any()
+    # an unpadded head is handed as it is, without a bias
+    real = weight[:vocab]
+    assert lce.padded_head_operands(real, vocab)[0] is real and lce.padded_head_operands(real, vocab)[1] is None
+    with pytest.raises(ValueError, match="vocab_size 400 exceeds the head's 320 rows"):
+        lce.padded_head_operands(weight, 400)
+
+
 def _trained(name: str, chunk: int, *, recompute: bool = False, **overrides):
     from ds_pipe_ext.models import family_of, load_model
 

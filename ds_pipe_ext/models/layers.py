@@ -167,12 +167,13 @@ class ChunkedLinearLoss:
     chunk_tokens: int
 
     def __call__(self, outputs: tuple, labels: torch.Tensor) -> torch.Tensor:
-        from .linear_cross_entropy import linear_cross_entropy, liger_loss
+        from .linear_cross_entropy import linear_cross_entropy, liger_loss, padded_head_operands
 
         hidden, weight = outputs
         fused = liger_loss() if hidden.is_cuda else None
-        if fused is not None:  # liger-kernel's triton kernels (the [gpu] extra), over the real rows
-            return fused(weight[: self.vocab_size], hidden.reshape(-1, hidden.shape[-1]), labels.t().reshape(-1))
+        if fused is not None:  # liger-kernel's triton kernels (the [gpu] extra), every row, the padded ones masked
+            weight, bias = padded_head_operands(weight, self.vocab_size)
+            return fused(weight, hidden.reshape(-1, hidden.shape[-1]), labels.t().reshape(-1), bias)
         return linear_cross_entropy(hidden, weight, labels, vocab_size=self.vocab_size, chunk_tokens=self.chunk_tokens)
 
 
