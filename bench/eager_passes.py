@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from ds_pipe_ext.costs.estimate import EstimateRequest, layer_ops, shape_for  # noqa: E402
+from ds_pipe_ext.costs.estimate import EstimateRequest, shape_for  # noqa: E402
+from ds_pipe_ext.costs.layer_ops import layer_ops  # noqa: E402
 from ds_pipe_ext.costs.hardware import DeviceSpec  # noqa: E402
 from ds_pipe_ext.costs.probes import detach_input, elementwise_traffic, tensors_of  # noqa: E402
 from ds_pipe_ext.models import family_of, load_model  # noqa: E402

@@ -329,7 +329,8 @@ def read_today(runs: Path) -> list[dict]:
 def price_pieces(cfg, req: EstimateRequest, spec, i: int) -> tuple[dict, int]:
     """Layer ``i`` of ``cfg``, a routed block, priced by the parts ``bench/gpu_path.py``'s today part times (ms at
     ``req``'s expert imbalance, each op at least its host dispatch), and the kernels its MoE layer's ops launch."""
-    from ds_pipe_ext.costs.estimate import layer_floor_s, layer_ops, op_rows, shape_for
+    from ds_pipe_ext.costs.estimate import layer_floor_s, op_rows, shape_for
+    from ds_pipe_ext.costs.layer_ops import layer_ops
 
     ops = layer_ops(cfg, shape_for(cfg, req, spec), expert_imbalance=req.expert_imbalance, device=spec.name)[i][2]
     _, host_fwd, host_bwd = layer_floor_s(ops, spec, req)

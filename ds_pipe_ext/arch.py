@@ -2,7 +2,7 @@
 
 megatron-core's ``ModuleSpec`` says which modules make up a layer apart from how they are built;
 this says what a decoder-only transformer computes, so that a family-free op library
-(``costs.estimate.layer_ops`` over ``costs.analytic``) can cost any model a family describes:
+(``costs.layer_ops.layer_ops`` over ``costs.analytic``) can cost any model a family describes:
 
     embedding  a vocabulary lookup (``vocab`` rows: padded) and its positions: learned | rotary | none
     blocks     one ``Block`` per layer (they may differ: width-pruned models, hybrids), each a norm and

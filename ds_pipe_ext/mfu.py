@@ -14,7 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .costs.estimate import EstimateRequest, layer_ops, shape_for
+from .costs.estimate import EstimateRequest, shape_for
+from .costs.layer_ops import layer_ops
 
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ds_pipe_ext"
 

@@ -15,7 +15,8 @@ import pytest
 from ds_pipe_ext.arch import attention_backend
 from ds_pipe_ext.costs import analytic as A
 from ds_pipe_ext.costs import gpu_pricing as G
-from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers, layer_ops, op_rows, shape_for
+from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers, op_rows, shape_for
+from ds_pipe_ext.costs.layer_ops import layer_ops
 from ds_pipe_ext.costs.hardware import datasheet_name, get_device
 from ds_pipe_ext.costs.kernel_table import KernelTable, load_kernel_table, table_note
 from ds_pipe_ext.costs.op_cost import AnalyticError

@@ -146,7 +146,8 @@ def test_tensor_parallelism_must_divide_the_key_value_heads():
 
 def test_the_window_halves_attention_at_twice_its_length():
     """Mistral's 4,096 window at an 8,192 sequence: the attention kernel's FLOPs are half of causal's."""
-    from ds_pipe_ext.costs.estimate import layer_ops, shape_for
+    from ds_pipe_ext.costs.estimate import shape_for
+    from ds_pipe_ext.costs.layer_ops import layer_ops
 
     def attention_flops(cfg):
         (_, _, block) = layer_ops(cfg, shape_for(cfg, EstimateRequest(1, 8192)))[1]

@@ -70,7 +70,8 @@ def hybrid(pattern: str = "M-M*-ME", **mamba):
 def test_a_hybrid_description_is_costed_block_by_block():
     """Each letter's block is its norm, its one kind of layer and its residual: a Mamba-2 block is the mixer's ops,
     an MLP block the transformer block's second half, an attention block its first; the partition sees each."""
-    from ds_pipe_ext.costs.estimate import layer_ops, shape_for, EstimateRequest
+    from ds_pipe_ext.costs.estimate import shape_for, EstimateRequest
+    from ds_pipe_ext.costs.layer_ops import layer_ops
 
     desc = hybrid()
     assert [b.kind for b in desc.blocks] == ["mamba", "mlp", "mamba", "attention", "mlp", "mamba", "moe"]

@@ -228,7 +228,8 @@ def test_deepspeeds_moe_layer_is_priced_with_the_kernels_its_code_launches():
     and the gating, dispatch and combine launch what sharded_moe.py's sparse-routes path runs: the host's dispatch
     of them is priced (Mixtral-8x7B's bf16 block on an H200: 23.9 ms, against the 29.3 ms measured), and halving
     the local experts under EP 2 halves the experts' launches."""
-    from ds_pipe_ext.costs.estimate import block_ops, shape_for
+    from ds_pipe_ext.costs.estimate import shape_for
+    from ds_pipe_ext.costs.layer_ops import block_ops
     from ds_pipe_ext.costs.moe_ops import COMBINE_KERNELS, DISPATCH_KERNELS, GATING_KERNELS
 
     cfg = load_model("mixtral-8x7b")
@@ -250,7 +251,8 @@ def test_an_experts_activation_is_priced_with_the_kernels_its_code_launches():
     its clamp; gpt-oss-20b's routed block prices its 32 experts with the clamped one."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from ds_pipe_ext.costs.estimate import block_ops, shape_for
+    from ds_pipe_ext.costs.estimate import shape_for
+    from ds_pipe_ext.costs.layer_ops import block_ops
     from ds_pipe_ext.costs.moe_ops import EXPERT_ACTIVATIONS, EXPERT_COPY_KERNELS
     from ds_pipe_ext.models.experts import ClampedSwiGLU
     from ds_pipe_ext.models.llama import SwiGLU

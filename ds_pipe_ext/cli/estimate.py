@@ -20,7 +20,8 @@ def cmd_estimate(args) -> int:
         return cmd_estimate_compare(args)
 
     from ..costs.op_cost import AnalyticError
-    from ..costs.estimate import EstimateRequest, assumed_attention, estimate_layers, layer_ops, op_rows, shape_for
+    from ..costs.estimate import EstimateRequest, estimate_layers, op_rows, shape_for
+    from ..costs.layer_ops import assumed_attention, layer_ops
     from ..models import family_of, load_model
     from ..partition.report import render_table
     from ..plan.machine import cluster_from_args, plan_device
@@ -113,7 +114,8 @@ def _estimate_layout(args):
 
 def _block_backend(cfg, req, device) -> str | None:
     """The SDPA backend the first block's fused attention runs on the device, None without one."""
-    from ..costs.estimate import layer_ops, op_backend, shape_for
+    from ..costs.estimate import op_backend, shape_for
+    from ..costs.layer_ops import layer_ops
 
     ops = layer_ops(cfg, shape_for(cfg, req, device), device=device.name)[1][2]
     return next((b for op in ops if (b := op_backend(op, req, device.name))), None)

@@ -186,7 +186,7 @@ def _plan(args, checker) -> int:
             _emit(json.dumps({"deepspeed": json.loads(rows_json(res)), "megatron": json.loads(rows_json(other))},
                              indent=1))
         return 0
-    from ..costs.estimate import assumed_attention
+    from ..costs.layer_ops import assumed_attention
 
     d = model.device
     if d.collectives:

@@ -1,6 +1,6 @@
 """Analytic per-op costs of a decoder-only transformer: FLOPs, bytes moved, saved activations, weights,
 TP/SP communication.  Which ops make up a model's layers is its description's to say (``arch``,
-through ``costs.estimate.layer_ops``); GPT's block is the default.  The pipeline's edge layers (the embedding,
+through ``costs.layer_ops.layer_ops``); GPT's block is the default.  The pipeline's edge layers (the embedding,
 the head with its loss) are ``costs.edge_ops``', built from these ops.
 
 Pure arithmetic, no torch.  Each op function returns an ``OpCost`` for one

@@ -109,7 +109,7 @@ def sink_core(ops: list[OpCost], shp: Shape, kv_heads: int) -> list[OpCost]:
 def mtp_layer(shp: Shape, block_ops: list[OpCost], *, norm) -> list[OpCost]:
     """One MTP layer's ops (``models.mtp``): the travelling embedding and the hidden state normed, concatenated and
     projected 2h -> h, ``block_ops`` (its block's), its final norm.  The shifted ids' lookups are the embedding
-    layer's, the output head and loss the head layer's (``mtp_lookups``, ``estimate.layer_ops``)."""
+    layer's, the output head and loss the head layer's (``mtp_lookups``, ``layer_ops.layer_ops``)."""
     T, h, e = shp.tokens, shp.h, shp.e
     concat = OpCost("mtp_concat", "vector", fwd_bytes=4 * T * h * e, bwd_bytes=4 * T * h * e, kernels=(1, 2))
     proj = linear("mtp_eh_proj", T, 2 * h, h, shp, bias=False)

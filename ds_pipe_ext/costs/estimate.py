@@ -1,22 +1,19 @@
-"""Analytic costs of a whole model from its description (``arch``): per-op rows, per-layer totals,
-``LayerCost`` records."""
+"""Analytic costs of a whole model from its description (``arch``): each layer's ops (``costs.layer_ops``) priced
+on a device, per-op rows, per-layer totals, ``LayerCost`` records, and each pipeline rank's step for the peak rule."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..arch import as_description, attention_backend, attention_kernel, runs_on_gpu
+from ..arch import as_description, attention_backend, runs_on_gpu
 from . import analytic as A
-from .mamba_ops import mamba2_mixer
-from . import attention_ops
-from . import edge_ops as E
-from .op_cost import DTYPE_BYTES
 from .gpu_pricing import MEGATRON
 from .hardware import DeviceSpec
-from .moe_ops import expert_weight_bytes, moe_block
+from .layer_ops import chunked_head, efficient_sdpa, layer_ops, tied_projection
+from .moe_ops import expert_weight_bytes
+from .op_cost import DTYPE_BYTES
 from .peak import RankStep, ZeroSettings, layer_peak_bytes, walks_schedule
 from .types import LayerCost
-
 
 
 def dropout_mask_bytes(device: str, dtype: str) -> int:
@@ -84,108 +81,12 @@ def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None, *, 
                                     and not req.zero3_linear and not req.selective_recompute))
 
 
-def assumed_attention(model, device: str) -> str:
-    """What the analytic model assumes the attention core runs as on ``device``: "fused" (one kernel, flash or
-    torch's SDPA) or "eager" (written out), for each kind of block; what estimate and plan print."""
-    kernels = sorted({attention_kernel(block.attention.kernel, device) for block in as_description(model).blocks
-                      if block.attention is not None}) or ["none"]
-    return "/".join(kernels)
-
-
-def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
-              device: str | None = None) -> list[tuple[str, str, list[A.OpCost]]]:
-    """(name, kind, ops) per pipeline layer, as the description says: the embedding, each block (alike
-    blocks share one op list), the head.  ``expert_imbalance``: ``EstimateRequest``'s; ``device``: the spec
-    costed, which picks an "auto" attention's kernel (``arch.attention_kernel``)."""
-    desc = as_description(model)
-    embedding = E.embedding(shp, positions=desc.positions == "learned")
-    if desc.mtp_layers:  # the shifted ids' lookups for the MTP layers (models/mtp.py)
-        embedding = embedding + [attention_ops.mtp_lookups(shp, desc.mtp_layers)]
-    layers = [("EmbeddingPipe", "embedding", embedding)]
-    built: dict = {}
-    for block in desc.blocks:
-        if block not in built:
-            built[block] = block_ops(desc, block, shp, expert_imbalance=expert_imbalance, device=device)
-        layers.append(("Block", "block", built[block]))
-    if chunked_head(desc, shp):
-        fused = runs_on_gpu(device)  # a GPU runs liger-kernel's fused loss (models.linear_cross_entropy)
-        layers.append(("HeadPipe", "head", E.chunked_lm_head(shp, norm=desc.norm, chunk_tokens=desc.loss_chunk_tokens,
-                                                             fused=fused)))
-    elif desc.mtp_layers:  # the head projects the MTP layers' outputs beside the main ones: 1 + D times the tokens
-        wide = replace(shp, b=shp.b * (1 + desc.mtp_layers))
-        head = E.lm_head(wide, norm=desc.norm)
-        layers.append(("HeadPipe", "head", [E.lm_head(shp, norm=desc.norm)[0], *head[1:]]))
-    else:
-        layers.append(("HeadPipe", "head", E.lm_head(shp, norm=desc.norm)))
-    return layers
-
-
-def block_ops(desc, block, shp: A.Shape, *, expert_imbalance: float = 1.0, device: str | None = None) -> list:
-    """One block's ops, as its kind says (``arch.Block.kind``): a transformer block; or, a hybrid's layers,
-    its norm, then attention, an MLP (routed experts: MoE) or a Mamba-2 mixer alone, then its residual."""
-    if block.mtp:  # the transformer block it holds, between its input projection and its final norm
-        inner = block_ops(desc, replace(block, mtp=False), shp, expert_imbalance=expert_imbalance, device=device)
-        return attention_ops.mtp_layer(shp, inner, norm=A.NORMS[desc.norm])
-    if block.mamba is not None:
-        m = block.mamba
-        return [A.NORMS[desc.norm]("norm", shp),
-                *mamba2_mixer(shp, heads=m.heads, head_dim=m.head_dim, state=m.state, groups=m.groups,
-                              conv_kernel=m.conv_kernel, chunk=m.chunk, bias=desc.linear_bias,
-                              torch_code=device == "cpu"),
-                A.residual_add("residual", shp)]
-    att, mlp = block.attention, block.mlp
-    shaped = replace(shp, a=att.heads if att else shp.a, f=mlp.ffn if mlp else shp.f,
-                     d=(att.head_dim or 0) if att else shp.d)
-    if att is not None:
-        shaped = replace(shaped, attn_out_copy=shp.autograd_linear and _efficient_sdpa(shaped, att, device))
-    ops = A.transformer_block(shaped, kv_heads=att.kv_heads if att else None, mlp=mlp.kind if mlp else "gelu",
-                              norm=desc.norm, positions=desc.positions, bias=desc.linear_bias,
-                              qkv_bias=att.qkv_bias if att else None,
-                              kernel=attention_kernel(att.kernel, device) if att else "eager",
-                              window=att.window if att else None, head_norm=att.qk_norm if att else False)
-    if att is not None and (att.mla is not None or att.sinks or att.out_bias):
-        ops = _attention_variant(ops, shaped, att)
-    half = next(i for i, op in enumerate(ops) if op.name == "residual_1") + 1
-    if att is None:  # the MLP's half alone
-        ops = ops[half:]
-    elif mlp is None:  # the attention's half alone
-        ops = ops[:half]
-    if block.experts is not None:  # routed experts in place of the MLP (costs/moe_ops.py)
-        ops = moe_block(ops, shaped, block.experts, ep=shp.ep, imbalance=expert_imbalance)
-    return ops
-
-
-def _attention_variant(ops: list, shp: A.Shape, att) -> list:
-    """A block's ops with DeepSeek-V3's or gpt-oss's attention in place (``costs.attention_ops``): MLA between the
-    input norm and the first residual; the sinks' wider softmax; the out projection's bias."""
-    names = [op.name for op in ops]
-    if att.mla is not None:
-        start, end = names.index("ln_1") + 1, names.index("out_proj") + 1
-        ops = ops[:start] + attention_ops.mla_attention(shp, att.mla) + ops[end:]
-    if att.sinks:
-        ops = [attention_ops.sink_softmax(op, shp) if op.name == "softmax" else op for op in ops]
-        ops = attention_ops.sink_core(ops, shp, att.kv_heads)
-    if att.out_bias:
-        ops = [A.out_proj(shp, bias=True) if op.name == "out_proj" else op for op in ops]
-    return ops
-
-
 def runs_efficient_sdpa(model, req: EstimateRequest, device: str | None) -> bool:
     """Whether any block of ``model`` runs torch's memory-efficient SDPA kernel on ``device`` (the spec's name)
     under ``req``: the only case ``req.zero3_linear`` changes a layer's costs (``Shape.attn_out_copy``)."""
     shp = shape_for(model, req, runs_on=device)
-    return any(_efficient_sdpa(replace(shp, a=b.attention.heads, d=b.attention.head_dim or 0), b.attention, device)
+    return any(efficient_sdpa(replace(shp, a=b.attention.heads, d=b.attention.head_dim or 0), b.attention, device)
                for b in as_description(model).blocks if b.attention is not None)
-
-
-def _efficient_sdpa(shp: A.Shape, att, device: str | None) -> bool:
-    """Whether a block's attention core runs torch's memory-efficient SDPA kernel on ``device``."""
-    kind = attention_kernel(att.kernel, device)
-    if kind != "fused":
-        return False
-    masked = bool(att.window and att.window < shp.s)
-    return attention_backend(kind, device, dtype="fp32" if shp.e == 4 else "bf16", head_dim=shp.head_dim,
-                             gqa=att.kv_heads not in (None, shp.a), masked=masked) == "efficient"
 
 
 def op_backend(op: A.OpCost, req: EstimateRequest, device: str | None) -> str | None:
@@ -243,11 +144,6 @@ def layer_floor_s(ops: list[A.OpCost], device: DeviceSpec, req: EstimateRequest)
     kern = device.gpu
     return (kern.layer_call_s, [kern.host_kernel_s * op.kernels[0] for op in ops],
             [kern.host_kernel_bwd_s * op.kernels[1] for op in ops])
-
-
-def chunked_head(model, shp: A.Shape) -> bool:
-    """Whether the head hands the loss hidden states, not logits (``loss_chunk_tokens``, at tp 1)."""
-    return bool(as_description(model).loss_chunk_tokens) and shp.t == 1
 
 
 def estimate_layers(model, req: EstimateRequest, device: DeviceSpec, *, runs_on: str | None = None) -> list[dict]:
@@ -334,12 +230,6 @@ def analytic_layer_costs(model, req: EstimateRequest, device: DeviceSpec, *,
     return costs
 
 
-def _tied_projection(head: list) -> list:
-    """A head whose vocabulary projection is the embedding's matrix, on the rank that holds the embedding:
-    one tensor, counted there (its gradient is still computed here, then added into the embedding's)."""
-    return [replace(op, weights=()) if op.name == "lm_head" else op for op in head]
-
-
 def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = None, dtype: str = "fp32",
                dp_rank: int | None = None, mask_bytes: int | None = None, fused_adam: bool = False,
                zero: ZeroSettings | None = None, modes: list[str] | None = None,
@@ -366,7 +256,7 @@ def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = 
     ops = [[replace(op, activation_bytes=0.0) if mode == "selective" and op.recompute else op for op in layer]
            for (_, _, layer), mode in zip(layers, modes)]
     if desc.tied_head and (not lay.pipelined or lay.pp == 1):
-        ops[-1] = _tied_projection(ops[-1])
+        ops[-1] = tied_projection(ops[-1])
 
     def checkpoint(start: int, stop: int) -> tuple | None:
         # full recompute keeps each layer's input: the hidden states (the embedding's token ids: ~nothing)

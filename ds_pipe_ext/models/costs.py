@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..costs.calibrate import fit_device
-from ..costs.estimate import EstimateRequest, analytic_layer_costs, layer_ops, shape_for
+from ..costs.estimate import EstimateRequest, analytic_layer_costs, shape_for
+from ..costs.layer_ops import layer_ops
 from ..costs.hardware import DeviceSpec
 from ..costs.types import LayerCost
 from .layers import LayerImpl, lm_loss

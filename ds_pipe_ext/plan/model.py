@@ -31,8 +31,9 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..arch import as_description
-from ..costs.estimate import (DTYPE_BYTES, EstimateRequest, analytic_layer_costs, layer_ops, rank_steps,
-                              runs_efficient_sdpa, shape_for)
+from ..costs.estimate import (DTYPE_BYTES, EstimateRequest, analytic_layer_costs, rank_steps, runs_efficient_sdpa,
+                              shape_for)
+from ..costs.layer_ops import layer_ops
 from ..costs.hardware import DeviceSpec
 from ..costs.stage import held_activation_bytes, stage_costs, with_layer_recompute
 from ..costs.peak import ZeroSettings, step_peak, walks_schedule

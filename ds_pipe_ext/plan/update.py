@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 
-from ..costs.estimate import DTYPE_BYTES, EstimateRequest, layer_ops, shape_for
+from ..costs.estimate import DTYPE_BYTES, EstimateRequest, shape_for
+from ..costs.layer_ops import layer_ops
 from ..costs.hardware import adam_step_s
 from ..costs.zero import runs_bf16_optimizer
 from ..layout import Layout

@@ -114,7 +114,7 @@ def exposed_s(costs: Sequence, layer_op_lists: Sequence[Sequence], *, gather: Ca
               max_reuse: float = 0.0, host_gather: Callable[[list], float] | None = None,
               host_reduce: Callable[[list], float] | None = None, max_live: float = float("inf")) -> float:
     """The traffic one micro-batch leaves exposed beside its compute: ``microbatch_s`` minus the compute.
-    ``costs``: each layer's ``LayerCost``; ``layer_op_lists``: each layer's ops (``costs.estimate.layer_ops``),
+    ``costs``: each layer's ``LayerCost``; ``layer_op_lists``: each layer's ops (``costs.layer_ops.layer_ops``),
     an op with weights being one module, its share of the layer's time its share of the forward FLOPs
     (equal shares where they have none; a layer without weights is one module with no traffic);
     ``gather`` / ``reduce``: seconds of the all-gather / reduce-scatter of a module's tensors (their element
