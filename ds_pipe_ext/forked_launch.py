@@ -108,6 +108,11 @@ def forked_launch(num_ranks: int, script: Path, argv: list[str], *, env: dict, c
                   timeout: float) -> subprocess.CompletedProcess:
     """Run ``num_ranks`` ranks of ``script`` forked from this process; the launcher's completed process (its
     return code the first failing rank's, else 0; the ranks' stdout and stderr, each gathered in one stream)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        raise RuntimeError("forked_launch: this process holds a torch.distributed process group, which forked ranks "
+                           f"would inherit; destroy it first, or unset {FORK_ENV} to launch through DeepSpeed's "
+                           "launcher")
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         # appending: the ranks' lines interleave whole, as in the launcher's one pipe
         out_fd = os.open(f"/proc/self/fd/{out.fileno()}", os.O_WRONLY | os.O_APPEND)

@@ -82,6 +82,7 @@ def test_profiled_without_a_profile_batch_or_analytic_without_a_cost_model_is_a_
 
 
 @pytest.mark.multiprocess
+@pytest.mark.usefixtures("forked_ranks")
 @pytest.mark.parametrize("model", ["plain", "tied"])
 def test_any_model_trains_under_profiled_on_2_ranks_with_one_process_losses(tmp_path, model):
     """plain: nn.Module instances + lambdas; tied: TiedLayerSpec, an nn.Module, a (tokens, mask) tuple input."""

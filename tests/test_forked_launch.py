@@ -64,3 +64,22 @@ def test_a_failing_rank_ends_the_others_and_gives_its_exit_code(tmp_path):
 def test_a_launch_past_its_timeout_is_ended(tmp_path):
     got = in_fresh_process(tmp_path, "import time\ntime.sleep(60)\n", timeout=1.0)
     assert got == {"timeout": True}
+
+
+def test_a_process_holding_a_process_group_is_refused_by_name(tmp_path):
+    """Forked ranks would inherit the group: the launch is refused, naming the fix."""
+    driver = f"""
+        import torch.distributed as dist
+        from pathlib import Path
+        from ds_pipe_ext.forked_launch import forked_launch
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'init'}", rank=0, world_size=1)
+        try:
+            forked_launch(2, Path("rank.py"), [], env={{}}, cwd=Path("."), port=12345, timeout=5)
+        except RuntimeError as e:
+            print(e)
+        dist.destroy_process_group()
+    """
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(driver)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "holds a torch.distributed process group" in proc.stdout and "DS_PIPE_EXT_FORK_RANKS" in proc.stdout

@@ -170,6 +170,7 @@ def test_what_the_pipeline_cannot_run_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.usefixtures("forked_ranks")
 def test_deepspeed_trains_a_save_pretrained_directory_on_2_ranks(tmp_path):
     """deepspeed --num_gpus 2, "profiled", a Llama with 5 decoder layers (7 pipeline layers on 2 stages): the
     first step's loss is the model's own labels= loss; a padded profile batch fails on every rank with the

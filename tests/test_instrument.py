@@ -10,6 +10,7 @@ from ds_pipe_ext.runner import ROOT, launch, write_config
 
 
 @pytest.mark.multiprocess
+@pytest.mark.usefixtures("forked_ranks")
 def test_every_stage_records_and_the_report_renders(tmp_path, capsys):
     # 4 stages, gathered every 2 steps and at the end, forwarded to DeepSpeed's CSV monitor, every layer
     # timed (per_layer) (2 stages under TP are instrumented in test_trainer.py)

@@ -164,6 +164,7 @@ def moe_reference(cfg, weights_path, steps: int, *, dp: int, micro_batch: int, g
 
 
 @pytest.mark.multiprocess
+@pytest.mark.usefixtures("forked_ranks")
 def test_pp2_dp2_ep2_parity_and_resume_through_deepspeed(tmp_path, capfd):
     """One launch of deepspeed --num_gpus 4, five builds: 2 stages x 2 data-parallel ranks, each MoE layer's 4
     experts split over EP 2, from the weights of one process (first loss and gradient norm within 1e-5,

@@ -1,6 +1,7 @@
 """Real multi-process runs: `deepspeed --num_gpus N train.py` on CPU (gloo).
 
-Few but real: each launch costs 10-20 s, so each test checks several things.
+Few but real: each launch costs 10-20 s, so each test checks several things.  The user's command and the refusals
+on every rank run through DeepSpeed's launcher; the others fork their ranks (conftest's ``forked_ranks``).
 """
 
 import json
@@ -54,6 +55,7 @@ def test_user_command_on_4_ranks_every_rank_builds_the_same_stages(tmp_path):
     assert len(steps) == 2 and all(0 < s["mfu"] <= 1 and s["samples_per_s"] > 0 for s in steps)
 
 
+@pytest.mark.usefixtures("forked_ranks")
 def test_partition_and_schedule_do_not_change_the_math(tmp_path):
     """Three runs in one launch on 2 ranks - 1F1B, DeepSpeed's DualPipeV engine cut by our pair-balancing
     ``profiled`` split, GPipe (DeepSpeed's engine through ``_train_schedule``) over an emulated slow link - and
@@ -93,6 +95,7 @@ def test_partition_and_schedule_do_not_change_the_math(tmp_path):
     assert runs["front"] == pytest.approx(runs["back"], rel=1e-6)
 
 
+@pytest.mark.usefixtures("forked_ranks")
 def test_analytic_method_on_2_ranks(tmp_path):
     proc, ranks = launch(2, ROOT / "launch_scripts" / "ds_pipeline.json", "--steps", "1",
                          "--partition-method", "analytic", out_dir=tmp_path, cwd=tmp_path)
@@ -101,6 +104,7 @@ def test_analytic_method_on_2_ranks(tmp_path):
     assert proc.stdout.count("partition_method=analytic parts=") == 1  # decided once, on rank 0
 
 
+@pytest.mark.usefixtures("forked_ranks")
 def test_zero3_baseline_runs_the_same_model_on_4_ranks(tmp_path):
     """The shipped ZeRO-3 config (DeepSpeed's default buckets and persistence threshold), step 2's live-tensor
     peak traced on every rank: the peak rule (costs.peak) names what it holds exactly by kind."""
@@ -170,6 +174,7 @@ BAD_CONFIGS = {  # what each refusal says
 }
 
 
+@pytest.mark.usefixtures("forked_ranks")
 def test_more_bad_input_is_refused_on_every_rank_and_the_ranks_stay_in_step(tmp_path):
     """The other refusals, in one launch of train.py's build in turn: each on both ranks with its message, and a
     good run trains after them (no rank left waiting in a collective)."""

@@ -410,6 +410,7 @@ def test_smallest_need_is_the_least_over_layouts():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.usefixtures("forked_ranks")
 def test_emitted_ds_config_trains_with_train_py_on_2_ranks(tmp_path, capfd):
     """A plan for llama-tiny (the Llama family: 7 pipeline layers, grouped-query attention) emitted as a ds.json
     trains under train.py on 2 ranks with the plan's split, micro-batching and recompute.  Under a cap (3.4 MB

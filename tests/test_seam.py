@@ -69,6 +69,7 @@ def test_the_pipeline_modules_decision_takes_the_familys_cost_model(gated_toml):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.usefixtures("forked_ranks")
 def test_the_pipeline_module_splits_the_family_as_the_offline_decision_does(tmp_path):
     """2 ranks, partition_method "analytic" on the family's cost model: every rank builds the split that
     the decision function chooses offline from the same costs, and trains."""

@@ -8,13 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from ds_pipe_ext.forked_launch import FORK_ENV
 from ds_pipe_ext.sweep.run import SweepError, cell_name, sweep_cells
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _sweep(*args, out):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    # the cells' ranks forked from the command (forked_launch): what is checked is the rows and their memory
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           FORK_ENV: "1"}
     cmd = [str(Path(sys.executable).with_name("ds-pipe-ext")), "sweep", "--model", "tiny", "--stages", "1,2",
            "--micro-batches", "2", "--checkpointing", "off,on", "--global-batch", "4", "--steps", "2",
            "--out", str(out), *args]

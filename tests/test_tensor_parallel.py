@@ -113,8 +113,9 @@ def test_tp_parity_with_single_process(tmp_path, sp, tied):
         torch.save(reference.state_dict(), refs[name])
         want[name] = train_steps(reference, *batch(cfg), norm)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # forked, not spawned: the ranks start without importing torch again (this process holds no process group)
     mp.start_processes(_worker, args=(2, sp, str(tmp_path / "init"), refs, str(tmp_path / "out.json"), tied),
-                       nprocs=2, join=True, start_method="spawn")
+                       nprocs=2, join=True, start_method="fork")
     got = json.loads((tmp_path / "out.json").read_text())
     for name in TP_MODELS:
         want_losses, want_norm, want_head_norm_grads = want[name]
@@ -184,6 +185,7 @@ def serial_reference(cfg, weights_path, steps, *, micro_batch=4, gas=4, seed=123
 
 
 @pytest.mark.multiprocess
+@pytest.mark.usefixtures("forked_ranks")
 def test_pp2_tp2_parity_through_deepspeed(tmp_path):
     """deepspeed --num_gpus 4: PP=2 x TP=2, SP on and off, "profiled", against one process, same weights:
     train.py's build and loop for the GPT and llama-tiny (GQA with 2 key/value heads split over TP 2, 5 blocks: 7

@@ -1,6 +1,7 @@
 """train.py as a team would run it: rank-0 safety, every layout, the user's data, checkpoints that lose nothing.
 
-Real launches (``deepspeed --num_gpus N train.py``), few but each checking several things.
+Real multi-process launches of train.py, few but each checking several things; their ranks forked from the test's
+process (conftest's ``forked_ranks``: DeepSpeed's launcher's argv and rank environment, without each rank's start-up).
 """
 
 import json
@@ -14,7 +15,7 @@ from ds_pipe_ext.models.gpt import SequentialGPT, gpt_layer_specs
 from ds_pipe_ext.runner import ROOT, launch, write_config
 from test_tensor_parallel import serial_reference
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("forked_ranks")]
 
 
 def step_losses(stdout: str) -> dict[int, float]:
