@@ -10,7 +10,7 @@ pipeline p2p with these.
 Ranks that compute at once also share the memory bandwidth and caches: a GEMM or a copy runs slower
 in each of two ranks than in one alone.  The ratio of the two speeds scales the cpu spec's peaks.
 
-Measured once per rank count (the ranks spawned on this machine, one thread each, as the
+Measured once per rank count (the ranks started on this machine, one thread each, as the
 launches run) and cached next to the cpu spec.  Each kind at two sizes, as a training step meets
 it: between two GEMMs (a block's, at bench scale), its cost the median loop of GEMM + call less the
 loop of GEMMs alone.  A rank that reaches the call first sleeps in it and is woken when its partner
@@ -156,5 +156,7 @@ if __name__ == "__main__":  # python -m ds_pipe_ext.costs.cpu_comm WORLD OUT.jso
 
     world, out_path = int(sys.argv[1]), sys.argv[2]
     with tempfile.TemporaryDirectory() as d:
+        # forked from this fresh interpreter (it holds no threads or process group): the ranks start without
+        # importing torch again
         mp.start_processes(_worker, args=(world, str(Path(d) / "init"), out_path), nprocs=world, join=True,
-                           start_method="spawn")
+                           start_method="fork")
