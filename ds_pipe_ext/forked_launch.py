@@ -8,10 +8,12 @@ MASTER_ADDR, MASTER_PORT, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE, and the caller's) 
 ``deepspeed.launcher.launch`` gives it, in its own process with its own gloo group; the ranks' stdout and stderr
 are gathered as the launcher's are; a rank that fails ends the others, as the launcher's signal handler does.
 
-What it does not run is DeepSpeed's launcher itself, and a fresh interpreter's start: the multi-process tests
-launch through ``deepspeed``.  ``runner.launch`` forks when ``DS_PIPE_EXT_FORK_RANKS=1`` (the bench smoke test,
-tests/test_bench_smoke.py, where 40 launches share their start-up).  Linux only (``os.fork``); the forking
-process must not hold a process group or threads of its own (the ranks would inherit them half-made).
+What it does not run is DeepSpeed's launcher itself, and a fresh interpreter's start: the user's command and the
+refusals on every rank (tests/test_multiprocess.py) launch through DeepSpeed's.  ``runner.launch`` forks when
+``DS_PIPE_EXT_FORK_RANKS=1``: the bench smoke test's ~40 launches, and the other launch tests (conftest's
+``forked_ranks``).  Linux only (``os.fork``).  The forking process must hold no process group (refused here: the
+ranks would inherit it) and no thread that a rank needs: a pytest-xdist worker's channel thread is copied as
+nothing, and the rank, which runs the script alone and leaves by ``os._exit``, takes none of its locks.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """ds_pipe_ext.forked_launch: ranks forked from a process as DeepSpeed's one-node launcher starts them (the bench
-smoke run's and the long launch tests' ranks).  Each case runs in its own interpreter: a pytest worker has threads
-of its own, which a fork must not copy half-made."""
+smoke run's and the launch tests' ranks).  Each case runs in its own interpreter, so that what is checked is
+forked_launch alone, not the pytest worker it would otherwise fork."""
 
 from __future__ import annotations
 
