@@ -11,7 +11,6 @@ import shutil
 import pytest
 import torch
 
-from ds_pipe_ext.forked_launch import FORK_ENV
 from ds_pipe_ext.runner import launch, write_config
 from ds_pipe_ext.train.safe_load import DEEPSPEED_GLOBALS
 
@@ -87,8 +86,8 @@ CRAFTED_OURS = {"zero1-pipeline": "layer_004-tp_00-full_states.pt",
                 "moe-pipeline": "expp_rank_0_mp_rank_01_optim_states.pt"}
 
 
-def test_every_kind_saves_safely_and_resumes_on_half_the_ranks_and_back(tmp_path, monkeypatch):
-    monkeypatch.setenv(FORK_ENV, "1")  # ranks forked from this process: the checks are the files and states
+def test_every_kind_saves_safely_and_resumes_on_half_the_ranks_and_back(tmp_path, forked_ranks):
+    # ranks forked from this process (conftest's forked_ranks): the checks are the files and states
     root, saved_cfg, moved_cfg = tmp_path / "ckpt", configs(tmp_path, 0), configs(tmp_path, 1)
     saved, _ = run_launch(tmp_path, 4, [("save", name, saved_cfg[name]) for name in KINDS], root)
     allowed = {f"{m}.{c}" for m, c in DEEPSPEED_GLOBALS}

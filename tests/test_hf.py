@@ -224,12 +224,11 @@ def test_in_memory_models_of_different_shapes_do_not_share_a_profile_cache_key(t
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["nemotron_h", "deepseek_v3", "gpt_oss"])
-def test_todays_models_train_as_pipelines_on_2_and_4_ranks(tmp_path, monkeypatch, name):
+def test_todays_models_train_as_pipelines_on_2_and_4_ranks(tmp_path, forked_ranks, name):
     """Nemotron-H's layers (Mamba-2, MLP, attention, MoE: M-M*-ME), DeepSeek-V3's (MLA, a dense layer, routed
     experts) and gpt-oss's (sinks, alternating windows) as 2 and 4 stages of DeepSpeed's pipeline, split by
     "profiled", each stage reading its own tensors: the first step's loss is the model's own labels= loss within
     1e-5 (fp32)."""
-    from ds_pipe_ext.forked_launch import FORK_ENV
     from ds_pipe_ext.runner import launch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -239,7 +238,7 @@ def test_todays_models_train_as_pipelines_on_2_and_4_ranks(tmp_path, monkeypatch
     data = batches(256, 1234)
     want_first = sum(model(x, labels=y).loss.item() for x, y in (next(data) for _ in range(MICRO_BATCHES)))
     want_first /= MICRO_BATCHES
-    monkeypatch.setenv(FORK_ENV, "1")  # ranks forked from this process: the check is the pipeline's loss
+    # ranks forked from this process (conftest's forked_ranks): the check is the pipeline's loss
     for stages in (2, 4):
         out = tmp_path / f"stages{stages}"
         out.mkdir()

@@ -108,10 +108,9 @@ def test_moe_layers_are_hugging_faces_on_the_same_weights(tmp_path, reference):
         load_model(str(tmp_path / "config.json"))
 
 
-def test_train_py_trains_the_hybrid_family_by_name_as_a_pipeline(tmp_path, monkeypatch):
+def test_train_py_trains_the_hybrid_family_by_name_as_a_pipeline(tmp_path, forked_ranks):
     """deepspeed --num_gpus 2, hybrid-tiny (M-M*-M) in 2 stages split by "profiled", from one process's
     weights: the first loss is that process's."""
-    from ds_pipe_ext.forked_launch import FORK_ENV
     from ds_pipe_ext.runner import launch, write_config
 
     cfg = load_model("hybrid-tiny")
@@ -121,7 +120,6 @@ def test_train_py_trains_the_hybrid_family_by_name_as_a_pipeline(tmp_path, monke
     ds = write_config(tmp_path / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
                       pipeline={"stages": 2, "partition_method": "profiled"},
                       train={"model": "hybrid-tiny", "steps": 2, "seed": 1234})
-    monkeypatch.setenv(FORK_ENV, "1")
     proc, ranks = launch(2, ds, "--init-from", str(init), out_dir=tmp_path, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from ds_pipe_ext.train.data import SyntheticTokens

@@ -127,13 +127,11 @@ def test_a_hybrid_pattern_reads_in_both_forms_and_names_what_is_wrong():
 
 
 @pytest.mark.multiprocess
-def test_the_mixer_at_tp_2_is_the_mixer_at_tp_1(tmp_path, monkeypatch):
+def test_the_mixer_at_tp_2_is_the_mixer_at_tp_1(tmp_path, forked_ranks):
     """2 ranks, each holding 4 of 8 heads and 1 of 2 groups: the output, the input's gradient and every
     parameter's gradient (as its shard) equal the one-process mixer's within 1e-5 relative (fp32)."""
-    from ds_pipe_ext.forked_launch import FORK_ENV
     from ds_pipe_ext.runner import launch
 
-    monkeypatch.setenv(FORK_ENV, "1")
     proc, _ = launch(2, None, out_dir=tmp_path, cwd=tmp_path, script="tests/mamba_tp_worker.py", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = json.loads((tmp_path / "metrics.json").read_text())

@@ -177,16 +177,14 @@ def test_mla_refuses_a_tensor_parallel_degree_that_does_not_divide_its_heads():
 
 
 @pytest.mark.multiprocess
-def test_mla_and_windowed_sinks_attention_at_tp2_equal_tp1(tmp_path, monkeypatch):
+def test_mla_and_windowed_sinks_attention_at_tp2_equal_tp1(tmp_path, forked_ranks):
     """Two ranks (gloo, megatron-core's parallel linears): the output, the input's gradient and every parameter's
     gradient (as its shard) equal the one-process module's within 1e-5 relative (fp32); each rank holds half the
     heads; MLA's replicated down projections and norms come out of the build equal on both ranks."""
     import json
 
-    from ds_pipe_ext.forked_launch import FORK_ENV
     from ds_pipe_ext.runner import launch
 
-    monkeypatch.setenv(FORK_ENV, "1")
     proc, _ = launch(2, None, out_dir=tmp_path, cwd=tmp_path, script="tests/attention_tp_worker.py", timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = json.loads((tmp_path / "metrics.json").read_text())

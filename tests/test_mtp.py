@@ -118,17 +118,15 @@ def test_mtp_refusals_name_the_field():
 
 
 @pytest.mark.multiprocess
-def test_mtp_trains_as_a_pipeline_with_the_layer_on_either_stage(tmp_path, monkeypatch):
+def test_mtp_trains_as_a_pipeline_with_the_layer_on_either_stage(tmp_path, forked_ranks):
     """Two stages (DeepSpeed's pipeline, forked ranks), the MTP layer on the head's stage, and on the stage
     before it (its output travels beside the hidden states); 3 steps each from one process's weights, gradients
     clipped to norm 1: the losses and gradient norms of the one-process model within 1e-5 relative (first step)
     and 1e-4."""
     from test_moe_training import moe_reference
 
-    from ds_pipe_ext.forked_launch import FORK_ENV
     from ds_pipe_ext.runner import launch, write_config
 
-    monkeypatch.setenv(FORK_ENV, "1")
     fields = {**MLA, "mtp_layers": 1, "mtp_loss_scale": 0.3}
     whole = {k: v for k, v in load_model("moe-tiny", **fields).to_dict().items() if v is not None and k != "name"}
     toml = tmp_path / "mtp-tiny.toml"

@@ -8,16 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from ds_pipe_ext.forked_launch import FORK_ENV
 from ds_pipe_ext.sweep.run import SweepError, cell_name, sweep_cells
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _sweep(*args, out):
-    # the cells' ranks forked from the command (forked_launch): what is checked is the rows and their memory
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           FORK_ENV: "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     cmd = [str(Path(sys.executable).with_name("ds-pipe-ext")), "sweep", "--model", "tiny", "--stages", "1,2",
            "--micro-batches", "2", "--checkpointing", "off,on", "--global-batch", "4", "--steps", "2",
            "--out", str(out), *args]
@@ -37,6 +34,7 @@ def test_cells_and_their_errors():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.usefixtures("forked_ranks")  # the cells' ranks forked from the command: checked are the rows and memory
 def test_sweep_runs_the_grid_and_resumes_without_rerunning(tmp_path):
     out = tmp_path / "sweep"
     table, _ = _sweep(out=out)
