@@ -74,10 +74,10 @@ def shape_for(model, req: EstimateRequest, device: DeviceSpec | None = None, *, 
     return A.Shape(b=req.micro_batch, s=req.seq, h=desc.hidden, a=desc.heads, f=desc.ffn, V=desc.vocab,
                    e=e, m=m, t=req.tp, sp=req.sp, dropout=desc.dropout, ep=req.ep,
                    d=next((b.attention.head_dim or 0 for b in desc.blocks if b.attention is not None), 0),
-                   table_grad_accum=table_grad_accum_bytes(runs_on, req.dtype), bias_grad_buffer=runs_on != "cpu",
-                   dense_window_mask=runs_on == "cpu",
+                   table_grad_accum=table_grad_accum_bytes(runs_on, req.dtype), bias_grad_buffer=runs_on_gpu(runs_on),
+                   dense_window_mask=not runs_on_gpu(runs_on),
                    # (under selective recompute the kernel keeps nothing: its output is the linear's only copy)
-                   autograd_linear=(runs_on != "cpu" and req.execution == "eager" and req.tp == 1
+                   autograd_linear=(runs_on_gpu(runs_on) and req.execution == "eager" and req.tp == 1
                                     and not req.zero3_linear and not req.selective_recompute))
 
 
