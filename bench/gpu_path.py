@@ -666,7 +666,7 @@ def backends_part(t: Target, out: Path) -> dict:
     from ds_pipe_ext.arch import attention_backend, as_description
     from ds_pipe_ext.costs.layers import build_for_profiling
     from ds_pipe_ext.models import family_of, load_model
-    from ds_pipe_ext.models.layers import RealVocabLoss
+    from ds_pipe_ext.models.layers import ChunkedLinearLoss, RealVocabLoss
     from ds_pipe_ext.models.linear_cross_entropy import linear_cross_entropy, liger_loss
 
     device = torch.device("cuda" if t.cuda else "cpu")
@@ -705,7 +705,8 @@ def backends_part(t: Target, out: Path) -> dict:
     plain = RealVocabLoss(vocab)(torch.nn.functional.linear(h, w), labels).item()
     chunked = linear_cross_entropy(h, w, labels, vocab_size=vocab, chunk_tokens=2048).item()
     fused = liger_loss() if t.cuda else None
-    liger = fused(w[:vocab], h.reshape(-1, hidden), labels.t().reshape(-1)).item() if fused is not None else None
+    # liger-kernel's loss as the chunked head runs it on CUDA (every row, the padded columns masked)
+    liger = ChunkedLinearLoss(vocab, 2048)((h, w), labels).item() if fused is not None else None
     loss = {"plain": plain, "chunked": chunked, "liger": liger, "chunked_rel_err": abs(chunked / plain - 1),
             "liger_rel_err": abs(liger / plain - 1) if liger is not None else None}
     if fused is not None:  # the real rows' GEMMs are misaligned: the padded rows, their columns masked, against them
