@@ -220,22 +220,10 @@ def measure_host_calls(device, calls: int = 100, runs: int = 20) -> dict:
     over a chain of ``calls`` on 16-element tensors (the kernels nothing beside the host's work); the fastest of
     ``runs``: an ``nn.Linear`` module's call (one GEMM forward, two backward) and a Python Function's (one kernel
     each way)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     linear = torch.nn.Linear(16, 16, bias=False, device=device)
     out = {}
     for name, step in (("module_call", linear), ("python_function", _Scaled.apply)):
-        forward = backward = float("inf")
-        for _ in range(runs):
-            y = torch.ones(1, 16, device=device, requires_grad=True)
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                y = step(y)
-            t1 = time.perf_counter()
-            y.sum().backward()
-            t2 = time.perf_counter()
-            sync()
-            forward, backward = min(forward, (t1 - t0) / calls), min(backward, (t2 - t1) / calls)
+        forward, backward = host_op_s(device, calls, runs, step=step, shape=(1, 16))
         out[name] = {"fwd_s": forward, "bwd_s": backward}
     return out
 

@@ -146,22 +146,24 @@ def _measure_cpu_now(mmap_min: float, seconds: float) -> DeviceSpec:
     return spec
 
 
-def host_op_s(device="cpu", ops: int = 200, runs: int = 20) -> tuple[float, float]:
+def host_op_s(device="cpu", ops: int = 200, runs: int = 20, *, step=None, shape=(16,)) -> tuple[float, float]:
     """(seconds an eager op costs the host forward, seconds an autograd node's op costs backward) on ``device``, by
     the host clock: a chain of ``ops`` products on a 16-element tensor that requires grad, whose work is nothing
     beside its dispatch, its output's allocation and (forward) the autograd node's recording; the fastest of
-    ``runs`` (a CUDA device synchronised around each run; bench/gpu_kernels.py measures a GPU's host so)."""
+    ``runs`` (a CUDA device synchronised around each run; bench/gpu_kernels.py measures a GPU's host so).
+    ``step``: another call to chain in place of the product (a module's, a Python autograd Function's), on a
+    tensor of ``shape``."""
     import torch
 
-    leaf = torch.ones(16, device=device, requires_grad=True)
-    sync = torch.cuda.synchronize if leaf.is_cuda else (lambda: None)
+    step = step or (lambda y: y * 1.0001)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     forward = backward = float("inf")
     for _ in range(runs):
+        y = torch.ones(shape, device=device, requires_grad=True)
         sync()
         t0 = time.perf_counter()
-        y = leaf
         for _ in range(ops):
-            y = y * 1.0001
+            y = step(y)
         t1 = time.perf_counter()
         y.backward(torch.ones_like(y))
         t2 = time.perf_counter()
