@@ -66,6 +66,15 @@ FITTED = {("gpt2-medium", "bf16", "embedding"): "host and launch figures",
           ("gpt3-1.3b", "bf16", "head+loss"): "2-byte alignment"}
 
 
+def config_as_ran(model: str, overrides: dict):
+    """A record's model config: its overrides; a sinks model recorded without ``sink_attention`` ran the
+    written-out core (the records before the fused one, 2026-11-30)."""
+    cfg = load_model(model, **overrides)
+    if getattr(cfg, "attention_sinks", False) and "sink_attention" not in overrides:
+        cfg = replace(cfg, sink_attention="eager")
+    return cfg
+
+
 @dataclass
 class LayerRecord:
     """One layer's timings (ms, forward + backward) across the records of one case."""
@@ -185,7 +194,7 @@ def predict_saved_mib(row: dict) -> float:
     """The layer's saved bytes as the analytic model counts them today, run eagerly on a GPU."""
     from ds_pipe_ext.costs.estimate import analytic_layer_costs
 
-    cfg = load_model(row["model"], **row["overrides"])
+    cfg = config_as_ran(row["model"], row["overrides"])
     costs = analytic_layer_costs(cfg, EstimateRequest(micro_batch=row["b"], seq=row["s"], dtype=row["dtype"]),
                                  get_device("h200"), runs_on="cuda")
     return costs[LAYERS[row["layer"]]].activation_bytes / 2**20
@@ -195,7 +204,7 @@ def predict_ms(rec: LayerRecord, spec=None) -> float:
     """The analytic model's forward + backward of ``rec``'s layer, priced as it ran."""
     spec = spec or get_device(rec.device)
     spec = replace(spec, gpu=replace(spec.gpu, tf32=rec.tf32))
-    cfg = load_model(rec.model, **rec.overrides)
+    cfg = config_as_ran(rec.model, rec.overrides)
     req = EstimateRequest(micro_batch=rec.b, seq=rec.s, dtype=rec.dtype,
                           execution="compiled" if rec.compiled else "eager")
     row = estimate_layers(cfg, req, spec)[LAYERS[rec.layer]]
@@ -252,7 +261,7 @@ def predict_step_ms(run: dict, device: str = "h200") -> tuple[float, float]:
     from ds_pipe_ext.plan.model import PlanModel
     from ds_pipe_ext.plan.space import parse_only
 
-    cfg = load_model(run["model"], **run["overrides"])
+    cfg = config_as_ran(run["model"], run["overrides"])
     batch = run["micro_batch"] * run["micro_batches"]
     # the logs' runs kept DeepSpeed's default overflow check (bf16.check_grad_overflow true)
     model = PlanModel.on_its_cluster(cfg, get_device(device), seq=cfg.seq_len, global_batch=batch,
@@ -352,7 +361,7 @@ def price_today(row: dict) -> dict:
     previous layer's output, whose expert loads were not recorded), the loop-timed pieces at the capacity
     measured on theirs; ms."""
     spec = get_device("h200")
-    cfg = load_model(row["model"], **row["overrides"])
+    cfg = config_as_ran(row["model"], row["overrides"])
     cfg = replace(cfg, seq_len=row["s"])
     i = layer_kinds(cfg).index(row["layer"])
     req = EstimateRequest(micro_batch=row["b"], seq=row["s"], dtype=row["dtype"])

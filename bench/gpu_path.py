@@ -55,7 +55,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -387,10 +387,12 @@ def spec_name(t: Target) -> str:
 
 
 def recorded_overrides(model: str, overrides: dict | None = None) -> dict:
-    """A record's config beside its model's name: its overrides, and always the vocabulary's padding and the
-    loss's chunking (records before them ran without: gpu_fidelity reads their absence so)."""
+    """A record's config beside its model's name: its overrides, and always the vocabulary's padding, the
+    loss's chunking and a sinks model's core (records before them ran without: gpu_fidelity reads their absence
+    so)."""
     cfg = load_model(model)
-    return {"vocab_pad_to": cfg.vocab_pad_to, "loss_chunk_tokens": cfg.loss_chunk_tokens, **(overrides or {})}
+    sinks = {"sink_attention": cfg.sink_attention} if getattr(cfg, "attention_sinks", False) else {}
+    return {"vocab_pad_to": cfg.vocab_pad_to, "loss_chunk_tokens": cfg.loss_chunk_tokens, **sinks, **(overrides or {})}
 
 
 def layer_record(model: str, b: int, seq: int, dtype: str, layer: str, timings_ms: list[float], *,
@@ -618,14 +620,17 @@ def pipe_part(t: Target, out: Path, speed_records: Path | None = None) -> list[R
 
 # (model, its overrides, micro-batch, sequence) of the backends part: GPT, Llama with grouped-query heads, a
 # sliding window (Mistral's); one block each
+GPT_OSS_TINY = dict(qkv_bias=True, attention_sinks=True, sliding_window=8, window_pattern="WFWF", swiglu_limit=7.0)
 BACKEND_CASES = {True: [("gpt2-medium", {}, 8, 1024), ("llama3-8b", {"layers": 1}, 1, 4096),
-                        ("mistral-7b", {"layers": 1}, 1, 4096)],
-                 False: [("tiny-tied", {}, 2, 32), ("llama-tiny", {}, 2, 32), ("llama-tiny", {"sliding_window": 16}, 2, 32)]}
+                        ("mistral-7b", {"layers": 1}, 1, 4096),
+                        ("gpt-oss-20b", {"layers": 2, "window_pattern": "WF"}, 1, 4096)],
+                 False: [("tiny-tied", {}, 2, 32), ("llama-tiny", {}, 2, 32),
+                         ("llama-tiny", {"sliding_window": 16}, 2, 32), ("moe-tiny", GPT_OSS_TINY, 2, 32)]}
 # the aten op each SDPA backend dispatches to (host events: the same names on every device), most specific first
 SDPA_OPS = (("_scaled_dot_product_flash_attention_for_cpu", "cpu"), ("_scaled_dot_product_cudnn_attention", "cudnn"),
             ("_scaled_dot_product_flash_attention", "flash"), ("_scaled_dot_product_efficient_attention", "efficient"),
             ("_scaled_dot_product_attention_math", "math"), ("_scaled_dot_product_fused_attention_overrideable", "other"),
-            ("flex_attention", "flex"))
+            ("_flash_attention_forward", "flash"), ("flex_attention", "flex"))
 
 
 def attention_backend_run(names: set[str]) -> str:
@@ -664,7 +669,9 @@ def backends_part(t: Target, out: Path) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from ds_pipe_ext.arch import attention_backend, as_description
+    from ds_pipe_ext.costs.gpu_timing import cuda_timer  # do_bench on a GPU, torch's Timer without triton
     from ds_pipe_ext.costs.layers import build_for_profiling
+    from ds_pipe_ext.costs.probes import detach_input, tensors_of
     from ds_pipe_ext.models import family_of, load_model
     from ds_pipe_ext.models.layers import ChunkedLinearLoss, RealVocabLoss
     from ds_pipe_ext.models.linear_cross_entropy import linear_cross_entropy, liger_loss
@@ -673,21 +680,32 @@ def backends_part(t: Target, out: Path) -> dict:
     dtype = torch.bfloat16 if t.cuda else torch.float32
     records, rows, agree = [], [], 0
     for name, overrides, b, seq in BACKEND_CASES[t.cuda]:
-        cfg = load_model(name, **overrides)
-        block, call = build_for_profiling(family_of(cfg).layer_specs(cfg)[1])
-        block.to(device=device, dtype=dtype)
-        x = torch.randn(seq, b, cfg.hidden, device=device, dtype=dtype, requires_grad=True)
+        cfg = replace(load_model(name, **overrides), seq_len=seq)
+        specs = family_of(cfg).layer_specs(cfg)
+        embedding, embed = build_for_profiling(specs[0], device.type)
+        block, call = build_for_profiling(specs[1], device.type)
+        for module in (embedding, block):
+            module.to(device=device, dtype=dtype)
+        with torch.no_grad():  # the block's input as the pipeline hands it over (a MoE block's: with its aux loss)
+            x = embed(torch.randint(0, cfg.vocab_size, (b, seq), device=device))
+        del embedding
+
+        def step():
+            outs = [o for o in tensors_of(call(detach_input(x))) if o.requires_grad]
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if t.cuda else [])
-        call(x).float().sum().backward()  # warm-up: lazy initialisation, the backends' first calls
+        step()  # warm-up: lazy initialisation, the backends' first calls
         with profile(activities=activities) as prof:
-            call(x).float().sum().backward()
+            step()
             if t.cuda:
                 torch.cuda.synchronize()
         ran = attention_backend_run({e.key for e in prof.key_averages()})
         att = as_description(cfg).blocks[0].attention
         head_dim = att.head_dim or cfg.hidden // att.heads
         predicted = attention_backend(att.kernel, device.type, dtype="bf16" if t.cuda else "fp32", head_dim=head_dim,
-                                      gqa=att.kv_heads != att.heads, masked=bool(getattr(cfg, "sliding_window", 0)))
+                                      gqa=att.kv_heads != att.heads, masked=bool(getattr(cfg, "sliding_window", 0)),
+                                      sinks=att.sinks)
         agree += ran == predicted
         label = f"{name}{'-' + '-'.join(f'{k}{v}' for k, v in overrides.items()) if overrides else ''}"
         records.append({"case": label, "b": b, "s": seq, "dtype": str(dtype).removeprefix("torch."), "ran": ran,
@@ -710,19 +728,67 @@ def backends_part(t: Target, out: Path) -> dict:
     loss = {"plain": plain, "chunked": chunked, "liger": liger, "chunked_rel_err": abs(chunked / plain - 1),
             "liger_rel_err": abs(liger / plain - 1) if liger is not None else None}
     if fused is not None:  # the real rows' GEMMs are misaligned: the padded rows, their columns masked, against them
-        from ds_pipe_ext.costs.gpu_timing import cuda_timer
-
         loss["alignment"] = liger_alignment(fused, w, h.reshape(-1, hidden), labels.t().reshape(-1), vocab, cuda_timer())
         print(f"liger over the real rows against the padded rows with their columns masked: {loss['alignment']}")
     fused_note = "not installed" if liger is None else f"{liger:.5f} (rel. {loss['liger_rel_err']:.2e})"
     print(f"\nhead + loss, {tokens} tokens x {vocab} words ({str(dtype).removeprefix('torch.')}): plain {plain:.5f}, "
           f"chunked {chunked:.5f} (rel. {loss['chunked_rel_err']:.2e}), liger {fused_note}", flush=True)
-    (out / "backends-records.json").write_text(json.dumps({"attention": records, "loss": loss}, indent=1))
+    sinks = sinks_kernels(t, cuda_timer())
+    (out / "backends-records.json").write_text(json.dumps({"attention": records, "loss": loss, "sinks": sinks},
+                                                          indent=1))
     result = {"attention_backends_agree": f"{agree}/{len(records)}",
-              "chunked_loss_rel_err": f"{loss['chunked_rel_err']:.1e}"}
+              "chunked_loss_rel_err": f"{loss['chunked_rel_err']:.1e}",
+              **{f"sinks_{core}_worst_rel_err": "failed" if any(f"{core} error" in r for r in sinks)
+                 else f"{max(r[f'{core} worst rel err'] for r in sinks):.1e}" for core in ("fused", "eager")}}
     if loss["liger_rel_err"] is not None:
         result["liger_loss_rel_err"] = f"{loss['liger_rel_err']:.1e}"
     return result
+
+
+def sinks_kernels(t: Target, timer) -> list[dict]:
+    """gpt-oss's attention core (``models.sinks``) fused (the kernel's output rescaled by its log-sum-exp) and
+    written out, in the run's precision, each against the written-out core in fp32: the output's and q's, k's,
+    v's and the sinks' gradients' worst relative error, and each one's forward + backward ms by ``timer``;
+    full and in a 128-token window, gpt-oss-20b's heads at b 1 s 4,096 on a GPU (tiny on a CPU)."""
+    from ds_pipe_ext.arch import attention_backend
+    from ds_pipe_ext.models.sinks import FusedSinkAttention, eager_sink_attention
+
+    device = "cuda" if t.cuda else "cpu"
+    dtype = torch.bfloat16 if t.cuda else torch.float32
+    b, heads, kv_heads, s, d = (1, 64, 8, 4096, 64) if t.cuda else (2, 6, 2, 64, 16)
+    kernel = attention_backend("fused", device, dtype="bf16" if t.cuda else "fp32", head_dim=d, sinks=True)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    base = [torch.randn(b, n, s, d, generator=g) for n in (heads, kv_heads, kv_heads)]
+    base.append(torch.randn(heads, generator=g))
+    grad = torch.randn(b, heads, s, d, generator=g).to(device)
+    rows = []
+    for window in (None, 128 if t.cuda else 16):
+        def run(core, dt):
+            inputs = [x.to(device=device, dtype=dt).requires_grad_() for x in base]
+            y = core(*inputs)
+            return [y, *torch.autograd.grad(y, inputs, grad.to(dt))], inputs
+
+        cores = {"eager": lambda q, k, v, sk: eager_sink_attention(q, k, v, sk, window),
+                 "fused": lambda q, k, v, sk: FusedSinkAttention.apply(q, k, v, sk, window, kernel)}
+        reference = run(cores["eager"], torch.float32)[0]
+        row = {"window": window or "full", "shape": f"b{b} heads {heads}/{kv_heads} s{s} d{d}", "kernel": kernel}
+        for name, core in cores.items():
+            try:  # the fused core's GPU path is new: its failure is a row (with the error), not the part's end
+                got, inputs = run(core, dtype)
+                row[f"{name} worst rel err"] = max(((x.float() - r).abs().max() / r.abs().max()).item()
+                                                   for x, r in zip(got, reference))
+                row[f"{name} ms"] = 1e3 * timer(lambda core=core, inputs=inputs: core(*inputs).backward(grad.to(dtype)))
+            except RuntimeError as e:
+                row[f"{name} worst rel err"], row[f"{name} ms"] = float("nan"), float("nan")
+                row[f"{name} error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"the {name} sinks core failed: {row[name + ' error']}", flush=True)
+        rows.append(row)
+        del reference
+    print("\ngpt-oss's attention core, fused and written out, against the written-out core in fp32")
+    columns = [c for c in rows[0] if not c.endswith("error")]
+    print("\n".join(render_table(columns, [[f"{r[c]:.3g}" if isinstance(r[c], float) else r[c] for c in columns]
+                                           for r in rows])), flush=True)
+    return rows
 
 
 # (model, micro-batch, sequence) of the costs part: a GPT and a Llama in bf16 on a GPU; their tiny stand-ins on CPU
@@ -937,66 +1003,75 @@ def today_part(t: Target, out: Path) -> dict:
     timer = cuda_timer()
     settings = ProfileSettings(warmup=2, repeats=5, cache_dir=None, progress=False)
     rows, piece_rows, records, worst_time, worst_bytes, worst_moe = [], [], [], {}, 0.0, 0.0
+    failed = []
     for name, overrides, b, seq in TODAY_CASES[t.cuda]:
-        t0 = time.perf_counter()
-        cfg = replace(load_model(name, **overrides), seq_len=seq)
-        family = family_of(cfg)
-        specs, loss_fn = family.layer_specs(cfg), family.loss_fn(cfg)
-        tokens = torch.randint(0, cfg.vocab_size, (b, seq + 1), generator=torch.Generator().manual_seed(0))
-        measured = profile_layers(specs, tokens[:, :-1], labels=tokens[:, 1:], loss_fn=loss_fn, settings=settings,
-                                  device=device, dtype=TORCH_DTYPES[dtype])
-        req = EstimateRequest(micro_batch=b, seq=seq, dtype=dtype)
-        est = estimate_layers(cfg, req, spec)
-        kinds = layer_kinds(cfg)
-        assert len(kinds) == len(measured) == len(est), (len(kinds), len(measured), len(est))
-        kernels_of = layer_kernels(specs, kinds, tokens[:, :-1], device, TORCH_DTYPES[dtype])
-        seen = set()
-        for i, (kind, m, e) in enumerate(zip(kinds, measured, est)):
-            if kind in seen:
-                continue
-            seen.add(kind)
-            total, priced = m.forward_s + m.backward_s, e["fwd_s"] + e["bwd_s"]
-            err = 100 * (priced / total - 1)
-            berr = 100 * (e["activation_bytes"] / m.activation_bytes - 1) if m.activation_bytes else 0.0
-            worst_time[kind.split()[0]] = max(worst_time.get(kind.split()[0], 0.0), abs(err))
-            worst_bytes = max(worst_bytes, abs(berr))
-            rows.append([f"{name} b{b} s{seq} {dtype}", kind, f"{1e3 * m.forward_s:.2f}", f"{1e3 * m.backward_s:.2f}",
-                         f"{1e3 * priced:.2f}", f"{err:+.1f}", f"{m.activation_bytes / MiB:.1f}",
-                         f"{e['activation_bytes'] / MiB:.1f}", f"{berr:+.1f}",
-                         f"{m.peak_bytes / MiB:.0f}" if m.peak_bytes else "-",
-                         f"{kernels_of[kind][0]:.0f} ({1e3 * kernels_of[kind][1]:.2f})" if kind in kernels_of else "-"])
-            records.append(layer_record(name, b, seq, dtype, kind, [1e3 * total], overrides=overrides,
-                                        fwd_ms=1e3 * m.forward_s, bwd_ms=1e3 * m.backward_s,
-                                        saved_bytes=int(m.activation_bytes)))
-            if kind in kernels_of:  # its kernels, their device ms and the longest six
-                k, ks, top = kernels_of[kind]
-                records[-1]["kernels"] = [k, 1e3 * ks, top]
-            if " routed" not in kind or kind.startswith("mtp"):
-                continue
-            module, _ = build_for_profiling(specs[i], device)
-            got = routed_pieces(module, cfg, b, seq, device, TORCH_DTYPES[dtype], timer)
-            del module
-            priced_ms, priced_kernels = price_pieces(cfg, replace(req, expert_imbalance=got["imbalance"]), spec, i)
-            priced_of = {piece: ms / 1e3 for piece, ms in priced_ms.items()}
-            for piece, s in got["seconds"].items():
-                p = priced_of.get(piece)
-                k, ks, _ = got["kernels"][piece]
-                piece_rows.append([name, piece, f"{1e3 * s:.2f}", f"{1e3 * p:.2f}" if p is not None else "-",
-                                   f"{100 * (p / s - 1):+.1f}" if p else "-", f"{k:.0f}", f"{1e3 * ks:.2f}"])
-            worst_moe = max(worst_moe, abs(100 * (priced_of["MoE layer"] / got["seconds"]["MoE layer"] - 1)))
-            piece_rows.append([name, f"MoE layer (E {got['experts']} x C {got['slots']}, imbalance "
-                               f"{got['imbalance']:.2f}): host wall", f"{1e3 * got['moe_wall_s']:.2f}", "", "",
-                               f"{priced_kernels} priced", ""])
-            records[-1]["pieces_ms"] = {k: 1e3 * v for k, v in got["seconds"].items()}
-            records[-1]["pieces_kernels"] = {k: [v[0], 1e3 * v[1], v[2]] for k, v in got["kernels"].items()}
-            records[-1]["slots"], records[-1]["imbalance"] = got["slots"], got["imbalance"]
-            records[-1]["moe_kernels"] = got["moe_kernels"]
-            records[-1]["moe_kernel_ms"] = 1e3 * got["moe_kernel_s"]
-            records[-1]["moe_wall_ms"] = 1e3 * got["moe_wall_s"]
-        del measured
-        if t.cuda:
-            torch.cuda.empty_cache()
-        print(f"  [today] {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        try:  # a model that fails is a line with its error; the others still run
+            t0 = time.perf_counter()
+            cfg = replace(load_model(name, **overrides), seq_len=seq)
+            family = family_of(cfg)
+            specs, loss_fn = family.layer_specs(cfg), family.loss_fn(cfg)
+            tokens = torch.randint(0, cfg.vocab_size, (b, seq + 1), generator=torch.Generator().manual_seed(0))
+            measured = profile_layers(specs, tokens[:, :-1], labels=tokens[:, 1:], loss_fn=loss_fn, settings=settings,
+                                      device=device, dtype=TORCH_DTYPES[dtype])
+            req = EstimateRequest(micro_batch=b, seq=seq, dtype=dtype)
+            est = estimate_layers(cfg, req, spec)
+            kinds = layer_kinds(cfg)
+            assert len(kinds) == len(measured) == len(est), (len(kinds), len(measured), len(est))
+            kernels_of = layer_kernels(specs, kinds, tokens[:, :-1], device, TORCH_DTYPES[dtype])
+            seen = set()
+            for i, (kind, m, e) in enumerate(zip(kinds, measured, est)):
+                if kind in seen:
+                    continue
+                seen.add(kind)
+                total, priced = m.forward_s + m.backward_s, e["fwd_s"] + e["bwd_s"]
+                err = 100 * (priced / total - 1)
+                berr = 100 * (e["activation_bytes"] / m.activation_bytes - 1) if m.activation_bytes else 0.0
+                worst_time[kind.split()[0]] = max(worst_time.get(kind.split()[0], 0.0), abs(err))
+                worst_bytes = max(worst_bytes, abs(berr))
+                rows.append([f"{name} b{b} s{seq} {dtype}", kind, f"{1e3 * m.forward_s:.2f}",
+                             f"{1e3 * m.backward_s:.2f}",
+                             f"{1e3 * priced:.2f}", f"{err:+.1f}", f"{m.activation_bytes / MiB:.1f}",
+                             f"{e['activation_bytes'] / MiB:.1f}", f"{berr:+.1f}",
+                             f"{m.peak_bytes / MiB:.0f}" if m.peak_bytes else "-",
+                             f"{kernels_of[kind][0]:.0f} ({1e3 * kernels_of[kind][1]:.2f})"
+                             if kind in kernels_of else "-"])
+                records.append(layer_record(name, b, seq, dtype, kind, [1e3 * total], overrides=overrides,
+                                            fwd_ms=1e3 * m.forward_s, bwd_ms=1e3 * m.backward_s,
+                                            saved_bytes=int(m.activation_bytes)))
+                if kind in kernels_of:  # its kernels, their device ms and the longest six
+                    k, ks, top = kernels_of[kind]
+                    records[-1]["kernels"] = [k, 1e3 * ks, top]
+                if " routed" not in kind or kind.startswith("mtp"):
+                    continue
+                module, _ = build_for_profiling(specs[i], device)
+                got = routed_pieces(module, cfg, b, seq, device, TORCH_DTYPES[dtype], timer)
+                del module
+                priced_ms, priced_kernels = price_pieces(cfg, replace(req, expert_imbalance=got["imbalance"]), spec, i)
+                priced_of = {piece: ms / 1e3 for piece, ms in priced_ms.items()}
+                for piece, s in got["seconds"].items():
+                    p = priced_of.get(piece)
+                    k, ks, _ = got["kernels"][piece]
+                    piece_rows.append([name, piece, f"{1e3 * s:.2f}", f"{1e3 * p:.2f}" if p is not None else "-",
+                                       f"{100 * (p / s - 1):+.1f}" if p else "-", f"{k:.0f}", f"{1e3 * ks:.2f}"])
+                worst_moe = max(worst_moe, abs(100 * (priced_of["MoE layer"] / got["seconds"]["MoE layer"] - 1)))
+                piece_rows.append([name, f"MoE layer (E {got['experts']} x C {got['slots']}, imbalance "
+                                   f"{got['imbalance']:.2f}): host wall", f"{1e3 * got['moe_wall_s']:.2f}", "", "",
+                                   f"{priced_kernels} priced", ""])
+                records[-1]["pieces_ms"] = {k: 1e3 * v for k, v in got["seconds"].items()}
+                records[-1]["pieces_kernels"] = {k: [v[0], 1e3 * v[1], v[2]] for k, v in got["kernels"].items()}
+                records[-1]["slots"], records[-1]["imbalance"] = got["slots"], got["imbalance"]
+                records[-1]["moe_kernels"] = got["moe_kernels"]
+                records[-1]["moe_kernel_ms"] = 1e3 * got["moe_kernel_s"]
+                records[-1]["moe_wall_ms"] = 1e3 * got["moe_wall_s"]
+            del measured
+            if t.cuda:
+                torch.cuda.empty_cache()
+            print(f"  [today] {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        except RuntimeError as e:
+            failed.append(name)
+            print(f"  [today] {name} FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
+            if t.cuda:
+                torch.cuda.empty_cache()
     write_records(out, "today", records)
     print(f"\ntoday's families on {spec.name} ({device}, {dtype}): every distinct layer profiled against the analytic "
           f"model (datasheet spec{', its kernel table' if getattr(spec, 'gpu', None) is not None else ''})")
@@ -1007,8 +1082,10 @@ def today_part(t: Target, out: Path) -> dict:
           "(at the slots measured); the kernels each launches (torch.profiler) and their device ms")
     print("\n".join(render_table(["model", "part", "measured ms", "priced ms", "err %", "kernels", "kernel ms"],
                                   piece_rows)), flush=True)
+    if failed:
+        print(f"\nfailed: {', '.join(failed)}", flush=True)
     return {"today_activation_bytes_worst_error_pct": round(worst_bytes, 2),
-            "today_moe_layer_worst_error_pct": round(worst_moe, 1),
+            "today_moe_layer_worst_error_pct": round(worst_moe, 1), "today_failed": ",".join(failed) or "none",
             **{f"today_{k}_worst_error_pct": round(v, 1) for k, v in worst_time.items()}}
 
 

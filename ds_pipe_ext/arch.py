@@ -47,7 +47,7 @@ def attention_kernel(kernel: str, device: str | None) -> str:
 
 
 def attention_backend(kernel: str, device: str | None, *, dtype: str = "bf16", head_dim: int = 64,
-                      gqa: bool = False, masked: bool = False) -> str:
+                      gqa: bool = False, masked: bool = False, sinks: bool = False) -> str:
     """The kernel an attention core runs: "eager" (written out) or, for SDPA, the backend torch selects on
     ``device`` ("cpu" for a CPU's).  The model code and the cost model both ask here.
 
@@ -57,12 +57,18 @@ def attention_backend(kernel: str, device: str | None, *, dtype: str = "bf16", h
     ``enable_gqa``, so a grouped-query core with a dense mask would fall to math, which writes the s x s scores
     out (gpt2-medium's bf16 block ran cuDNN on an H200: the layer peak trace).  A masked core here is a sliding
     window, which on a GPU runs as "flex": flex_attention's block mask, the blocks outside the window skipped
-    (``models.llama``); a CPU keeps SDPA with the dense mask."""
+    (``models.llama``); a CPU keeps SDPA with the dense mask.
+
+    Attention with ``sinks`` runs a kernel that returns its log-sum-exp (``models.sinks``): a CPU's flash kernel
+    ("cpu"), or on a GPU FlashAttention-2 with its window native ("flash"), which takes 16-bit inputs and head
+    dims to 256; otherwise written out."""
     kind = attention_kernel(kernel, device)
     if kind == "eager":
         return "eager"
     if not runs_on_gpu(device):
         return "cpu"
+    if sinks:
+        return "flash" if dtype in ("bf16", "fp16") and head_dim <= 256 else "eager"
     if masked:
         return "flex"
     sixteen_bit = dtype in ("bf16", "fp16")
@@ -122,15 +128,12 @@ class Attention:
     qk_norm: bool = False  # an RMSNorm over each query and key head before rotary (Qwen3, --qk-layernorm)
     mla: MLA | None = None  # multi-head latent attention (DeepSeek-V3): its ranks and head widths
     # a learned logit per head beside each query's keys (gpt-oss): the softmax's mass the sink takes is
-    # dropped; no fused SDPA kernel takes one, so the core runs written out ("eager")
+    # dropped; fused, a kernel's output is rescaled by its log-sum-exp (models.sinks)
     sinks: bool = False
     out_bias: bool = False  # the out projection's bias where the model's linears carry none (gpt-oss)
 
     def __post_init__(self) -> None:
         _positive("attention", "heads", self.heads)
-        if self.sinks and self.kernel == "fused":
-            raise DescriptionError("attention: sinks need the core written out (kernel = \"eager\"); torch's fused "
-                                   "SDPA kernels take no sink logit")
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
         _positive("attention", "kv_heads", self.kv_heads)

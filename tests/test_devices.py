@@ -35,7 +35,7 @@ CPU_BY_DESIGN = {
     ("models/mamba2.py", "__init__"): "a module's parameters at construction; the module is moved as a whole",
     ("models/mtp.py", "__init__"): "MTPLoss's placeholders: a stage without the loss only reports their names",
     ("models/routers.py", "__init__"): "a gate's buffer at construction; the module is moved as a whole",
-    ("models/sinks.py", "__init__"): "a module's parameter and mask buffer at construction; the module is moved as a whole",
+    ("models/sinks.py", "__init__"): "a module's parameter at construction; the module is moved as a whole",
 }
 
 

@@ -65,8 +65,10 @@ def test_the_gpu_check_runs_its_whole_plan_on_cpu_ranks(tmp_path):
     assert float(result["pipeline_vs_dp_min"]) > 0  # the pipe part set its row beside speed's
     # ZeRO-0 (DeepSpeed's BF16_Optimizer in bf16 on a GPU) and ZeRO-1 through the pipeline engine
     assert [r["zero"] for r in json.loads((tmp_path / "pipe-records.json").read_text())["steps"]] == [0, 1]
-    # the backends part: each family's attention as the selector says; the chunked loss as the plain one
-    assert result["attention_backends_agree"] == "3/3" and float(result["chunked_loss_rel_err"]) < 1e-5
+    # the backends part: each family's attention as the selector says; the chunked loss as the plain one; the
+    # fused sinks core as the written-out one
+    assert result["attention_backends_agree"] == "4/4" and float(result["chunked_loss_rel_err"]) < 1e-5
+    assert float(result["sinks_fused_worst_rel_err"]) < 1e-5
     # the costs part: profiled is the shortest simulated step of the three methods, at every depth
     assert float(result["profiled_vs_uniform_min"]) >= 1.0 and float(result["profiled_vs_parameters_min"]) >= 1.0
     # the today part: every distinct layer of today's families against the analytic model, its routed blocks apart

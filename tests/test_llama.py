@@ -144,17 +144,21 @@ def test_tensor_parallelism_must_divide_the_key_value_heads():
         Layout(pp=8).check(load_model("llama-tiny"))
 
 
-def test_the_window_halves_attention_at_twice_its_length():
-    """Mistral's 4,096 window at an 8,192 sequence: the attention kernel's FLOPs are half of causal's."""
+def test_the_window_halves_attention_at_twice_its_length_on_a_gpu_not_on_a_cpu():
+    """Mistral's 4,096 window at an 8,192 sequence: on a GPU (flex_attention's block mask skips the blocks outside
+    it) the attention kernel's FLOPs are half of causal's; a CPU's kernel applies the window as a dense mask to
+    every score."""
     from ds_pipe_ext.costs.estimate import shape_for
     from ds_pipe_ext.costs.layer_ops import layer_ops
 
-    def attention_flops(cfg):
-        (_, _, block) = layer_ops(cfg, shape_for(cfg, EstimateRequest(1, 8192)))[1]
+    def attention_flops(cfg, device):
+        shape = shape_for(cfg, EstimateRequest(1, 8192), runs_on=device)
+        (_, _, block) = layer_ops(cfg, shape, device=device)[1]
         return next(op.fwd_flops for op in block if op.name == "fused_attention")
 
-    mistral = load_model("mistral-7b")
-    assert attention_flops(mistral) == pytest.approx(attention_flops(replace(mistral, sliding_window=0)) / 2)
+    mistral, causal = load_model("mistral-7b"), replace(load_model("mistral-7b"), sliding_window=0)
+    assert attention_flops(mistral, "h100-sxm") == pytest.approx(attention_flops(causal, "h100-sxm") / 2)
+    assert attention_flops(mistral, "cpu") == pytest.approx(attention_flops(causal, "cpu"))
 
 
 def test_a_layer_built_for_a_tp_that_does_not_divide_the_key_value_heads_is_refused():

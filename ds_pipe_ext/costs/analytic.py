@@ -128,17 +128,18 @@ def fused_attention(shp: Shape, kv_heads: int | None = None, window: int | None 
     kv_heads key/value heads.  It saves q, k and v and the fp32 log-sum-exp per query row, and
     recomputes the probabilities backward (five products against the forward's two, Dao et al. 2022);
     its output is the projection's saved input, counted there.  Each query sees ``window`` keys at most
-    (all s otherwise, as Megatron counts causal attention); a window goes to a CPU's kernel as an s x s mask
-    in the query's dtype, which it keeps, and to a GPU's as flex_attention's block mask (the blocks outside
-    the window skipped, a few bytes a block).  Two records: selective recompute reruns the kernel from the
-    q, k and v it keeps, so only the log-sum-exp goes."""
+    (all s otherwise, as Megatron counts causal attention); a window goes to a GPU's kernel as flex_attention's
+    block mask (the blocks outside the window skipped, a few bytes a block) and to a CPU's as an s x s mask in
+    the query's dtype, which it keeps and applies to every score: the CPU's flash kernel visits every key block
+    under an explicit mask (bench-cpu-gptoss's windowed blocks profile as its full ones).  Two records: selective
+    recompute reruns the kernel from the q, k and v it keeps, so only the log-sum-exp goes."""
     kv = _kv_heads(shp, kv_heads)
-    keys = min(window, shp.s) if window else shp.s
+    windowed = bool(window and window < shp.s)
+    keys = min(window, shp.s) if windowed and not shp.dense_window_mask else shp.s
     flops = 4.0 * shp.b * shp.s * keys * shp.attn_width / shp.t
     q = shp.sbA / shp.t
     kv_elems = 2 * shp.tokens * kv * shp.head_dim / shp.t
     lse = shp.b * shp.a / shp.t * shp.s * 4
-    windowed = bool(window and window < shp.s)
     mask = shp.s * shp.s * shp.e if windowed and shp.dense_window_mask else 0.0
     return [OpCost("fused_attention", "attention", fwd_flops=flops, bwd_flops=2.5 * flops,
                    fwd_bytes=(2 * q + kv_elems) * shp.e, bwd_bytes=(3 * q + 2 * kv_elems) * shp.e,

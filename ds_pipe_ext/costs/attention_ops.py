@@ -14,9 +14,13 @@ A multi-token-prediction layer (``mtp_layer``, megatron-core's ``MultiTokenPredi
 concatenated and projected 2h -> h, the block, its final norm.  The lookups are the embedding layer's
 (``mtp_lookups``); the output head and the loss run in the head layer over 1 + D times the tokens.
 
-Attention with sinks (``sink_softmax``, ``sink_core``): the written-out core (``analytic.attention_logits``,
-``softmax``, ``attend``) whose softmax runs over s + 1 columns a row, the sink's; a sink weight per head; the
-passes the written-out code adds around the products (the repeated heads, the scale, the mask, the sink's column).
+Attention with sinks, fused (``fused_sink_core``, ``models.sinks.FusedSinkAttention``): the fused kernel
+(``analytic.fused_attention``), then its output rescaled by sigmoid(L - sink) from its log-sum-exp; it keeps the
+rescaled output, which is the out projection's input (counted there), and no window mask; backward the output's gradient
+rescaled and each row's product with the output summed for the sink's gradient.  Written out (``sink_softmax``,
+``sink_core``: fp32 on a GPU): the written-out core (``analytic.attention_logits``, ``softmax``, ``attend``) whose
+softmax runs over s + 1 columns a row, the sink's; a sink weight per head; the passes the written-out code adds
+around the products (the repeated heads, the scale, the mask, the sink's column).
 """
 
 from __future__ import annotations
@@ -80,6 +84,30 @@ def sink_softmax(op: OpCost, shp: Shape) -> OpCost:
                    bwd_bytes=op.bwd_bytes * grow, activation_bytes=op.activation_bytes * grow,
                    fwd_allocs=tuple(x * grow for x in op.fwd_allocs), bwd_allocs=tuple(x * grow for x in op.bwd_allocs),
                    weight_bytes=shp.a / shp.t * shp.e, weights=(shp.a // shp.t,))
+
+
+def fused_sink_core(ops: list[OpCost], shp: Shape) -> list[OpCost]:
+    """``ops`` with the fused core of attention with sinks in place of the fused kernel alone: the kernel as
+    "sink_attention" (the backend ``arch.attention_backend(..., sinks=True)`` says; the window's mask, made once
+    a shape, is not saved), then the rescale: forward the weights from the log-sum-exp and the output times
+    them (q-shaped, e bytes an element, read and written); backward the gradient times them, and its product
+    with the saved output summed a row (5 passes of q's size).  The output it saves is the out projection's input
+    (``models.sinks`` lays it out so), counted there."""
+    heads = shp.sbA / shp.t  # a rank's q-shaped elements
+    rows = shp.b * shp.s * shp.a / shp.t
+    rescale = OpCost("sink_rescale", "vector", fwd_flops=heads + 4 * rows, bwd_flops=2 * heads + 6 * rows,
+                     fwd_bytes=2 * heads * shp.e + 8 * rows, bwd_bytes=5 * heads * shp.e + 16 * rows,
+                     kernels=(4, 8),
+                     weight_bytes=shp.a / shp.t * shp.e, weights=(shp.a // shp.t,))
+    out = []
+    for op in ops:
+        if op.name == "fused_attention":
+            windowed = bool(op.attn_shape[6])
+            mask = shp.s * shp.s * shp.e if windowed and shp.dense_window_mask else 0.0
+            out += [replace(op, name="sink_attention", activation_bytes=op.activation_bytes - mask), rescale]
+        else:
+            out.append(op)
+    return out
 
 
 def sink_core(ops: list[OpCost], shp: Shape, kv_heads: int) -> list[OpCost]:

@@ -96,7 +96,8 @@ def op_backend(op: A.OpCost, req: EstimateRequest, device: str | None) -> str | 
     _b, heads, kv, _s, _keys, d, masked, _dropout = op.attn_shape
     if req.execution in MEGATRON and runs_on_gpu(device):
         return "cudnn"  # Megatron-core's fused attention: Transformer Engine's, on cuDNN's kernels
-    return attention_backend("fused", device, dtype=req.dtype, head_dim=d, gqa=kv != heads, masked=bool(masked))
+    return attention_backend("fused", device, dtype=req.dtype, head_dim=d, gqa=kv != heads, masked=bool(masked),
+                             sinks=op.name == "sink_attention")
 
 
 # ops train.py runs outside the layers torch.compile compiles: the loss (DeepSpeed's loss_fn)

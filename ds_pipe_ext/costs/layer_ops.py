@@ -72,7 +72,7 @@ def block_ops(desc, block, shp: A.Shape, *, expert_imbalance: float = 1.0, devic
     ops = A.transformer_block(shaped, kv_heads=att.kv_heads if att else None, mlp=mlp.kind if mlp else "gelu",
                               norm=desc.norm, positions=desc.positions, bias=desc.linear_bias,
                               qkv_bias=att.qkv_bias if att else None,
-                              kernel=attention_kernel(att.kernel, device) if att else "eager",
+                              kernel=core_kernel(shaped, att, device) if att else "eager",
                               window=att.window if att else None, head_norm=att.qk_norm if att else False)
     if att is not None and (att.mla is not None or att.sinks or att.out_bias):
         ops = _attention_variant(ops, shaped, att)
@@ -93,7 +93,9 @@ def _attention_variant(ops: list, shp: A.Shape, att) -> list:
     if att.mla is not None:
         start, end = names.index("ln_1") + 1, names.index("out_proj") + 1
         ops = ops[:start] + attention_ops.mla_attention(shp, att.mla) + ops[end:]
-    if att.sinks:
+    if att.sinks and any(op.name == "fused_attention" for op in ops):
+        ops = attention_ops.fused_sink_core(ops, shp)
+    elif att.sinks:
         ops = [attention_ops.sink_softmax(op, shp) if op.name == "softmax" else op for op in ops]
         ops = attention_ops.sink_core(ops, shp, att.kv_heads)
     if att.out_bias:
@@ -101,14 +103,22 @@ def _attention_variant(ops: list, shp: A.Shape, att) -> list:
     return ops
 
 
+def core_backend(shp: A.Shape, att, device: str | None) -> str:
+    """The kernel a block's attention core runs on ``device`` (``arch.attention_backend``)."""
+    return attention_backend(att.kernel, device, dtype="fp32" if shp.e == 4 else "bf16", head_dim=shp.head_dim,
+                             gqa=att.kv_heads not in (None, shp.a), masked=bool(att.window and att.window < shp.s),
+                             sinks=att.sinks)
+
+
+def core_kernel(shp: A.Shape, att, device: str | None) -> str:
+    """"fused" or "eager": as the description says, but for sinks the backend has none (fp32 on a GPU)."""
+    kind = attention_kernel(att.kernel, device)
+    return "eager" if kind == "fused" and core_backend(shp, att, device) == "eager" else kind
+
+
 def efficient_sdpa(shp: A.Shape, att, device: str | None) -> bool:
     """Whether a block's attention core runs torch's memory-efficient SDPA kernel on ``device``."""
-    kind = attention_kernel(att.kernel, device)
-    if kind != "fused":
-        return False
-    masked = bool(att.window and att.window < shp.s)
-    return attention_backend(kind, device, dtype="fp32" if shp.e == 4 else "bf16", head_dim=shp.head_dim,
-                             gqa=att.kv_heads not in (None, shp.a), masked=masked) == "efficient"
+    return core_backend(shp, att, device) == "efficient"
 
 
 def chunked_head(model, shp: A.Shape) -> bool:

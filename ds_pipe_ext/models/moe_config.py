@@ -55,6 +55,9 @@ class MoEConfig(LlamaConfig):
     # one letter a layer, "W" windowed (sliding_window wide) or "F" full; "" every layer as sliding_window says
     attention_sinks: bool = False
     window_pattern: str = ""
+    # the sinks' core: "fused" (a fused kernel's output rescaled by its log-sum-exp) or "eager" (written out, as
+    # transformers runs gpt-oss; it keeps the s x (s + 1) probabilities)
+    sink_attention: str = "fused"
     # gpt-oss's experts: biases on their linears, and the clamped SwiGLU (gate clamped above, up both ways at
     # swiglu_limit; out = (up + 1) x gate x sigmoid(1.702 gate)); 0: the plain SwiGLU
     expert_bias: bool = False
@@ -124,6 +127,9 @@ class MoEConfig(LlamaConfig):
         for f in ("attention_sinks", "expert_bias", "router_bias"):
             if not isinstance(getattr(self, f), bool):
                 raise ModelConfigError(f"{where}: {f} must be true or false")
+        if self.sink_attention not in ("fused", "eager"):
+            raise ModelConfigError(f"{where}: sink_attention = {self.sink_attention!r}; use \"fused\" (a fused "
+                                   f"kernel, its output rescaled) or \"eager\" (written out)")
         pattern = self.window_pattern
         if not isinstance(pattern, str) or set(pattern) - set("WF"):
             raise ModelConfigError(f"{where}: window_pattern = {pattern!r}; one letter a layer, W (the sliding "
@@ -210,15 +216,15 @@ def _describe_moe(cfg: MoEConfig) -> ModelDescription:
 
 
 def _attention_at(cfg: MoEConfig, i: int) -> Attention:
-    """Block ``i``'s attention as the description says it: MLA, sinks (eager, windowed or not), or the Llama
-    family's."""
+    """Block ``i``'s attention as the description says it: MLA, sinks (windowed or not), or the Llama family's."""
     if cfg.mla:
         return Attention(cfg.heads, cfg.heads, kernel="fused", head_dim=cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
                          mla=MLA(cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                                  q_rank=cfg.q_lora_rank))
     if cfg.attention_sinks:
         wide = cfg.head_dim * cfg.heads != cfg.hidden
-        return Attention(cfg.heads, cfg.kv_heads, qkv_bias=cfg.qkv_bias, window=cfg.layer_window(i), kernel="eager",
+        return Attention(cfg.heads, cfg.kv_heads, qkv_bias=cfg.qkv_bias, window=cfg.layer_window(i),
+                         kernel=cfg.sink_attention,
                          head_dim=cfg.head_dim if wide else None, sinks=True, out_bias=cfg.qkv_bias)
     return attention_of(cfg)
 
