@@ -18,8 +18,11 @@ from bench_smoke import BENCH, NOT_RUN, smoke_benches  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_driver(*benches: Path, jobs: int = 2, timeout: int = 900) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """tests/bench_smoke.py in its own process (the pytest worker is never forked)."""
+def run_driver(*benches: Path, jobs: int = 1, timeout: int = 900) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """tests/bench_smoke.py in its own process (the pytest worker is never forked).  One bench at a time: beside
+    make test's other workers a second would only oversubscribe the cores (alone here, every bench's smoke took
+    142 s and 198 CPU-s one at a time, 137 s and 262 CPU-s two at a time: ranks waiting on each other's
+    collectives while the other bench runs)."""
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "bench_smoke.py"), "--jobs", str(jobs),
                            *map(str, benches)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.stdout.strip(), proc.stderr[-3000:]
