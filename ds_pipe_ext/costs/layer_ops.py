@@ -94,7 +94,7 @@ def _attention_variant(ops: list, shp: A.Shape, att) -> list:
         start, end = names.index("ln_1") + 1, names.index("out_proj") + 1
         ops = ops[:start] + attention_ops.mla_attention(shp, att.mla) + ops[end:]
     if att.sinks and any(op.name == "fused_attention" for op in ops):
-        ops = attention_ops.fused_sink_core(ops, shp)
+        ops = attention_ops.fused_sink_core(ops, shp, att.kv_heads)
     elif att.sinks:
         ops = [attention_ops.sink_softmax(op, shp) if op.name == "softmax" else op for op in ops]
         ops = attention_ops.sink_core(ops, shp, att.kv_heads)

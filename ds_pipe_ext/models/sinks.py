@@ -40,6 +40,7 @@ from .llama import LlamaAttention
 
 FLASH_OPS = torch.ops.aten  # FlashAttention-2's two ops (a CPU test hands in a stand-in of their conventions)
 
+
 def eager_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                          window: int | None) -> torch.Tensor:
     """The written-out core, as transformers' gpt-oss: the repeated key/value heads, the scores with their mask,
@@ -86,7 +87,8 @@ class _CpuFlash:
 
 class _CudaFlash:
     """FlashAttention-2 through torch's ops, its inputs as ``varlen_attn`` lays them out: (b s, heads, d), the
-    batch's sequences at cu_seq = 0, s, 2s, ... (torch 2.11-2.13's schema)."""
+    batch's sequences at cu_seq = 0, s, 2s, ... (the ops' schema as torch 2.13 has it; bench/gpu_path.py's
+    backends part checks the GPU's torch against the written-out core)."""
 
     @staticmethod
     def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -94,7 +96,8 @@ class _CudaFlash:
         return t.transpose(1, 2).reshape(b * s, n, d)
 
     @staticmethod
-    def _window(window, s):
+    def _window(window):
+        """(window_size_left, window_size_right): keys i - window + 1 .. i; -1, -1 unbounded (causal)."""
         return (window - 1, 0) if window else (-1, -1)
 
     @staticmethod
@@ -102,7 +105,7 @@ class _CudaFlash:
         b, n, s, d = q.shape
         qf, kf, vf = (_CudaFlash._flat(t) for t in (q, k, v))
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
-        left, right = _CudaFlash._window(window, s)
+        left, right = _CudaFlash._window(window)
         of, raw_lse, *_ = FLASH_OPS._flash_attention_forward(
             qf, kf, vf, cu, cu, s, s, 0.0, True, False, window_size_left=left, window_size_right=right)
         o = of.view(b, s, n, d).transpose(1, 2)
@@ -119,7 +122,7 @@ class _CudaFlash:
     def backward(grad, saved, y, raw_lse, window):
         qf, kf, vf, cu = saved
         b, n, s, d = grad.shape
-        left, right = _CudaFlash._window(window, s)
+        left, right = _CudaFlash._window(window)
         rng_state = torch.zeros(2, dtype=torch.uint64, device=grad.device)  # no dropout: no generator state
         unused = torch.empty(0, device=grad.device)
         dq, dk, dv = FLASH_OPS._flash_attention_backward(
