@@ -160,6 +160,7 @@ def test_gpt_oss_shaped_moe_trains_as_the_reference():
     ({"kv_lora_rank": 32, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8}, "set kv_heads = heads"),
     ({"kv_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 8, "qk_rope_head_dim": 7, "v_head_dim": 8}, "must be even"),
     ({"router": "sigmoid", "router_bias": True}, "router_bias is built for the softmax router"),
+    ({"attention_sinks": True, "sink_attention": "flash"}, "sink_attention = 'flash'; use \"fused\""),
 ])
 def test_refusals_name_the_field(fields, match):
     with pytest.raises(ModelConfigError, match=match):

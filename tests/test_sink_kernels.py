@@ -109,3 +109,20 @@ def test_the_sinks_kernel_each_device_runs():
     assert attention_backend("fused", "h100-sxm", dtype="fp32", head_dim=64, sinks=True) == "eager"
     assert attention_backend("fused", "h100-sxm", dtype="bf16", head_dim=320, sinks=True) == "eager"
     assert attention_backend("eager", "h100-sxm", dtype="bf16", sinks=True) == "eager"
+
+
+@pytest.mark.parametrize("sink_attention, device, dtype, core", [
+    ("fused", "cpu", "fp32", "fused"), ("fused", "h100-sxm", "bf16", "fused"), ("fused", "h100-sxm", "fp32", "eager"),
+    ("eager", "cpu", "fp32", "eager")])
+def test_the_cost_model_prices_the_core_the_config_runs(sink_attention, device, dtype, core):
+    """``sink_attention`` in the model config, the device and the dtype pick the core (``attention_backend``), and the
+    cost model prices that one: the fused kernel and its rescale, or the written-out products and passes."""
+    from ds_pipe_ext.costs.estimate import EstimateRequest, shape_for
+    from ds_pipe_ext.costs.layer_ops import layer_ops
+    from ds_pipe_ext.models import load_model
+
+    cfg = load_model("moe-tiny", qkv_bias=True, attention_sinks=True, sink_attention=sink_attention)
+    shape = shape_for(cfg, EstimateRequest(2, cfg.seq_len, dtype=dtype), runs_on=device)
+    names = {op.name for op in layer_ops(cfg, shape, device=device)[1][2]}
+    fused, eager = {"sink_attention", "sink_rescale"}, {"sink_repeat_kv", "sink_scale_mask_concat", "softmax"}
+    assert (fused <= names, eager <= names) == (core == "fused", core == "eager"), names
