@@ -135,7 +135,7 @@ def fused_attention(shp: Shape, kv_heads: int | None = None, window: int | None 
     recompute reruns the kernel from the q, k and v it keeps, so only the log-sum-exp goes."""
     kv = _kv_heads(shp, kv_heads)
     windowed = bool(window and window < shp.s)
-    keys = min(window, shp.s) if windowed and not shp.dense_window_mask else shp.s
+    keys = window if windowed and not shp.dense_window_mask else shp.s
     flops = 4.0 * shp.b * shp.s * keys * shp.attn_width / shp.t
     q = shp.sbA / shp.t
     kv_elems = 2 * shp.tokens * kv * shp.head_dim / shp.t

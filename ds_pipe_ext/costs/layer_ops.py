@@ -67,15 +67,16 @@ def block_ops(desc, block, shp: A.Shape, *, expert_imbalance: float = 1.0, devic
     att, mlp = block.attention, block.mlp
     shaped = replace(shp, a=att.heads if att else shp.a, f=mlp.ffn if mlp else shp.f,
                      d=(att.head_dim or 0) if att else shp.d)
+    kernel = core_kernel(shaped, att, device) if att else "eager"
     if att is not None:
         shaped = replace(shaped, attn_out_copy=shp.autograd_linear and efficient_sdpa(shaped, att, device))
     ops = A.transformer_block(shaped, kv_heads=att.kv_heads if att else None, mlp=mlp.kind if mlp else "gelu",
                               norm=desc.norm, positions=desc.positions, bias=desc.linear_bias,
                               qkv_bias=att.qkv_bias if att else None,
-                              kernel=core_kernel(shaped, att, device) if att else "eager",
+                              kernel=kernel,
                               window=att.window if att else None, head_norm=att.qk_norm if att else False)
     if att is not None and (att.mla is not None or att.sinks or att.out_bias):
-        ops = _attention_variant(ops, shaped, att)
+        ops = _attention_variant(ops, shaped, att, kernel)
     half = next(i for i, op in enumerate(ops) if op.name == "residual_1") + 1
     if att is None:  # the MLP's half alone
         ops = ops[half:]
@@ -86,14 +87,14 @@ def block_ops(desc, block, shp: A.Shape, *, expert_imbalance: float = 1.0, devic
     return ops
 
 
-def _attention_variant(ops: list, shp: A.Shape, att) -> list:
+def _attention_variant(ops: list, shp: A.Shape, att, kernel: str) -> list:
     """A block's ops with DeepSeek-V3's or gpt-oss's attention in place (``costs.attention_ops``): MLA between the
     input norm and the first residual; the sinks' wider softmax; the out projection's bias."""
     names = [op.name for op in ops]
     if att.mla is not None:
         start, end = names.index("ln_1") + 1, names.index("out_proj") + 1
         ops = ops[:start] + attention_ops.mla_attention(shp, att.mla) + ops[end:]
-    if att.sinks and any(op.name == "fused_attention" for op in ops):
+    if att.sinks and kernel == "fused":
         ops = attention_ops.fused_sink_core(ops, shp, att.kv_heads)
     elif att.sinks:
         ops = [attention_ops.sink_softmax(op, shp) if op.name == "softmax" else op for op in ops]

@@ -100,6 +100,16 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     return attend(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
 
 
+def causal_allowed(s: int, window: int | None = None, device=None) -> torch.Tensor:
+    """s x s bool: query i sees key j where j <= i, and in a ``window`` j > i - window (transformers' sliding-window
+    mask)."""
+    i = torch.arange(s, device=device)
+    allowed = i[None, :] <= i[:, None]
+    if window is not None:
+        allowed &= i[None, :] > i[:, None] - window
+    return allowed
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x cos + rotate_half(x) sin over the last dimension (transformers' ``apply_rotary_pos_emb``)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -130,9 +140,7 @@ class LlamaAttention(nn.Module):
         self.rotary = Rotary(cfg) if getattr(cfg, "rotary_positions", True) else None
         window = self.window = cfg.window
         if window is not None:  # query i sees keys i - window + 1 .. i, as transformers' sliding-window mask
-            i = torch.arange(cfg.seq_len)
-            allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
-            self.register_buffer("window_mask", allowed, persistent=False)
+            self.register_buffer("window_mask", causal_allowed(cfg.seq_len, window), persistent=False)
         else:
             self.window_mask = None
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from ..arch import attention_backend
 from .layers import INIT_STD, LayerImpl
-from .llama import LlamaAttention
+from .llama import LlamaAttention, causal_allowed
 
 FLASH_OPS = torch.ops.aten  # FlashAttention-2's two ops (a CPU test hands in a stand-in of their conventions)
 
@@ -55,11 +55,8 @@ def eager_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
 
 @functools.lru_cache(maxsize=8)
 def _additive_mask(s: int, window: int | None, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """0 where query i sees key j (j <= i, and j > i - window in a window), -inf elsewhere."""
-    i = torch.arange(s, device=device)
-    allowed = i[None, :] <= i[:, None]
-    if window is not None:
-        allowed &= i[None, :] > i[:, None] - window
+    """0 where query i sees key j (``llama.causal_allowed``), -inf elsewhere."""
+    allowed = causal_allowed(s, window, device)
     return torch.zeros(s, s, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))
 
 
@@ -67,8 +64,13 @@ class _CpuFlash:
     """torch's CPU flash kernel on (b, heads, s, d) tensors; it takes fewer key/value heads as they are."""
 
     @staticmethod
+    def _mask(q, window):
+        """A window's additive mask in q's dtype (made once a shape); None: causal, the kernel's own."""
+        return _additive_mask(q.shape[2], window, q.dtype, str(q.device)) if window else None
+
+    @staticmethod
     def forward(q, k, v, window):
-        mask = _additive_mask(q.shape[2], window, q.dtype, str(q.device)) if window else None
+        mask = _CpuFlash._mask(q, window)
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, mask is None,
                                                                             attn_mask=mask)
         return (q, k, v), o, lse
@@ -80,7 +82,7 @@ class _CpuFlash:
     @staticmethod
     def backward(grad, saved, y, raw_lse, window):
         q, k, v = saved
-        mask = _additive_mask(q.shape[2], window, q.dtype, str(q.device)) if window else None
+        mask = _CpuFlash._mask(q, window)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, y, raw_lse, 0.0, mask is None, attn_mask=mask)
 
