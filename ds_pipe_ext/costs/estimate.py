@@ -161,6 +161,7 @@ def estimate_layers(model, req: EstimateRequest, device: DeviceSpec, *, runs_on:
         if (id(ops), kind) in done:
             out.append({**done[id(ops), kind], "name": name})
             continue
+        index = len(out)
         layer_req = replace(req, execution="eager") if kind == "head" and tied and req.execution == "compiled" else req
         rows = op_rows(ops, device, layer_req)
         params = sum(op.weight_bytes for op in ops) / shp.e
@@ -172,7 +173,7 @@ def estimate_layers(model, req: EstimateRequest, device: DeviceSpec, *, runs_on:
         else:
             bwd_s = call + sum(max(r["bwd_s"], h) for r, h in zip(rows, host_bwd)) + recompute_fwd
         out.append({
-            "name": name, "kind": kind,
+            "name": name, "kind": kind, "alike_of": index,  # the first layer of these ops (alike blocks)
             "fwd_flops": sum(r["fwd_flops"] for r in rows), "bwd_flops": sum(r["bwd_flops"] for r in rows),
             "activation_bytes": sum(r["activation_bytes"] for r in rows),
             "param_bytes": params * shp.e, "params": params, "expert_params": expert_weight_bytes(ops) / shp.e,
@@ -210,6 +211,9 @@ def analytic_layer_costs(model, req: EstimateRequest, device: DeviceSpec, *,
     shp = shape_for(model, req, device, runs_on=runs_on)
     costs = []
     for row in estimate_layers(model, req, device, runs_on=runs_on):
+        if row["alike_of"] < len(costs):  # an alike block: the first one's record under its own name
+            costs.append(costs[row["alike_of"]].renamed(row["name"]))
+            continue
         params = int(row["params"])
         per_param = req.optimizer_bytes_per_param or (8 if req.dtype == "fp32" else 12)
         costs.append(LayerCost(

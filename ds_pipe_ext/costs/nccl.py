@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .network import ClusterNetwork, Placement, search_speeds
 
@@ -178,7 +179,19 @@ def collective(kind: str, payload_bytes: float, placement: Placement, net: Clust
     ``version`` of NCCL prices and picks it (None: the network's ``nccl_version``).  A network that is not
     NCCL's (CPU ranks): the ring formulas on its links, no latency.  ``algorithm``: only that one, as
     ``NCCL_ALGO`` forces it (a measurement taken so)."""
-    version = version or VERSIONS[net.nccl_version]
+    if version is None:  # the network's own release: a pure function of hashable arguments, which a plan asks
+        return _collective_cached(kind, payload_bytes, placement, net, algorithm)  # tens of thousands of times
+    return _collective(kind, payload_bytes, placement, net, version, algorithm)
+
+
+@lru_cache(maxsize=1 << 16)
+def _collective_cached(kind: str, payload_bytes: float, placement: Placement, net: ClusterNetwork,
+                       algorithm: str | None) -> Collective:
+    return _collective(kind, payload_bytes, placement, net, VERSIONS[net.nccl_version], algorithm)
+
+
+def _collective(kind: str, payload_bytes: float, placement: Placement, net: ClusterNetwork, version: NcclVersion,
+                algorithm: str | None) -> Collective:
     n = placement.size
     if n <= 1 or payload_bytes <= 0:
         return Collective(kind, "none", "", 0.0, math.inf, 0.0)

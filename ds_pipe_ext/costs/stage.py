@@ -181,36 +181,57 @@ def stage_costs(
     ``link_bandwidth`` (bytes/s): each boundary a stage has costs it 2 x bytes / bandwidth
     per micro-batch (the activation one way, its gradient back).
     """
-    p = len(parts) - 1
-    held = held_activation_bytes(costs, recompute=recompute)
-    out = []
-    for s in range(p):
-        i, j = parts[s], parts[s + 1]
-        layers = costs[i:j]
-        b_in = int(costs[i - 1].output_bytes) if i > 0 else 0
-        b_out = int(costs[j - 1].output_bytes) if j < len(costs) else 0
-        p2p = 2.0 * (b_in + b_out) / link_bandwidth if link_bandwidth else 0.0
-        dup = tied_duplicates(layers)
+    return LayerColumns(costs, recompute=recompute).stages(parts, micro_batches=micro_batches, schedule=schedule,
+                                                           link_bandwidth=link_bandwidth)
 
-        def held_once(kind: str) -> int:  # the stage's bytes of ``kind``, a tied module counted once
-            return sum(int(getattr(c, kind)) for c in layers) - round(sum(getattr(c, kind) * w for c, w in dup))
 
-        out.append(StageCost(
-            stage=s, start=i, stop=j, layer_names=tuple(c.name for c in layers),
-            forward_s=sum(c.forward_s for c in layers),
-            backward_s=sum(c.backward_s + (c.recompute_s if recompute else 0.0) for c in layers),
-            weight_grad_s=sum(c.backward_s / 2 if getattr(c, "weight_grad_s", None) is None else c.weight_grad_s
-                              for c in layers),
-            p2p_s=p2p,
-            param_bytes=held_once("param_bytes"), grad_bytes=held_once("grad_bytes"),
-            optimizer_bytes=held_once("optimizer_bytes"),
-            activation_bytes=sum(held[i:j]),
-            inflight=in_flight(s, p, micro_batches, schedule),
-            boundary_in_bytes=b_in, boundary_out_bytes=b_out,
-            recomputed_layers=sum(replayed(c, recompute=recompute) for c in layers),
-            optimizer_s=sum(float(getattr(c, "optimizer_step_s", 0.0)) for c in layers),
-        ))
-    return out
+class LayerColumns:
+    """The per-layer figures ``stage_costs`` sums, read off ``costs`` once.  A search that prices thousands of
+    splits of one list (``partition.step_search``) then sums slices of plain lists: the same terms in the same
+    order as a sum over the layers, so the same bits, without reading every layer's fields for every split."""
+
+    def __init__(self, costs: Sequence, *, recompute: bool = False):
+        self.costs, self.recompute = costs, recompute
+        self.names = [c.name for c in costs]
+        self.forward = [c.forward_s for c in costs]
+        self.backward = [c.backward_s + (c.recompute_s if recompute else 0.0) for c in costs]
+        self.weight_grad = [c.backward_s / 2 if getattr(c, "weight_grad_s", None) is None else c.weight_grad_s
+                            for c in costs]
+        self.state_bytes = {kind: [int(getattr(c, kind)) for c in costs]
+                            for kind in ("param_bytes", "grad_bytes", "optimizer_bytes")}
+        self.held = held_activation_bytes(costs, recompute=recompute)
+        self.replayed = [replayed(c, recompute=recompute) for c in costs]
+        self.optimizer = [float(getattr(c, "optimizer_step_s", 0.0)) for c in costs]
+        self.tied = [i for i, c in enumerate(costs) if getattr(c, "tied_key", "")]  # the only layers a stage dedups
+
+    def stages(self, parts: Sequence[int], *, micro_batches: int, schedule: str = "1f1b",
+               link_bandwidth: float | None = None) -> list[StageCost]:
+        costs, p = self.costs, len(parts) - 1
+        inflight = parse_schedule(schedule).in_flight(p, micro_batches)
+        out = []
+        for s in range(p):
+            i, j = parts[s], parts[s + 1]
+            b_in = int(costs[i - 1].output_bytes) if i > 0 else 0
+            b_out = int(costs[j - 1].output_bytes) if j < len(costs) else 0
+            p2p = 2.0 * (b_in + b_out) / link_bandwidth if link_bandwidth else 0.0
+            dup = tied_duplicates([costs[k] for k in self.tied if i <= k < j])
+
+            def held_once(kind: str) -> int:  # the stage's bytes of ``kind``, a tied module counted once
+                return sum(self.state_bytes[kind][i:j]) - round(sum(getattr(c, kind) * w for c, w in dup))
+
+            out.append(StageCost(
+                stage=s, start=i, stop=j, layer_names=tuple(self.names[i:j]),
+                forward_s=sum(self.forward[i:j]), backward_s=sum(self.backward[i:j]),
+                weight_grad_s=sum(self.weight_grad[i:j]), p2p_s=p2p,
+                param_bytes=held_once("param_bytes"), grad_bytes=held_once("grad_bytes"),
+                optimizer_bytes=held_once("optimizer_bytes"),
+                activation_bytes=sum(self.held[i:j]),
+                inflight=inflight[s],
+                boundary_in_bytes=b_in, boundary_out_bytes=b_out,
+                recomputed_layers=sum(self.replayed[i:j]),
+                optimizer_s=sum(self.optimizer[i:j]),
+            ))
+        return out
 
 
 def measured_stages(parts: Sequence[int], forward_s: Sequence[float], backward_s: Sequence[float],

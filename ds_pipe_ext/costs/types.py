@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass, fields
 
@@ -69,7 +70,9 @@ class LayerCost:
                 continue
             if f.name == "param_numels":
                 numels = tuple(self.param_numels)
-                if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in numels):
+                # a MoE layer lists hundreds of tensors and the planner builds tens of thousands of costs: the
+                # check runs in C (``type(n) is int`` also refuses a bool)
+                if numels and (set(map(type, numels)) != {int} or min(numels) < 1):
                     raise ValueError(f"LayerCost({self.name!r}).param_numels = {self.param_numels!r}: "
                                      f"element counts must be positive integers")
                 object.__setattr__(self, "param_numels", numels)
@@ -82,6 +85,15 @@ class LayerCost:
         if self.tied_param_bytes > self.param_bytes:
             raise ValueError(f"LayerCost({self.name!r}).tied_param_bytes = {self.tied_param_bytes} exceeds its "
                              f"param_bytes ({self.param_bytes}): the tied weight is part of the layer's parameters")
+
+    def renamed(self, name: str) -> "LayerCost":
+        """This record under another layer's name, its numbers not checked again (alike blocks: a model of
+        sixty blocks prices one, and the planner builds its records for hundreds of layouts)."""
+        if not isinstance(name, str):
+            raise ValueError(f"LayerCost.name must be a string, got {name!r}")
+        twin = copy.copy(self)
+        object.__setattr__(twin, "name", name)
+        return twin
 
     def time_s(self, *, recompute: bool = False) -> float:
         """Forward + backward time of one micro-batch (plus the replayed forward if checkpointed)."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..costs.stage import held_activation_bytes, in_flight, replayed, stage_costs
+from ..costs.stage import LayerColumns, held_activation_bytes, in_flight, replayed
 from ..simulate.schedules import parse_schedule
 from ..simulate.step_model import FixedStages, StepModel, step_lower_bound
 from .problem import InfeasibleMemoryCap
@@ -82,8 +82,10 @@ def partition_min_step(
     start = partition_min_max(costs, p, memory_cap_gib=memory_cap_gib, micro_batches=m, link_bandwidth=link_bandwidth,
                               recompute=recompute, schedule=schedule, peak_rule=peak_rule)  # raises on an infeasible cap
 
+    columns = LayerColumns(costs, recompute=recompute)  # read once: the leaves price thousands of splits
+
     def step(parts: Sequence[int]) -> float:
-        stages = stage_costs(costs, parts, micro_batches=m, recompute=recompute, schedule=schedule)
+        stages = columns.stages(parts, micro_batches=m, schedule=schedule)
         update = [s.optimizer_s for s in stages] if measured_update else None
         return model.predict(stages, m, schedule=schedule, timeline=False, update_s=update).step_s
 
