@@ -308,7 +308,7 @@ def test_the_plan_across_nodes_picks_data_parallel_for_llama3_8b_on_64_h100(capf
     assert rows[0]["pp"] == 1 and rows[0]["schedule"] == "none"  # a layout DeepSpeed runs, because it prices fastest
 
 
-def test_the_multinode_check_runs_its_published_rows_and_scaling_runs(capsys):
+def test_the_multinode_check_runs_its_published_rows_and_scaling_runs(capsys, monkeypatch):
     """bench/collectives_multinode.py: every published row priced on its system as built, each sharded run's layout
     through plan --only at both node counts (deterministic: the model's own figures)."""
     import importlib.util
@@ -322,6 +322,7 @@ def test_the_multinode_check_runs_its_published_rows_and_scaling_runs(capsys):
     assert rows["h100-node-allreduce"]["algorithm"] == "nvls/Simple"
     assert rows["a100-hdr-rings"]["model_busbw"] == pytest.approx(192.0)
     assert rows["h20-2-nodes-nvlstree"]["model_latency_us"] == pytest.approx(25 + 2 * 20.9)
+    monkeypatch.setattr("sys.argv", [str(path)])  # the bench reads its own flags, not pytest's
     bench.main()
     assert capsys.readouterr().out.splitlines()[-1].startswith("RESULT rows=5 ")
 
