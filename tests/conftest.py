@@ -9,6 +9,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_PIPE_EXT_CACHE_HOME", str(Path(__file__).resolve().parents[1] / ".ds_pipe_ext_cache"))
 
 import ds_pipe_ext.pipe.schedules  # noqa: E402,F401 - an edge, as train.py and the CLI are: hands in DeepSpeed's order
+from ds_pipe_ext.plan.render import MegatronLayoutChecker as _MegatronLayoutChecker  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "multiprocess: launches real DeepSpeed processes (slow, tens of seconds)")
@@ -47,3 +48,31 @@ def two_stage_run(tmp_path):
         return run.path
 
     return make
+
+
+class _WorkerLayoutChecker:
+    """`plan` checks its Megatron layout string in a child interpreter that imports megatron-core (~4.7 CPU-s,
+    ``plan.render.MegatronLayoutChecker``); the suite runs `plan` some 25 times.  One such child a worker
+    answers them all: the same check by the same code, its import paid once.  Tests of the checker itself
+    build ``plan.render.MegatronLayoutChecker`` directly."""
+
+    child = None
+
+    def __call__(self, *args):
+        if self.child is None or self.child.proc.poll() is not None:
+            type(self).child = _MegatronLayoutChecker()
+        return self.child(*args)
+
+    def close(self) -> None:  # the worker's child outlives each plan
+        pass
+
+
+@pytest.fixture(autouse=True)
+def _one_layout_checker_a_worker(monkeypatch):
+    monkeypatch.setattr("ds_pipe_ext.plan.render.MegatronLayoutChecker", _WorkerLayoutChecker, raising=True)
+    yield
+
+
+def pytest_sessionfinish(session):
+    if _WorkerLayoutChecker.child is not None:
+        _WorkerLayoutChecker.child.close()
