@@ -185,8 +185,8 @@ def test_attention_with_dropout_prices_from_the_tables_dropout_rows_else_by_its_
     req = EstimateRequest(micro_batch=8, seq=1024, dtype="bf16")
     core = next(op for op in layer_ops(cfg, shape_for(cfg, req, h100), device=h100.name)[1][2]
                 if op.name == "fused_attention")
-    assert core.attn_shape[-1]  # the model's dropout reaches the op
-    no_dropout = replace(core, attn_shape=(*core.attn_shape[:-1], 0))
+    assert core.attn_shape.dropout  # the model's dropout reaches the op
+    no_dropout = replace(core, attn_shape=core.attn_shape._replace(dropout=0))
     measured = replace(h100, gpu=G.gpu_kernels("h100-sxm", table=table))
     unmeasured = replace(h100, gpu=G.gpu_kernels("h100-sxm", table=KernelTable.from_json(_table())))
     for backward in (False, True):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .op_cost import AnalyticError, OpCost, Shape
+from .op_cost import AnalyticError, AttentionShape, OpCost, Shape
 
 
 # --------------------------------------------------------------------------- ops
@@ -145,8 +145,8 @@ def fused_attention(shp: Shape, kv_heads: int | None = None, window: int | None 
                    fwd_bytes=(2 * q + kv_elems) * shp.e, bwd_bytes=(3 * q + 2 * kv_elems) * shp.e,
                    activation_bytes=(q + kv_elems) * shp.e + mask,
                    fwd_allocs=(q * shp.e,), bwd_allocs=(q * shp.e, kv_elems * shp.e),
-                   attn_shape=(shp.b, shp.a // shp.t, kv // shp.t, shp.s, keys, shp.head_dim, int(windowed),
-                               int(shp.dropout)),
+                   attn_shape=AttentionShape(shp.b, shp.a // shp.t, kv // shp.t, shp.s, keys, shp.head_dim,
+                                             int(windowed), int(shp.dropout)),
                    kernels=(1, 3)),
             OpCost("fused_attention_lse", "attention", activation_bytes=lse, recompute=True)]
 

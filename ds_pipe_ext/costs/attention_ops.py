@@ -109,9 +109,10 @@ def fused_sink_core(ops: list[OpCost], shp: Shape, kv_heads: int | None) -> list
     out = []
     for op in ops:
         if op.name == "fused_attention":
-            windowed = bool(op.attn_shape[6])
+            windowed = bool(op.attn_shape.masked)
             mask = shp.s * shp.s * shp.e if windowed and shp.dense_window_mask else 0.0
-            out += [replace(op, name="sink_attention", activation_bytes=op.activation_bytes - mask), rescale]
+            out += [replace(op, name="sink_attention", activation_bytes=op.activation_bytes - mask,
+                            attn_shape=op.attn_shape._replace(sinks=True)), rescale]
         else:
             out.append(op)
     return out

@@ -93,11 +93,11 @@ def op_backend(op: A.OpCost, req: EstimateRequest, device: str | None) -> str | 
     """The SDPA backend a fused attention op runs on ``device`` (``arch.attention_backend``), None for others."""
     if not op.attn_shape:
         return None
-    _b, heads, kv, _s, _keys, d, masked, _dropout = op.attn_shape
+    shape = op.attn_shape
     if req.execution in MEGATRON and runs_on_gpu(device):
         return "cudnn"  # Megatron-core's fused attention: Transformer Engine's, on cuDNN's kernels
-    return attention_backend("fused", device, dtype=req.dtype, head_dim=d, gqa=kv != heads, masked=bool(masked),
-                             sinks=op.name == "sink_attention")
+    return attention_backend("fused", device, dtype=req.dtype, head_dim=shape.head_dim,
+                             gqa=shape.kv_heads != shape.heads, masked=bool(shape.masked), sinks=shape.sinks)
 
 
 # ops train.py runs outside the layers torch.compile compiles: the loss (DeepSpeed's loss_fn)

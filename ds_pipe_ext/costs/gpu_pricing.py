@@ -136,7 +136,7 @@ def attention_s(op: OpCost, *, dtype: str, backward: bool, spec, backend: str) -
     """A fused attention core on ``backend``: the kernel's work (causal: half the scores) at the backend's
     share of the dense peak for the head dim, interpolated between 64 and 128."""
     kern: GpuKernels = spec.gpu
-    b, heads, kv, s, keys, d, masked, dropout = op.attn_shape
+    b, heads, kv, s, keys, d, masked, dropout, _sinks = op.attn_shape  # the sinks' rescale is an op of its own
     flops = op.bwd_flops if backward else op.fwd_flops
     if not masked and keys >= s:  # causal: the kernel skips the tiles above the diagonal
         flops *= 0.5

@@ -5,6 +5,7 @@ themselves are ``costs.analytic``'s; a device prices an ``OpCost`` (``costs.hard
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 
 class AnalyticError(ValueError):
@@ -97,6 +98,21 @@ class Shape:
         return self.sbh / self.t if self.sp else self.sbh
 
 
+class AttentionShape(NamedTuple):
+    """An attention core as its kernel sees it: what picks the kernel (``arch.attention_backend``) and prices it
+    on a GPU (``costs.gpu_pricing``).  Per TP rank."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seq: int
+    keys: int  # the keys each query sees: the window's, or the sequence
+    head_dim: int
+    masked: int  # 1: a window's mask beside the causal one
+    dropout: int  # 1: attention dropout
+    sinks: bool = False  # gpt-oss's learned sinks: the kernel's output rescaled after it (``models.sinks``)
+
+
 @dataclass(frozen=True)
 class OpCost:
     name: str
@@ -139,13 +155,13 @@ class OpCost:
     # a residual add: the gradient it hands its skip connection is held while its branch runs back
     residual: bool = False
     # What a GPU runs for the op (``costs.gpu_pricing``): a GEMM's forward product (M, K, N) = (rows, inner,
-    # output width); an attention core's (b, heads, kv_heads, s, keys, head dim, masked, dropout); the kernels an eager
+    # output width); an attention core's ``AttentionShape``; the kernels an eager
     # forward and backward launch; and the bytes those kernels move where they differ from the op's
     # modelled traffic (the fp32 loss's passes over the logits), as (forward, backward).  A CPU spec charges each
     # kernel one op's host dispatch (``DeviceSpec.host_op_s``): an aten op is one kernel, near enough (CUDA's
     # embedding backward's dozen kernels are three ops on a CPU: 0.07 ms at the measured rate)
     gemm: tuple = ()
-    attn_shape: tuple = ()
+    attn_shape: AttentionShape | tuple = ()  # () for an op that is no attention core
     kernels: tuple = (1, 1)
     gpu_bytes: tuple = ()
     # the backward waits on the GPU from the host (CUDA's embedding backward reads its segment count back):
