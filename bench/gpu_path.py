@@ -97,6 +97,23 @@ class Target:
             return cls(cuda=False, gpt="tiny-tied", dtype="bf16", big="tiny", micro_batch=2, steps=3, timeout=240)
         return cls(cuda=True, gpt="gpt2-medium", dtype="bf16", big="gpt3-1.3b", micro_batch=8, steps=6, timeout=600)
 
+    # A GPU's layers are timed as the package times them (2 warm-ups, the median of 5 repeats; do_bench's loops);
+    # a CPU dry run checks the path, not the figures: one warm-up, one repeat, short loops, one profiled call
+    def profile_settings(self):
+        from ds_pipe_ext.costs.types import ProfileSettings
+
+        return ProfileSettings(warmup=2 if self.cuda else 1, repeats=5 if self.cuda else 1, cache_dir=None,
+                               progress=False)
+
+    def timer(self):
+        from ds_pipe_ext.costs.gpu_timing import cuda_timer  # do_bench on a GPU, torch's Timer without triton
+
+        return cuda_timer(min_run_time=0.2 if self.cuda else 0.02)
+
+    @property
+    def profiled_calls(self) -> int:  # per torch.profiler trace (kernel_profile)
+        return 3 if self.cuda else 1
+
 
 @dataclass
 class Run:
@@ -669,7 +686,6 @@ def backends_part(t: Target, out: Path) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from ds_pipe_ext.arch import attention_backend, as_description
-    from ds_pipe_ext.costs.gpu_timing import cuda_timer  # do_bench on a GPU, torch's Timer without triton
     from ds_pipe_ext.costs.layers import build_for_profiling
     from ds_pipe_ext.costs.probes import detach_input, tensors_of
     from ds_pipe_ext.models import family_of, load_model
@@ -728,12 +744,12 @@ def backends_part(t: Target, out: Path) -> dict:
     loss = {"plain": plain, "chunked": chunked, "liger": liger, "chunked_rel_err": abs(chunked / plain - 1),
             "liger_rel_err": abs(liger / plain - 1) if liger is not None else None}
     if fused is not None:  # the real rows' GEMMs are misaligned: the padded rows, their columns masked, against them
-        loss["alignment"] = liger_alignment(fused, w, h.reshape(-1, hidden), labels.t().reshape(-1), vocab, cuda_timer())
+        loss["alignment"] = liger_alignment(fused, w, h.reshape(-1, hidden), labels.t().reshape(-1), vocab, t.timer())
         print(f"liger over the real rows against the padded rows with their columns masked: {loss['alignment']}")
     fused_note = "not installed" if liger is None else f"{liger:.5f} (rel. {loss['liger_rel_err']:.2e})"
     print(f"\nhead + loss, {tokens} tokens x {vocab} words ({str(dtype).removeprefix('torch.')}): plain {plain:.5f}, "
           f"chunked {chunked:.5f} (rel. {loss['chunked_rel_err']:.2e}), liger {fused_note}", flush=True)
-    sinks = sinks_kernels(t, cuda_timer())
+    sinks = sinks_kernels(t, t.timer())
     (out / "backends-records.json").write_text(json.dumps({"attention": records, "loss": loss, "sinks": sinks},
                                                           indent=1))
     result = {"attention_backends_agree": f"{agree}/{len(records)}",
@@ -803,19 +819,17 @@ def costs_part(t: Target, out: Path) -> dict:
     the allocator's; then, from the profiles, the simulated step of ``profiled`` against ``uniform`` and
     ``parameters`` at 4 and 8 stages (2 and 4 on CPU ranks): what a user would gain, predicted."""
     from ds_pipe_ext.costs.estimate import EstimateRequest, analytic_layer_costs
-    from ds_pipe_ext.costs.gpu_timing import cuda_timer
     from ds_pipe_ext.costs.hardware import get_device
     from ds_pipe_ext.costs.layers import build_for_profiling
     from ds_pipe_ext.costs.profiler import TORCH_DTYPES, profile_layers
-    from ds_pipe_ext.costs.types import ProfileSettings
     from ds_pipe_ext.models import family_of, load_model
     from ds_pipe_ext.partition.methods import decide_offline
     from ds_pipe_ext.partition.report import build_plan
 
     device, dtype = ("cuda", "bf16") if t.cuda else ("cpu", "fp32")
     spec = get_device(device, cache_dir=str(out / "cache"))
-    timer = cuda_timer()
-    settings = ProfileSettings(warmup=2, repeats=5, cache_dir=None, progress=False)
+    timer = t.timer()
+    settings = t.profile_settings()
     rows, splits, records = [], [], []
     worst = {"bench": 0.0, "repeat": 0.0, "analytic": 0.0, "peak": 0.0}
     for name, b, seq in COST_CASES[t.cuda]:
@@ -907,7 +921,8 @@ def kernel_profile(step, device: str, n: int = 3) -> tuple[float, float, list]:
     return len(kernels) / n, sum(us for _, us in kernels) * 1e-6 / n, [[k[:90], round(v / 1e3, 3)] for k, v in top]
 
 
-def layer_kernels(specs: list, kinds: list[str], tokens: torch.Tensor, device: str, dtype: torch.dtype) -> dict:
+def layer_kernels(specs: list, kinds: list[str], tokens: torch.Tensor, device: str, dtype: torch.dtype,
+                  calls: int = 3) -> dict:
     """Per distinct kind of layer before the first routed one and the head (the routed blocks are taken apart by
     ``routed_pieces``): the kernels its forward + backward launches and their device time, each layer fed the
     previous layers' output as the pipeline feeds it."""
@@ -924,14 +939,14 @@ def layer_kernels(specs: list, kinds: list[str], tokens: torch.Tensor, device: s
             def step(module=module, call=call, x=x):
                 outs = [t for t in tensors_of(call(detach_input(x))) if t.requires_grad]
                 torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-            found[kind] = kernel_profile(step, device)
+            found[kind] = kernel_profile(step, device, calls)
         with torch.no_grad():
             x = call(x)
         del module
     return found
 
 
-def routed_pieces(block, cfg, b: int, seq: int, device: str, dtype: torch.dtype, timer) -> dict:
+def routed_pieces(block, cfg, b: int, seq: int, device: str, dtype: torch.dtype, timer, calls: int = 3) -> dict:
     """A routed block taken apart as DeepSpeed runs it: fwd + bwd seconds of the block, its attention (with its
     input norm), its routed MLP (the
     MoE layer, the shared experts), the MoE layer alone, the experts alone on the slots DeepSpeed hands them,
@@ -958,14 +973,14 @@ def routed_pieces(block, cfg, b: int, seq: int, device: str, dtype: torch.dtype,
         outs = [o for o in (out if isinstance(out, tuple) else (out,)) if torch.is_tensor(o) and o.requires_grad]
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
-    calls = {"block": lambda: block((h, torch.zeros((), device=device))),
+    pieces = {"block": lambda: block((h, torch.zeros((), device=device))),
              "attention": lambda: block.attn(block.input_norm(h)),
              "routed MLP": lambda: mlp(h)[0], "MoE layer": lambda: mlp.moe(h)[0],
              "experts": lambda: torch.cat([e(chunk) for e in experts], dim=1)}
     if mlp.shared is not None:
-        calls["shared"] = lambda: mlp.shared(h)
-    seconds = {k: sum(forward_backward_s(f, grads, timer)) for k, f in calls.items()}
-    kernels_of = {k: kernel_profile(lambda f=f: grads(f()), device) for k, f in calls.items()}
+        pieces["shared"] = lambda: mlp.shared(h)
+    seconds = {k: sum(forward_backward_s(f, grads, timer)) for k, f in pieces.items()}
+    kernels_of = {k: kernel_profile(lambda f=f: grads(f()), device, calls) for k, f in pieces.items()}
     step = lambda: grads(mlp.moe(h)[0])  # noqa: E731
     kernels, kernel_s, _ = kernels_of["MoE layer"]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -991,17 +1006,15 @@ def today_part(t: Target, out: Path) -> dict:
 
     from bench.gpu_fidelity import layer_kinds, price_pieces  # the records' pricer prices the live table too
     from ds_pipe_ext.costs.estimate import EstimateRequest, estimate_layers
-    from ds_pipe_ext.costs.gpu_timing import cuda_timer
     from ds_pipe_ext.costs.hardware import get_device
     from ds_pipe_ext.costs.layers import build_for_profiling
     from ds_pipe_ext.costs.profiler import TORCH_DTYPES, profile_layers
-    from ds_pipe_ext.costs.types import ProfileSettings
     from ds_pipe_ext.models import family_of
 
     device, dtype = ("cuda", "bf16") if t.cuda else ("cpu", "fp32")
     spec = get_device(spec_name(t), calibrated=False, cache_dir=str(out / "cache"))
-    timer = cuda_timer()
-    settings = ProfileSettings(warmup=2, repeats=5, cache_dir=None, progress=False)
+    timer = t.timer()
+    settings = t.profile_settings()
     rows, piece_rows, records, worst_time, worst_bytes, worst_moe = [], [], [], {}, 0.0, 0.0
     failed = []
     for name, overrides, b, seq in TODAY_CASES[t.cuda]:
@@ -1017,7 +1030,7 @@ def today_part(t: Target, out: Path) -> dict:
             est = estimate_layers(cfg, req, spec)
             kinds = layer_kinds(cfg)
             assert len(kinds) == len(measured) == len(est), (len(kinds), len(measured), len(est))
-            kernels_of = layer_kernels(specs, kinds, tokens[:, :-1], device, TORCH_DTYPES[dtype])
+            kernels_of = layer_kernels(specs, kinds, tokens[:, :-1], device, TORCH_DTYPES[dtype], t.profiled_calls)
             seen = set()
             for i, (kind, m, e) in enumerate(zip(kinds, measured, est)):
                 if kind in seen:
@@ -1044,7 +1057,7 @@ def today_part(t: Target, out: Path) -> dict:
                 if " routed" not in kind or kind.startswith("mtp"):
                     continue
                 module, _ = build_for_profiling(specs[i], device)
-                got = routed_pieces(module, cfg, b, seq, device, TORCH_DTYPES[dtype], timer)
+                got = routed_pieces(module, cfg, b, seq, device, TORCH_DTYPES[dtype], timer, t.profiled_calls)
                 del module
                 priced_ms, priced_kernels = price_pieces(cfg, replace(req, expert_imbalance=got["imbalance"]), spec, i)
                 priced_of = {piece: ms / 1e3 for piece, ms in priced_ms.items()}

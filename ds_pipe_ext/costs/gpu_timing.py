@@ -18,14 +18,16 @@ from collections.abc import Callable
 Timer = Callable[[Callable[[], object]], float]  # seconds per call of a function, timed as a loop
 
 
-def cuda_timer() -> Timer:
-    """``do_bench`` (its defaults, the median call) where triton imports, else torch's ``blocked_autorange``."""
+def cuda_timer(min_run_time: float = 0.2) -> Timer:
+    """``do_bench`` (its defaults, the median call) where triton imports, else torch's ``blocked_autorange`` over
+    at least ``min_run_time`` seconds."""
     try:
         from triton.testing import do_bench
     except ImportError:
         from torch.utils.benchmark import Timer as TorchTimer
 
-        return lambda fn: TorchTimer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.2).median
+        return lambda fn: TorchTimer(stmt="fn()", globals={"fn": fn}).blocked_autorange(
+            min_run_time=min_run_time).median
     return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
 
 
