@@ -67,8 +67,8 @@ def result_line(log: str) -> str | None:
 
 def run_smoke(benches: list[Path], *, jobs: int = 2, timeout_s: float = 300.0, work: Path | None = None) -> list[dict]:
     """Each bench's ``--smoke`` forked from this process, ``jobs`` at a time, each in its own directory under
-    ``work`` (its relative outputs land there); per bench: name, ok, returncode, seconds, its RESULT line, and the
-    end of its log where it failed."""
+    ``work`` (its relative outputs land there); per bench: name, ok, returncode, seconds, CPU seconds (its own and
+    its ranks', which it reaps), its RESULT line, and the end of its log where it failed."""
     from ds_pipe_ext.forked_launch import FORK_ENV, fork_script
 
     _preimport()
@@ -95,14 +95,14 @@ def run_smoke(benches: list[Path], *, jobs: int = 2, timeout_s: float = 300.0, w
             running[pid] = (bench, log, time.monotonic())
         time.sleep(0.05)
         for pid, (bench, log, t0) in list(running.items()):
-            done, status = os.waitpid(pid, os.WNOHANG)
+            done, status, usage = os.wait4(pid, os.WNOHANG)
             late = not done and time.monotonic() - t0 > timeout_s
             if late:
                 try:
                     os.killpg(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                _, status = os.waitpid(pid, 0)
+                _, status, usage = os.wait4(pid, 0)
             elif not done:
                 continue
             del running[pid]
@@ -111,9 +111,11 @@ def run_smoke(benches: list[Path], *, jobs: int = 2, timeout_s: float = 300.0, w
             line = result_line(text)
             ok = code == 0 and line is not None and not late
             results.append({"bench": f"bench/{bench.name}", "ok": ok, "returncode": code, "timed_out": late,
-                            "seconds": round(time.monotonic() - t0, 1), "result": line,
+                            "seconds": round(time.monotonic() - t0, 1),
+                            "cpu_s": round(usage.ru_utime + usage.ru_stime, 1), "result": line,
                             "log_tail": None if ok else text[-4000:]})
-            print(f"{'ok  ' if ok else 'FAIL'} {bench.name:<28} {results[-1]['seconds']:6.1f} s  "
+            print(f"{'ok  ' if ok else 'FAIL'} {bench.name:<28} {results[-1]['seconds']:6.1f} s "
+                  f"{results[-1]['cpu_s']:6.1f} CPU-s  "
                   f"{(line or 'no RESULT line')[:90]}", file=sys.stderr, flush=True)
     return results
 
