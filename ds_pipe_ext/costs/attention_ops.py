@@ -86,25 +86,25 @@ def sink_softmax(op: OpCost, shp: Shape) -> OpCost:
                    weight_bytes=shp.a / shp.t * shp.e, weights=(shp.a // shp.t,))
 
 
-def fused_sink_core(ops: list[OpCost], shp: Shape, kv_heads: int | None) -> list[OpCost]:
+def fused_sink_core(ops: list[OpCost], shp: Shape, kv_heads: int | None, *, flash: bool) -> list[OpCost]:
     """``ops`` with the fused core of attention with sinks in place of the fused kernel alone: the kernel as
     "sink_attention" (the backend ``arch.attention_backend(..., sinks=True)`` says; the window's mask, made once
     a shape, is not saved), then the rescale as ``models.sinks.FusedSinkAttention`` runs it: forward the weights
     from the log-sum-exp and the output times them (2 passes of q's size, e bytes an element; 5 kernels);
     backward the gradient times them and its product with the saved output summed a row (6 passes; 12 kernels).
-    A GPU's FlashAttention-2 takes the batch as one sequence after another: v is copied into that order, and at
-    b > 1 q and k forward, the rescaled gradient and the output backward (b 1's are views).  The output it saves
+    ``flash``: the kernel is a GPU's FlashAttention-2 (a CPU's flash kernel otherwise), which takes the batch as one
+    sequence after another: v is copied into that order, and at b > 1 q and k forward, the rescaled gradient and
+    the output backward (b 1's are views).  The output it saves
     is the out projection's input (``models.sinks`` lays it out so), counted there."""
     heads = shp.sbA / shp.t  # a rank's q-shaped elements
     kv = heads * (kv_heads or shp.a) / shp.a
     rows = shp.b * shp.s * shp.a / shp.t
-    gpu = not shp.dense_window_mask
-    fwd_copies = (2 * kv + (2 * (heads + kv) if shp.b > 1 else 0)) * shp.e if gpu else 0.0
-    bwd_copies = 4 * heads * shp.e if gpu and shp.b > 1 else 0.0
+    fwd_copies = (2 * kv + (2 * (heads + kv) if shp.b > 1 else 0)) * shp.e if flash else 0.0
+    bwd_copies = 4 * heads * shp.e if flash and shp.b > 1 else 0.0
     rescale = OpCost("sink_rescale", "vector", fwd_flops=heads + 4 * rows, bwd_flops=3 * heads + 6 * rows,
                      fwd_bytes=2 * heads * shp.e + 16 * rows + fwd_copies,
                      bwd_bytes=6 * heads * shp.e + 32 * rows + bwd_copies,
-                     kernels=(5 + 3 * gpu, 12 + 2 * gpu),
+                     kernels=(5 + 3 * flash, 12 + 2 * flash),
                      weight_bytes=shp.a / shp.t * shp.e, weights=(shp.a // shp.t,))
     out = []
     for op in ops:

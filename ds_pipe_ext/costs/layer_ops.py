@@ -76,7 +76,7 @@ def block_ops(desc, block, shp: A.Shape, *, expert_imbalance: float = 1.0, devic
                               kernel=kernel,
                               window=att.window if att else None, head_norm=att.qk_norm if att else False)
     if att is not None and (att.mla is not None or att.sinks or att.out_bias):
-        ops = _attention_variant(ops, shaped, att, kernel)
+        ops = _attention_variant(ops, shaped, att, kernel, device)
     half = next(i for i, op in enumerate(ops) if op.name == "residual_1") + 1
     if att is None:  # the MLP's half alone
         ops = ops[half:]
@@ -87,7 +87,7 @@ def block_ops(desc, block, shp: A.Shape, *, expert_imbalance: float = 1.0, devic
     return ops
 
 
-def _attention_variant(ops: list, shp: A.Shape, att, kernel: str) -> list:
+def _attention_variant(ops: list, shp: A.Shape, att, kernel: str, device: str | None) -> list:
     """A block's ops with DeepSeek-V3's or gpt-oss's attention in place (``costs.attention_ops``): MLA between the
     input norm and the first residual; the sinks' wider softmax; the out projection's bias."""
     names = [op.name for op in ops]
@@ -95,7 +95,7 @@ def _attention_variant(ops: list, shp: A.Shape, att, kernel: str) -> list:
         start, end = names.index("ln_1") + 1, names.index("out_proj") + 1
         ops = ops[:start] + attention_ops.mla_attention(shp, att.mla) + ops[end:]
     if att.sinks and kernel == "fused":
-        ops = attention_ops.fused_sink_core(ops, shp, att.kv_heads)
+        ops = attention_ops.fused_sink_core(ops, shp, att.kv_heads, flash=runs_on_gpu(device))
     elif att.sinks:
         ops = [attention_ops.sink_softmax(op, shp) if op.name == "softmax" else op for op in ops]
         ops = attention_ops.sink_core(ops, shp, att.kv_heads)
