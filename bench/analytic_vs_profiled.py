@@ -121,7 +121,8 @@ def layer_times(grid=GRID, fit=FIT, passes=PASSES) -> float:
         points += calibration_points(cfg, EstimateRequest(key[1], key[2], dtype="fp32"), cpu, times)
     calibrated = fit_device(cpu, points, dtype="fp32")
     print(f"\ncpu spec (measured): matmul {cpu.matrix_flops['fp32'] / 1e9:.1f} GFLOP/s, vector "
-          f"{cpu.vector_flops['fp32'] / 1e9:.2f} G/s, copy {cpu.hbm_bandwidth / 1e9:.1f} GB/s, fill "
+          f"{cpu.vector_flops['fp32'] / 1e9:.2f} G/s, copy {cpu.hbm_bandwidth / 1e9:.1f} GB/s, add_ "
+          f"{cpu.add_bandwidth / 1e9:.1f} GB/s (as a copy's bytes), fill "
           f"{cpu.fill_bandwidth / 1e9:.1f} GB/s, a row op {cpu.row_op_s * 1e6:.2f} us (its backward's add "
           f"{cpu.row_add_s * 1e6:.2f} us), dropout draws {cpu.random_rate / 1e6:.0f} M/s, first touch "
           f"{cpu.fresh_page_bandwidth / 1e9:.2f} GB/s above {cpu.fresh_alloc_min_bytes / 2**20:.0f} MiB "

@@ -3,6 +3,7 @@
 import pytest
 
 from ds_pipe_ext.costs import analytic as A
+from ds_pipe_ext.costs import attention_ops
 from ds_pipe_ext.costs import edge_ops as E
 from ds_pipe_ext.costs.hardware import DEVICES
 
@@ -165,6 +166,33 @@ def test_a_cpu_backward_adds_each_weight_gradient_into_the_last_at_a_copys_time(
     assert dev.op_time(softmax, dtype="fp32", tp=1, backward=True)["accumulate_s"] == 0.0
     # a GPU spec prices it among its kernels (gpu_pricing.grad_accumulate_s), not on the roofline
     assert get_device("h100").op_time(emb, dtype="bf16", tp=1, backward=True)["accumulate_s"] == 0.0
+
+
+def test_a_measured_add_rate_prices_the_accumulation_and_the_in_place_sums():
+    """A spec that timed add_ itself (``add_bandwidth``, counted as a copy's two bytes a byte) prices autograd's
+    accumulation and MTP's in-place sum of the shifted lookups' tables at that rate, the rest of the op's bytes at
+    the copy's: the embedding's accumulation 2 x 102,926,336 / 25e9 s; mtp_lookups' backward of depth 1 moves its
+    output gradient and the fresh table at the copy rate, zeroes the table at the fill rate and adds it in place
+    (3 x the table's bytes moved, timed as 2 x at the add rate)."""
+    from dataclasses import replace
+
+    from ds_pipe_ext.costs.hardware import get_device
+
+    shp = A.Shape(b=1, s=128, h=512, a=8, f=2048, V=50257, e=4, m=4, dropout=False)
+    emb = E.embedding(shp, positions=False)[0]
+    dev = replace(get_device("a100"), hbm_bandwidth=20e9, fill_bandwidth=10e9, add_bandwidth=25e9,
+                  memory_efficiency=1.0, gpu=None)
+    assert dev.op_time(emb, dtype="fp32", tp=1, backward=True)["accumulate_s"] == pytest.approx(
+        2 * 102_926_336 / 25e9, rel=1e-12)
+    table = 102_926_336
+    lookups = attention_ops.mtp_lookups(shp, 1)
+    assert (lookups.bwd_bytes, lookups.bwd_fill_bytes, lookups.bwd_inplace_bytes) == (
+        2 * 128 * 512 * 4 + 4 * table, table, 3 * table)
+    assert dev.op_time(lookups, dtype="fp32", tp=1, backward=True)["memory_s"] == pytest.approx(
+        2 * 128 * 512 * 4 / 20e9 + table / 10e9 + 2 * table / 25e9, rel=1e-12)
+    # without a measured add rate, a copy's
+    assert replace(dev, add_bandwidth=0.0).op_time(lookups, dtype="fp32", tp=1, backward=True)["memory_s"] == \
+        pytest.approx(2 * 128 * 512 * 4 / 20e9 + table / 10e9 + 2 * table / 20e9, rel=1e-12)
 
 
 def test_a_cpu_draws_each_dropout_mask_element_at_its_measured_rate():

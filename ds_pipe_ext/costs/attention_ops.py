@@ -156,8 +156,8 @@ def mtp_lookups(shp: Shape, depth: int) -> OpCost:
     """The embedding layer's lookups of the ids shifted by 1 .. ``depth`` (the table is the layer's own; each
     keeps its ids for the backward).  Each lookup's backward is a dense gradient of the whole table, as the main
     lookup's (``edge_ops.embedding``): zeroed, its rows added, then summed into the others' in place (autograd's
-    input buffer: an ``add_``, read two, write one; ``bwd_inplace_bytes``: a CPU takes a copy's time over them,
-    add_ over two 19 MiB tables 0.84 of a copy's time here)."""
+    input buffer: an ``add_``, read two, write one; ``bwd_inplace_bytes``: a CPU prices them at its measured add_
+    rate, ``DeviceSpec.in_place_bandwidth``)."""
     T, h, e = shp.tokens, shp.h, shp.e
     table = (-(-shp.V // shp.t)) * h * e
     return OpCost("mtp_lookups", "vector", fwd_bytes=2 * depth * T * h * e,

@@ -20,7 +20,7 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     each the fastest of its timed runs.
 
     matmul: 1024^3 GEMMs.  Memory bandwidth: a copy between two warm 64 MiB buffers (beyond the
-    caches).  Vector peak: an add on warm 128 KiB buffers (cache-resident, so it measures the
+    caches), and an in-place add over them (``add_bandwidth``: autograd's accumulation).  Vector peak: an add on warm 128 KiB buffers (cache-resident, so it measures the
     arithmetic, not the memory traffic the roofline charges separately).  First touches: filling a
     fresh anonymous 64 MiB mapping (what glibc returns above its mmap threshold) against filling a
     warm buffer; the difference is the page faults.  Zeroing a warm 256 MiB buffer (``fill_bandwidth``),
@@ -41,7 +41,7 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     steady_host_allocator()
     threads = torch.get_num_threads()
     mmap_min = training_mmap_threshold()  # what train.py's ranks map afresh (steady_host_allocator)
-    path = Path(cache_dir) / f"cpu-spec-v16-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
+    path = Path(cache_dir) / f"cpu-spec-v17-{threads}threads-mmap{int(mmap_min)}.json" if cache_dir else None
     # the ranks of a launch on a fresh machine: one measures, the others read
     return measured_once(path, lambda: _measure_cpu_now(mmap_min, seconds), parse=lambda d: DeviceSpec(**d),
                          dump=asdict)
@@ -71,6 +71,8 @@ def _measure_cpu_now(mmap_min: float, seconds: float) -> DeviceSpec:
     x = torch.empty(16 * 2**20)  # 64 MiB: beyond the caches
     y = torch.empty_like(x)
     bw = 2 * x.nbytes / seconds_per_call(lambda: y.copy_(x))
+    # autograd's accumulation (grad += new_grad) over the same pair, counted as the copy is: 0.80-0.84 of its time
+    add = 2 * x.nbytes / seconds_per_call(lambda: y.add_(x))
     small, small_out = torch.ones(32 * 2**10), torch.ones(32 * 2**10)  # 128 KiB each: cache-resident
     vec = small.numel() / seconds_per_call(lambda: torch.add(small, small_out, out=small_out), batch=20)
     # first touches of an anonymous mapping (what glibc hands out above its threshold), whatever this
@@ -140,7 +142,7 @@ def _measure_cpu_now(mmap_min: float, seconds: float) -> DeviceSpec:
     spec = DeviceSpec("cpu", {"fp32": mm, "bf16": mm}, {"fp32": vec, "bf16": vec}, bw, bw, bw, ram, gpus_per_node=1,
                       matrix_efficiency=1.0, attention_efficiency=1.0, vector_efficiency=1.0, memory_efficiency=1.0,
                       comm_efficiency=1.0, fresh_page_bandwidth=faults, fresh_alloc_min_bytes=mmap_min,
-                      fill_bandwidth=fill, random_rate=random, row_op_s=row_op, row_add_s=row_add,
+                      fill_bandwidth=fill, add_bandwidth=add, random_rate=random, row_op_s=row_op, row_add_s=row_add,
                       misaligned_output_efficiency=min(misaligned, 1.0), exp_rate=exps,
                       host_op_s=host_op, host_op_bwd_s=host_op_bwd)
     return spec
@@ -182,6 +184,6 @@ def median_of(specs: list[DeviceSpec]) -> DeviceSpec:
 
     return replace(specs[0], matrix_flops={"fp32": median("matrix_flops"), "bf16": median("matrix_flops")},
                    vector_flops={"fp32": median("vector_flops"), "bf16": median("vector_flops")},
-                   **{key: median(key) for key in ("hbm_bandwidth", "fill_bandwidth", "random_rate", "row_op_s",
-                                                   "row_add_s", "fresh_page_bandwidth", "exp_rate", "host_op_s",
-                                                   "host_op_bwd_s")})
+                   **{key: median(key) for key in ("hbm_bandwidth", "fill_bandwidth", "add_bandwidth", "random_rate",
+                                                   "row_op_s", "row_add_s", "fresh_page_bandwidth", "exp_rate",
+                                                   "host_op_s", "host_op_bwd_s")})

@@ -39,6 +39,10 @@ class DeviceSpec:
     # bytes/s of zeroing a fresh buffer (a dense gradient table); 0: the memory bandwidth.  Measured by
     # measure_cpu: on a CPU it runs at half to two thirds of what a copy moves
     fill_bandwidth: float = 0.0
+    # bytes/s of an in-place add of one buffer into another beyond the caches (autograd's accumulation,
+    # ``grad += new_grad``), counted as ``hbm_bandwidth`` counts a copy: two bytes per byte of the destination.
+    # Measured by measure_cpu: add_ takes 0.80-0.84 of a copy's time over 64-98 MiB here; 0: a copy's rate
+    add_bandwidth: float = 0.0
     # random elements/s a dropout mask draws; 0: free beyond the op's memory traffic (GPUs draw them in
     # the fused kernel).  A CPU draws them one thread at a time, ~7 ns each: more than the op's traffic
     random_rate: float = 0.0
@@ -126,7 +130,8 @@ class DeviceSpec:
             compute = flops / (peak * self.efficiency(op.kind) * self.shape_factor(op, dtype=dtype, backward=backward))
             compute = self.measured_kernels_s(op, compute, backward=backward)
             filled, in_place = (op.bwd_fill_bytes, op.bwd_inplace_bytes) if backward else (0.0, 0.0)
-            memory = ((moved - filled - in_place / 3) / self.hbm_bandwidth
+            # an in-place add's three transfers a byte (two reads, one write) are timed as its two counted bytes
+            memory = ((moved - filled - in_place) / self.hbm_bandwidth + 2 * in_place / 3 / self.in_place_bandwidth
                       + filled / (self.fill_bandwidth or self.hbm_bandwidth)) / self.memory_efficiency
             accumulate = self.grad_accumulate_s(op, dtype=dtype, execution=execution) if backward else 0.0
         comm_bytes = op.comm_bwd_bytes if backward else op.comm_fwd_bytes
@@ -165,14 +170,20 @@ class DeviceSpec:
         added into it) is a second table, added into the first.
 
         The in-place add reads both and writes a line it has just read: three transfers over the memory bus,
-        as many as a copy makes (its source read, its destination read for ownership, then written), whose
-        rate the measured spec's bandwidth is (two bytes counted per byte copied).  So it takes a copy's time,
-        2 x its bytes at that rate: add_ ran at 0.85-0.88 of a copy's time over 31-98 MiB on the CI machine.
-        A GPU spec prices the same pass among its kernels (``gpu_pricing.grad_accumulate_s``); Megatron's fused
+        as many as a copy makes (its source read, its destination read for ownership, then written), so it is
+        counted as a copy's bytes, 2 x the gradient's, at the rate a measured spec times add_ itself
+        (``in_place_bandwidth``): add_ took 0.80-0.88 of a copy's time over 31-98 MiB on the CI machine, and
+        a copy's rate priced every embedding 6-19% over its profile (2026-11-30).  A GPU spec prices the same pass among its kernels (``gpu_pricing.grad_accumulate_s``); Megatron's fused
         accumulation makes none."""
         if not op.weights or execution == "megatron":
             return 0.0
-        return 2 * sum(op.weights) * DTYPE_BYTES.get(dtype, 4) / (self.hbm_bandwidth * self.memory_efficiency)
+        return 2 * sum(op.weights) * DTYPE_BYTES.get(dtype, 4) / (self.in_place_bandwidth * self.memory_efficiency)
+
+    @property
+    def in_place_bandwidth(self) -> float:
+        """The rate of an in-place add beyond the caches, counted as a copy's: measured (``add_bandwidth``), else a
+        copy's."""
+        return self.add_bandwidth or self.hbm_bandwidth
 
     def _gpu_kernels_s(self, op: OpCost, *, dtype: str, backward: bool, execution: str,
                        attention_backend: str | None) -> float:

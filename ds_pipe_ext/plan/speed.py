@@ -43,6 +43,7 @@ def at_speed(device: DeviceSpec, factor: float, *, links: bool = False) -> Devic
     out = replace(device, matrix_flops={k: v * factor for k, v in device.matrix_flops.items()},
                   vector_flops={k: v * factor for k, v in device.vector_flops.items()},
                   hbm_bandwidth=device.hbm_bandwidth * factor, fill_bandwidth=device.fill_bandwidth * factor,
+                  add_bandwidth=device.add_bandwidth * factor,
                   random_rate=device.random_rate * factor,
                   fresh_page_bandwidth=device.fresh_page_bandwidth * factor)
     if device.gpu is not None:  # a GPU's launches and its host's dispatch take their time at the same speed
