@@ -7,7 +7,6 @@ layout).  The first two need only per-layer costs; the third knows the split.
 
 from __future__ import annotations
 
-from ..costs.stage import stage_costs
 from ..costs.zero import state_bytes_per_param
 from ..layout import Layout
 from ..simulate.step_model import FixedStages, step_lower_bound
@@ -44,8 +43,7 @@ def split_step_bound(model: PlanModel, lay: Layout, parts: list[int]) -> float:
     if lay.pp == 1:
         return 0.0
     costs = model.costs_of(lay)
-    stages = stage_costs(costs, parts, micro_batches=lay.micro_batches, recompute=lay.recompute == "full",
-                         schedule=lay.schedule_spec.name)
+    stages = model.columns_of(lay).stages(parts, micro_batches=lay.micro_batches, schedule=lay.schedule_spec.name)
     sm = model.step_model
     order = lay.schedule_spec.chunk_rank(lay.pp)
     params, experts = [0.0] * lay.pp, [0.0] * lay.pp

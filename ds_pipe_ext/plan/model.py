@@ -35,7 +35,7 @@ from ..costs.estimate import (DTYPE_BYTES, EstimateRequest, analytic_layer_costs
                               shape_for)
 from ..costs.layer_ops import layer_ops
 from ..costs.hardware import DeviceSpec
-from ..costs.stage import held_activation_bytes, stage_costs, with_layer_recompute
+from ..costs.stage import LayerColumns, held_activation_bytes, stage_costs, with_layer_recompute
 from ..costs.peak import ZeroSettings, step_peak, walks_schedule
 from ..costs.peak_rule import PipelinePeakRule
 from ..costs.zero import RankMemory, layer_states_by_rule, rank_memory, state_bytes_per_param
@@ -201,6 +201,15 @@ class PlanModel(RankUpdate):
 
     def costs_of(self, lay: Layout) -> tuple:
         return self.layer_costs(lay.tp, lay.sp, lay.micro_batch, lay.recompute, lay.ep, self.zero3_linear(lay))
+
+    @lru_cache(maxsize=None)
+    def _columns(self, tp: int, sp: bool, micro_batch: int, recompute: str, ep: int, zero3: bool) -> LayerColumns:
+        return LayerColumns(self.layer_costs(tp, sp, micro_batch, recompute, ep, zero3), recompute=recompute == "full")
+
+    def columns_of(self, lay: Layout) -> LayerColumns:
+        """``costs_of(lay)`` read into columns once (``costs.stage.LayerColumns``): the search prices many splits
+        of each layout's layers."""
+        return self._columns(lay.tp, lay.sp, lay.micro_batch, lay.recompute, lay.ep, self.zero3_linear(lay))
 
     @lru_cache(maxsize=None)
     def totals(self, tp: int, sp: bool, micro_batch: int, recompute: str,
@@ -374,13 +383,12 @@ class PlanModel(RankUpdate):
         (``update=False``: without the work after each rank's last backward; ``timeline``: keep the
         simulation's timeline, for a chart; ``modes``: a recompute mode per layer, on the layout's costs
         without recompute)."""
-        costs = self.costs_of(lay)
-        full = lay.recompute == "full"
+        costs, columns = self.costs_of(lay), self.columns_of(lay)
         if modes is not None:
-            costs, full = with_layer_recompute(costs, modes, selective_built=False), False
+            costs = with_layer_recompute(costs, modes, selective_built=False)
+            columns = LayerColumns(costs, recompute=False)
         parts = parts or self.partition(lay)
-        stages = stage_costs(costs, parts, micro_batches=lay.micro_batches, recompute=full,
-                             schedule=lay.schedule_spec.name)
+        stages = columns.stages(parts, micro_batches=lay.micro_batches, schedule=lay.schedule_spec.name)
         m = lay.micro_batches
         spec = lay.schedule_spec
         chunk_rank = spec.chunk_rank(lay.pp)
