@@ -37,7 +37,7 @@ class DeviceSpec:
     fresh_page_bandwidth: float = 0.0  # bytes/s of first touches
     fresh_alloc_min_bytes: float = 32 * 2**20  # glibc's largest dynamic mmap threshold (64-bit)
     # bytes/s of zeroing a fresh buffer (a dense gradient table); 0: the memory bandwidth.  Measured by
-    # measure_cpu: on a CPU it runs at half to two thirds of what a copy moves
+    # measure_cpu on a warm 256 MiB buffer: 16-20 GB/s here, about a copy's counted rate
     fill_bandwidth: float = 0.0
     # bytes/s of an in-place add of one buffer into another beyond the caches (autograd's accumulation,
     # ``grad += new_grad``), counted as ``hbm_bandwidth`` counts a copy: two bytes per byte of the destination.
