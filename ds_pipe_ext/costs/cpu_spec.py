@@ -20,8 +20,9 @@ def measure_cpu(cache_dir: str | None = ".ds_pipe_ext_cache", *, seconds: float 
     each the fastest of its timed runs.
 
     matmul: 1024^3 GEMMs.  Memory bandwidth: a copy between two warm 64 MiB buffers (beyond the
-    caches), and an in-place add over them (``add_bandwidth``: autograd's accumulation).  Vector peak: an add on warm 128 KiB buffers (cache-resident, so it measures the
-    arithmetic, not the memory traffic the roofline charges separately).  First touches: filling a
+    caches), and an in-place add over them (``add_bandwidth``: autograd's accumulation).  Vector peak: an
+    add on warm 128 KiB buffers (cache-resident, so it measures the arithmetic, not the memory traffic the
+    roofline charges separately).  First touches: filling a
     fresh anonymous 64 MiB mapping (what glibc returns above its mmap threshold) against filling a
     warm buffer; the difference is the page faults.  Zeroing a warm 256 MiB buffer (``fill_bandwidth``),
     drawing a dropout mask of 2^20 elements (``random_rate``) and looking up rows of a table beyond the

@@ -173,8 +173,8 @@ class DeviceSpec:
         as many as a copy makes (its source read, its destination read for ownership, then written), so it is
         counted as a copy's bytes, 2 x the gradient's, at the rate a measured spec times add_ itself
         (``in_place_bandwidth``): add_ took 0.80-0.88 of a copy's time over 31-98 MiB on the CI machine, and
-        a copy's rate priced every embedding 6-19% over its profile (2026-11-30).  A GPU spec prices the same pass among its kernels (``gpu_pricing.grad_accumulate_s``); Megatron's fused
-        accumulation makes none."""
+        a copy's rate priced every embedding 6-19% over its profile (2026-11-30).  A GPU spec prices the same
+        pass among its kernels (``gpu_pricing.grad_accumulate_s``); Megatron's fused accumulation makes none."""
         if not op.weights or execution == "megatron":
             return 0.0
         return 2 * sum(op.weights) * DTYPE_BYTES.get(dtype, 4) / (self.in_place_bandwidth * self.memory_efficiency)

@@ -70,8 +70,8 @@ class LayoutSplits:
             return partition_min_max_lists(
                 [c.time_s(recompute=full) for c in costs], chunks, **self._memory_lists(lay, costs),
                 micro_batches=lay.micro_batches, memory_cap=self.memory_cap / lay.chunks_per_rank if capped else None,
-                boundary_time=[link.latency_s + c.output_bytes / link.bandwidth for c in costs], schedule=lay.schedule_spec.name,
-                explain_infeasible=False)
+                boundary_time=[link.latency_s + c.output_bytes / link.bandwidth for c in costs],
+                schedule=lay.schedule_spec.name, explain_infeasible=False)
         except InfeasibleMemoryCap:
             raise OutOfMemory(None) from None
 
@@ -101,7 +101,7 @@ class LayoutSplits:
                                             tp=lay.tp))
         dualpipev = lay.schedule_spec.kind == "dualpipev"  # it balances each rank's pair by time alone
         return list(_analytic_split(states, lay.num_chunks, lay.micro_batches, lay.recompute == "full",
-                               lay.schedule_spec.name, self.step_model,
-                               None if dualpipev else self.split_link(lay).bandwidth,
-                               None if dualpipev else self.memory_cap / lay.chunks_per_rank / 2**30,
-                               None if dualpipev else self.peak_rule(lay)))
+                                    lay.schedule_spec.name, self.step_model,
+                                    None if dualpipev else self.split_link(lay).bandwidth,
+                                    None if dualpipev else self.memory_cap / lay.chunks_per_rank / 2**30,
+                                    None if dualpipev else self.peak_rule(lay)))
