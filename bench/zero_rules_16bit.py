@@ -52,6 +52,9 @@ def worker(cases: str) -> None:
     import deepspeed
     import torch
 
+    from ds_pipe_ext.compat.cpu_shims import skip_deepspeed_shm_op
+
+    skip_deepspeed_shm_op()  # CPU only: DeepSpeed's shared-memory op would be compiled at start-up
     deepspeed.init_distributed(dist_backend="gloo")
     for case in cases.split(","):
         one_case(case)

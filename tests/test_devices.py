@@ -66,6 +66,19 @@ def test_every_factory_call_names_its_device_or_is_reviewed_as_cpu():
     assert set(CPU_BY_DESIGN) <= used, f"stale entries: {set(CPU_BY_DESIGN) - used}"
 
 
+def test_every_script_that_starts_deepspeeds_group_skips_its_cpu_shm_build():
+    """On a CPU, DeepSpeed's ``init_distributed`` JIT-compiles its shared-memory op (C++, ~26 s of both cores here),
+    which only CPU inference's all-reduce uses, and compiles it again whenever another checkout's build flags are in
+    ~/.cache/torch_extensions: each file that starts DeepSpeed's group calls ``skip_deepspeed_shm_op`` first (a
+    bench that did not took 28-32 s where it takes 5)."""
+    root = PACKAGE.parent
+    starts = [f for d in ("ds_pipe_ext", "bench", "examples", "tests") for f in sorted((root / d).rglob("*.py"))
+              if "deepspeed.init_distributed(" in f.read_text() and f.name != "test_devices.py"]
+    assert len(starts) >= 6, starts
+    missing = [str(f.relative_to(root)) for f in starts if "skip_deepspeed_shm_op()" not in f.read_text()]
+    assert not missing, f"call compat.cpu_shims.skip_deepspeed_shm_op() before deepspeed.init_distributed in {missing}"
+
+
 def test_every_torch_load_names_where_its_tensors_go():
     assert _calls("load".__eq__, "map_location") == []
 
