@@ -37,11 +37,9 @@ def as_cpu_ranks(device, ranks: int):
 
     got = measure_cpu_ranks(ranks)
     mm, mem = got["shared"]["matrix"], got["shared"]["memory"]
-    return replace(device, collectives=got["collectives"],
+    return replace(device.with_streaming_memory(mem), collectives=got["collectives"],
                    matrix_flops={k: v * mm for k, v in device.matrix_flops.items()},
                    vector_flops={k: v * mm for k, v in device.vector_flops.items()},
-                   hbm_bandwidth=device.hbm_bandwidth * mem, fill_bandwidth=device.fill_bandwidth * mem,
-                   add_bandwidth=device.add_bandwidth * mem,
                    random_rate=device.random_rate * mm)
 
 

@@ -179,6 +179,12 @@ class DeviceSpec:
             return 0.0
         return 2 * sum(op.weights) * DTYPE_BYTES.get(dtype, 4) / (self.in_place_bandwidth * self.memory_efficiency)
 
+    def with_streaming_memory(self, factor: float) -> "DeviceSpec":
+        """This spec with every streaming memory rate (copy, zeroing, in-place add) times ``factor``: the rates a
+        slower or shared device scales together."""
+        return replace(self, hbm_bandwidth=self.hbm_bandwidth * factor, fill_bandwidth=self.fill_bandwidth * factor,
+                       add_bandwidth=self.add_bandwidth * factor)
+
     @property
     def in_place_bandwidth(self) -> float:
         """The rate of an in-place add beyond the caches, counted as a copy's: measured (``add_bandwidth``), else a

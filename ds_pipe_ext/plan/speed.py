@@ -40,10 +40,9 @@ def at_speed(device: DeviceSpec, factor: float, *, links: bool = False) -> Devic
     """``device`` with its compute and memory rates times ``factor`` (a GPU's launch and dispatch times
     divided by it); with ``links`` its measured
     collectives' bandwidths too (latencies divided by it) and its cluster's links."""
-    out = replace(device, matrix_flops={k: v * factor for k, v in device.matrix_flops.items()},
+    out = replace(device.with_streaming_memory(factor),
+                  matrix_flops={k: v * factor for k, v in device.matrix_flops.items()},
                   vector_flops={k: v * factor for k, v in device.vector_flops.items()},
-                  hbm_bandwidth=device.hbm_bandwidth * factor, fill_bandwidth=device.fill_bandwidth * factor,
-                  add_bandwidth=device.add_bandwidth * factor,
                   random_rate=device.random_rate * factor,
                   fresh_page_bandwidth=device.fresh_page_bandwidth * factor)
     if device.gpu is not None:  # a GPU's launches and its host's dispatch take their time at the same speed
