@@ -357,9 +357,9 @@ def price_pieces(cfg, req: EstimateRequest, spec, i: int) -> tuple[dict, int]:
 
 
 def price_today(row: dict) -> dict:
-    """A today block record priced as it ran: the profile's block at a balanced router (its input was the
-    previous layer's output, whose expert loads were not recorded), the loop-timed pieces at the capacity
-    measured on theirs; ms."""
+    """A today block record priced as it ran: the profile's block at the busiest load a uniformly random router
+    gives (``moe_ops.busiest_expert_load``; its input was the previous layer's output, whose expert loads were not
+    recorded), the loop-timed pieces at the capacity measured on theirs; ms."""
     spec = get_device("h200")
     cfg = config_as_ran(row["model"], row["overrides"])
     cfg = replace(cfg, seq_len=row["s"])
@@ -451,7 +451,8 @@ def main(argv=None) -> int:
     today_rows = read_today(Path(args.runs))
     if today_rows:
         print("\nThe today part's blocks (issue 77's and 78's families at their published widths; predicted, nothing "
-              "fitted): the profile (one call between events) at a balanced router; then each routed block's pieces, "
+              "fitted): the profile (one call between events) at a uniform router's busiest load; then each routed "
+              "block's pieces, "
               "loop-timed, priced at the capacity measured on their input\n"
               f"{'record':38s} {'model':14s} {'layer':24s} {'measured ms':>11s} {'predicted':>9s} {'err %':>6s}")
         for row in today_rows:

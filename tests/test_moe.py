@@ -2,6 +2,7 @@
 
 Its layers, profile and analytic costs: tests/test_moe_training.py."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -117,8 +118,8 @@ def test_analytic_routed_experts_under_tensor_parallelism():
 
     experts = load_model("moe-tiny").describe().blocks[1].experts
     shape = dict(b=1, s=32, h=64, a=4, f=96, V=512, e=4)
-    one = {op.name: op for op in routed_mlp(Shape(**shape), experts)}
-    two = {op.name: op for op in routed_mlp(Shape(**shape, t=2), experts, ep=2)}
+    one = {op.name: op for op in routed_mlp(Shape(**shape), experts, imbalance=1.0)}  # 16 slots: the mean load
+    two = {op.name: op for op in routed_mlp(Shape(**shape, t=2), experts, ep=2, imbalance=1.0)}
     for name in ("expert_gate_up", "expert_swiglu", "expert_down"):
         assert two[name].fwd_flops == one[name].fwd_flops / 2 and two[name].activation_bytes == one[name].activation_bytes / 2
     assert two["expert_gate_up"].weight_bytes == one["expert_gate_up"].weight_bytes / 2  # E / ep experts, whole
@@ -128,7 +129,65 @@ def test_analytic_routed_experts_under_tensor_parallelism():
                                                                                 4 * 16 * 64 * 4)
     assert two["dispatch_all_to_all"].comm_fwd_bytes == 4 * 8 * 64 * 4  # this TP rank's half of the slots
     assert "tp_gather_slots" not in one
-    assert slots_per_expert(30, experts, tp=2) == 16 and slots_per_expert(30, experts) == 15  # dropless: padded to tp
+    assert slots_per_expert(30, experts, 1.0, tp=2) == 16 and slots_per_expert(30, experts, 1.0) == 15  # padded to tp
+
+
+def _simulated_busiest_load(tokens: int, experts: int, top_k: int, ranks: int, trials: int) -> float:
+    """A uniformly random top-k router, simulated: each token's k distinct experts drawn at random on each rank;
+    the largest load over the ranks' experts, averaged over ``trials``."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    picks = np.argsort(rng.random((trials, ranks, tokens, experts)), axis=-1)[..., :top_k]
+    loads = np.zeros((trials, ranks, experts), dtype=np.int64)
+    for t in range(trials):
+        for r in range(ranks):
+            loads[t, r] = np.bincount(picks[t, r].ravel(), minlength=experts)
+    return float(loads.max(axis=(1, 2)).mean())
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, ranks", [(1024, 8, 2, 1), (512, 64, 8, 1), (256, 16, 4, 4)])
+def test_a_dropless_layers_slots_are_the_busiest_load_a_uniform_router_gives(tokens, experts, top_k, ranks):
+    """DeepSpeed's dropless capacity is the largest expert count, the MAX over the EP group: what a router that
+    favours no expert gives, within 1% of a simulated one; above the mean, the more so over more ranks."""
+    from ds_pipe_ext.costs.moe_ops import busiest_expert_load
+
+    load = busiest_expert_load(tokens, experts, top_k, ranks)
+    assert load == pytest.approx(_simulated_busiest_load(tokens, experts, top_k, ranks, trials=200), rel=0.01)
+    assert load > busiest_expert_load(tokens, experts, top_k, 1) if ranks > 1 else load > top_k * tokens / experts
+    assert busiest_expert_load(1, experts, top_k) == 1  # one token: the largest load is 1, never under the mean
+
+
+def test_dropless_slots_follow_the_ep_groups_distinct_tokens():
+    """C by default: the busiest load over the EP group's ranks whose tokens differ (TP peers route the same
+    tokens); a measured imbalance times the mean where one is given."""
+    from ds_pipe_ext.costs.moe_ops import busiest_expert_load, slots_per_expert
+
+    experts = Experts(count=16, top_k=4, capacity_factor=0.0)
+    assert slots_per_expert(512, experts) == math.ceil(busiest_expert_load(512, 16, 4, 1)) > 128
+    assert slots_per_expert(512, experts, ep=4) == math.ceil(busiest_expert_load(512, 16, 4, 4)) > \
+        slots_per_expert(512, experts)
+    assert slots_per_expert(512, experts, tp=2, ep=2) == slots_per_expert(512, experts, tp=2)  # the same tokens
+    assert slots_per_expert(512, experts, tp=2, ep=4) == 2 * math.ceil(busiest_expert_load(512, 16, 4, 2) / 2)
+    assert slots_per_expert(512, experts, 1.5, ep=4) == 192  # measured: 1.5 x the mean, whatever the group
+    assert slots_per_expert(512, Experts(count=16, top_k=4, capacity_factor=1.25), ep=4) == 160  # capacity: fixed
+
+
+def test_the_busiest_load_prices_the_capacities_an_h200_measured():
+    """The H200 session's routed blocks (docs/gpu-runs/h200-2026-11-30, nothing fitted to them): each dropless
+    MoE layer's capacity on a random input against the uniform router's busiest load: within 3%."""
+    import json
+    from pathlib import Path
+
+    from ds_pipe_ext.costs.moe_ops import busiest_expert_load
+
+    records = Path(__file__).resolve().parents[1] / "docs/gpu-runs/h200-2026-11-30/today-records.json"
+    routed = [r for r in json.loads(records.read_text())["layers"] if "slots" in r]
+    assert {r["model"] for r in routed} == {"mixtral-8x7b", "deepseek-v3", "gpt-oss-20b"}
+    for r in routed:
+        tokens, k = r["b"] * r["s"], load_model(r["model"]).describe().blocks[-1].experts.top_k
+        experts = round(k * tokens * r["imbalance"] / r["slots"])  # the block's experts (DeepSeek-V3's: 64 of 256)
+        assert busiest_expert_load(tokens, experts, k) == pytest.approx(r["slots"], rel=0.03), r
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -66,6 +66,11 @@ def emit(*args, **kwargs) -> None:
     print(*args, file=_stdout, **kwargs)
 
 
+EXPERT_IMBALANCE_HELP = ("Mixture-of-Experts, dropless: the busiest expert's load over the mean (>= 1), or an "
+                         "instrumented run directory to read it from (default: what a uniformly random router "
+                         "gives over the EP group, e.g. 1.25 for 256 experts, top 8, 4,096 tokens)")
+
+
 def expert_imbalance(value: str) -> float:
     """``--expert-imbalance``: a number >= 1, or an instrumented Mixture-of-Experts run directory whose
     measured imbalance it reads (``instrument.report.measured_expert_imbalance``)."""

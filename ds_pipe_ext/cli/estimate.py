@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
-from .common import add_execution_argument, add_model_argument, check_shape, emit, execution_of, expert_imbalance
+from .common import (EXPERT_IMBALANCE_HELP, add_execution_argument, add_model_argument, check_shape, emit,
+                     execution_of, expert_imbalance)
 
 
 def cmd_estimate(args) -> int:
@@ -42,7 +43,8 @@ def cmd_estimate(args) -> int:
                   f"{device.vector_efficiency:.3f}, memory {device.memory_efficiency:.3f} of the spec's peaks",
                   file=sys.stderr)
         layers = estimate_layers(cfg, req, device)
-        block = op_rows(layer_ops(cfg, shape_for(cfg, req, device), device=device.name)[1][2], device, req)
+        ops = layer_ops(cfg, shape_for(cfg, req, device), expert_imbalance=req.expert_imbalance, device=device.name)
+        block = op_rows(ops[1][2], device, req)
     except AnalyticError as e:
         raise ValueError(str(e)) from None
     stages = None
@@ -243,9 +245,8 @@ def add_parser(sub) -> None:
     e.add_argument("--world", type=int, default=None, help="with --compare: the number of devices")
     e.add_argument("--global-batch", type=int, default=None, help="with --compare (default: 2 x dp x micro-batch)")
     e.add_argument("--configs", nargs="*", default=None, help="with --compare: only these (shell patterns)")
-    e.add_argument("--expert-imbalance", type=expert_imbalance, default=1.0, metavar="X|RUN_DIR",
-                   help="Mixture-of-Experts, dropless: the busiest expert's load over the mean (>= 1), or an "
-                        "instrumented run directory to read it from (default 1: balanced)")
+    e.add_argument("--expert-imbalance", type=expert_imbalance, default=None, metavar="X|RUN_DIR",
+                   help=EXPERT_IMBALANCE_HELP)
     add_execution_argument(e)
     from ..plan.machine import add_cluster_arguments
 

@@ -22,7 +22,7 @@ from ..arch import as_description
 from ..layout import LayoutError
 from ..plan.space import PlanError, enumerate_layouts, only_settings, parse_only
 from ..plan.recompute import apply_stage_recompute, describe
-from .common import add_execution_argument, add_model_argument, execution_of, expert_imbalance
+from .common import EXPERT_IMBALANCE_HELP, add_execution_argument, add_model_argument, execution_of, expert_imbalance
 
 
 def _emit(text: str) -> None:
@@ -80,7 +80,7 @@ def build_model(args, runtime: str | None = None):
     if not 0 < fraction <= 1:
         raise PlanError(f"--memory-fraction {fraction}: the share of the device's memory a rank may use, in (0, 1]")
     return cfg, PlanModel(cfg, device, cluster, seq=seq, global_batch=global_batch, dtype=dtype,
-                          memory_fraction=fraction, expert_imbalance=getattr(args, "expert_imbalance", 1.0),
+                          memory_fraction=fraction, expert_imbalance=getattr(args, "expert_imbalance", None),
                           execution=execution_of(args, runtime))
 
 
@@ -284,9 +284,8 @@ def add_parser(sub) -> None:
     p.add_argument("--memory-fraction", type=float, default=0.9,
                    help="the share of a device's memory a rank may use (the rest: CUDA context, NCCL buffers, "
                         "fragmentation); the search prunes by it, --only marks a peak above it")
-    p.add_argument("--expert-imbalance", type=expert_imbalance, default=1.0, metavar="X|RUN_DIR",
-                   help="Mixture-of-Experts, dropless: the busiest expert's load over the mean (>= 1), or an "
-                        "instrumented run directory to read it from (default 1: balanced)")
+    p.add_argument("--expert-imbalance", type=expert_imbalance, default=None, metavar="X|RUN_DIR",
+                   help=EXPERT_IMBALANCE_HELP)
     p.add_argument("--runtime", default="deepspeed", choices=["deepspeed", "megatron", "both"],
                    help="whose runtime runs the layouts: DeepSpeed's engines (default: what train.py runs), "
                         "Megatron-LM's, or both side by side")

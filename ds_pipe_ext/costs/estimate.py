@@ -46,9 +46,9 @@ class EstimateRequest:
     selective_recompute: bool = False
     optimizer_bytes_per_param: int | None = None  # None: 8 in fp32 (Adam m, v), 12 in 16-bit (+ fp32 master)
     mask_bytes: int | None = None  # dropout mask element; None: ``dropout_mask_bytes`` of the device and dtype
-    # dropless Mixture-of-Experts: the largest expert load over the mean (DeepSpeed pads every expert to
-    # it); 1: a balanced router, which one at initialisation nearly is.  Measured, e.g. from a run's loads
-    expert_imbalance: float = 1.0
+    # dropless Mixture-of-Experts: the largest expert load over the mean (DeepSpeed pads every expert to it),
+    # measured from a run's loads; None: what a uniformly random router gives (``moe_ops.busiest_expert_load``)
+    expert_imbalance: float | None = None
     ep: int = 1  # expert-parallel degree: E / ep experts a rank, two all-to-alls each way per MoE block
     # how the layers run on a GPU (``costs.gpu_pricing``): "eager" (train.py), "compiled" (train.compile) or
     # "megatron" (Megatron-LM's fused kernels; "megatron-2021": before its fused gradient accumulation); a CPU
@@ -238,7 +238,7 @@ def analytic_layer_costs(model, req: EstimateRequest, device: DeviceSpec, *,
 def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = None, dtype: str = "fp32",
                dp_rank: int | None = None, mask_bytes: int | None = None, fused_adam: bool = False,
                zero: ZeroSettings | None = None, modes: list[str] | None = None,
-               device: str | None = None) -> list[RankStep]:
+               device: str | None = None, expert_imbalance: float | None = None) -> list[RankStep]:
     """Every pipeline rank's ``RankStep`` for ``model`` under ``lay`` (a ``Layout``; one rank without a
     pipeline), its layers' ops from the analytic model and its ZeRO settings from the ds.json the layout
     writes.  ``parts``: the pipeline's split (required with pp > 1); ``fused_adam``: the optimizer makes no
@@ -247,15 +247,15 @@ def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = 
     the pipeline with its ``BF16_Optimizer``), else those the layout writes.  ``modes``: a recompute mode per
     pipeline layer (in place of the layout's one setting).  ``device``: the spec (or device type) the rank runs
     on: the dropout masks' element where ``mask_bytes`` is None, and an "auto" attention's kernel (None: 1-byte
-    masks and the attention written out, as before either was known)."""
+    masks and the attention written out, as before either was known).  ``expert_imbalance``: ``EstimateRequest``'s."""
     desc = as_description(model)
     if mask_bytes is None and device is not None:
         mask_bytes = dropout_mask_bytes(device, dtype)
     req = EstimateRequest(micro_batch=lay.micro_batch, seq=seq or desc.seq_len, tp=lay.tp, sp=lay.sp, dtype=dtype,
                           mask_bytes=mask_bytes, selective_recompute=lay.recompute == "selective", ep=lay.ep,
-                          zero3_linear=lay.deepspeed_zero3)
+                          zero3_linear=lay.deepspeed_zero3, expert_imbalance=expert_imbalance)
     shp = shape_for(desc, req, runs_on=device)
-    layers = layer_ops(desc, shp, device=device)
+    layers = layer_ops(desc, shp, expert_imbalance=expert_imbalance, device=device)
     modes = list(modes) if modes is not None else [lay.recompute] * len(layers)
     # selective: the attention core's activations are not kept
     ops = [[replace(op, activation_bytes=0.0) if mode == "selective" and op.recompute else op for op in layer]

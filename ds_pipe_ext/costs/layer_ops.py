@@ -23,7 +23,7 @@ def assumed_attention(model, device: str) -> str:
     return "/".join(kernels)
 
 
-def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
+def layer_ops(model, shp: A.Shape, *, expert_imbalance: float | None = None,
               device: str | None = None) -> list[tuple[str, str, list[A.OpCost]]]:
     """(name, kind, ops) per pipeline layer, as the description says: the embedding, each block (alike
     blocks share one op list), the head.  ``expert_imbalance``: ``EstimateRequest``'s; ``device``: the spec
@@ -51,7 +51,8 @@ def layer_ops(model, shp: A.Shape, *, expert_imbalance: float = 1.0,
     return layers
 
 
-def block_ops(desc, block, shp: A.Shape, *, expert_imbalance: float = 1.0, device: str | None = None) -> list:
+def block_ops(desc, block, shp: A.Shape, *, expert_imbalance: float | None = None,
+              device: str | None = None) -> list:
     """One block's ops, as its kind says (``arch.Block.kind``): a transformer block; or, a hybrid's layers,
     its norm, then attention, an MLP (routed experts: MoE) or a Mamba-2 mixer alone, then its residual."""
     if block.mtp:  # the transformer block it holds, between its input projection and its final norm

@@ -93,7 +93,8 @@ class PlanModel(LayoutSplits, RankUpdate):
 
     def __init__(self, cfg, device: DeviceSpec, cluster: Cluster, *, seq: int, global_batch: int,
                  dtype: str = "bf16", memory_fraction: float = USABLE_MEMORY, step_model: StepModel | None = None,
-                 network: Network | None = None, expert_imbalance: float = 1.0, zero_settings: dict | None = None,
+                 network: Network | None = None, expert_imbalance: float | None = None,
+                 zero_settings: dict | None = None,
                  runtime_terms: bool = True, grad_accum_dtype: str | None = None, execution: str = "eager",
                  check_grad_overflow: bool = False, lp_grads_to_none: bool = False, zero3_synchronized: bool = False):
         # every collective, TP's and EP's inside the layers too, on this cluster's network
@@ -120,7 +121,8 @@ class PlanModel(LayoutSplits, RankUpdate):
         # DeepSpeed 0.3.12-0.4.x's ZeRO-3 (2021): a NCCL call a parameter, each gather after
         # torch.cuda.synchronize(), so the reduce-scatter never hides under the backward (``plan.zero3``)
         self.zero3_synchronized = zero3_synchronized
-        self.expert_imbalance = expert_imbalance  # dropless routing: the busiest expert's load over the mean
+        # dropless routing: the busiest expert's load over the mean; None: a uniformly random router's (moe_ops)
+        self.expert_imbalance = expert_imbalance
         # how the layers run on a GPU: "eager" (train.py), "compiled" (train.compile) ("costs.gpu_pricing")
         self.execution = execution
         # whether ZeRO-3's own linear changes a layer's costs here (it keeps the memory-efficient attention's
@@ -268,7 +270,7 @@ class PlanModel(LayoutSplits, RankUpdate):
                     for r, layers in enumerate(rank_layers)]
         steps = rank_steps(self.cfg, lay, parts=parts, seq=self.seq, dtype=self.dtype, device=self.device.name,
                            fused_adam=self.adam_bytes_per_param == FUSED_ADAM_BYTES, modes=modes,
-                           zero=self.zero_of(lay))
+                           zero=self.zero_of(lay), expert_imbalance=self.expert_imbalance)
         return [{**RankMemory.from_peak(step_peak(step)).to_dict(), "held_activation_bytes": held[r]}
                 for r, step in enumerate(steps)]
 
