@@ -173,6 +173,19 @@ def test_dropless_slots_follow_the_ep_groups_distinct_tokens():
     assert slots_per_expert(512, Experts(count=16, top_k=4, capacity_factor=1.25), ep=4) == 160  # capacity: fixed
 
 
+def test_plan_says_how_dropless_slots_are_priced():
+    """`plan`'s header line: the busiest load over the mean, on one rank and over the pick's EP group; a given
+    imbalance as given; nothing for a model without dropless experts."""
+    from ds_pipe_ext.costs.moe_ops import dropless_note
+
+    note = dropless_note(load_model("deepseek-v3"), 4096, None, ep=8)
+    assert "1.25x the mean at 4096 tokens a rank, 1.31x over an EP group of 8" in note  # 256 experts, top 8
+    assert dropless_note(load_model("mixtral-8x7b"), 4096, 1.2) == \
+        "dropless experts: each padded to 1.20x the mean load (--expert-imbalance)"
+    assert dropless_note(load_model("llama3-8b"), 4096, None) is None
+    assert dropless_note(load_model("bench-cpu-moe"), 4096, None) is None  # a capacity factor: slots fixed
+
+
 def test_the_busiest_load_prices_the_capacities_an_h200_measured():
     """The H200 session's routed blocks (docs/gpu-runs/h200-2026-11-30, nothing fitted to them): each dropless
     MoE layer's capacity on a random input against the uniform router's busiest load: within 3%."""

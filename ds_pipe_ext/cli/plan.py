@@ -207,6 +207,12 @@ def _plan(args, checker) -> int:
         from ..costs.kernel_table import table_note
 
         _emit(table_note(d))
+    if res.top:
+        from ..costs.moe_ops import dropless_note
+
+        pick = res.top[0].layout
+        if note := dropless_note(cfg, pick.micro_batch * model.seq, model.expert_imbalance, pick.ep, pick.tp):
+            _emit(note)
     _emit(render_table(res, memory_cap=model.memory_cap))
     for label, cost in (("pick", res.top[0]), ("best layout DeepSpeed runs", best)):
         if cost is None or (label != "pick" and cost is res.top[0]):

@@ -152,6 +152,25 @@ def _experts(op: OpCost, local: int) -> OpCost:
                    kernels=tuple(c * local for c in op.kernels))
 
 
+
+def dropless_note(model, tokens: int, imbalance: float | None, ep: int = 1, tp: int = 1) -> str | None:
+    """How a dropless model's expert slots are priced, in a line (None without dropless experts): at ``tokens`` a
+    rank, over an EP group of ``ep`` at ``tp``."""
+    from ..arch import as_description
+
+    experts = next((b.experts for b in as_description(model).blocks
+                    if b.experts is not None and not b.experts.capacity_factor), None)
+    if experts is None:
+        return None
+    if imbalance is not None:
+        return f"dropless experts: each padded to {imbalance:.2f}x the mean load (--expert-imbalance)"
+    mean = experts.top_k * tokens / experts.count
+    one = busiest_expert_load(tokens, experts.count, experts.top_k) / mean
+    group = busiest_expert_load(tokens, experts.count, experts.top_k, -(-ep // tp)) / mean
+    return (f"dropless experts: each padded to the busiest load a uniformly random router gives (DeepSpeed's "
+            f"capacity): {one:.2f}x the mean at {tokens} tokens a rank, {group:.2f}x over an EP group of {ep}"
+            f"{f' at tp {tp}' if tp > 1 else ''}; --expert-imbalance X|RUN_DIR for a trained router's")
+
 def routed_mlp(shp: Shape, experts: Experts, *, ep: int = 1, imbalance: float | None = None,
                activation: str = "swiglu") -> list[OpCost]:
     """The routed experts of one block (``shp.f`` is one expert's width; SwiGLU experts, or squared-ReLU ones:
