@@ -357,15 +357,16 @@ def price_pieces(cfg, req: EstimateRequest, spec, i: int) -> tuple[dict, int]:
 
 
 def price_today(row: dict) -> dict:
-    """A today block record priced as it ran: the profile's block at the busiest load a uniformly random router
-    gives (``moe_ops.busiest_expert_load``; its input was the previous layer's output, whose expert loads were not
-    recorded), the loop-timed pieces at the capacity measured on theirs; ms."""
+    """A today block record priced as it ran: the profile's block at the imbalance its input routed with where the
+    record has it (``profile_imbalance``), else at the busiest load a uniformly random router gives
+    (``moe_ops.busiest_expert_load``: the 2026-11-30 records did not keep the profile's loads); the loop-timed
+    pieces at the capacity measured on theirs; ms."""
     spec = get_device("h200")
     cfg = config_as_ran(row["model"], row["overrides"])
     cfg = replace(cfg, seq_len=row["s"])
     i = layer_kinds(cfg).index(row["layer"])
     req = EstimateRequest(micro_batch=row["b"], seq=row["s"], dtype=row["dtype"])
-    layer = estimate_layers(cfg, req, spec)[i]
+    layer = estimate_layers(cfg, replace(req, expert_imbalance=row.get("profile_imbalance")), spec)[i]
     out = {"layer_ms": 1e3 * (layer["fwd_s"] + layer["bwd_s"])}
     if "imbalance" in row:  # pieces timed with the capacity measured (the first run's were not: left out)
         out["pieces_ms"] = price_pieces(cfg, replace(req, expert_imbalance=row["imbalance"]), spec, i)[0]

@@ -997,6 +997,34 @@ def routed_pieces(block, cfg, b: int, seq: int, device: str, dtype: torch.dtype,
             "moe_kernel_s": kernel_s, "moe_wall_s": statistics.median(walls)}
 
 
+class RoutedLoads:
+    """The busiest expert's load over the mean (DeepSpeed's dropless capacity over the mean) of each routed block a
+    profile runs, read from the block's ``tokens_per_expert`` after each forward with gradients (a global forward
+    hook: the profiler builds its own modules), in the order the blocks first run."""
+
+    def __init__(self):
+        self.by_module: dict[int, float] = {}
+
+    def __enter__(self):
+        from torch.nn.modules.module import register_module_forward_hook
+
+        def seen(module, inputs, output) -> None:
+            counts = getattr(module, "tokens_per_expert", None)
+            if getattr(module, "routed", False) and counts is not None and torch.is_grad_enabled() and int(counts.sum()):
+                self.by_module[id(module)] = int(counts.max()) * len(counts) / int(counts.sum())
+        self.handle = register_module_forward_hook(seen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def for_layers(self, kinds: list[str]) -> dict[int, float]:
+        """{layer index: imbalance} for the routed layers of ``kinds``, where the profile ran one block each (else
+        nothing: a block built twice would misplace them)."""
+        routed = [i for i, kind in enumerate(kinds) if " routed" in kind]
+        return dict(zip(routed, self.by_module.values())) if len(routed) == len(self.by_module) else {}
+
+
 def today_part(t: Target, out: Path) -> dict:
     """Issue 77's and 78's families (DeepSeek-V3, gpt-oss, Mixtral, Nemotron-H), every distinct layer at its
     published width: the profile against the analytic model on this device's datasheet spec (its kernel table
@@ -1024,13 +1052,15 @@ def today_part(t: Target, out: Path) -> dict:
             family = family_of(cfg)
             specs, loss_fn = family.layer_specs(cfg), family.loss_fn(cfg)
             tokens = torch.randint(0, cfg.vocab_size, (b, seq + 1), generator=torch.Generator().manual_seed(0))
-            measured = profile_layers(specs, tokens[:, :-1], labels=tokens[:, 1:], loss_fn=loss_fn, settings=settings,
-                                      device=device, dtype=TORCH_DTYPES[dtype])
+            with RoutedLoads() as loads:  # the profile's routed blocks run on the previous layers' output
+                measured = profile_layers(specs, tokens[:, :-1], labels=tokens[:, 1:], loss_fn=loss_fn,
+                                          settings=settings, device=device, dtype=TORCH_DTYPES[dtype])
             req = EstimateRequest(micro_batch=b, seq=seq, dtype=dtype)
             est = estimate_layers(cfg, req, spec)
             kinds = layer_kinds(cfg)
             assert len(kinds) == len(measured) == len(est), (len(kinds), len(measured), len(est))
             kernels_of = layer_kernels(specs, kinds, tokens[:, :-1], device, TORCH_DTYPES[dtype], t.profiled_calls)
+            profile_imbalance = loads.for_layers(kinds)
             seen = set()
             for i, (kind, m, e) in enumerate(zip(kinds, measured, est)):
                 if kind in seen:
@@ -1054,6 +1084,8 @@ def today_part(t: Target, out: Path) -> dict:
                 if kind in kernels_of:  # its kernels, their device ms and the longest six
                     k, ks, top = kernels_of[kind]
                     records[-1]["kernels"] = [k, 1e3 * ks, top]
+                if i in profile_imbalance:  # the busiest expert over the mean, as the profile's input routed
+                    records[-1]["profile_imbalance"] = profile_imbalance[i]
                 if " routed" not in kind or kind.startswith("mtp"):
                     continue
                 module, _ = build_for_profiling(specs[i], device)

@@ -75,6 +75,9 @@ def test_the_gpu_check_runs_its_whole_plan_on_cpu_ranks(tmp_path):
     assert float(result["today_activation_bytes_worst_error_pct"]) < 3 and "today_moe_layer_worst_error_pct" in result
     today = json.loads((tmp_path / "today-records.json").read_text())["layers"]
     assert {r["model"] for r in today if "pieces_ms" in r} == {"bench-cpu-deepseek", "bench-cpu-gptoss"}
+    # each routed layer's profile keeps the busiest expert's load over the mean its input routed with
+    assert all(r["profile_imbalance"] >= 1 for r in today if " routed" in r["layer"])
+    assert sum(" routed" in r["layer"] for r in today) >= 3  # DeepSeek-V3's block and MTP layer, gpt-oss's
     assert (tmp_path / "train" / "tiny-tied-bf16-pp1-z1" / "run" / "report.png").stat().st_size > 0
     # the report of a stage holding both tied ends: their module's parameters once, as the rank held them
     from ds_pipe_ext.instrument.report import build_report
