@@ -90,7 +90,8 @@ def busiest_expert_load(tokens: int, experts: int, top_k: int, ranks: int = 1) -
     return max(float(np.sum(1.0 - below)), math.ceil(top_k * tokens / experts))
 
 
-def slots_per_expert(tokens: int, experts: Experts, imbalance: float | None = None, tp: int = 1, ep: int = 1) -> int:
+def slots_per_expert(tokens: int, experts: Experts, imbalance: float | None = None, tp: int = 1,
+                     ep: int = 1) -> int:
     """C: the slots DeepSpeed pads each expert to for ``tokens`` routed tokens on each rank of ``ep`` (dropless
     under TP: to a multiple of ``tp``, which DeepSpeed's ``drop_tokens`` splits them over).  Dropless, the mean
     load times ``imbalance``; None: ``busiest_expert_load`` over the EP group's distinct tokens (its TP ranks route
@@ -150,7 +151,6 @@ def _experts(op: OpCost, local: int) -> OpCost:
     return replace(op, weight_bytes=op.weight_bytes * local, weights=op.weights * local,
                    bwd_allocs=op.bwd_allocs[:1] + op.bwd_allocs[1:] * local,
                    kernels=tuple(c * local for c in op.kernels))
-
 
 
 def dropless_note(model, tokens: int, imbalance: float | None, ep: int = 1, tp: int = 1) -> str | None:
