@@ -453,8 +453,7 @@ def main(argv=None) -> int:
     if today_rows:
         print("\nThe today part's blocks (issue 77's and 78's families at their published widths; predicted, nothing "
               "fitted): the profile (one call between events) at a uniform router's busiest load; then each routed "
-              "block's pieces, "
-              "loop-timed, priced at the capacity measured on their input\n"
+              "block's pieces, loop-timed, priced at the capacity measured on their input\n"
               f"{'record':38s} {'model':14s} {'layer':24s} {'measured ms':>11s} {'predicted':>9s} {'err %':>6s}")
         for row in today_rows:
             priced = price_today(row)

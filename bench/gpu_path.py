@@ -55,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -999,19 +1000,26 @@ def routed_pieces(block, cfg, b: int, seq: int, device: str, dtype: torch.dtype,
 
 class RoutedLoads:
     """The busiest expert's load over the mean (DeepSpeed's dropless capacity over the mean) of each routed block a
-    profile runs, read from the block's ``tokens_per_expert`` after each forward with gradients (a global forward
-    hook: the profiler builds its own modules), in the order the blocks first run."""
+    profile runs, from the block's ``tokens_per_expert`` after its last forward with gradients (a global forward
+    hook: the profiler builds its own modules), in the order the blocks first run.  The hook keeps the counts
+    tensor and reads nothing back, so the timed calls pay no device sync; a block is matched by a weak reference
+    (a freed block's id may be reused by the next one, and a strong one would keep its weights)."""
 
     def __init__(self):
-        self.by_module: dict[int, float] = {}
+        self.seen: list[tuple[weakref.ref, torch.Tensor]] = []
 
     def __enter__(self):
         from torch.nn.modules.module import register_module_forward_hook
 
         def seen(module, inputs, output) -> None:
             counts = getattr(module, "tokens_per_expert", None)
-            if getattr(module, "routed", False) and counts is not None and torch.is_grad_enabled() and int(counts.sum()):
-                self.by_module[id(module)] = int(counts.max()) * len(counts) / int(counts.sum())
+            if not getattr(module, "routed", False) or counts is None or not torch.is_grad_enabled():
+                return
+            for i, (ref, _) in enumerate(self.seen):
+                if ref() is module:
+                    self.seen[i] = (ref, counts)
+                    return
+            self.seen.append((weakref.ref(module), counts))
         self.handle = register_module_forward_hook(seen)
         return self
 
@@ -1022,7 +1030,9 @@ class RoutedLoads:
         """{layer index: imbalance} for the routed layers of ``kinds``, where the profile ran one block each (else
         nothing: a block built twice would misplace them)."""
         routed = [i for i, kind in enumerate(kinds) if " routed" in kind]
-        return dict(zip(routed, self.by_module.values())) if len(routed) == len(self.by_module) else {}
+        if len(routed) != len(self.seen):
+            return {}
+        return {i: int(c.max()) * len(c) / int(c.sum()) for i, (_, c) in zip(routed, self.seen) if int(c.sum())}
 
 
 def today_part(t: Target, out: Path) -> dict:

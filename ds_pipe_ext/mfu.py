@@ -29,8 +29,7 @@ def model_flops_per_sample(model, seq: int | None = None) -> float:
 
     desc = as_description(model)
     # routed experts: the routed tokens' FLOPs (slots at the mean load), not a dropless layer's padding
-    req = EstimateRequest(micro_batch=1, seq=seq or desc.seq_len, dtype="bf16", expert_imbalance=1.0)
-    shp = shape_for(desc, req)
+    shp = shape_for(desc, EstimateRequest(micro_batch=1, seq=seq or desc.seq_len, dtype="bf16"))
     return sum(op.fwd_flops + op.bwd_flops for _, _, ops in layer_ops(desc, shp, expert_imbalance=1.0) for op in ops
                if op.kind != "vector")
 

@@ -253,7 +253,7 @@ def rank_steps(model, lay, *, parts: list[int] | None = None, seq: int | None = 
         mask_bytes = dropout_mask_bytes(device, dtype)
     req = EstimateRequest(micro_batch=lay.micro_batch, seq=seq or desc.seq_len, tp=lay.tp, sp=lay.sp, dtype=dtype,
                           mask_bytes=mask_bytes, selective_recompute=lay.recompute == "selective", ep=lay.ep,
-                          zero3_linear=lay.deepspeed_zero3, expert_imbalance=expert_imbalance)
+                          zero3_linear=lay.deepspeed_zero3)
     shp = shape_for(desc, req, runs_on=device)
     layers = layer_ops(desc, shp, expert_imbalance=expert_imbalance, device=device)
     modes = list(modes) if modes is not None else [lay.recompute] * len(layers)

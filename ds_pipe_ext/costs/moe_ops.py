@@ -90,16 +90,20 @@ def busiest_expert_load(tokens: int, experts: int, top_k: int, ranks: int = 1) -
     return max(float(np.sum(1.0 - below)), math.ceil(top_k * tokens / experts))
 
 
+def token_ranks(ep: int, tp: int) -> int:
+    """The ranks of an EP group that route different tokens: ceil(ep / tp) (its TP peers route the same ones)."""
+    return -(-ep // tp)
+
+
 def slots_per_expert(tokens: int, experts: Experts, imbalance: float | None = None, tp: int = 1,
                      ep: int = 1) -> int:
     """C: the slots DeepSpeed pads each expert to for ``tokens`` routed tokens on each rank of ``ep`` (dropless
     under TP: to a multiple of ``tp``, which DeepSpeed's ``drop_tokens`` splits them over).  Dropless, the mean
-    load times ``imbalance``; None: ``busiest_expert_load`` over the EP group's distinct tokens (its TP ranks route
-    the same ones: ceil(ep / tp) sets)."""
+    load times ``imbalance``; None: ``busiest_expert_load`` over the EP group's ``token_ranks``."""
     if experts.capacity_factor:
         return max(experts.capacity_slots(tokens), 1)
     if imbalance is None:
-        load = busiest_expert_load(tokens, experts.count, experts.top_k, -(-ep // tp))
+        load = busiest_expert_load(tokens, experts.count, experts.top_k, token_ranks(ep, tp))
     else:
         load = imbalance * experts.top_k * tokens / experts.count
     return math.ceil(max(math.ceil(load), 1) / tp) * tp
@@ -166,7 +170,7 @@ def dropless_note(model, tokens: int, imbalance: float | None, ep: int = 1, tp: 
         return f"dropless experts: each padded to {imbalance:.2f}x the mean load (--expert-imbalance)"
     mean = experts.top_k * tokens / experts.count
     one = busiest_expert_load(tokens, experts.count, experts.top_k) / mean
-    group = busiest_expert_load(tokens, experts.count, experts.top_k, -(-ep // tp)) / mean
+    group = busiest_expert_load(tokens, experts.count, experts.top_k, token_ranks(ep, tp)) / mean
     return (f"dropless experts: each padded to the busiest load a uniformly random router gives (DeepSpeed's "
             f"capacity): {one:.2f}x the mean at {tokens} tokens a rank, {group:.2f}x over an EP group of {ep}"
             f"{f' at tp {tp}' if tp > 1 else ''}; --expert-imbalance X|RUN_DIR for a trained router's")
